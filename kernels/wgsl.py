@@ -1,0 +1,247 @@
+"""Shared WGSL rendering: storage types, binding declarations, the op table and expression emission.
+
+Expressions arrive as plain tuples-of-nodes from ``meganeura.lowering.expr`` (duck-typed: ``op``, ``args``,
+``dtype``), with loads already turned into ``read(slot, index)``. ``emit`` renders a DAG as ``let``
+statements, one per distinct subexpression, so shared subtrees are computed once.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+STORAGE_TYPE = {"f32": "f32", "i32": "i32", "bool": "u32"}
+VALUE_TYPE = {"f32": "f32", "i32": "i32", "bool": "bool"}
+STATUS_VAR = "mg_status"
+
+# Helper functions referenced by the op table; only those used are emitted.
+HELPERS = {
+    "mg_erf": """fn mg_erf(x: f32) -> f32 {
+  // erfc via a Chebyshev-fitted exponent (|relative error| < 1.2e-7), sign restored.
+  let z = abs(x);
+  let t = 1.0 / (1.0 + 0.5 * z);
+  let r = t * exp(-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806
+        + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))));
+  let e = 1.0 - r;
+  return select(select(e, -e, x < 0.0), x, x != x);
+}""",
+    "mg_isnan": "fn mg_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }",
+    "mg_isinf": "fn mg_isinf(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u; }",
+    "mg_max": """fn mg_max(a: f32, b: f32) -> f32 {
+  return select(max(a, b), a + b, mg_isnan(a) || mg_isnan(b));
+}""",
+    "mg_min": """fn mg_min(a: f32, b: f32) -> f32 {
+  return select(min(a, b), a + b, mg_isnan(a) || mg_isnan(b));
+}""",
+    "mg_pow": """fn mg_pow(x: f32, y: f32) -> f32 {
+  if (y == 0.0) { return 1.0; }
+  if (x == 0.0) { return select(0.0, bitcast<f32>(0x7f800000u), y < 0.0); }
+  if (x < 0.0) {
+    if (trunc(y) != y) { return bitcast<f32>(0x7fc00000u); }
+    let m = pow(-x, y);
+    return select(m, -m, (abs(y) % 2.0) == 1.0);
+  }
+  return pow(x, y);
+}""",
+    "mg_remainder": """fn mg_remainder(a: f32, b: f32) -> f32 {
+  let r = a % b;
+  return select(r, r + b, r != 0.0 && ((r < 0.0) != (b < 0.0)));
+}""",
+    "mg_floordiv": """fn mg_floordiv(a: f32, b: f32) -> f32 {
+  let m = a % b;
+  var d = (a - m) / b;
+  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) { d = d - 1.0; }
+  var f = floor(d);
+  if (d - f > 0.5) { f = f + 1.0; }
+  return select(f, a / b, b == 0.0);
+}""",
+    "mg_ifloordiv": """fn mg_ifloordiv(a: i32, b: i32) -> i32 {
+  let q = a / b;
+  return select(q, q - 1, (a % b != 0) && ((a < 0) != (b < 0)));
+}""",
+    "mg_iremainder": """fn mg_iremainder(a: i32, b: i32) -> i32 {
+  let r = a % b;
+  return select(r, r + b, r != 0 && ((r < 0) != (b < 0)));
+}""",
+    "mg_expm1": """fn mg_expm1(x: f32) -> f32 {
+  return select(exp(x) - 1.0, x * (1.0 + x * (0.5 + x * (1.0 / 6.0))), abs(x) < 1e-3);
+}""",
+    "mg_log1p": """fn mg_log1p(x: f32) -> f32 {
+  return select(log(1.0 + x), x * (1.0 - x * (0.5 - x * (1.0 / 3.0))), abs(x) < 1e-3);
+}""",
+    "mg_sign": "fn mg_sign(x: f32) -> f32 { return select(sign(x), x, x != x); }",
+    "mg_tanh": "fn mg_tanh(x: f32) -> f32 { return select(tanh(clamp(x, -20.0, 20.0)), x, mg_isnan(x)); }",
+    "mg_sigmoid": "fn mg_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }",
+}
+HELPER_DEPS = {"mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"]}
+
+# op -> format string over arguments {0}, {1}, {2}; helpers named in the string are emitted on demand.
+FLOAT_OPS = {
+    "neg": "(-{0})", "abs": "abs({0})", "exp": "exp({0})", "exp2": "exp2({0})", "expm1": "mg_expm1({0})",
+    "log": "log({0})", "log2": "log2({0})", "log10": "(log2({0}) * 0.30102999566398120)",
+    "log1p": "mg_log1p({0})", "sqrt": "sqrt({0})", "rsqrt": "inverseSqrt({0})", "sin": "sin({0})",
+    "cos": "cos({0})", "tan": "tan({0})", "asin": "asin({0})", "acos": "acos({0})", "atan": "atan({0})",
+    "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
+    "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "sigmoid": "mg_sigmoid({0})",
+    "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
+    "sign": "mg_sign({0})", "reciprocal": "(1.0 / {0})", "frac": "({0} - trunc({0}))",
+    "isnan": "mg_isnan({0})", "isinf": "mg_isinf({0})", "isfinite": "(!mg_isnan({0}) && !mg_isinf({0}))",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "pow": "mg_pow({0}, {1})", "maximum": "mg_max({0}, {1})", "minimum": "mg_min({0}, {1})",
+    "fmod": "({0} % {1})", "remainder": "mg_remainder({0}, {1})", "floordiv": "mg_floordiv({0}, {1})",
+    "atan2": "atan2({0}, {1})",
+}
+INT_OPS = {
+    "neg": "(-{0})", "abs": "abs({0})", "sign": "sign({0})",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "idiv": "({0} / {1})", "imod": "({0} % {1})",
+    "floordiv": "mg_ifloordiv({0}, {1})", "remainder": "mg_iremainder({0}, {1})", "fmod": "({0} % {1})",
+    "maximum": "max({0}, {1})", "minimum": "min({0}, {1})",
+}
+COMPARE_OPS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+BOOL_OPS = {"and": "({0} && {1})", "or": "({0} || {1})", "xor": "({0} != {1})", "not": "(!{0})",
+            "eq": "({0} == {1})", "ne": "({0} != {1})", "maximum": "({0} || {1})", "minimum": "({0} && {1})"}
+
+
+def literal(value, dtype: str) -> str:
+    if dtype == "bool":
+        return "true" if value else "false"
+    if dtype == "i32":
+        if not -(2**31) <= value < 2**31:
+            raise ValueError(f"integer constant {value} does not fit in int32")
+        return f"i32({value + 1} - 1)" if value == -(2**31) else f"{value}i"
+    if math.isnan(value):
+        return "bitcast<f32>(0x7fc00000u)"
+    if math.isinf(value) or abs(value) >= 3.4028235677973366e38:
+        return "bitcast<f32>(0xff800000u)" if value < 0 else "bitcast<f32>(0x7f800000u)"
+    text = repr(struct.unpack("<f", struct.pack("<f", value))[0])
+    if "e" not in text and "." not in text:
+        text += ".0"
+    return text + "f"
+
+
+def binding_decls(bindings) -> str:
+    """``bindings``: list of (slot, name, storage type) -> WGSL declarations, all storage read_write."""
+    lines = []
+    for slot, name, stype in bindings:
+        lines.append(f"@group(0) @binding({slot}) var<storage, read_write> {name}: array<{stype}>;")
+    return "\n".join(lines)
+
+
+def helpers_for(code: str) -> str:
+    """WGSL source of the helper functions that ``code`` calls (with their dependencies)."""
+    needed = []
+
+    def add(name):
+        for dep in HELPER_DEPS.get(name, []):
+            add(dep)
+        if name not in needed:
+            needed.append(name)
+
+    for name in HELPERS:
+        if name + "(" in code:
+            add(name)
+    return "\n".join(HELPERS[n] for n in needed)
+
+
+class Emitter:
+    """Renders expressions to WGSL ``let`` statements, sharing equal subexpressions."""
+
+    def __init__(self, coord_names, acc_names=(), buffer_names=None, indent="  "):
+        self.coord_names = list(coord_names)
+        self.acc_names = list(acc_names)
+        self.buffer_names = buffer_names or (lambda slot: f"b{slot}")
+        self.indent = indent
+        self.lines: list[str] = []
+        self._names: dict = {}
+        self._count = 0
+
+    def value(self, e) -> str:
+        """WGSL for ``e`` (a name or an inline leaf), emitting any statements it needs."""
+        if e in self._names:
+            return self._names[e]
+        if e.op == "const":
+            return literal(e.args[0], e.dtype)
+        if e.op == "coord":
+            return self.coord_names[e.args[0]]
+        if e.op == "acc":
+            return self.acc_names[e.args[0]]
+        text = self._render(e)
+        name = f"t{self._count}"
+        self._count += 1
+        self.lines.append(f"{self.indent}let {name}: {VALUE_TYPE[e.dtype]} = {text};")
+        self._names[e] = name
+        return name
+
+    def _render(self, e) -> str:
+        op, dt = e.op, e.dtype
+        if op == "read":
+            slot, index = e.args
+            ref = f"{self.buffer_names(slot)}[{self.value(index)}]"
+            return f"({ref} != 0u)" if dt == "bool" else ref
+        if op == "check":
+            value, cond, code = e.args
+            c = self.value(cond)
+            self.lines.append(f"{self.indent}if (!{c}) {{ atomicMax(&{STATUS_VAR}[0], {int(code)}u); }}")
+            return self.value(value)
+        if op == "cast":
+            return _cast(self.value(e.args[0]), e.args[0].dtype, dt)
+        if op == "where":
+            c, a, b = (self.value(x) for x in e.args)
+            return f"select({b}, {a}, {c})"
+        args = [self.value(a) for a in e.args if not isinstance(a, (int, float, str))]
+        if op in COMPARE_OPS and e.args[0].dtype != "bool":
+            return f"({args[0]} {COMPARE_OPS[op]} {args[1]})"
+        table = {"f32": FLOAT_OPS, "i32": INT_OPS, "bool": BOOL_OPS}[e.args[0].dtype if e.args else dt]
+        if op in ("isnan", "isinf", "isfinite") and e.args[0].dtype != "f32":
+            return "false" if op != "isfinite" else "true"
+        if op not in table:
+            raise NotImplementedError(f"no WGSL for {op} on {e.args[0].dtype if e.args else dt}")
+        return table[op].format(*args)
+
+
+def _cast(x: str, src: str, dst: str) -> str:
+    if src == dst:
+        return x
+    if dst == "bool":
+        return f"({x} != {'0.0' if src == 'f32' else '0i'})"
+    if src == "bool":
+        return f"select({'0.0, 1.0' if dst == 'f32' else '0i, 1i'}, {x})"
+    return f"{VALUE_TYPE[dst]}({x})"
+
+
+def store(value: str, dtype: str) -> str:
+    """Convert a computed value to its storage representation."""
+    return f"select(0u, 1u, {value})" if dtype == "bool" else value
+
+
+def grid(groups: int, max_per_dim: int) -> tuple[int, int, int]:
+    """Fold a 1-D workgroup count into (x, y, 1) with x, y within the per-dimension limit."""
+    groups = max(groups, 1)
+    if groups <= max_per_dim:
+        return groups, 1, 1
+    y = -(-groups // max_per_dim)
+    if y > max_per_dim:
+        raise ValueError(f"{groups} workgroups exceed the device limit of {max_per_dim}² per dispatch")
+    return max_per_dim, y, 1
+
+
+def flat_workgroup(gx: int) -> str:
+    """WGSL expression for the linear workgroup index under ``grid``'s folding (needs ``wid``)."""
+    return "wid.x" if gx == 1 else f"(wid.x + wid.y * {gx}u)"
+
+
+def unravel_lines(var: str, names, shape, indent="  ") -> list[str]:
+    """``let`` lines binding ``names[d]`` to the row-major coordinates of i32 ``var`` in ``shape``."""
+    lines, stride = [], 1
+    strides = []
+    for s in reversed(shape):
+        strides.append(stride)
+        stride *= s
+    strides.reverse()
+    for d, (name, s, st) in enumerate(zip(names, shape, strides)):
+        expr = var if st == 1 else f"({var} / {st}i)"
+        if d > 0 and s != 1:
+            expr = f"({expr} % {s}i)"
+        if s == 1:
+            expr = "0i"
+        lines.append(f"{indent}let {name}: i32 = {expr};")
+    return lines

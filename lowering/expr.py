@@ -1,0 +1,258 @@
+"""Scalar expression trees: the body of every fused kernel, as plain, hashable data.
+
+An ``Expr`` computes one element. Its leaves are constants, iteration coordinates (``coord``), reduction or
+matmul accumulators (``acc``) and loads. Before planning a load names an IR value and gives one coordinate
+expression per dimension of that value (``load``); after planning it names a binding slot and a linear
+element index (``read``). Expressions are hash-consed by structure, so equal subtrees compare equal cheaply
+and code generation can share them.
+
+Compute dtypes: ``f32``, ``i32`` and ``bool``. Integer index math is i32 (tensors are bounded by 2**31 elements).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+F32, I32, BOOL = "f32", "i32", "bool"
+
+UNARY_FLOAT = {
+    "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
+    "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "sigmoid",
+    "floor", "ceil", "round", "trunc", "sign", "reciprocal", "isnan", "isinf", "isfinite", "frac",
+}
+UNARY_BOOL_RESULT = {"isnan", "isinf", "isfinite"}
+BINARY_ARITH = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "fmod", "remainder", "floordiv", "atan2"}
+BINARY_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
+BINARY_LOGIC = {"and", "or", "xor"}
+INDEX_OPS = {"idiv", "imod"}  # i32 division and remainder of non-negative index math (truncating)
+
+
+class Expr:
+    """An immutable expression node. Build with the helpers below, never mutate."""
+
+    __slots__ = ("op", "args", "dtype", "_hash")
+
+    def __init__(self, op: str, args: tuple, dtype: str):
+        self.op = op
+        self.args = args
+        self.dtype = dtype
+        self._hash = hash((op, dtype, args))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Expr) or self._hash != other._hash:
+            return False
+        return self.op == other.op and self.dtype == other.dtype and self.args == other.args
+
+    def __repr__(self) -> str:
+        if self.op == "const":
+            return repr(self.args[0])
+        if self.op == "coord":
+            return f"c{self.args[0]}"
+        if self.op == "acc":
+            return f"acc{self.args[0]}"
+        inner = ", ".join(repr(a) for a in self.args)
+        return f"{self.op}({inner})"
+
+    def children(self) -> Iterable["Expr"]:
+        for a in self.args:
+            if isinstance(a, Expr):
+                yield a
+            elif isinstance(a, tuple):
+                yield from (x for x in a if isinstance(x, Expr))
+
+
+# ----------------------------------------------------------------------------------------- leaves
+def const(value, dtype: str) -> Expr:
+    if dtype == F32:
+        value = float(value)
+    elif dtype == I32:
+        value = int(value)
+    else:
+        value = bool(value)
+    return Expr("const", (value,), dtype)
+
+
+def coord(dim: int) -> Expr:
+    return Expr("coord", (dim,), I32)
+
+
+def acc(i: int, dtype: str = F32) -> Expr:
+    return Expr("acc", (i,), dtype)
+
+
+def load(value_id: int, coords: tuple[Expr, ...], dtype: str) -> Expr:
+    return Expr("load", (value_id, tuple(coords)), dtype)
+
+
+def read(slot: int, index: Expr, dtype: str) -> Expr:
+    return Expr("read", (slot, index), dtype)
+
+
+def is_const(e: Expr, value=None) -> bool:
+    return e.op == "const" and (value is None or e.args[0] == value)
+
+
+# ------------------------------------------------------------------------------------- operators
+def cast(x: Expr, dtype: str) -> Expr:
+    if x.dtype == dtype:
+        return x
+    if x.op == "const":
+        v = x.args[0]
+        if dtype == I32 and isinstance(v, float) and not math.isfinite(v):
+            return Expr("cast", (x,), dtype)
+        return const(int(v) if dtype == I32 else v, dtype)
+    return Expr("cast", (x,), dtype)
+
+
+def unary(op: str, x: Expr) -> Expr:
+    dtype = BOOL if op in UNARY_BOOL_RESULT else x.dtype
+    if op == "not":
+        return Expr("not", (cast(x, BOOL),), BOOL)
+    return Expr(op, (x,), dtype)
+
+
+def binary(op: str, x: Expr, y: Expr) -> Expr:
+    if op in BINARY_COMPARE:
+        return Expr(op, (x, y), BOOL)
+    if op in INDEX_OPS and (x.dtype != I32 or y.dtype != I32):
+        raise TypeError(f"{op} is index arithmetic on i32 only")
+    if op in BINARY_LOGIC:
+        return Expr(op, (cast(x, BOOL), cast(y, BOOL)), BOOL)
+    if x.dtype != y.dtype:
+        raise TypeError(f"binary {op} on mixed dtypes {x.dtype} and {y.dtype}: cast first")
+    if x.dtype == I32:
+        folded = _fold_int(op, x, y)
+        if folded is not None:
+            return folded
+    return Expr(op, (x, y), x.dtype)
+
+
+def where(c: Expr, a: Expr, b: Expr) -> Expr:
+    if a.dtype != b.dtype:
+        raise TypeError(f"where on mixed dtypes {a.dtype} and {b.dtype}")
+    if is_const(c):
+        return a if c.args[0] else b
+    if a == b:
+        return a
+    return Expr("where", (cast(c, BOOL), a, b), a.dtype)
+
+
+def add(x, y):
+    return binary("add", x, y)
+
+
+def mul(x, y):
+    return binary("mul", x, y)
+
+
+def _fold_int(op: str, x: Expr, y: Expr):
+    """Constant folding and identities for i32 index arithmetic."""
+    if is_const(x) and is_const(y):
+        a, b = x.args[0], y.args[0]
+        if op == "add":
+            return const(a + b, I32)
+        if op == "sub":
+            return const(a - b, I32)
+        if op == "mul":
+            return const(a * b, I32)
+        if op in ("idiv", "floordiv") and b > 0 and a >= 0:
+            return const(a // b, I32)
+        if op in ("imod", "remainder") and b > 0 and a >= 0:
+            return const(a % b, I32)
+    if op == "add":
+        if is_const(y, 0):
+            return x
+        if is_const(x, 0):
+            return y
+    if op == "sub" and is_const(y, 0):
+        return x
+    if op == "mul":
+        if is_const(y, 1):
+            return x
+        if is_const(x, 1):
+            return y
+        if is_const(x, 0) or is_const(y, 0):
+            return const(0, I32)
+    if op in ("idiv", "floordiv") and is_const(y, 1):
+        return x
+    if op in ("imod", "remainder") and is_const(y, 1):
+        return const(0, I32)
+    return None
+
+
+# ------------------------------------------------------------------------------------ traversal
+def substitute(e: Expr, rewrite: Callable[[Expr], Expr | None], memo: dict | None = None) -> Expr:
+    """Rebuild ``e`` bottom-up; ``rewrite(node)`` may return a replacement for a node (children first)."""
+    memo = {} if memo is None else memo
+
+    def visit(node: Expr) -> Expr:
+        key = id(node)
+        if key in memo:
+            return memo[key][1]
+        new_args = tuple(_visit_arg(a, visit) for a in node.args)
+        rebuilt = node if new_args == node.args else _rebuild(node, new_args)
+        out = rewrite(rebuilt)
+        out = rebuilt if out is None else out
+        memo[key] = (node, out)  # keep node alive so its id is not reused
+        return out
+
+    return visit(e)
+
+
+def _visit_arg(a, visit):
+    if isinstance(a, Expr):
+        return visit(a)
+    if isinstance(a, tuple):
+        return tuple(visit(x) if isinstance(x, Expr) else x for x in a)
+    return a
+
+
+def _rebuild(node: Expr, args: tuple) -> Expr:
+    if node.dtype == I32 and node.op in ("add", "sub", "mul", "idiv", "imod", "floordiv", "remainder"):
+        return binary(node.op, args[0], args[1])
+    if node.op == "where":
+        return where(*args)
+    return Expr(node.op, args, node.dtype)
+
+
+def walk(e: Expr) -> list[Expr]:
+    """All distinct nodes of ``e``, children before parents."""
+    seen: set[int] = set()
+    order: list[Expr] = []
+    stack = [(e, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for child in node.children():
+            if id(child) not in seen:
+                stack.append((child, False))
+    return order
+
+
+def loads_of(e: Expr) -> list[Expr]:
+    return [n for n in walk(e) if n.op == "load"]
+
+
+def size(e: Expr) -> int:
+    return len(walk(e))
+
+
+def shift_coords(e: Expr, mapping: dict[int, Expr]) -> Expr:
+    """Replace coordinate ``d`` by ``mapping[d]`` (coordinates missing from the mapping stay)."""
+    def rewrite(node):
+        if node.op == "coord" and node.args[0] in mapping:
+            return mapping[node.args[0]]
+        return None
+
+    return substitute(e, rewrite)

@@ -1,0 +1,132 @@
+"""Fusion: fold pointwise producers into the expressions of their consumers.
+
+Walking the graph in order, every Pointwise node becomes a candidate for inlining. A consumer takes a
+candidate unless a rule refuses it, and every refusal is recorded with its reason:
+  * a view (a single load) inlines into every consumer: it only changes index math;
+  * a computing producer inlines only into its single consumer (no recomputation);
+  * matmul operands take views only (a tile load must stay cheap);
+  * a kernel may not exceed the device's storage-buffer bindings nor ``MAX_EXPR_NODES``.
+Values that end up read by no kernel (and are not graph outputs) are dropped, as are unused results of
+multi-output reductions.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from . import expr as E
+from .indexing import simplify
+from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce
+
+log = logging.getLogger("meganeura.lowering.fusion")
+MAX_EXPR_NODES = 1500
+
+
+@dataclass
+class FusionReport:
+    fused: list[tuple[str, str]] = field(default_factory=list)  # (producer, consumer)
+    refused: list[tuple[str, str, str]] = field(default_factory=list)  # (producer, consumer, reason)
+
+    def summary(self) -> str:
+        return f"{len(self.fused)} producers fused, {len(self.refused)} fusions refused"
+
+
+def _name(node: Node) -> str:
+    label = getattr(node, "label", "") or type(node).__name__.lower()
+    return f"{label}#v{node.out.id}"
+
+
+def fuse(graph: Graph, max_bindings: int) -> FusionReport:
+    report = FusionReport()
+    producers = graph.producers()
+    users = graph.users()
+    outputs = {v.id for v in graph.outputs}
+    candidates: dict[int, Pointwise] = {}
+
+    for node in graph.nodes:
+        if isinstance(node, Input):
+            continue
+        _inline_into(node, candidates, producers, max_bindings, report)
+        if isinstance(node, Pointwise):
+            vid = node.out.id
+            node_users = users.get(vid, [])
+            if node.is_view():
+                candidates[vid] = node
+            elif len(node_users) == 1:
+                candidates[vid] = node
+            elif node_users:
+                for u in node_users:
+                    report.refused.append((_name(node), _name(u), f"{len(node_users)} consumers (no recomputation)"))
+
+    _prune(graph, outputs)
+    for producer, consumer in report.fused:
+        log.debug("fused %s into %s", producer, consumer)
+    for producer, consumer, reason in report.refused:
+        log.debug("kept %s apart from %s: %s", producer, consumer, reason)
+    return report
+
+
+def _inline_into(node: Node, candidates, producers, max_bindings, report) -> None:
+    """Substitute candidate producers into ``node``'s expressions, refusing what breaks a rule."""
+    refused: set[int] = set()
+    while True:
+        new_exprs = [_substitute(e, dom, candidates, refused, node) for e, dom in zip(node.exprs(), node.domains())]
+        loaded = {ld.args[0] for e in new_exprs for ld in E.loads_of(e)}
+        too_big = max((E.size(e) for e in new_exprs), default=0) > MAX_EXPR_NODES
+        if len(loaded) + len(node.outs) + 1 <= max_bindings and not too_big:
+            break
+        used = [vid for vid in _direct_loads(node, refused) if vid in candidates]
+        if not used:
+            break
+        victim = max(used, key=lambda vid: E.size(candidates[vid].expr))
+        reason = "expression too large" if too_big else f"more than {max_bindings} storage bindings"
+        report.refused.append((_name(candidates[victim]), _name(node), reason))
+        refused.add(victim)
+    for vid in _direct_loads(node, refused):
+        if vid in candidates:
+            report.fused.append((_name(candidates[vid]), _name(node)))
+    node.set_exprs(new_exprs)
+
+
+def _direct_loads(node: Node, refused) -> list[int]:
+    return sorted({ld.args[0] for e in node.exprs() for ld in E.loads_of(e)} - refused)
+
+
+def _substitute(e: E.Expr, domain, candidates, refused, consumer) -> E.Expr:
+    views_only = isinstance(consumer, Matmul)
+
+    def rewrite(node: E.Expr):
+        if node.op != "load":
+            return None
+        vid, coords = node.args
+        producer = candidates.get(vid)
+        if producer is None or vid in refused:
+            return None
+        if views_only and not producer.is_view():
+            return None
+        mapping = dict(enumerate(coords))
+        return E.shift_coords(producer.expr, mapping)
+
+    bounds = dict(enumerate(domain))
+    return simplify(E.substitute(e, rewrite), bounds)
+
+
+def _prune(graph: Graph, outputs: set[int]) -> None:
+    """Drop nodes nobody reads any more and unused results of reductions."""
+    changed = True
+    while changed:
+        changed = False
+        read = {ld.args[0] for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)}
+        kept = []
+        for node in graph.nodes:
+            live = [v.id in read or v.id in outputs for v in node.outs]
+            if isinstance(node, Input) or all(live):
+                kept.append(node)
+            elif isinstance(node, Reduce) and any(live):
+                node.results = [r for r, keep in zip(node.results, live) if keep]
+                node.outs = [v for v, keep in zip(node.outs, live) if keep]
+                kept.append(node)
+                changed = True
+            else:
+                changed = True
+        graph.nodes = kept

@@ -1,0 +1,163 @@
+"""Index arithmetic: turn coordinate loads into linear buffer reads and simplify the i32 math.
+
+Chains of views (reshape after permute after reshape...) compose into ``idiv``/``imod`` trees. ``simplify``
+rewrites them with the coordinates' bounds: affine terms are collected, divisions and remainders by a
+constant split off the multiples of the divisor, drop when the remainder is provably in range, and
+``c*a*(x idiv a) + c*(x imod a)`` folds back to ``c*x``.
+"""
+from __future__ import annotations
+
+from . import expr as E
+
+Affine = tuple[dict, int]  # ({atom: coefficient}, constant)
+
+
+def linear_index(coords, shape) -> E.Expr:
+    """Row-major linear element index of ``coords`` in a contiguous tensor of ``shape``."""
+    index = E.const(0, E.I32)
+    stride = 1
+    for c, s in reversed(list(zip(coords, shape))):
+        if s != 1:
+            index = E.add(index, E.mul(c, E.const(stride, E.I32)))
+        stride *= s
+    return index
+
+
+def simplify(e: E.Expr, bounds: dict[int, int]) -> E.Expr:
+    """Simplify the i32 index math inside ``e``; ``bounds[d]`` is the size of coordinate ``d``."""
+    memo: dict = {}
+
+    def rewrite(node: E.Expr):
+        if node.dtype != E.I32 or node.op not in ("add", "sub", "mul", "idiv", "imod"):
+            return None
+        if node.op in ("idiv", "imod") and E.is_const(node.args[1]) and node.args[1].args[0] > 0:
+            terms, const = _affine(node.args[0])
+            divisor = node.args[1].args[0]
+            if node.op == "idiv":
+                return _divide(terms, const, divisor, bounds)
+            return _modulo(terms, const, divisor, bounds)
+        terms, const = _affine(node)
+        return _build(_fold_div_mod(terms), const)
+
+    return E.substitute(e, rewrite, memo)
+
+
+def _affine(e: E.Expr) -> Affine:
+    if e.op == "const":
+        return {}, e.args[0]
+    if e.op in ("add", "sub"):
+        (ta, ca), (tb, cb) = _affine(e.args[0]), _affine(e.args[1])
+        sign = 1 if e.op == "add" else -1
+        terms = dict(ta)
+        for atom, coef in tb.items():
+            terms[atom] = terms.get(atom, 0) + sign * coef
+        return {a: c for a, c in terms.items() if c}, ca + sign * cb
+    if e.op == "mul":
+        for x, y in (e.args, e.args[::-1]):
+            if y.op == "const":
+                t, c = _affine(x)
+                k = y.args[0]
+                return ({a: v * k for a, v in t.items()} if k else {}), c * k
+    return {e: 1}, 0
+
+
+def _build(terms: dict, const: int) -> E.Expr:
+    out = E.const(0, E.I32)
+    for atom, coef in sorted(terms.items(), key=lambda kv: repr(kv[0])):
+        out = E.add(out, E.mul(atom, E.const(coef, E.I32)))
+    return E.add(out, E.const(const, E.I32))
+
+
+def _range(e: E.Expr, bounds) -> tuple[int, int] | None:
+    """Inclusive [lo, hi] of an i32 expression, or None when unknown."""
+    if e.op == "const":
+        return e.args[0], e.args[0]
+    if e.op == "coord":
+        size = bounds.get(e.args[0])
+        return None if size is None else (0, max(size - 1, 0))
+    if e.op in ("add", "sub", "mul"):
+        ra, rb = _range(e.args[0], bounds), _range(e.args[1], bounds)
+        if ra is None or rb is None:
+            return None
+        if e.op == "add":
+            return ra[0] + rb[0], ra[1] + rb[1]
+        if e.op == "sub":
+            return ra[0] - rb[1], ra[1] - rb[0]
+        corners = [x * y for x in ra for y in rb]
+        return min(corners), max(corners)
+    if e.op in ("idiv", "imod") and E.is_const(e.args[1]):
+        r, d = _range(e.args[0], bounds), e.args[1].args[0]
+        if r is None or r[0] < 0 or d <= 0:
+            return None
+        return (r[0] // d, r[1] // d) if e.op == "idiv" else (0, min(d - 1, r[1]))
+    return None
+
+
+def _affine_range(terms, const, bounds):
+    lo = hi = const
+    for atom, coef in terms.items():
+        r = _range(atom, bounds)
+        if r is None:
+            return None
+        lo += min(coef * r[0], coef * r[1])
+        hi += max(coef * r[0], coef * r[1])
+    return lo, hi
+
+
+def _split(terms, const, d):
+    """Split an affine form into (multiple of d, d-quotient part, remainder part)."""
+    quotient = {a: c // d for a, c in terms.items() if c % d == 0}
+    rest = {a: c for a, c in terms.items() if c % d != 0}
+    return quotient, const // d, rest, const % d
+
+
+def _divide(terms, const, d, bounds):
+    full_range = _affine_range(terms, const, bounds)
+    if full_range is None or full_range[0] < 0:
+        return E.binary("idiv", _build(terms, const), E.const(d, E.I32))
+    quotient, qconst, rest, rconst = _split(terms, const, d)
+    rest_range = _affine_range(rest, rconst, bounds)
+    if rest_range is not None and 0 <= rest_range[0] and rest_range[1] < d:
+        return _build(quotient, qconst)
+    if rest_range is not None and rest_range[0] >= 0:
+        q = E.binary("idiv", _build(rest, rconst), E.const(d, E.I32))
+        return E.add(_build(quotient, qconst), q)
+    return E.binary("idiv", _build(terms, const), E.const(d, E.I32))
+
+
+def _modulo(terms, const, d, bounds):
+    full_range = _affine_range(terms, const, bounds)
+    if full_range is None or full_range[0] < 0:
+        return E.binary("imod", _build(terms, const), E.const(d, E.I32))
+    _, _, rest, rconst = _split(terms, const, d)
+    rest_range = _affine_range(rest, rconst, bounds)
+    if rest_range is not None and 0 <= rest_range[0] and rest_range[1] < d:
+        return _build(rest, rconst)
+    if rest_range is not None and rest_range[0] >= 0:
+        return E.binary("imod", _build(rest, rconst), E.const(d, E.I32))
+    return E.binary("imod", _build(terms, const), E.const(d, E.I32))
+
+
+def _fold_div_mod(terms: dict) -> dict:
+    """c*a*(x idiv a) + c*(x imod a) -> c*x, repeatedly."""
+    changed = True
+    while changed:
+        changed = False
+        for atom, coef in list(terms.items()):
+            if atom.op != "idiv" or not E.is_const(atom.args[1]):
+                continue
+            x, a = atom.args[0], atom.args[1].args[0]
+            mod_atom = E.binary("imod", x, atom.args[1])
+            mod_coef = terms.get(mod_atom)
+            if mod_coef and coef == mod_coef * a:
+                del terms[atom]
+                del terms[mod_atom]
+                xt, xc = _affine(x)
+                for t, c in xt.items():
+                    terms[t] = terms.get(t, 0) + c * mod_coef
+                terms = {t: c for t, c in terms.items() if c}
+                if xc:
+                    terms[E.const(1, E.I32)] = terms.get(E.const(1, E.I32), 0) + xc * mod_coef
+                changed = True
+                break
+    return terms

@@ -1,0 +1,180 @@
+"""The typed static graph: values with fixed shapes and dtypes, produced by archetype nodes.
+
+Node kinds (the archetypes):
+  ``Input``     a graph input (role ``input``) or a long-lived parameter/buffer (role ``param``);
+  ``Pointwise`` one output element per thread, ``expr`` over output coordinates and loads of other values;
+                views (permute, slice, expand, reshape...) are Pointwise nodes whose expr is a single load;
+  ``Reduce``    a row program: for each row of ``domain`` (the non-reduced axes) it runs ``phases``, each
+                a reduction (sum/prod/max/min/argmax/argmin) of an expression that may use the results of
+                earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
+  ``Matmul``    C[b, i, j] = sum_p A[b, i, p] * B[b, p, j], operands given as expressions over (b, i, p) and
+                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``.
+
+Loads inside expressions name a value id and one coordinate per dimension of that value; nothing here
+knows about memory layout until the planner assigns buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import expr as E
+
+LOGICAL_TO_COMPUTE = {"float32": E.F32, "int64": E.I32, "int32": E.I32, "bool": E.BOOL}
+REDUCE_OPS = ("sum", "prod", "max", "min", "argmax", "argmin")
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class Value:
+    id: int
+    shape: tuple[int, ...]
+    dtype: str  # logical: float32 | int64 | int32 | bool
+
+    @property
+    def compute_dtype(self) -> str:
+        return LOGICAL_TO_COMPUTE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+
+@dataclass
+class Node:
+    outs: list[Value]
+
+    @property
+    def out(self) -> Value:
+        return self.outs[0]
+
+    def exprs(self) -> list[E.Expr]:
+        """Every expression of the node that may load other values."""
+        return []
+
+    def domains(self) -> list[tuple[int, ...]]:
+        """The iteration shape over which each expression of ``exprs()`` is evaluated."""
+        return []
+
+    def set_exprs(self, exprs: list[E.Expr]) -> None:
+        """Replace the node's expressions (same order as ``exprs()``)."""
+
+
+@dataclass
+class Input(Node):
+    name: str = ""
+    role: str = "input"  # input | param
+
+
+@dataclass
+class Pointwise(Node):
+    expr: E.Expr = None
+    label: str = ""
+
+    def exprs(self):
+        return [self.expr]
+
+    def domains(self):
+        return [self.out.shape]
+
+    def set_exprs(self, exprs):
+        (self.expr,) = exprs
+
+    def is_view(self) -> bool:
+        return self.expr.op == "load"
+
+
+@dataclass
+class RowOutput:
+    """An output of a Reduce node: per row (shape = non-reduced axes) or per element (shape = domain)."""
+
+    per_element: bool
+    expr: E.Expr
+
+
+@dataclass
+class Reduce(Node):
+    domain: tuple[int, ...] = ()
+    axes: tuple[int, ...] = ()
+    phases: list[tuple[str, E.Expr]] = field(default_factory=list)
+    results: list[RowOutput] = field(default_factory=list)  # one per out value, same order
+    label: str = ""
+
+    def exprs(self):
+        return [e for _, e in self.phases] + [r.expr for r in self.results]
+
+    def domains(self):
+        return [self.domain] * (len(self.phases) + len(self.results))
+
+    def set_exprs(self, exprs):
+        n = len(self.phases)
+        self.phases = [(op, e) for (op, _), e in zip(self.phases, exprs[:n])]
+        self.results = [RowOutput(r.per_element, e) for r, e in zip(self.results, exprs[n:])]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.domain) if d not in self.axes)
+
+    @property
+    def row_length(self) -> int:
+        return numel(tuple(self.domain[a] for a in self.axes))
+
+
+@dataclass
+class Matmul(Node):
+    batch: int = 1
+    m: int = 1
+    n: int = 1
+    k: int = 1
+    a: E.Expr = None  # over coord(0)=b, coord(1)=i, coord(2)=p
+    b: E.Expr = None  # over coord(0)=b, coord(1)=p, coord(2)=j
+    epilogue: E.Expr = None  # over coord(0)=b, coord(1)=i, coord(2)=j and acc(0)
+    label: str = ""
+
+    def exprs(self):
+        return [self.a, self.b, self.epilogue]
+
+    def domains(self):
+        return [(self.batch, self.m, self.k), (self.batch, self.k, self.n), (self.batch, self.m, self.n)]
+
+    def set_exprs(self, exprs):
+        self.a, self.b, self.epilogue = exprs
+
+
+@dataclass
+class Graph:
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    status_messages: dict[int, str] = field(default_factory=dict)  # code raised by ``check`` exprs -> error
+
+    def producers(self) -> dict[int, Node]:
+        return {v.id: n for n in self.nodes for v in n.outs}
+
+    def users(self) -> dict[int, list[Node]]:
+        """Value id -> nodes whose expressions load it (each node once)."""
+        users: dict[int, list[Node]] = {}
+        for n in self.nodes:
+            seen = set()
+            for e in n.exprs():
+                for ld in E.loads_of(e):
+                    vid = ld.args[0]
+                    if vid not in seen:
+                        seen.add(vid)
+                        users.setdefault(vid, []).append(n)
+        return users
+
+    def describe(self) -> str:
+        """A readable listing, one node per line (for debugging and explain)."""
+        lines = []
+        for n in self.nodes:
+            outs = ", ".join(f"v{v.id}:{v.dtype}{list(v.shape)}" for v in n.outs)
+            kind = type(n).__name__
+            detail = getattr(n, "label", "") or getattr(n, "name", "")
+            lines.append(f"{outs} = {kind} {detail}")
+        lines.append("return " + ", ".join(f"v{v.id}" for v in self.outputs))
+        return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Schedule: turn a fused Graph into a Plan (buffers, memory plan, WGSL per kernel, dispatch list).
+
+Every non-input node is one dispatch. Inputs, parameters and graph outputs get buffers of their own;
+intermediates share the arena placed by the planner. Loads become linear reads of contiguous tensors,
+with the index math simplified against the kernel's iteration bounds.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from meganeura.kernels import matmul as matmul_kernels
+from meganeura.kernels import pointwise as pointwise_kernels
+from meganeura.kernels import reduce as reduce_kernels
+from meganeura.kernels import wgsl
+from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
+
+from . import expr as E
+from .indexing import linear_index, simplify
+from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, Value
+from .planner import Interval, align, place
+
+
+def tensor_bytes(v: Value) -> int:
+    return max(4 * v.numel, 4)
+
+
+def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
+    """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``."""
+    alignment = limits.get("min-storage-buffer-offset-alignment", 256)
+    kernels = [n for n in graph.nodes if not isinstance(n, Input)]
+    placement: dict[int, tuple[str, int]] = {}  # value id -> (buffer, offset)
+    buffers: list[BufferSpec] = []
+    inputs, params, outputs = [], [], []
+
+    for node in graph.nodes:
+        if isinstance(node, Input):
+            v = node.out
+            buf = f"{node.role}:{node.name}"
+            buffers.append(BufferSpec(buf, tensor_bytes(v), node.role))
+            (inputs if node.role == "input" else params).append(TensorSpec(node.name, buf, 0, v.shape, v.dtype))
+            placement[v.id] = (buf, 0)
+    for i, v in enumerate(graph.outputs):
+        if v.id in placement:
+            continue
+        buf = f"out{i}"
+        buffers.append(BufferSpec(buf, tensor_bytes(v), "output"))
+        outputs.append(TensorSpec(buf, buf, 0, v.shape, v.dtype))
+        placement[v.id] = (buf, 0)
+
+    last_use: dict[int, int] = {}
+    for step, node in enumerate(kernels):
+        for e in node.exprs():
+            for ld in E.loads_of(e):
+                last_use[ld.args[0]] = step
+    intervals = [
+        Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
+        for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
+    ]
+    offsets, arena_size = place(intervals, alignment)
+    if intervals:
+        buffers.append(BufferSpec("arena", arena_size, "arena"))
+        placement.update({key: ("arena", off) for key, off in offsets.items()})
+    if graph.status_messages:
+        buffers.append(BufferSpec("status", 16, "status"))
+
+    values = {v.id: v for n in graph.nodes for v in n.outs}
+    sources: dict[str, str] = {}
+    dispatches = []
+    for node in kernels:
+        if all(v.numel == 0 for v in node.outs):
+            continue
+        source, groups, bound = _kernel(node, values, limits)
+        key = hashlib.sha1(source.encode()).hexdigest()[:16]
+        sources[key] = source
+        bindings = []
+        for vid in bound:
+            if vid == "status":
+                bindings.append(Binding("status", 0, 16))
+            else:
+                buf, off = placement[vid]
+                bindings.append(Binding(buf, off, tensor_bytes(values[vid])))
+        label = getattr(node, "label", "") or type(node).__name__.lower()
+        dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label))
+
+    unplanned = sum(iv.size for iv in intervals)
+    plan_stats = dict(stats or {})
+    plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=unplanned,
+                      dispatches=len(dispatches), kernels=len(sources))
+    plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats)
+    plan.validate()
+    return plan
+
+
+def _kernel(node: Node, values: dict, limits: dict):
+    """WGSL, workgroups and the bound value ids (slot order) of one node."""
+    bound: list = []
+
+    def slot_of(vid) -> int:
+        if vid not in bound:
+            bound.append(vid)
+        return bound.index(vid)
+
+    def linearise(e: E.Expr, domain) -> E.Expr:
+        bounds = dict(enumerate(domain))
+
+        def rewrite(n: E.Expr):
+            if n.op == "load":
+                vid, coords = n.args
+                index = simplify(linear_index(coords, values[vid].shape), bounds)
+                return E.read(slot_of(vid), index, n.dtype)
+            return None
+
+        return E.substitute(e, rewrite)
+
+    exprs = [linearise(e, d) for e, d in zip(node.exprs(), node.domains())]
+    out_slots = [slot_of(v.id) for v in node.outs]
+    has_status = any(n.op == "check" for e in exprs for n in E.walk(e))
+    if has_status:
+        slot_of("status")
+
+    def name(slot):
+        return wgsl.STATUS_VAR if bound[slot] == "status" else f"b{slot}"
+
+    decl = []
+    for slot, vid in enumerate(bound):
+        if vid == "status":
+            decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
+        else:
+            decl.append((slot, name(slot), wgsl.STORAGE_TYPE[values[vid].compute_dtype]))
+
+    if isinstance(node, Pointwise):
+        v = node.out
+        src, groups = pointwise_kernels.pointwise_kernel(
+            bindings=decl, out_name=name(out_slots[0]), out_dtype=v.compute_dtype, expr=exprs[0],
+            shape=v.shape, limits=limits)
+    elif isinstance(node, Reduce):
+        n_phases = len(node.phases)
+        phases = [(op, e) for (op, _), e in zip(node.phases, exprs[:n_phases])]
+        results = [(r.per_element, e, name(s), v.compute_dtype)
+                   for r, e, s, v in zip(node.results, exprs[n_phases:], out_slots, node.outs)]
+        src, groups = reduce_kernels.reduce_kernel(
+            bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits)
+    elif isinstance(node, Matmul):
+        src, groups = matmul_kernels.matmul_kernel(
+            _matmul_prelude(decl, exprs, name(out_slots[0]), node), batch=node.batch, m=node.m, n=node.n,
+            k=node.k, limits=limits)
+    else:
+        raise TypeError(f"no kernel for node {type(node).__name__}")
+    return src, groups, bound
+
+
+def _matmul_prelude(decl, exprs, out_name: str, node: Matmul) -> str:
+    a, b, epilogue = exprs
+    parts = [wgsl.binding_decls(decl)]
+    for fn, e, args in (("load_a", a, ("b", "i", "p")), ("load_b", b, ("b", "p", "j"))):
+        em = wgsl.Emitter([f"{x}_" for x in args])
+        value = em.value(e)
+        head = ", ".join(f"{x}: u32" for x in args)
+        casts = "".join(f"  let {x}_ = i32({x});\n" for x in args)
+        parts.append(f"fn {fn}({head}) -> f32 {{\n{casts}" + "\n".join(em.lines) + f"\n  return {value};\n}}")
+    em = wgsl.Emitter(["b_", "i_", "j_"], ["acc"])
+    value = em.value(epilogue)
+    store = wgsl.store(value, node.out.compute_dtype)
+    parts.append(
+        "fn store_c(b: u32, i: u32, j: u32, acc: f32) {\n"
+        "  let b_ = i32(b);\n  let i_ = i32(i);\n  let j_ = i32(j);\n" + "\n".join(em.lines)
+        + f"\n  {out_name}[(b_ * {node.m}i + i_) * {node.n}i + j_] = {store};\n}}")
+    body = "\n".join(parts)
+    return body + "\n" + wgsl.helpers_for(body)

@@ -1,0 +1,151 @@
+"""The static dispatch plan: plain data that the compiler emits and the executor replays.
+
+A plan names device buffers, the tensors that live inside them, the WGSL of every kernel and the
+ordered list of dispatches. It holds no code and no references to torch, so it serialises to JSON
+(``Plan.to_dict`` / ``Plan.from_dict``) for bundles and caches.
+
+Buffer roles:
+  ``input``   uploaded by the caller before every run (user inputs);
+  ``param``   long-lived tensors (weights, buffers) bound from outside the plan;
+  ``output``  written by the plan and read back after every run;
+  ``arena``   intermediates placed at planned offsets, shared by tensors with disjoint lifetimes;
+  ``status``  a few u32 words that kernels raise (atomicMax) to report bad data, e.g. an index out of range.
+
+Every kernel binds storage buffers only, all ``read_write`` (wgpu refuses one buffer bound both read-only
+and writable in a dispatch, and arena tensors share a buffer), at ``@group(0) @binding(i)`` for i in order.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+FORMAT_VERSION = 1
+
+# Logical dtypes and how they are stored on the device (4 bytes per element for every dtype today).
+DEVICE_DTYPE = {"float32": "f32", "int32": "i32", "int64": "i32", "bool": "u32"}
+BUFFER_ROLES = ("input", "param", "output", "arena", "status")
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    size: int  # bytes, multiple of 4
+    role: str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A contiguous tensor stored at ``offset`` bytes inside ``buffer``."""
+
+    name: str
+    buffer: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str  # logical dtype, a key of DEVICE_DTYPE
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+
+@dataclass(frozen=True)
+class Binding:
+    buffer: str
+    offset: int  # bytes, aligned to the device's min-storage-buffer-offset-alignment
+    size: int  # bytes, > 0
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    kernel: str  # key into Plan.kernels
+    bindings: tuple[Binding, ...]
+    workgroups: tuple[int, int, int]
+    label: str = ""
+
+
+@dataclass
+class Plan:
+    buffers: list[BufferSpec]
+    inputs: list[TensorSpec]
+    params: list[TensorSpec]
+    outputs: list[TensorSpec]
+    kernels: dict[str, str]  # key -> WGSL source, entry point "main"
+    dispatches: list[Dispatch]
+    status_messages: dict[int, str] = field(default_factory=dict)  # status code -> error text
+    stats: dict = field(default_factory=dict)  # informational: planned/unplanned bytes, fused groups...
+
+    def buffer(self, name: str) -> BufferSpec:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"plan has no buffer named {name!r}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["format_version"] = FORMAT_VERSION
+        d["status_messages"] = {str(k): v for k, v in self.status_messages.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"plan format version {version!r} is not supported (this runtime reads {FORMAT_VERSION})")
+
+        def tensors(items):
+            return [TensorSpec(t["name"], t["buffer"], int(t["offset"]), tuple(t["shape"]), t["dtype"]) for t in items]
+
+        plan = cls(
+            buffers=[BufferSpec(b["name"], int(b["size"]), b["role"]) for b in d["buffers"]],
+            inputs=tensors(d["inputs"]),
+            params=tensors(d["params"]),
+            outputs=tensors(d["outputs"]),
+            kernels=dict(d["kernels"]),
+            dispatches=[
+                Dispatch(
+                    x["kernel"],
+                    tuple(Binding(b["buffer"], int(b["offset"]), int(b["size"])) for b in x["bindings"]),
+                    tuple(x["workgroups"]),
+                    x.get("label", ""),
+                )
+                for x in d["dispatches"]
+            ],
+            status_messages={int(k): v for k, v in d.get("status_messages", {}).items()},
+            stats=dict(d.get("stats", {})),
+        )
+        plan.validate()
+        return plan
+
+    def validate(self) -> None:
+        """Check internal consistency; raise ValueError naming the first problem."""
+        names = {}
+        for b in self.buffers:
+            if b.role not in BUFFER_ROLES:
+                raise ValueError(f"buffer {b.name!r} has unknown role {b.role!r}")
+            if b.size <= 0 or b.size % 4:
+                raise ValueError(f"buffer {b.name!r} has invalid size {b.size}")
+            names[b.name] = b
+        for group in (self.inputs, self.params, self.outputs):
+            for t in group:
+                if t.buffer not in names:
+                    raise ValueError(f"tensor {t.name!r} lives in unknown buffer {t.buffer!r}")
+                if t.dtype not in DEVICE_DTYPE:
+                    raise ValueError(f"tensor {t.name!r} has unsupported dtype {t.dtype!r}")
+                if t.offset + t.nbytes > names[t.buffer].size:
+                    raise ValueError(f"tensor {t.name!r} does not fit in buffer {t.buffer!r}")
+        for i, disp in enumerate(self.dispatches):
+            if disp.kernel not in self.kernels:
+                raise ValueError(f"dispatch {i} ({disp.label}) uses missing kernel {disp.kernel!r}")
+            for b in disp.bindings:
+                if b.buffer not in names:
+                    raise ValueError(f"dispatch {i} ({disp.label}) binds unknown buffer {b.buffer!r}")
+                if b.offset < 0 or b.size <= 0 or b.offset + b.size > names[b.buffer].size:
+                    raise ValueError(f"dispatch {i} ({disp.label}) binds outside buffer {b.buffer!r}")
+            if len(disp.workgroups) != 3 or min(disp.workgroups) < 1:
+                raise ValueError(f"dispatch {i} ({disp.label}) has invalid workgroup count {disp.workgroups}")

@@ -1,0 +1,276 @@
+"""Tests for meganeura.kernels.matmul: run the generated WGSL on the wgpu adapter (lavapipe on CPU)
+and compare with numpy. Operands are strided views of flat buffers (transposed, batch-broadcast,
+offset), so the kernel is checked to go through load_a / load_b and never assume contiguity.
+Every run also records store_c calls per element and any out-of-range index the kernel passes."""
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from meganeura.kernels.matmul import fold_grid, matmul_kernel
+
+wgpu = pytest.importorskip("wgpu")
+
+STORAGE_LIMIT = "max-compute-workgroup-storage-size"
+GRID_LIMIT = "max-compute-workgroups-per-dimension"
+
+
+@dataclass
+class Operand:
+    """A logical (batch, rows, cols) f32 array stored at `offset` in `flat` with element `strides`."""
+    flat: np.ndarray
+    offset: int
+    strides: tuple[int, int, int]
+    shape: tuple[int, int, int]
+
+    def view(self) -> np.ndarray:
+        item = self.flat.itemsize
+        return np.lib.stride_tricks.as_strided(
+            self.flat[self.offset:], self.shape, [s * item for s in self.strides], writeable=False)
+
+    def index_wgsl(self, b: str, r: str, c: str) -> str:
+        sb, sr, sc = self.strides
+        return f"{self.offset}u + {b} * {sb}u + {r} * {sr}u + {c} * {sc}u"
+
+
+def make_operand(rng, batch: int, rows: int, cols: int, layout: str = "contiguous", offset: int = 0) -> Operand:
+    """layout: contiguous (b, r, c) | transposed (b, c, r) in memory | broadcast (one (r, c) for all b)."""
+    if layout == "contiguous":
+        count, strides = batch * rows * cols, (rows * cols, cols, 1)
+    elif layout == "transposed":
+        count, strides = batch * rows * cols, (rows * cols, 1, rows)
+    elif layout == "broadcast":
+        count, strides = rows * cols, (0, cols, 1)
+    else:
+        raise ValueError(layout)
+    # Positive values: no cancellation, so rtol=1e-4 holds for any k.
+    flat = rng.uniform(0.25, 1.0, size=max(offset + count, 4)).astype(np.float32)
+    return Operand(flat, offset, strides, (batch, rows, cols))
+
+
+def build_prelude(a: Operand, b: Operand, *, batch: int, m: int, n: int, k: int, epilogue: str) -> str:
+    return f"""
+@group(0) @binding(0) var<storage, read_write> a: array<f32>;
+@group(0) @binding(1) var<storage, read_write> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<storage, read_write> visits: array<f32>;
+@group(0) @binding(4) var<storage, read_write> bad_index: array<f32>;
+@group(0) @binding(5) var<storage, read_write> bias: array<f32>;
+
+fn check_index(ok: bool) {{ if (!ok) {{ bad_index[0] = 1.0; }} }}
+
+fn load_a(bi: u32, i: u32, p: u32) -> f32 {{
+    check_index(bi < {batch}u && i < {m}u && p < {k}u);
+    return a[{a.index_wgsl("bi", "i", "p")}];
+}}
+
+fn load_b(bi: u32, p: u32, j: u32) -> f32 {{
+    check_index(bi < {batch}u && p < {k}u && j < {n}u);
+    return b[{b.index_wgsl("bi", "p", "j")}];
+}}
+
+fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{
+    check_index(bi < {batch}u && i < {m}u && j < {n}u);
+    let index = (bi * {m}u + i) * {n}u + j;
+    visits[index] = visits[index] + 1.0;
+    c[index] = {epilogue};
+}}
+"""
+
+
+def workgroup_storage_bytes(source: str) -> int:
+    sizes = re.findall(r"var<workgroup>\s+\w+\s*:\s*array<f32,\s*(\d+)>", source)
+    assert "var<workgroup>" not in re.sub(r"var<workgroup>\s+\w+\s*:\s*array<f32,\s*\d+>", "", source)
+    return sum(4 * int(size) for size in sizes)
+
+
+@pytest.fixture(scope="module")
+def device():
+    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    if adapter is None:
+        pytest.skip("no wgpu adapter")
+    wanted = ("max-storage-buffer-binding-size", "max-buffer-size", STORAGE_LIMIT,
+              "max-storage-buffers-per-shader-stage", "max-compute-invocations-per-workgroup",
+              "max-compute-workgroup-size-x")
+    return adapter.request_device_sync(required_limits={key: adapter.limits[key] for key in wanted})
+
+
+def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, limits=None):
+    """Generate, check and run one kernel. Returns (c, visits, bad_index, source, workgroups)."""
+    batch, m, k = a.shape
+    assert b.shape == (batch, k, b.shape[2])
+    n = b.shape[2]
+    limits = dict(limits or device.limits)
+    prelude = build_prelude(a, b, batch=batch, m=m, n=n, k=k, epilogue=epilogue)
+    source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits)
+    assert source.startswith(prelude) and "fn main(" in source
+    assert workgroup_storage_bytes(source) <= limits[STORAGE_LIMIT]
+    assert all(1 <= count <= limits[GRID_LIMIT] for count in workgroups)
+
+    outputs = batch * m * n
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+    bias = np.zeros(4, np.float32) if bias is None else np.asarray(bias, np.float32)
+    arrays = [a.flat, b.flat, np.full(outputs, np.nan, np.float32), np.zeros(outputs, np.float32),
+              np.zeros(4, np.float32), bias]
+    buffers = [device.create_buffer_with_data(data=array, usage=usage) for array in arrays]
+    entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
+                "buffer": {"type": wgpu.BufferBindingType.storage}} for i in range(len(buffers))]
+    group_layout = device.create_bind_group_layout(entries=entries)
+    pipeline = device.create_compute_pipeline(
+        layout=device.create_pipeline_layout(bind_group_layouts=[group_layout]),
+        compute={"module": device.create_shader_module(code=source), "entry_point": "main"})
+    bind_group = device.create_bind_group(layout=group_layout, entries=[
+        {"binding": i, "resource": {"buffer": buffer, "offset": 0, "size": buffer.size}}
+        for i, buffer in enumerate(buffers)])
+    encoder = device.create_command_encoder()
+    compute_pass = encoder.begin_compute_pass()
+    compute_pass.set_pipeline(pipeline)
+    compute_pass.set_bind_group(0, bind_group)
+    compute_pass.dispatch_workgroups(*workgroups)
+    compute_pass.end()
+    device.queue.submit([encoder.finish()])
+
+    def read(buffer):
+        return np.frombuffer(device.queue.read_buffer(buffer), np.float32)
+
+    c = read(buffers[2]).reshape(batch, m, n)
+    return c, read(buffers[3]).reshape(batch, m, n), read(buffers[4])[0], source, workgroups
+
+
+def check(device, a: Operand, b: Operand, *, limits=None):
+    c, visits, bad_index, source, workgroups = run_matmul(device, a, b, limits=limits)
+    expected = np.matmul(a.view().astype(np.float64), b.view().astype(np.float64))
+    np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-5)
+    assert bad_index == 0.0, "kernel passed an out-of-range index to load/store"
+    assert np.all(visits == 1.0), "store_c must run exactly once per output"
+    return source, workgroups
+
+
+@pytest.mark.parametrize("batch, m, n, k", [
+    (1, 64, 64, 64),      # square, one 64-edge tile per dimension after shrinking
+    (1, 1, 1, 1),
+    (1, 3, 5, 7),
+    (1, 33, 65, 17),      # ragged tiles on every side, K not a multiple of the chunk
+    (1, 100, 1, 50),      # n == 1: gemv over rows
+    (1, 1, 200, 300),     # m == 1: gemv over columns
+    (1, 130, 70, 1),      # k == 1
+    (1, 130, 1, 70),      # n == 1, ragged row blocks
+    (3, 17, 9, 40),       # batched, small
+    (2, 1, 3, 5000),      # m == 1, long K: many lanes per output
+])
+def test_shapes(device, batch, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    check(device, make_operand(rng, batch, m, k), make_operand(rng, batch, k, n))
+
+
+@pytest.mark.parametrize("m, n", [(5, 7), (1, 9), (9, 1)])
+def test_k_zero_stores_zero(device, m, n):
+    rng = np.random.default_rng(0)
+    c, visits, bad_index, _, _ = run_matmul(device, make_operand(rng, 2, m, 0), make_operand(rng, 2, 0, n))
+    assert np.all(c == 0.0) and np.all(visits == 1.0) and bad_index == 0.0
+
+
+@pytest.mark.parametrize("m, n, k", [(40, 24, 33), (1, 24, 33), (40, 1, 33)])
+def test_broadcast_a_transposed_b_with_offsets(device, m, n, k):
+    rng = np.random.default_rng(1)
+    a = make_operand(rng, 3, m, k, layout="broadcast", offset=5)
+    b = make_operand(rng, 3, k, n, layout="transposed", offset=3)   # load_b reads b[j*k + p]
+    assert b.strides[1:] == (1, k)
+    check(device, a, b)
+
+
+def test_transposed_a(device):
+    rng = np.random.default_rng(2)
+    check(device, make_operand(rng, 2, 45, 30, layout="transposed"), make_operand(rng, 2, 30, 50))
+
+
+@pytest.mark.parametrize("m, n, k", [(20, 36, 24), (1, 36, 24)])
+def test_epilogue_bias_relu(device, m, n, k):
+    rng = np.random.default_rng(3)
+    a, b = make_operand(rng, 1, m, k), make_operand(rng, 1, k, n)
+    product = np.matmul(a.view().astype(np.float64), b.view().astype(np.float64))
+    bias = -np.median(product, axis=(0, 1)) + rng.uniform(-0.5, 0.5, n)   # about half clip
+    c, visits, bad_index, _, _ = run_matmul(device, a, b, epilogue="max(acc + bias[j], 0.0)", bias=bias)
+    expected = np.maximum(product + bias.astype(np.float32), 0.0)
+    assert 0 < np.count_nonzero(expected) < expected.size
+    np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-5)
+    assert np.all(visits == 1.0) and bad_index == 0.0
+
+
+def test_grid_fold_large_batch(device):
+    rng = np.random.default_rng(4)
+    _, workgroups = check(device, make_operand(rng, 70000, 2, 2), make_operand(rng, 70000, 2, 2))
+    assert workgroups[0] <= 65535 and workgroups[1] > 1
+    assert workgroups[0] * workgroups[1] * workgroups[2] >= 70000
+
+
+@pytest.mark.parametrize("batch, m, n", [(5000, 2, 3), (300, 1, 5), (300, 5, 1)])
+def test_grid_fold_3d_with_small_limit(device, batch, m, n):
+    rng = np.random.default_rng(5)
+    limits = dict(device.limits)
+    limits[GRID_LIMIT] = 16 if m == 1 or n == 1 else 64
+    _, workgroups = check(device, make_operand(rng, batch, m, 3), make_operand(rng, batch, 3, n), limits=limits)
+    assert max(workgroups) <= limits[GRID_LIMIT] and workgroups[2] > 1
+
+
+def test_small_workgroup_storage_limit(device):
+    rng = np.random.default_rng(6)
+    limits = dict(device.limits)
+    limits[STORAGE_LIMIT] = 2048
+    source, _ = check(device, make_operand(rng, 1, 64, 64), make_operand(rng, 1, 64, 64), limits=limits)
+    assert workgroup_storage_bytes(source) <= 2048
+
+
+def test_small_invocation_limit(device):
+    rng = np.random.default_rng(7)
+    limits = dict(device.limits)
+    limits["max-compute-invocations-per-workgroup"] = 128
+    for m, n in [(40, 50), (1, 50)]:
+        source, _ = check(device, make_operand(rng, 1, m, 20), make_operand(rng, 1, 20, n), limits=limits)
+        size = int(re.search(r"@workgroup_size\((\d+)\)", source).group(1))
+        assert size <= 128
+
+
+# ---------------------------------------------------------------- no GPU needed
+
+LIMITS = {GRID_LIMIT: 65535, STORAGE_LIMIT: 16384, "max-compute-invocations-per-workgroup": 256}
+
+
+def header(batch, m, n, k):
+    source, _ = matmul_kernel("", batch=batch, m=m, n=n, k=k, limits=LIMITS)
+    return re.search(r"// ---- matmul: (.*)", source).group(1)
+
+
+def test_tile_choice_by_shape():
+    assert header(1, 4096, 4096, 4096).startswith("tiled 64x64, K chunk 16")
+    assert header(1, 1024, 1024, 64).startswith("tiled 64x64")      # 256 workgroups
+    assert header(1, 512, 512, 512).startswith("tiled 32x64")       # 64 tiles of 64x64 are too few
+    assert header(32, 128, 128, 64).startswith("tiled 64x64")      # batch counts towards workgroups
+    assert header(1, 20, 20, 20).startswith("tiled 16x16")
+    assert header(1, 50, 4096, 720).startswith("tiled 32x64")       # 2 row tiles: 128 workgroups
+    assert header(1, 7, 9, 3).startswith("tiled 16x16, K chunk 4")
+    assert header(1, 1, 4096, 4096).startswith("gemv over columns, 4 outputs x 64 K lanes")
+    assert header(1, 4096, 1, 64).startswith("gemv over rows, 64 outputs x 4 K lanes")
+    assert header(1, 1, 1, 10000).startswith("gemv over columns, 1 outputs x 256 K lanes")
+
+
+def test_storage_never_exceeds_limit():
+    for storage in (576, 1024, 2048, 4096, 16384, 49152):
+        limits = dict(LIMITS, **{STORAGE_LIMIT: storage})
+        for shape in [(1, 4096, 4096, 4096), (8, 64, 64, 64), (1, 33, 65, 17)]:
+            source, _ = matmul_kernel("", batch=shape[0], m=shape[1], n=shape[2], k=shape[3], limits=limits)
+            assert workgroup_storage_bytes(source) <= storage
+
+
+@pytest.mark.parametrize("total", [1, 65535, 65536, 70000, 10**6, 65535**2, 65535**2 + 1, 3 * 10**9])
+def test_fold_grid(total):
+    x, y, z = fold_grid(total, 65535)
+    assert max(x, y, z) <= 65535 and x * y * z >= total
+    assert x * y * z - total < x * y  # at most one partial layer of slack
+
+
+def test_fold_grid_too_large():
+    with pytest.raises(ValueError):
+        fold_grid(17**3, 16)
