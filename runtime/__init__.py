@@ -1,0 +1,23 @@
+"""The torch-free runtime: load a plan, run it on a wgpu device. Imports only numpy and wgpu.
+
+Modules: ``plan`` (the plan format), ``device`` (adapter choice, the process-wide device), ``program`` (a plan
+instantiated on a device), ``errors``, ``counters``. ``Device``, ``get_device``, ``list_adapters`` and ``Program``
+are importable from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
+"""
+from .errors import DeviceLostError, InputError, KernelStatusError, LimitError, MeganeuraError, NoAdapterError
+from .plan import Plan
+
+_LAZY = {"Device": "device", "get_device": "device", "list_adapters": "device", "Program": "program"}
+
+__all__ = [
+    "DeviceLostError", "InputError", "KernelStatusError", "LimitError", "MeganeuraError", "NoAdapterError", "Plan",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,18 @@
+"""Counters of device work (pipelines, buffers, bind groups, submits, bytes moved), for tests and reports."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Counters:
+    pipelines_created: int = 0
+    buffers_created: int = 0
+    bind_groups_created: int = 0
+    submits: int = 0
+    bytes_uploaded: int = 0
+    bytes_downloaded: int = 0
+    bytes_allocated: int = 0  # live: buffer creation adds its size, destruction subtracts it
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)

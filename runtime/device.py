@@ -1,0 +1,259 @@
+"""The GPU device: adapter choice, limits and features, buffers, cached pipelines, and readable errors.
+
+``get_device()`` returns one ``Device`` per adapter per process. The adapter is the argument, else the
+``MEGANEURA_ADAPTER`` environment variable (an index into ``list_adapters()`` or a case-insensitive substring of
+the adapter's name), else the best kind available: discrete GPU, integrated GPU, virtual GPU, then CPU, with the
+OpenGL backend last. Every wgpu validation or shader error is re-raised as ``MeganeuraError`` naming what was
+being built; a lost device becomes ``DeviceLostError``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+
+import wgpu
+
+from .counters import Counters
+from .errors import DeviceLostError, MeganeuraError, NoAdapterError
+
+ADAPTER_ENV = "MEGANEURA_ADAPTER"
+STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
+STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+
+_TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
+_WANTED_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-storage-buffers-per-shader-stage",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroup-size-y",
+    "max-compute-workgroup-size-z",
+    "max-compute-workgroups-per-dimension",
+    "max-bindings-per-bind-group",
+)
+_WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
+_LOST = re.compile(r"device (is |was )?lost", re.IGNORECASE)
+_NO_ADAPTER_HINT = (
+    "Install a Vulkan driver (on Debian/Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1, which also gives "
+    "a CPU fallback) or run on macOS, where wgpu uses Metal."
+)
+
+_adapters: list | None = None
+_devices: dict[int, "Device"] = {}
+
+
+def _enumerate_adapters() -> list:
+    global _adapters
+    if _adapters is None:
+        _adapters = list(wgpu.gpu.enumerate_adapters_sync())
+    return _adapters
+
+
+def _adapter_name(adapter) -> str:
+    info = adapter.info
+    return info["device"] or info["description"] or info["vendor"] or "unnamed adapter"
+
+
+def list_adapters() -> list[dict]:
+    """Every adapter wgpu sees, in enumeration order (the indices ``MEGANEURA_ADAPTER`` accepts)."""
+    return [
+        {
+            "index": i,
+            "name": _adapter_name(a),
+            "type": a.info["adapter_type"],
+            "backend": a.info["backend_type"],
+            "features": sorted(a.features),
+            "limits": dict(a.limits),
+        }
+        for i, a in enumerate(_enumerate_adapters())
+    ]
+
+
+def _preference(adapters: list) -> list[int]:
+    """Adapter indices, best first: non-OpenGL before OpenGL, then by adapter type, then enumeration order."""
+
+    def rank(i):
+        info = adapters[i].info
+        return (info["backend_type"] == "OpenGL", _TYPE_RANK.get(info["adapter_type"], len(_TYPE_RANK)), i)
+
+    return sorted(range(len(adapters)), key=rank)
+
+
+def _choose_adapter(adapters: list, choice: str | int | None) -> int:
+    if not adapters:
+        raise NoAdapterError(f"wgpu found no GPU adapter. {_NO_ADAPTER_HINT}")
+    order = _preference(adapters)
+    if choice is None:
+        return order[0]
+    names = ", ".join(f"{i}: {_adapter_name(a)} ({a.info['backend_type']})" for i, a in enumerate(adapters))
+    if isinstance(choice, int) or choice.strip().isdigit():
+        index = int(choice)
+        if not 0 <= index < len(adapters):
+            raise NoAdapterError(f"adapter index {index} is out of range; adapters are {names}")
+        return index
+    needle = choice.strip().lower()
+    for i in order:
+        info = adapters[i].info
+        if needle in info["device"].lower() or needle in info["description"].lower():
+            return i
+    raise NoAdapterError(f"no adapter name contains {choice!r}; adapters are {names}")
+
+
+def get_device(adapter: str | int | None = None) -> "Device":
+    """The process-wide device of the chosen adapter (see the module docstring for the choice)."""
+    adapters = _enumerate_adapters()
+    choice = adapter if adapter is not None else (os.environ.get(ADAPTER_ENV) or None)
+    index = _choose_adapter(adapters, choice)
+    if index not in _devices:
+        _devices[index] = Device(adapters[index])
+    return _devices[index]
+
+
+class Device:
+    """An adapter's wgpu device and queue, requested with the adapter's maximal limits."""
+
+    def __init__(self, adapter):
+        info = adapter.info
+        self.adapter = adapter
+        self.name = _adapter_name(adapter)
+        self.adapter_type = info["adapter_type"]
+        self.backend = info["backend_type"]
+        self.counters = Counters()
+        self.lost = False
+        features = [f for f in _WANTED_FEATURES if f in adapter.features]
+        limits = {k: adapter.limits[k] for k in _WANTED_LIMITS if k in adapter.limits}
+        with self.checked(f"device request on {self.name}"):
+            self.wgpu_device = adapter.request_device_sync(
+                label="meganeura", required_features=features, required_limits=limits
+            )
+        self.queue = self.wgpu_device.queue
+        self.features = set(self.wgpu_device.features)
+        self.limits = dict(self.wgpu_device.limits)
+        self.offset_alignment = self.limits["min-storage-buffer-offset-alignment"]
+        self.max_binding_size = self.limits["max-storage-buffer-binding-size"]
+        self.max_buffer_size = self.limits["max-buffer-size"]
+        self.max_workgroups_per_dim = self.limits["max-compute-workgroups-per-dimension"]
+        self._layouts: dict[int, object] = {}
+        self._pipelines: dict[tuple[str, int], object] = {}
+        self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.adapter_type}, {self.backend})"
+
+    def __repr__(self) -> str:
+        return f"<meganeura Device {self.describe()}>"
+
+    @contextmanager
+    def checked(self, label: str):
+        """Run wgpu calls, turning wgpu errors into MeganeuraError (DeviceLostError if the device is gone)."""
+        if self.lost:
+            raise DeviceLostError(f"{label}: the device {self.name} was lost; create a new one")
+        try:
+            yield
+        except (wgpu.GPUError, wgpu.GPUPipelineError) as e:
+            text = str(e)
+            if _LOST.search(text):
+                self.lost = True
+                raise DeviceLostError(f"{label}: the device {self.name} was lost\n{text}") from e
+            raise MeganeuraError(f"{label}: wgpu refused it\n{text}") from e
+
+    # ---- pipelines and bind groups
+
+    def bind_group_layout(self, n_bindings: int):
+        """The layout of ``n_bindings`` read_write storage buffers visible to compute, cached per count."""
+        layout = self._layouts.get(n_bindings)
+        if layout is None:
+            storage = {"type": wgpu.BufferBindingType.storage}
+            entries = [
+                {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": storage} for i in range(n_bindings)
+            ]
+            with self.checked(f"bind group layout of {n_bindings} storage buffers"):
+                layout = self.wgpu_device.create_bind_group_layout(entries=entries)
+            self._layouts[n_bindings] = layout
+        return layout
+
+    def pipeline(self, wgsl: str, n_bindings: int, label: str = "kernel"):
+        """The compute pipeline of ``wgsl`` (entry point ``main``), compiled once per WGSL text."""
+        key = (wgsl, n_bindings)
+        pipeline = self._pipelines.get(key)
+        if pipeline is None:
+            with self.checked(f"kernel {label!r}"):
+                module = self.wgpu_device.create_shader_module(code=wgsl, label=label)
+                layout = self.wgpu_device.create_pipeline_layout(
+                    bind_group_layouts=[self.bind_group_layout(n_bindings)], label=label
+                )
+                pipeline = self.wgpu_device.create_compute_pipeline(
+                    layout=layout, compute={"module": module, "entry_point": "main"}, label=label
+                )
+            self._pipelines[key] = pipeline
+            self.counters.pipelines_created += 1
+        return pipeline
+
+    def bind_group(self, ranges: list[tuple[object, int, int]], label: str = ""):
+        """A bind group of (buffer, offset, size) storage ranges at bindings 0, 1, ..."""
+        entries = [
+            {"binding": i, "resource": {"buffer": buf, "offset": offset, "size": size}}
+            for i, (buf, offset, size) in enumerate(ranges)
+        ]
+        with self.checked(f"bind group {label!r}"):
+            group = self.wgpu_device.create_bind_group(
+                layout=self.bind_group_layout(len(ranges)), entries=entries, label=label
+            )
+        self.counters.bind_groups_created += 1
+        return group
+
+    # ---- buffers and transfers
+
+    def create_buffer(self, size: int, usage: int, label: str = ""):
+        with self.checked(f"buffer {label!r} of {size} bytes"):
+            buffer = self.wgpu_device.create_buffer(size=size, usage=usage, label=label)
+        self.counters.buffers_created += 1
+        self.counters.bytes_allocated += size
+        return buffer
+
+    def storage_buffer(self, size: int, label: str = ""):
+        """A storage buffer that can also be written from the host and copied from."""
+        return self.create_buffer(size, STORAGE_USAGE, label)
+
+    def staging_buffer(self, size: int, label: str = ""):
+        """A host-readable buffer to copy results into."""
+        return self.create_buffer(size, STAGING_USAGE, label)
+
+    def destroy_buffer(self, buffer) -> None:
+        buffer.destroy()
+        self.counters.bytes_allocated -= buffer.size
+
+    def write(self, buffer, offset: int, data, label: str = "") -> None:
+        """Upload ``data`` (bytes-like, size a multiple of 4) into ``buffer`` at ``offset``."""
+        view = memoryview(data).cast("B")
+        with self.checked(f"upload to {label or buffer.label!r}"):
+            self.queue.write_buffer(buffer, offset, view)
+        self.counters.bytes_uploaded += view.nbytes
+
+    def upload(self, data, label: str = ""):
+        """A new storage buffer holding ``data`` (bytes-like, size a multiple of 4 and > 0)."""
+        view = memoryview(data).cast("B")
+        buffer = self.storage_buffer(view.nbytes, label)
+        self.write(buffer, 0, view, label)
+        return buffer
+
+    def submit(self, encoder, label: str = "") -> None:
+        """Finish ``encoder`` and submit it."""
+        with self.checked(f"submit {label!r}"):
+            commands = encoder.finish()
+            self.queue.submit([commands])
+        self.counters.submits += 1
+
+    def read_staging(self, buffer, size: int) -> memoryview:
+        """Wait for the queue, then return a host copy of the first ``size`` bytes of a staging buffer."""
+        with self.checked(f"read back {buffer.label!r}"):
+            buffer.map_sync(wgpu.MapMode.READ, 0, size)
+            try:
+                data = buffer.read_mapped(0, size, copy=True)
+            finally:
+                buffer.unmap()
+        self.counters.bytes_downloaded += size
+        return data

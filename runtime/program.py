@@ -1,0 +1,315 @@
+"""A plan instantiated on a device: buffers, pipelines and bind groups built once, then replayed by ``run``.
+
+``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
+status buffers, compiles every kernel and prepares the read-back. Param buffers come from outside
+(``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records every dispatch into one compute
+pass, copies outputs and status into one staging buffer, submits once and reads back; it creates nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .device import Device
+from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
+from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
+
+OWNED_ROLES = ("input", "output", "arena", "status")
+BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
+
+_HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
+_INT32 = np.iinfo(np.int32)
+
+
+def to_device_array(spec: TensorSpec, value, kind: str = "input") -> np.ndarray:
+    """Check ``value`` against ``spec`` and return it as a contiguous array of the device dtype."""
+    if not isinstance(value, np.ndarray):
+        raise InputError(
+            f"{kind} {spec.name!r} must be a numpy array ({spec.dtype}, shape {spec.shape}), got {type(value).__name__}"
+        )
+    if value.dtype != np.dtype(spec.dtype):
+        raise InputError(f"{kind} {spec.name!r} expects dtype {spec.dtype}, got {value.dtype}")
+    if tuple(value.shape) != spec.shape:
+        raise InputError(f"{kind} {spec.name!r} expects shape {spec.shape}, got {tuple(value.shape)}")
+    if spec.dtype == "int64" and value.size:
+        low, high = int(value.min()), int(value.max())
+        if low < _INT32.min or high > _INT32.max:
+            raise InputError(
+                f"{kind} {spec.name!r} holds values in [{low}, {high}], outside int32; the device stores int64 as int32"
+            )
+    return np.ascontiguousarray(value, dtype=_HOST_DTYPE[DEVICE_DTYPE[spec.dtype]])
+
+
+def from_device_bytes(spec: TensorSpec, data, offset: int) -> np.ndarray:
+    """The tensor ``spec`` read from host bytes ``data`` at ``offset``, in its logical dtype."""
+    if spec.numel == 0:
+        return np.empty(spec.shape, dtype=spec.dtype)
+    words = np.frombuffer(data, _HOST_DTYPE[DEVICE_DTYPE[spec.dtype]], spec.numel, offset).reshape(spec.shape)
+    if spec.dtype == "int64":
+        return words.astype(np.int64)
+    if spec.dtype == "bool":
+        return words != 0
+    return words
+
+
+def check_limits(dev: Device, plan: Plan) -> None:
+    """Raise LimitError if a buffer, tensor, binding or dispatch of ``plan`` exceeds a limit of ``dev``."""
+    for b in plan.buffers:
+        if b.size > dev.max_buffer_size:
+            raise LimitError.exceeded(f"buffer {b.name!r}", b.size, "max-buffer-size", dev.max_buffer_size)
+    for t in plan.inputs + plan.params + plan.outputs:
+        if t.nbytes > dev.max_binding_size:
+            raise LimitError.exceeded(
+                f"tensor {t.name!r}", t.nbytes, "max-storage-buffer-binding-size", dev.max_binding_size
+            )
+    max_storage = dev.limits["max-storage-buffers-per-shader-stage"]
+    for i, d in enumerate(plan.dispatches):
+        what = f"dispatch {i} ({d.label or d.kernel})"
+        if len(d.bindings) > max_storage:
+            raise LimitError.exceeded(
+                what, len(d.bindings), "max-storage-buffers-per-shader-stage", max_storage, "storage buffers"
+            )
+        if max(d.workgroups) > dev.max_workgroups_per_dim:
+            raise LimitError.exceeded(
+                what, max(d.workgroups), "max-compute-workgroups-per-dimension", dev.max_workgroups_per_dim,
+                "workgroups in one dimension",
+            )
+        for j, b in enumerate(d.bindings):
+            if b.size > dev.max_binding_size:
+                raise LimitError.exceeded(
+                    f"{what} binding {j} of buffer {b.buffer!r}", b.size,
+                    "max-storage-buffer-binding-size", dev.max_binding_size,
+                )
+            if b.offset % dev.offset_alignment:
+                raise LimitError(
+                    f"{what} binding {j} of buffer {b.buffer!r} starts at offset {b.offset}, not a multiple of "
+                    f"this adapter's min-storage-buffer-offset-alignment {dev.offset_alignment}",
+                    limit="min-storage-buffer-offset-alignment", value=dev.offset_alignment, requested=b.offset,
+                )
+
+
+class Program:
+    """A plan bound to a device; ``run`` replays it with no allocation."""
+
+    def __init__(self, device: Device, plan: Plan):
+        plan.validate()
+        self.device = device
+        self.plan = plan
+        check_limits(device, plan)
+        self._released = False
+        self._specs = {b.name: b for b in plan.buffers}
+        self._owned = {
+            b.name: device.storage_buffer(b.size, b.name) for b in plan.buffers if b.role in OWNED_ROLES
+        }
+        self._params: dict[str, object] = {}
+        self._uploaded_params: set[str] = set()  # param buffers created by upload_params, owned by this program
+        self._pipelines = {
+            key: device.pipeline(plan.kernels[key], self._n_bindings(key), key)
+            for key in dict.fromkeys(d.kernel for d in plan.dispatches)
+        }
+        self._writes = self._plan_writes()
+        self._plan_readback()
+        self._staging = device.staging_buffer(self._staging_size, "staging")
+        self._bind_groups: dict[tuple[Binding, ...], object] = {}
+        self._commands: list[tuple] = []
+        self._copies: list[tuple] = []
+        self._ready = False  # True once every param buffer is bound and the commands are built
+        if not self.missing_params():
+            self._resolve()
+
+    # ---- construction
+
+    def _n_bindings(self, kernel: str) -> int:
+        counts = {len(d.bindings) for d in self.plan.dispatches if d.kernel == kernel}
+        if len(counts) != 1:
+            raise ValueError(f"kernel {kernel!r} is dispatched with different binding counts {sorted(counts)}")
+        return counts.pop()
+
+    def _plan_writes(self) -> list[tuple]:
+        """Input uploads: (buffer name, offset, [(spec, offset in host block)], host block or None)."""
+        by_buffer: dict[str, list[TensorSpec]] = {}
+        for t in self.plan.inputs:
+            if t.nbytes:
+                by_buffer.setdefault(t.buffer, []).append(t)
+        writes = []
+        for name, specs in by_buffer.items():
+            start = min(t.offset for t in specs)
+            span = max(t.offset + t.nbytes for t in specs) - start
+            if len(specs) > 1 and span <= BATCH_BYTES:
+                writes.append((name, start, [(t, t.offset - start) for t in specs], np.zeros(span, np.uint8)))
+            else:
+                writes.extend((name, t.offset, [(t, 0)], None) for t in specs)
+        return writes
+
+    def _plan_readback(self) -> None:
+        """Lay out the staging buffer: each output buffer's span of output tensors, then each status buffer.
+
+        Sets ``_readback`` (copies as buffer name, source offset, staging offset, size), ``_output_offsets``
+        (staging offset per output tensor), ``_status_offsets`` and ``_staging_size``.
+        """
+        spans: dict[str, tuple[int, int]] = {}
+        for t in self.plan.outputs:
+            if t.nbytes:
+                start, end = spans.get(t.buffer, (t.offset // 4 * 4, t.offset + t.nbytes))
+                spans[t.buffer] = (min(start, t.offset // 4 * 4), max(end, t.offset + t.nbytes))
+        self._readback, cursor, placed = [], 0, {}
+        for name, (start, end) in spans.items():
+            self._readback.append((name, start, cursor, end - start))
+            placed[name] = cursor - start
+            cursor += end - start
+        self._output_offsets = {t.name: placed[t.buffer] + t.offset for t in self.plan.outputs if t.nbytes}
+        self._status_offsets = []
+        for b in self.plan.buffers:
+            if b.role == "status":
+                self._status_offsets.append((b.name, cursor, b.size))
+                self._readback.append((b.name, 0, cursor, b.size))
+                cursor += b.size
+        self._staging_size = max(cursor, 4)
+
+    def _buffer(self, name: str):
+        return self._owned[name] if name in self._owned else self._params[name]
+
+    def _resolve(self) -> None:
+        """Build the missing bind groups, then the command and copy lists that ``run`` replays."""
+        self._commands = []
+        for d in self.plan.dispatches:
+            group = self._bind_groups.get(d.bindings)
+            if group is None:
+                ranges = [(self._buffer(b.buffer), b.offset, b.size) for b in d.bindings]
+                group = self._bind_groups[d.bindings] = self.device.bind_group(ranges, d.label or d.kernel)
+            self._commands.append((self._pipelines[d.kernel], group, d.workgroups))
+        self._copies = [(self._buffer(n), src, dst, size) for n, src, dst, size in self._readback]
+        if not self._copies:  # nothing to read back: still wait for the GPU through a 4-byte copy
+            self._copies = [(self.device.fence, 0, 0, 4)]
+        self._ready = True
+
+    # ---- params
+
+    def param_buffers(self) -> list[str]:
+        return [b.name for b in self.plan.buffers if b.role == "param"]
+
+    def missing_params(self) -> list[str]:
+        return [name for name in self.param_buffers() if name not in self._params]
+
+    def bind_params(self, mapping: dict[str, object]) -> None:
+        """Bind GPU buffers to param buffers by name; bind groups over a replaced buffer are rebuilt."""
+        params = set(self.param_buffers())
+        for name, buffer in mapping.items():
+            if name not in params:
+                raise InputError(f"{name!r} is not a param buffer of this plan; param buffers are {sorted(params)}")
+            if buffer.size < self._specs[name].size:
+                raise InputError(
+                    f"param buffer {name!r} needs {self._specs[name].size} bytes, the buffer given has {buffer.size}"
+                )
+        changed = {name for name, buffer in mapping.items() if self._params.get(name) is not buffer}
+        if not changed:
+            return
+        for key in [k for k in self._bind_groups if any(b.buffer in changed for b in k)]:
+            del self._bind_groups[key]
+        for name in changed & self._uploaded_params:
+            self.device.destroy_buffer(self._params[name])
+        self._uploaded_params -= changed
+        self._params.update({name: mapping[name] for name in changed})
+        if not self.missing_params():
+            self._resolve()
+
+    def upload_params(self, arrays: dict[str, np.ndarray]) -> None:
+        """Create param buffers from arrays keyed by param tensor name, and bind them."""
+        specs = {t.name: t for t in self.plan.params}
+        unknown = sorted(set(arrays) - set(specs))
+        if unknown:
+            raise InputError(f"unknown params {unknown}; this plan's params are {sorted(specs)}")
+        touched = {specs[name].buffer for name in arrays}
+        missing = sorted(t.name for t in self.plan.params if t.buffer in touched and t.name not in arrays)
+        if missing:
+            raise InputError(f"params {missing} share a buffer with given params but were not given")
+        converted = {name: to_device_array(specs[name], value, "param") for name, value in arrays.items()}
+        created = {name: self.device.storage_buffer(self._specs[name].size, name) for name in touched}
+        for name, array in converted.items():
+            if array.size:
+                self.device.write(created[specs[name].buffer], specs[name].offset, array.reshape(-1), name)
+        self.bind_params(created)
+        self._uploaded_params.update(created)
+
+    # ---- running
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Upload ``inputs``, replay the plan in one pass and one submit, and return the outputs by name."""
+        if self._released:
+            raise MeganeuraError("this program was released")
+        if not self._ready:
+            raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
+        arrays = self._convert_inputs(inputs)
+        dev = self.device
+        for name, offset, parts, block in self._writes:
+            if block is None:
+                spec = parts[0][0]
+                dev.write(self._owned[name], offset, arrays[spec.name].reshape(-1), spec.name)
+            else:
+                for spec, at in parts:
+                    block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
+                dev.write(self._owned[name], offset, block, name)
+        with dev.checked("recording the plan"):
+            encoder = dev.wgpu_device.create_command_encoder()
+            for name, _, _ in self._status_offsets:
+                encoder.clear_buffer(self._owned[name])
+            if self._commands:
+                compute = encoder.begin_compute_pass()
+                pipeline = group = None
+                for next_pipeline, next_group, workgroups in self._commands:
+                    if next_pipeline is not pipeline:
+                        pipeline = next_pipeline
+                        compute.set_pipeline(pipeline)
+                    if next_group is not group:
+                        group = next_group
+                        compute.set_bind_group(0, group)
+                    compute.dispatch_workgroups(*workgroups)
+                compute.end()
+            for source, src_offset, dst_offset, size in self._copies:
+                encoder.copy_buffer_to_buffer(source, src_offset, self._staging, dst_offset, size)
+        dev.submit(encoder, "plan")
+        data = dev.read_staging(self._staging, self._staging_size)
+        self._raise_status(data)
+        return {t.name: from_device_bytes(t, data, self._output_offsets.get(t.name, 0)) for t in self.plan.outputs}
+
+    def _convert_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        specs = {t.name: t for t in self.plan.inputs}
+        missing = sorted(set(specs) - set(inputs))
+        extra = sorted(set(inputs) - set(specs))
+        if missing or extra:
+            raise InputError(f"missing inputs {missing}, unexpected inputs {extra}; expected {sorted(specs)}")
+        return {name: to_device_array(spec, inputs[name]) for name, spec in specs.items()}
+
+    def _raise_status(self, data) -> None:
+        for name, offset, size in self._status_offsets:
+            words = np.frombuffer(data, np.uint32, size // 4, offset)
+            nonzero = np.flatnonzero(words)
+            if nonzero.size:
+                code = int(words[nonzero[0]])
+                default = f"a kernel raised status code {code} (word {int(nonzero[0])} of {name!r})"
+                raise KernelStatusError(code, self.plan.status_messages.get(code, default))
+
+    # ---- reporting and teardown
+
+    def stats(self) -> dict:
+        by_role: dict[str, int] = {}
+        for b in self.plan.buffers:
+            by_role[b.role] = by_role.get(b.role, 0) + b.size
+        return {
+            "dispatches": len(self.plan.dispatches),
+            "kernels": len(self._pipelines),
+            "bind_groups": len(self._bind_groups),
+            "bytes_by_role": by_role,
+            "staging_bytes": self._staging_size,
+        }
+
+    def release(self) -> None:
+        """Destroy the buffers this program owns; the program cannot run afterwards."""
+        if self._released:
+            return
+        owned = list(self._owned.values()) + [self._params[n] for n in self._uploaded_params] + [self._staging]
+        for buffer in owned:
+            self.device.destroy_buffer(buffer)
+        self._owned, self._bind_groups, self._commands, self._copies = {}, {}, [], []
+        self._uploaded_params = set()
+        self._released = True
+        self._ready = False

@@ -1,0 +1,386 @@
+"""Program: hand-built plans run on the default adapter (lavapipe on CPU machines), checked against numpy."""
+import json
+
+import numpy as np
+import pytest
+
+from meganeura.runtime.device import get_device
+from meganeura.runtime.errors import InputError, KernelStatusError, LimitError, MeganeuraError
+from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
+from meganeura.runtime.program import Program
+
+RNG = np.random.default_rng(0)
+
+
+def kernel(params: list[tuple[str, str]], body: str) -> str:
+    """WGSL of a 1-D elementwise kernel over ``out``; params are (name, element type), bound in order."""
+    lines = [
+        f"@group(0) @binding({i}) var<storage, read_write> {name}: array<{ty}>;" for i, (name, ty) in enumerate(params)
+    ]
+    lines.append("@compute @workgroup_size(64)")
+    lines.append("fn main(@builtin(global_invocation_id) gid: vec3<u32>) {")
+    lines.append("  let i = gid.x;")
+    lines.append("  if (i >= arrayLength(&out)) { return; }")
+    lines.append(f"  {body}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def groups(n: int) -> tuple[int, int, int]:
+    return (max(1, (n + 63) // 64), 1, 1)
+
+
+ADD = kernel([("a", "f32"), ("b", "f32"), ("out", "f32")], "out[i] = a[i] + b[i];")
+
+
+def add_plan(n: int = 100) -> Plan:
+    """out = a + b, with a and b packed into one input buffer at aligned offsets."""
+    nb, off = 4 * n, align(4 * n)
+    return Plan(
+        buffers=[BufferSpec("inputs", off + nb, "input"), BufferSpec("out", nb, "output")],
+        inputs=[TensorSpec("a", "inputs", 0, (n,), "float32"), TensorSpec("b", "inputs", off, (n,), "float32")],
+        params=[],
+        outputs=[TensorSpec("sum", "out", 0, (n,), "float32")],
+        kernels={"add": ADD},
+        dispatches=[
+            Dispatch(
+                "add", (Binding("inputs", 0, nb), Binding("inputs", off, nb), Binding("out", 0, nb)), groups(n), "add"
+            )
+        ],
+    )
+
+
+def test_add_matches_numpy():
+    program = Program(get_device(), add_plan())
+    a, b = RNG.standard_normal(100, dtype=np.float32), RNG.standard_normal(100, dtype=np.float32)
+    out = program.run({"a": a, "b": b})
+    np.testing.assert_allclose(out["sum"], a + b, rtol=1e-6)
+    assert out["sum"].dtype == np.float32
+
+
+def test_second_run_creates_nothing():
+    device = get_device()
+    program = Program(device, add_plan())
+    a, b = np.ones(100, np.float32), np.arange(100, dtype=np.float32)
+    program.run({"a": a, "b": b})
+    before = device.counters.snapshot()
+    out = program.run({"a": a, "b": b})
+    after = device.counters.snapshot()
+    for key in ("pipelines_created", "buffers_created", "bind_groups_created", "bytes_allocated"):
+        assert after[key] == before[key], key
+    assert after["submits"] == before["submits"] + 1
+    assert after["bytes_uploaded"] == before["bytes_uploaded"] + program.plan.buffer("inputs").size
+    np.testing.assert_array_equal(out["sum"], a + b)
+
+
+def test_pipelines_are_cached_across_programs():
+    device = get_device()
+    Program(device, add_plan())
+    before = device.counters.pipelines_created
+    Program(device, add_plan(37))
+    assert device.counters.pipelines_created == before
+
+
+def test_json_round_trip_gives_same_results():
+    plan = add_plan(50)
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    a, b = RNG.standard_normal(50, dtype=np.float32), RNG.standard_normal(50, dtype=np.float32)
+    out1 = Program(get_device(), plan).run({"a": a, "b": b})
+    out2 = Program(get_device(), again).run({"a": a, "b": b})
+    np.testing.assert_array_equal(out1["sum"], out2["sum"])
+
+
+def affine_plan(n: int = 64) -> Plan:
+    """y = x * w + bias, with w and bias in one param buffer."""
+    nb, off = 4 * n, align(4 * n)
+    body = kernel([("x", "f32"), ("w", "f32"), ("bias", "f32"), ("out", "f32")], "out[i] = x[i] * w[i] + bias[i];")
+    return Plan(
+        buffers=[BufferSpec("x", nb, "input"), BufferSpec("weights", off + nb, "param"), BufferSpec("y", nb, "output")],
+        inputs=[TensorSpec("x", "x", 0, (n,), "float32")],
+        params=[TensorSpec("w", "weights", 0, (n,), "float32"), TensorSpec("bias", "weights", off, (n,), "float32")],
+        outputs=[TensorSpec("y", "y", 0, (n,), "float32")],
+        kernels={"affine": body},
+        dispatches=[
+            Dispatch(
+                "affine",
+                (Binding("x", 0, nb), Binding("weights", 0, nb), Binding("weights", off, nb), Binding("y", 0, nb)),
+                groups(n),
+            )
+        ],
+    )
+
+
+def test_params_upload_and_rebind():
+    device = get_device()
+    plan = affine_plan()
+    program = Program(device, plan)
+    x = RNG.standard_normal(64, dtype=np.float32)
+    with pytest.raises(MeganeuraError, match="weights"):
+        program.run({"x": x})
+    w, bias = RNG.standard_normal(64, dtype=np.float32), RNG.standard_normal(64, dtype=np.float32)
+    program.upload_params({"w": w, "bias": bias})
+    np.testing.assert_allclose(program.run({"x": x})["y"], x * w + bias, rtol=1e-6)
+
+    block = np.zeros(plan.buffer("weights").size // 4, np.float32)
+    block[:64], block[64:128] = 2.0, 1.0
+    external = device.upload(block, "external weights")
+    before = device.counters.snapshot()
+    program.bind_params({"weights": external})  # replaces (and frees) the uploaded buffer
+    assert device.counters.bind_groups_created == before["bind_groups_created"] + 1
+    assert device.counters.bytes_allocated == before["bytes_allocated"] - plan.buffer("weights").size
+    np.testing.assert_allclose(program.run({"x": x})["y"], x * 2 + 1, rtol=1e-6)
+    before = device.counters.snapshot()
+    program.bind_params({"weights": external})  # the same buffer again: nothing rebuilt
+    assert device.counters.snapshot() == before
+    with pytest.raises(InputError, match="not a param buffer"):
+        program.bind_params({"x": external})
+    with pytest.raises(InputError, match="unknown params"):
+        program.upload_params({"nope": w})
+
+
+def test_arena_chain_reuses_one_pipeline():
+    """Three dispatches of one kernel through two arena tensors: out = 8 x."""
+    n = 40
+    nb, off = 4 * n, align(4 * n)
+    double = kernel([("src", "f32"), ("out", "f32")], "out[i] = 2.0 * src[i];")
+    plan = Plan(
+        buffers=[BufferSpec("x", nb, "input"), BufferSpec("arena", off + nb, "arena"), BufferSpec("y", nb, "output")],
+        inputs=[TensorSpec("x", "x", 0, (n,), "float32")],
+        params=[],
+        outputs=[TensorSpec("y", "y", 0, (n,), "float32")],
+        kernels={"double": double},
+        dispatches=[
+            Dispatch("double", (Binding("x", 0, nb), Binding("arena", 0, nb)), groups(n), "t0"),
+            Dispatch("double", (Binding("arena", 0, nb), Binding("arena", off, nb)), groups(n), "t1"),
+            Dispatch("double", (Binding("arena", off, nb), Binding("y", 0, nb)), groups(n), "t2"),
+        ],
+    )
+    program = Program(get_device(), plan)
+    x = RNG.standard_normal(n, dtype=np.float32)
+    np.testing.assert_allclose(program.run({"x": x})["y"], 8 * x, rtol=1e-6)
+    stats = program.stats()
+    assert stats["dispatches"] == 3 and stats["kernels"] == 1 and stats["bind_groups"] == 3
+    assert stats["bytes_by_role"] == {"input": nb, "arena": off + nb, "output": nb}
+
+
+def int_plan(n: int = 10) -> Plan:
+    """(int64 x) + 1 and (int32 k) * 3, both outputs in one buffer."""
+    nb, off = 4 * n, align(4 * n)
+    inc = kernel([("x", "i32"), ("out", "i32")], "out[i] = x[i] + 1;")
+    triple = kernel([("k", "i32"), ("out", "i32")], "out[i] = k[i] * 3;")
+    return Plan(
+        buffers=[BufferSpec("ins", off + nb, "input"), BufferSpec("outs", off + nb, "output")],
+        inputs=[TensorSpec("x", "ins", 0, (2, n // 2), "int64"), TensorSpec("k", "ins", off, (n,), "int32")],
+        params=[],
+        outputs=[TensorSpec("x1", "outs", 0, (2, n // 2), "int64"), TensorSpec("k3", "outs", off, (n,), "int32")],
+        kernels={"inc": inc, "triple": triple},
+        dispatches=[
+            Dispatch("inc", (Binding("ins", 0, nb), Binding("outs", 0, nb)), groups(n)),
+            Dispatch("triple", (Binding("ins", off, nb), Binding("outs", off, nb)), groups(n)),
+        ],
+    )
+
+
+def test_int64_and_int32_round_trip():
+    program = Program(get_device(), int_plan())
+    x = np.array([[-(2**31), -5, 0, 7, 2**31 - 2], [1, 2, 3, 4, 5]], dtype=np.int64)
+    k = np.arange(-5, 5, dtype=np.int32)
+    out = program.run({"x": x, "k": k})
+    assert out["x1"].dtype == np.int64 and out["k3"].dtype == np.int32
+    np.testing.assert_array_equal(out["x1"], x + 1)
+    np.testing.assert_array_equal(out["k3"], k * 3)
+    with pytest.raises(InputError, match="'x'.*outside int32"):
+        program.run({"x": x * 2**20, "k": k})
+
+
+def test_bool_input_and_output():
+    n = 33
+    body = kernel([("x", "f32"), ("mask", "u32"), ("out", "u32")], "out[i] = u32(x[i] > 0.0) & mask[i];")
+    plan = Plan(
+        buffers=[BufferSpec("x", 4 * n, "input"), BufferSpec("m", 4 * n, "input"), BufferSpec("o", 4 * n, "output")],
+        inputs=[TensorSpec("x", "x", 0, (3, 11), "float32"), TensorSpec("mask", "m", 0, (3, 11), "bool")],
+        params=[],
+        outputs=[TensorSpec("pos", "o", 0, (3, 11), "bool")],
+        kernels={"k": body},
+        dispatches=[Dispatch("k", (Binding("x", 0, 4 * n), Binding("m", 0, 4 * n), Binding("o", 0, 4 * n)), groups(n))],
+    )
+    x = RNG.standard_normal((3, 11), dtype=np.float32)
+    mask = RNG.random((3, 11)) > 0.5
+    out = Program(get_device(), plan).run({"x": x, "mask": mask})
+    assert out["pos"].dtype == np.bool_
+    np.testing.assert_array_equal(out["pos"], (x > 0) & mask)
+
+
+GATHER = """
+@group(0) @binding(0) var<storage, read_write> table: array<f32>;
+@group(0) @binding(1) var<storage, read_write> idx: array<i32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  if (i >= arrayLength(&out)) { return; }
+  let j = idx[i];
+  if (j < 0 || u32(j) >= arrayLength(&table)) {
+    atomicMax(&status[0], CODE);
+    out[i] = 0.0;
+    return;
+  }
+  out[i] = table[j];
+}
+"""
+
+
+def gather_plan(code: int, n: int = 20, rows: int = 8) -> Plan:
+    return Plan(
+        buffers=[
+            BufferSpec("table", 4 * rows, "input"),
+            BufferSpec("idx", 4 * n, "input"),
+            BufferSpec("out", 4 * n, "output"),
+            BufferSpec("status", 4, "status"),
+        ],
+        inputs=[TensorSpec("table", "table", 0, (rows,), "float32"), TensorSpec("idx", "idx", 0, (n,), "int64")],
+        params=[],
+        outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
+        kernels={"gather": GATHER.replace("CODE", f"{code}u")},
+        dispatches=[
+            Dispatch(
+                "gather",
+                (
+                    Binding("table", 0, 4 * rows),
+                    Binding("idx", 0, 4 * n),
+                    Binding("out", 0, 4 * n),
+                    Binding("status", 0, 4),
+                ),
+                groups(n),
+                "embedding",
+            )
+        ],
+        status_messages={1: "index out of range in embedding"},
+    )
+
+
+def test_status_raises_then_clears():
+    program = Program(get_device(), gather_plan(1))
+    table = RNG.standard_normal(8, dtype=np.float32)
+    idx = RNG.integers(0, 8, 20)
+    np.testing.assert_array_equal(program.run({"table": table, "idx": idx})["out"], table[idx])
+    bad = idx.copy()
+    bad[3] = 8
+    with pytest.raises(KernelStatusError, match="index out of range in embedding") as info:
+        program.run({"table": table, "idx": bad})
+    assert info.value.code == 1
+    np.testing.assert_array_equal(program.run({"table": table, "idx": idx})["out"], table[idx])
+
+
+def test_status_without_message_names_the_code():
+    program = Program(get_device(), gather_plan(7))
+    with pytest.raises(KernelStatusError, match="status code 7"):
+        program.run({"table": np.zeros(8, np.float32), "idx": np.full(20, -1, np.int64)})
+
+
+@pytest.mark.parametrize(
+    "inputs, pattern",
+    [
+        ({"a": np.zeros(100, np.float32)}, r"missing inputs \['b'\]"),
+        ({"a": np.zeros(100, np.float32), "b": np.zeros(100, np.float32), "c": 1}, r"unexpected inputs \['c'\]"),
+        ({"a": np.zeros(99, np.float32), "b": np.zeros(100, np.float32)}, r"'a' expects shape \(100,\), got \(99,\)"),
+        ({"a": np.zeros(100, np.float64), "b": np.zeros(100, np.float32)}, "'a' expects dtype float32, got float64"),
+        ({"a": [0.0] * 100, "b": np.zeros(100, np.float32)}, "'a' must be a numpy array"),
+    ],
+)
+def test_bad_inputs_raise_input_error(inputs, pattern):
+    program = Program(get_device(), add_plan())
+    with pytest.raises(InputError, match=pattern) as info:
+        program.run(inputs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_binding_over_limit(monkeypatch):
+    device = get_device()
+    monkeypatch.setattr(device, "max_binding_size", 256)
+    pattern = "tensor 'a' needs 400 bytes but this adapter's max-storage-buffer-binding-size is 256"
+    with pytest.raises(LimitError, match=pattern):
+        Program(device, add_plan())
+
+
+def test_buffer_over_limit(monkeypatch):
+    device = get_device()
+    monkeypatch.setattr(device, "max_buffer_size", 512)
+    with pytest.raises(LimitError, match="buffer 'inputs' needs 912 bytes .* max-buffer-size is 512"):
+        Program(device, add_plan())
+
+
+def test_misaligned_binding_offset():
+    device = get_device()
+    plan = add_plan()
+    bindings = plan.dispatches[0].bindings
+    misaligned = (bindings[0], Binding("inputs", device.offset_alignment // 2, 400), bindings[2])
+    plan.buffers[0] = BufferSpec("inputs", 1024, "input")
+    plan.dispatches[0] = Dispatch("add", misaligned, (2, 1, 1))
+    with pytest.raises(LimitError, match="min-storage-buffer-offset-alignment") as info:
+        Program(device, plan)
+    assert info.value.limit == "min-storage-buffer-offset-alignment"
+
+
+def test_too_many_workgroups():
+    device = get_device()
+    plan = add_plan()
+    plan.dispatches[0] = Dispatch("add", plan.dispatches[0].bindings, (device.max_workgroups_per_dim + 1, 1, 1))
+    with pytest.raises(LimitError, match="max-compute-workgroups-per-dimension"):
+        Program(device, plan)
+
+
+def test_empty_tensors():
+    n = 8
+    plan = add_plan(n)
+    plan.buffers.append(BufferSpec("nothing", 4, "input"))
+    plan.inputs.append(TensorSpec("empty_in", "nothing", 0, (0, 3), "float32"))
+    plan.outputs.append(TensorSpec("empty_out", "out", 0, (2, 0), "int64"))
+    program = Program(get_device(), plan)
+    a = np.ones(n, np.float32)
+    out = program.run({"a": a, "b": a, "empty_in": np.zeros((0, 3), np.float32)})
+    np.testing.assert_array_equal(out["sum"], 2 * a)
+    assert out["empty_out"].shape == (2, 0) and out["empty_out"].dtype == np.int64
+
+
+def test_shader_error_names_the_kernel():
+    plan = add_plan()
+    plan.kernels["add"] = ADD.replace("a[i] + b[i]", "a[i] + nope[i]")
+    with pytest.raises(MeganeuraError, match=r"(?s)kernel 'add'.*nope"):
+        Program(get_device(), plan)
+
+
+def test_release_frees_buffers():
+    device = get_device()
+    before = device.counters.bytes_allocated
+    program = Program(device, affine_plan())
+    program.upload_params({"w": np.ones(64, np.float32), "bias": np.zeros(64, np.float32)})
+    assert device.counters.bytes_allocated > before
+    program.release()
+    assert device.counters.bytes_allocated == before
+    with pytest.raises(MeganeuraError, match="released"):
+        program.run({"x": np.zeros(64, np.float32)})
+
+
+def test_plan_without_outputs_still_waits():
+    double = kernel([("src", "f32"), ("out", "f32")], "out[i] = 2.0 * src[i];")
+    plan = Plan(
+        buffers=[BufferSpec("x", 64, "input"), BufferSpec("arena", 64, "arena")],
+        inputs=[TensorSpec("x", "x", 0, (16,), "float32")],
+        params=[],
+        outputs=[],
+        kernels={"double": double},
+        dispatches=[Dispatch("double", (Binding("x", 0, 64), Binding("arena", 0, 64)), (1, 1, 1))],
+    )
+    device = get_device()
+    program = Program(device, plan)
+    before = device.counters.snapshot()
+    assert program.run({"x": np.ones(16, np.float32)}) == {}
+    assert device.counters.submits == before["submits"] + 1
+    assert device.counters.bytes_downloaded == before["bytes_downloaded"] + 4

@@ -1,0 +1,121 @@
+"""Device: adapter choice (with fake adapters), caching, limits, buffers and error translation."""
+import numpy as np
+import pytest
+import wgpu
+
+from meganeura.runtime import device as device_module
+from meganeura.runtime.device import Device, get_device, list_adapters
+from meganeura.runtime.errors import DeviceLostError, MeganeuraError, NoAdapterError
+from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
+from meganeura.runtime.program import Program
+
+
+class FakeAdapter:
+    def __init__(self, device: str, adapter_type: str, backend: str = "Vulkan", description: str = ""):
+        self.info = {
+            "device": device, "description": description, "vendor": "", "adapter_type": adapter_type,
+            "backend_type": backend,
+        }
+
+
+FAKES = [
+    FakeAdapter("llvmpipe", "CPU"),
+    FakeAdapter("Intel UHD", "IntegratedGPU", description="Mesa Intel"),
+    FakeAdapter("NVIDIA H200", "DiscreteGPU", backend="OpenGL"),
+    FakeAdapter("NVIDIA H200", "DiscreteGPU"),
+    FakeAdapter("virtio", "VirtualGPU"),
+]
+
+
+@pytest.mark.parametrize(
+    "choice, expected",
+    [(None, 3), (0, 0), ("4", 4), ("h200", 3), ("MESA INTEL", 1), ("llvm", 0)],
+)
+def test_adapter_choice(choice, expected):
+    assert device_module._choose_adapter(FAKES, choice) == expected
+
+
+def test_opengl_only_when_nothing_else():
+    gl_gpu, cpu = FakeAdapter("gl", "DiscreteGPU", "OpenGL"), FakeAdapter("cpu", "CPU")
+    assert device_module._choose_adapter([gl_gpu, cpu], None) == 1
+    assert device_module._choose_adapter([FakeAdapter("gl", "CPU", "OpenGL")], None) == 0
+
+
+@pytest.mark.parametrize("choice, pattern", [(9, "out of range"), ("radeon", "no adapter name contains")])
+def test_bad_adapter_choice(choice, pattern):
+    with pytest.raises(NoAdapterError, match=pattern):
+        device_module._choose_adapter(FAKES, choice)
+
+
+def test_no_adapter_tells_how_to_install_one():
+    with pytest.raises(NoAdapterError, match="mesa-vulkan-drivers"):
+        device_module._choose_adapter([], None)
+
+
+def test_device_is_cached_and_env_var_selects(monkeypatch):
+    device = get_device()
+    assert get_device() is device
+    assert device.backend != "OpenGL"
+    index = next(a["index"] for a in list_adapters() if a["name"] == device.name and a["backend"] == device.backend)
+    monkeypatch.setenv(device_module.ADAPTER_ENV, str(index))
+    assert get_device() is device
+
+
+def test_device_properties():
+    device = get_device()
+    assert device.name in device.describe() and device.adapter_type in device.describe()
+    assert device.offset_alignment == device.limits["min-storage-buffer-offset-alignment"]
+    assert device.max_binding_size <= device.max_buffer_size
+    assert device.max_workgroups_per_dim >= 65535
+    adapter_features = set(device.adapter.features)
+    for feature in ("shader-f16", "subgroup", "timestamp-query"):
+        assert (feature in device.features) == (feature in adapter_features)
+    listed = list_adapters()
+    assert [a["index"] for a in listed] == list(range(len(listed)))
+    assert {"index", "name", "type", "backend", "features", "limits"} <= set(listed[0])
+
+
+def test_buffer_counters():
+    device = get_device()
+    before = device.counters.snapshot()
+    buffer = device.upload(np.arange(16, dtype=np.float32), "sixteen")
+    after = device.counters.snapshot()
+    assert after["buffers_created"] == before["buffers_created"] + 1
+    assert after["bytes_allocated"] == before["bytes_allocated"] + 64
+    assert after["bytes_uploaded"] == before["bytes_uploaded"] + 64
+    device.destroy_buffer(buffer)
+    assert device.counters.bytes_allocated == before["bytes_allocated"]
+
+
+def test_validation_error_names_the_label():
+    device = get_device()
+    buffer = device.storage_buffer(64, "small")
+    with pytest.raises(MeganeuraError, match=r"(?s)bind group 'misaligned'.*offset"):
+        device.bind_group([(buffer, 4, 16)], "misaligned")
+    device.destroy_buffer(buffer)
+
+
+def test_device_lost_raises():
+    """A second, private device is destroyed; the next run says the device was lost instead of crashing."""
+    index = device_module._choose_adapter(device_module._enumerate_adapters(), None)
+    device = Device(wgpu.gpu.enumerate_adapters_sync()[index])
+    plan = Plan(
+        buffers=[BufferSpec("x", 16, "input"), BufferSpec("y", 16, "output")],
+        inputs=[TensorSpec("x", "x", 0, (4,), "float32")],
+        params=[],
+        outputs=[TensorSpec("y", "y", 0, (4,), "float32")],
+        kernels={"copy": "@group(0) @binding(0) var<storage, read_write> x: array<f32>;\n"
+                         "@group(0) @binding(1) var<storage, read_write> y: array<f32>;\n"
+                         "@compute @workgroup_size(4) fn main(@builtin(global_invocation_id) g: vec3<u32>) "
+                         "{ y[g.x] = x[g.x]; }"},
+        dispatches=[Dispatch("copy", (Binding("x", 0, 16), Binding("y", 0, 16)), (1, 1, 1))],
+    )
+    program = Program(device, plan)
+    x = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(program.run({"x": x})["y"], x)
+    device.wgpu_device.destroy()
+    with pytest.raises(DeviceLostError):
+        program.run({"x": x})
+    assert device.lost
+    with pytest.raises(DeviceLostError):
+        program.run({"x": x})
