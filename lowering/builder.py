@@ -82,16 +82,18 @@ class GraphBuilder:
 
     def map(self, fn: Callable[..., E.Expr], *operands, dtype: str, compute: str | None = None,
             label: str = "") -> Value:
-        """Broadcasting elementwise op: ``fn`` gets one Expr per operand (Values or Python scalars),
-        each cast to ``compute`` (default: the compute dtype of ``dtype``)."""
+        """Broadcasting elementwise op: ``fn`` gets one Expr per operand (Values or Python scalars), each
+        cast to ``compute`` (default: the compute dtype of ``dtype``; "keep": each operand's own dtype)."""
         shape = broadcast_shapes(*[o.shape for o in operands if isinstance(o, Value)])
         compute = compute or Value(0, (), dtype).compute_dtype
         args = []
         for o in operands:
             if isinstance(o, Value):
-                args.append(E.cast(self.load_broadcast(o, shape), compute))
+                loaded = self.load_broadcast(o, shape)
+                args.append(loaded if compute == "keep" else E.cast(loaded, compute))
             else:
-                args.append(E.const(o, compute))
+                kind = compute if compute != "keep" else (E.BOOL if isinstance(o, bool) else E.I32 if isinstance(o, int) else E.F32)
+                args.append(E.const(o, kind))
         return self.pointwise(shape, dtype, fn(*args), label)
 
     def full(self, shape, value, dtype: str) -> Value:

@@ -1,0 +1,10 @@
+"""torch-meganeura: run PyTorch models on any Vulkan or Metal GPU through wgpu.
+
+``torch.compile(model, backend="meganeura")`` works after ``pip install`` (entry point); ``explain`` reports
+what a model lowers to.
+"""
+from .backend import FallbackError, meganeura_backend
+from .explain import explain
+
+__version__ = "0.1.0"
+__all__ = ["meganeura_backend", "explain", "FallbackError", "__version__"]

@@ -1,0 +1,112 @@
+"""The ``meganeura`` dynamo backend: aot_autograd with our decompositions and a graph compiler that sends
+supported regions to the device and the rest to eager PyTorch (visibly).
+
+Registered under the ``torch_dynamo_backends`` entry point, so ``torch.compile(model, backend="meganeura")``
+works without importing this package. ``torch._dynamo.reset()`` calls ``meganeura_backend.reset()``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from meganeura.runtime.device import get_device
+
+from .compiled import DevicePartition
+from .decompositions import decomposition_table
+from .options import Options
+from .params import ParamStore
+from .partition import fallback_ops, partition
+
+log = logging.getLogger("torch_meganeura")
+
+
+class FallbackError(NotImplementedError):
+    """Raised under ``options={"fallback": "error"}`` when a graph has ops the device cannot run."""
+
+
+class BackendContext:
+    """State shared by the graphs compiled with one set of options: device, parameter copies, records."""
+
+    _warned: set[str] = set()
+    recorders: list = []  # explain() pushes a list here to collect records
+
+    def __init__(self, options: Options):
+        self.options = options
+        self._params: ParamStore | None = None
+
+    def device(self):
+        return get_device(self.options.adapter)
+
+    def params(self) -> ParamStore:
+        if self._params is None:
+            self._params = _param_store(self.device())
+        return self._params
+
+    def record(self, item) -> None:
+        for rec in self.recorders:
+            rec.append(item)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_store(device) -> ParamStore:
+    return ParamStore(device)
+
+
+def _static_indices() -> set[int]:
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    return set(getattr(meta, "static_input_indices", None) or [])
+
+
+def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: BackendContext, backward: bool = False):
+    """The aot_autograd compiler: returns a boxed callable running ``gm`` on the device where it can."""
+    param_indices = set() if backward else _static_indices()
+    fallbacks = fallback_ops(gm)
+    if fallbacks:
+        listing = ", ".join(f"{op} ({why})" for op, why in sorted(fallbacks.items()))
+        if context.options.fallback == "error":
+            raise FallbackError(f"meganeura cannot run these ops on the device: {listing}")
+        new = sorted(set(fallbacks) - BackendContext._warned)
+        if new:
+            BackendContext._warned.update(new)
+            warnings.warn(f"meganeura: running in eager PyTorch (no device lowering): {listing}", stacklevel=2)
+    fused, names = partition(gm)
+    placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
+    index_of = {n: i for i, n in enumerate(placeholders)}
+    for node in fused.graph.nodes:
+        if node.op == "call_module" and node.target in names:
+            sub_params = {j for j, a in enumerate(node.args) if index_of.get(a) in param_indices}
+            setattr(fused, node.target, DevicePartition(getattr(fused, node.target), sub_params, context))
+    context.record({"kind": "graph", "backward": backward, "partitions": len(names), "fallback_ops": fallbacks})
+
+    def run(args):
+        result = fused(*args)
+        args.clear()
+        return result
+
+    run._boxed_call = True
+    return run
+
+
+def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """``torch.compile`` backend entry point."""
+    opts = Options.from_user(options)
+    context = BackendContext(opts)
+    compiler = functools.partial(compile_graph_module, context=context)
+    return aot_autograd(
+        fw_compiler=compiler,
+        bw_compiler=functools.partial(compiler, backward=True),
+        decompositions=decomposition_table(),
+    )(gm, example_inputs)
+
+
+def _reset() -> None:
+    BackendContext._warned.clear()
+
+
+meganeura_backend.reset = _reset

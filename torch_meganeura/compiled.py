@@ -1,0 +1,98 @@
+"""A device partition: an fx graph of supported aten ops that runs as one plan per input signature.
+
+At a call with a signature (input shapes, dtypes and Python scalars) not seen before, the graph is lowered
+with those concrete shapes, fused, planned and instantiated on the device; later calls with the same
+signature only upload inputs (and changed parameters), replay the plan and read outputs back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from meganeura.lowering import compile_graph
+from meganeura.runtime.program import Program
+
+from .fx_lowering import LoweredGraph, lower_graph
+from .params import ParamStore
+
+log = logging.getLogger("torch_meganeura")
+
+@dataclass
+class PlanRecord:
+    """What explain() reports about one compiled signature."""
+
+    signature: tuple
+    ops: dict
+    dispatches: int
+    kernels: int
+    fused_producers: int
+    arena_bytes: int
+    unplanned_bytes: int
+    compile_seconds: float
+    fusion_refusals: list = field(default_factory=list)
+
+
+@dataclass
+class _Entry:
+    lowered: LoweredGraph
+    program: Program
+
+
+def signature(args) -> tuple:
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.dtype))
+        else:
+            sig.append(a)
+    return tuple(sig)
+
+
+class DevicePartition(torch.nn.Module):
+    """Runs ``gm`` on the device; stands in for the fused submodule the partitioner made."""
+
+    def __init__(self, gm: fx.GraphModule, param_indices: set[int], context):
+        super().__init__()
+        self.gm = gm
+        self.param_indices = set(param_indices)
+        self.context = context  # the backend's shared state: device, parameter store, records
+        self._plans: dict[tuple, _Entry] = {}
+
+    def forward(self, *args):
+        key = signature(args)
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._compile(key, args)
+            self._plans[key] = entry
+        return self._run(entry, args)
+
+    def _compile(self, key, args) -> _Entry:
+        start = time.perf_counter()
+        device = self.context.device()
+        lowered = lower_graph(self.gm, list(args), self.param_indices)
+        plan, report = compile_graph(lowered.graph, device.limits)
+        program = Program(device, plan)
+        seconds = time.perf_counter() - start
+        record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
+                            plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused)
+        self.context.record(record)
+        log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels, seconds)
+        return _Entry(lowered, program)
+
+    def _run(self, entry: _Entry, args):
+        lowered, program = entry.lowered, entry.program
+        store: ParamStore = self.context.params()
+        program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}") for i, name in lowered.params})
+        inputs = {name: args[i].detach().cpu().contiguous().numpy() for i, name in lowered.inputs}
+        results = program.run(inputs)
+        outs = []
+        for kind, item in lowered.outputs:
+            if kind == "const":
+                outs.append(item)
+            else:
+                outs.append(torch.from_numpy(results[item]))
+        return tuple(outs) if lowered.returns_tuple else outs[0]

@@ -1,0 +1,69 @@
+"""``explain(model, *inputs)``: compile and run once, then report what ran where and what it cost."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .backend import BackendContext, meganeura_backend
+
+
+@dataclass
+class ExplainReport:
+    lowered_ops: dict[str, int] = field(default_factory=dict)  # aten op -> count, run on the device
+    fallback_ops: dict[str, str] = field(default_factory=dict)  # aten op -> why it runs in eager PyTorch
+    graphs: int = 0  # fx graphs aot_autograd handed over (forward, backward)
+    partitions: int = 0  # device partitions
+    kernels: int = 0  # distinct fused kernels
+    dispatches: int = 0  # dispatches per call (sum over partitions)
+    fused_producers: int = 0  # pointwise producers folded into their consumers
+    planned_bytes: int = 0  # arena size after lifetime planning
+    unplanned_bytes: int = 0  # sum of all intermediates
+    compile_seconds: float = 0.0  # first call, compile included
+    adapter: str = ""
+
+    def __str__(self) -> str:
+        lines = [
+            f"adapter:            {self.adapter}",
+            f"graphs / partitions: {self.graphs} / {self.partitions}",
+            f"ops on device:      {sum(self.lowered_ops.values())} ({len(self.lowered_ops)} kinds)",
+            f"ops in eager:       {len(self.fallback_ops)}" + "".join(
+                f"\n  {op}: {why}" for op, why in sorted(self.fallback_ops.items())),
+            f"fused producers:    {self.fused_producers}",
+            f"kernels:            {self.kernels}",
+            f"dispatches per call: {self.dispatches}",
+            f"intermediates:      {self.planned_bytes:,} B planned vs {self.unplanned_bytes:,} B unplanned",
+            f"first call:         {self.compile_seconds:.3f} s (compile included)",
+        ]
+        return "\n".join(lines)
+
+
+def explain(model, *inputs, options: dict | None = None) -> ExplainReport:
+    """Compile ``model`` with the meganeura backend, call it once on ``inputs`` and report."""
+    records: list = []
+    BackendContext.recorders.append(records)
+    try:
+        compiled = torch.compile(model, backend=lambda gm, ex: meganeura_backend(gm, ex, options=options))
+        start = time.perf_counter()
+        compiled(*inputs)
+        elapsed = time.perf_counter() - start
+    finally:
+        BackendContext.recorders.remove(records)
+    report = ExplainReport(compile_seconds=elapsed)
+    for rec in records:
+        if isinstance(rec, dict):
+            report.graphs += 1
+            report.partitions += rec["partitions"]
+            report.fallback_ops.update(rec["fallback_ops"])
+            continue
+        for op, n in rec.ops.items():
+            report.lowered_ops[op] = report.lowered_ops.get(op, 0) + n
+        report.kernels += rec.kernels
+        report.dispatches += rec.dispatches
+        report.fused_producers += rec.fused_producers
+        report.planned_bytes += rec.arena_bytes
+        report.unplanned_bytes += rec.unplanned_bytes
+    from meganeura.runtime.device import get_device
+    report.adapter = get_device((options or {}).get("adapter")).describe()
+    return report

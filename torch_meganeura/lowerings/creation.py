@@ -1,0 +1,41 @@
+"""Tensor factories: full, scalar_tensor, arange, empty (zero-filled: torch leaves it uninitialised)."""
+from __future__ import annotations
+
+import torch
+
+from meganeura.lowering import expr as E
+
+from ..registry import lowering
+
+aten = torch.ops.aten
+
+
+@lowering(aten.full.default, aten.empty.memory_format, aten.full_like.default, aten.empty_like.default,
+          aten.scalar_tensor.default, aten.zeros_like.default, aten.ones_like.default)
+def _full(ctx, first, value=0, **kwargs):
+    target = ctx.node.target
+    if target is aten.empty.memory_format:
+        shape, value = first, 0
+    elif target in (aten.full_like.default,):
+        shape = first.shape
+    elif target in (aten.empty_like.default, aten.zeros_like.default):
+        shape, value = first.shape, 0
+    elif target is aten.ones_like.default:
+        shape, value = first.shape, 1
+    elif target is aten.scalar_tensor.default:
+        shape, value = (), first
+    else:
+        shape = first
+    return ctx.b.full(tuple(shape), value, ctx.out_dtype)
+
+
+@lowering(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def _arange(ctx, start, end=None, step=1, **kwargs):
+    if end is None:
+        start, end = 0, start
+    n = len(range(start, end, step)) if all(isinstance(v, int) for v in (start, end, step)) \
+        else int(torch.arange(start, end, step).numel())
+    dtype = ctx.out_dtype
+    kind = E.F32 if dtype == "float32" else E.I32
+    expr = E.add(E.mul(E.cast(E.coord(0), kind), E.const(step, kind)), E.const(start, kind))
+    return ctx.b.pointwise((n,), dtype, expr, "arange")

@@ -1,0 +1,91 @@
+"""View and layout ops: they change index math only and fold into their consumers (no copies)."""
+from __future__ import annotations
+
+import torch
+
+from ..registry import lowering
+
+aten = torch.ops.aten
+
+
+@lowering(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(ctx, x, shape):
+    return ctx.b.reshape(x, shape)
+
+
+@lowering(aten.permute.default)
+def _permute(ctx, x, dims):
+    return ctx.b.permute(x, dims)
+
+
+@lowering(aten.transpose.int)
+def _transpose(ctx, x, d0, d1):
+    rank = len(x.shape)
+    if rank == 0:
+        return x
+    dims = list(range(rank))
+    dims[d0 % rank], dims[d1 % rank] = dims[d1 % rank], dims[d0 % rank]
+    return ctx.b.permute(x, dims)
+
+
+@lowering(aten.t.default)
+def _t(ctx, x):
+    return ctx.b.permute(x, [1, 0]) if len(x.shape) == 2 else x
+
+
+@lowering(aten.expand.default)
+def _expand(ctx, x, shape, implicit=False):
+    return ctx.b.expand(x, shape)
+
+
+@lowering(aten.unsqueeze.default)
+def _unsqueeze(ctx, x, dim):
+    return ctx.b.unsqueeze(x, dim)
+
+
+@lowering(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(ctx, x, dims=None):
+    rank = len(x.shape)
+    if dims is None:
+        dims = range(rank)
+    elif isinstance(dims, int):
+        dims = [dims]
+    drop = {d % rank for d in dims if rank and x.shape[d % rank] == 1}
+    return ctx.b.reshape(x, [s for d, s in enumerate(x.shape) if d not in drop])
+
+
+@lowering(aten.slice.Tensor)
+def _slice(ctx, x, dim=0, start=None, end=None, step=1):
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    end = size if end is None else end
+    return ctx.b.slice(x, dim, start, end, step)
+
+
+@lowering(aten.select.int)
+def _select(ctx, x, dim, index):
+    return ctx.b.select(x, dim, index)
+
+
+@lowering(aten.split_with_sizes.default, aten.split.Tensor)
+def _split(ctx, x, sizes, dim=0):
+    total = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, total - s) for s in range(0, total, sizes)] or [0]
+    out, start = [], 0
+    for s in sizes:
+        out.append(ctx.b.slice(x, dim, start, start + s))
+        start += s
+    return out
+
+
+@lowering(aten.cat.default)
+def _cat(ctx, tensors, dim=0):
+    out = ctx.out_dtype
+    same = [t if t.dtype == out else ctx.b.map(lambda a: a, t, dtype=out, compute="keep") for t in tensors]
+    return ctx.b.cat(same, dim)
+
+
+@lowering(aten.unbind.int)
+def _unbind(ctx, x, dim=0):
+    return [ctx.b.select(x, dim, i) for i in range(x.shape[dim])]

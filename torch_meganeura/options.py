@@ -1,0 +1,24 @@
+"""Options accepted from ``torch.compile(..., backend="meganeura", options={...})``, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+FALLBACK_POLICIES = ("warn", "error")
+
+
+@dataclass(frozen=True)
+class Options:
+    adapter: str | int | None = None  # adapter index or name substring; default: env MEGANEURA_ADAPTER, then best GPU
+    fallback: str = "warn"  # "warn": ops without a lowering run in eager PyTorch with a warning; "error": raise
+
+    @classmethod
+    def from_user(cls, options: dict | None) -> "Options":
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown meganeura option(s) {unknown}; valid options are {sorted(known)}")
+        opts = cls(**options)
+        if opts.fallback not in FALLBACK_POLICIES:
+            raise ValueError(f"option fallback={opts.fallback!r} must be one of {FALLBACK_POLICIES}")
+        return opts

@@ -1,0 +1,75 @@
+"""Device copies of parameters and buffers, keyed on tensor identity and ``_version``.
+
+An unchanged weight is uploaded once and shared by every plan that binds it; an in-place change (an
+optimizer step, ``copy_``, ``fill_``) bumps ``_version`` and the next call writes the new data into the same
+device buffer. The device copy is freed when the tensor is garbage-collected.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from meganeura.runtime.errors import InputError
+
+
+def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
+    """Contiguous numpy data in device layout (int64 -> int32 with a range check, bool -> uint32)."""
+    a = t.detach()
+    if a.device.type != "cpu":
+        a = a.cpu()
+    a = a.contiguous().numpy()
+    if a.dtype == np.int64:
+        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise InputError(f"{what} holds int64 values outside the int32 range the device computes in "
+                             f"(min {a.min()}, max {a.max()})")
+        return a.astype(np.int32)
+    if a.dtype == np.bool_:
+        return a.astype(np.uint32)
+    return a
+
+
+@dataclass
+class _Entry:
+    ref: weakref.ref
+    version: int
+    buffer: object
+    nbytes: int
+
+
+class ParamStore:
+    def __init__(self, device):
+        self.device = device
+        self._entries: dict[int, _Entry] = {}
+
+    def buffer(self, t: torch.Tensor, what: str = "parameter"):
+        key = id(t)
+        entry = self._entries.get(key)
+        if entry is not None and entry.ref() is t and entry.nbytes == max(t.numel() * 4, 4):
+            if entry.version != t._version:
+                data = to_device_numpy(t, what)
+                if data.size:
+                    self.device.write(entry.buffer, 0, data, what)
+                entry.version = t._version
+            return entry.buffer
+        data = to_device_numpy(t, what)
+        buf = self.device.storage_buffer(max(data.nbytes, 4), what)
+        if data.size:
+            self.device.write(buf, 0, data, what)
+        self._drop(key)
+        ref = weakref.ref(t, lambda r, k=key: self._drop(k, r))
+        self._entries[key] = _Entry(ref, t._version, buf, max(data.nbytes, 4))
+        return buf
+
+    def _drop(self, key: int, dead_ref=None) -> None:
+        entry = self._entries.get(key)
+        if entry is None or (dead_ref is not None and entry.ref is not dead_ref):
+            return
+        del self._entries[key]
+        self.device.destroy_buffer(entry.buffer)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)

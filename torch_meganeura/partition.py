@@ -1,0 +1,78 @@
+"""Split an aten graph into device partitions and eager fallback ops.
+
+``unsupported_reason(node)`` says why a node cannot run on the device (no lowering, a dtype the device
+does not compute, a constant outside int32, a case its lowering refuses). torch's
+``CapabilityBasedPartitioner`` groups the supported nodes into submodules, which become
+``DevicePartition``s; everything else stays in the parent graph and runs in eager PyTorch.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from .registry import INT32_RANGE, LOWERINGS, SUPPORT_CHECKS, TORCH_TO_LOGICAL
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _tensors(item)
+
+
+def is_tensor_op(node: fx.Node) -> bool:
+    """Ops that compute tensors (as opposed to the symbolic shape arithmetic of dynamic graphs)."""
+    return node.op == "call_function" and any(True for _ in _tensors(node.meta.get("val")))
+
+
+def unsupported_reason(node: fx.Node) -> str | None:
+    if node.target is operator.getitem:
+        return unsupported_reason(node.args[0])
+    if node.target not in LOWERINGS:
+        return "no lowering"
+    for t in list(_tensors(node.meta.get("val"))) + [
+        a.meta.get("val") for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+    ]:
+        if t.dtype not in TORCH_TO_LOGICAL:
+            return f"dtype {t.dtype} is not computed on the device"
+        if t.device.type != "cpu":
+            return f"tensor on {t.device} (the backend takes CPU tensors)"
+    for a in list(node.args) + list(node.kwargs.values()):
+        for x in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(x, int) and not isinstance(x, bool) and not INT32_RANGE[0] <= x <= INT32_RANGE[1]:
+                return f"integer argument {x} is outside int32"
+    check = SUPPORT_CHECKS.get(node.target)
+    return check(node) if check is not None else None
+
+
+class _Support(OperatorSupportBase):
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return node.op == "call_function" and unsupported_reason(node) is None
+
+
+def fallback_ops(gm: fx.GraphModule) -> dict[str, str]:
+    """Tensor ops of ``gm`` that will run in eager PyTorch -> the reason."""
+    out = {}
+    for node in gm.graph.nodes:
+        if is_tensor_op(node) and node.target is not operator.getitem:
+            reason = unsupported_reason(node)
+            if reason is not None:
+                out[str(node.target)] = reason
+    return out
+
+
+def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    """Return the graph with supported regions fused into submodules, and their names."""
+    partitioner = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True)
+    parts = partitioner.propose_partitions()
+    parts = [p for p in parts if any(is_tensor_op(n) for n in p.nodes)]
+    if not parts:
+        return gm, []
+    fused = partitioner.fuse_partitions(parts)
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    return fused, names
