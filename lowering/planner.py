@@ -27,7 +27,8 @@ def place(intervals: list[Interval], alignment: int) -> tuple[dict[int, int], in
     placed: list[tuple[int, Interval]] = []
     offsets: dict[int, int] = {}
     for iv in sorted(intervals, key=lambda i: (-i.size, i.first, i.key)):
-        live = sorted((off, other) for off, other in placed if other.first <= iv.last and iv.first <= other.last)
+        live = sorted(((off, other) for off, other in placed if other.first <= iv.last and iv.first <= other.last),
+                      key=lambda item: item[0])
         offset = 0
         for off, other in live:
             if offset + iv.size <= off:

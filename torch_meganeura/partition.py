@@ -17,6 +17,9 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from .registry import INT32_RANGE, LOWERINGS, SUPPORT_CHECKS, TORCH_TO_LOGICAL
 
 
+CLAMPED_INT_ARGS = {torch.ops.aten.slice.Tensor}  # ops whose integer arguments are clamped to the size
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         yield x
@@ -42,7 +45,7 @@ def unsupported_reason(node: fx.Node) -> str | None:
             return f"dtype {t.dtype} is not computed on the device"
         if t.device.type != "cpu":
             return f"tensor on {t.device} (the backend takes CPU tensors)"
-    for a in list(node.args) + list(node.kwargs.values()):
+    for a in [] if node.target in CLAMPED_INT_ARGS else list(node.args) + list(node.kwargs.values()):
         for x in a if isinstance(a, (list, tuple)) else [a]:
             if isinstance(x, int) and not isinstance(x, bool) and not INT32_RANGE[0] <= x <= INT32_RANGE[1]:
                 return f"integer argument {x} is outside int32"
