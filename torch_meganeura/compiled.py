@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -64,11 +65,25 @@ class DevicePartition(torch.nn.Module):
 
     def forward(self, *args):
         key = signature(args)
-        entry = self._plans.get(key)
+        if key not in self._plans:
+            self._plans[key] = self._compile_or_fall_back(key, args)
+        entry = self._plans[key]
         if entry is None:
-            entry = self._compile(key, args)
-            self._plans[key] = entry
+            return self.gm(*args)
         return self._run(entry, args)
+
+    def _compile_or_fall_back(self, key, args) -> _Entry | None:
+        """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
+        try:
+            return self._compile(key, args)
+        except Exception as err:  # noqa: BLE001 - any compile failure must fall back, never compute garbage
+            if self.context.options.fallback == "error":
+                raise
+            message = f"meganeura: a device partition runs in eager PyTorch because compiling it failed: {err}"
+            warnings.warn(message, stacklevel=3)
+            log.warning("%s", message)
+            self.context.record({"kind": "failed", "error": str(err)})
+            return None
 
     def _compile(self, key, args) -> _Entry:
         start = time.perf_counter()

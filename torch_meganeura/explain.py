@@ -52,6 +52,9 @@ def explain(model, *inputs, options: dict | None = None) -> ExplainReport:
         BackendContext.recorders.remove(records)
     report = ExplainReport(compile_seconds=elapsed)
     for rec in records:
+        if isinstance(rec, dict) and rec["kind"] == "failed":
+            report.fallback_ops["<partition>"] = rec["error"]
+            continue
         if isinstance(rec, dict):
             report.graphs += 1
             report.partitions += rec["partitions"]
