@@ -1,9 +1,11 @@
 """Torch-free compiler middle: typed static IR, fusion into archetype kernels, memory planning, the plan.
 
-``compile_graph(graph, limits)`` runs the passes in order: fuse -> schedule (memory plan + WGSL + dispatches).
+``compile_graph(graph, limits)`` runs the passes in order: fuse (inline producers into consumers) ->
+fuse_epilogues (consumers into reductions and matmuls) -> schedule (memory plan + WGSL + dispatches).
 """
 from __future__ import annotations
 
+from .epilogues import fuse_epilogues
 from .fusion import FusionReport, fuse
 from .ir import Graph
 from .schedule import schedule
@@ -11,6 +13,8 @@ from .schedule import schedule
 
 def compile_graph(graph: Graph, limits: dict):
     """Fuse and schedule ``graph``; return (Plan, FusionReport)."""
-    report = fuse(graph, limits.get("max-storage-buffers-per-shader-stage", 8))
+    max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
+    report = fuse(graph, max_bindings)
+    fuse_epilogues(graph, max_bindings, report)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused)})
     return plan, report

@@ -1,0 +1,109 @@
+"""Epilogue fusion: move a pointwise consumer into the kernel of the reduction or matmul it reads.
+
+After inlining, a Pointwise node C that is the only reader of a Reduce/Matmul result R can be computed by
+R's kernel instead of a dispatch of its own, when C reads R element for element:
+  * an element result of a reduction or a matmul output, read at C's own linear index (reshapes allowed):
+    C's expression replaces R's result, evaluated at the producer's coordinates;
+  * a per-row reduction result read at the row of each element, with C covering the reduction's domain
+    (RMS norm: ``x * rsqrt(mean(x^2) + eps) * w``): C becomes a new element result of the reduction.
+C's other inputs must already exist when the producer runs, and the kernel must stay within the binding
+limit. Every refusal is recorded with its reason.
+"""
+from __future__ import annotations
+
+from . import expr as E
+from .fusion import FusionReport, _name
+from .indexing import linear_index, simplify
+from .ir import Graph, Input, Matmul, Pointwise, Reduce, RowOutput
+from .builder import unravel
+
+
+def fuse_epilogues(graph: Graph, max_bindings: int, report: FusionReport) -> None:
+    outputs = {v.id for v in graph.outputs}
+    changed = True
+    while changed:
+        changed = False
+        users = graph.users()
+        position = {v.id: i for i, n in enumerate(graph.nodes) for v in n.outs}
+        producers = graph.producers()
+        for consumer in graph.nodes:
+            if not isinstance(consumer, Pointwise):
+                continue
+            for ld in E.loads_of(consumer.expr):
+                vid = ld.args[0]
+                producer = producers[vid]
+                if not isinstance(producer, (Reduce, Matmul)) or vid in outputs or len(users.get(vid, [])) != 1:
+                    continue
+                reason = _try_merge(graph, consumer, producer, vid, position, max_bindings)
+                if reason is None:
+                    report.fused.append((_name(consumer), _name(producer)))
+                    changed = True
+                    break
+                report.refused.append((_name(consumer), _name(producer), reason))
+            if changed:
+                break
+
+
+def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings) -> str | None:
+    """Merge ``consumer`` into ``producer`` if it reads ``vid`` element for element; else say why not."""
+    value = next(v for v in producer.outs if v.id == vid)
+    domain = producer.domain if isinstance(producer, Reduce) else (producer.batch, producer.m, producer.n)
+    shape = consumer.out.shape
+    row_result = isinstance(producer, Reduce) and not producer.results[producer.outs.index(value)].per_element
+    if consumer.out.numel != _numel(domain):
+        return "consumer does not cover the producer's iteration domain"
+    # Consumer coordinates as functions of the producer's, through the shared linear index.
+    dbounds = dict(enumerate(domain))
+    domain_coords = [E.coord(d) for d in range(len(domain))]
+    to_consumer = unravel(linear_index(domain_coords, domain), shape)
+    moved = simplify(E.shift_coords(consumer.expr, dict(enumerate(to_consumer))), dbounds)
+    if row_result:
+        outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
+        want = simplify(linear_index(outer, value.shape), dbounds)
+    else:
+        want = simplify(linear_index(domain_coords, domain), dbounds)
+    loads = [ld for ld in E.loads_of(moved) if ld.args[0] == vid]
+    if any(simplify(linear_index(ld.args[1], value.shape), dbounds) != want for ld in loads):
+        return "consumer reads the result at other elements"
+    start = position[vid]
+    others = {ld.args[0] for ld in E.loads_of(moved)} - {vid}
+    producers = graph.producers()
+    if any(position[o] > start and not isinstance(producers[o], Input) for o in others):
+        return "consumer reads a value computed after the producer"
+    existing = {ld.args[0] for e in producer.exprs() for ld in E.loads_of(e)}
+    if len(existing | others) + len(producer.outs) + 2 > max_bindings:
+        return f"more than {max_bindings} storage bindings"
+
+    index = producer.outs.index(value)
+    if isinstance(producer, Matmul):
+        result_expr = producer.epilogue
+    else:
+        result_expr = producer.results[index].expr
+
+    def replace(node):
+        if node.op == "load" and node.args[0] == vid:
+            return result_expr
+        return None
+
+    merged = simplify(E.substitute(moved, replace), dbounds)
+    if isinstance(producer, Matmul):
+        producer.epilogue = merged
+        producer.outs = [consumer.out]
+    elif row_result:
+        producer.results.append(RowOutput(True, merged))
+        producer.outs.append(consumer.out)
+    else:
+        producer.results[index] = RowOutput(True, merged)
+        producer.outs[index] = consumer.out
+    graph.nodes.remove(consumer)
+    if row_result and not any(ld.args[0] == vid for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)):
+        producer.results.pop(index)
+        producer.outs.pop(index)
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
