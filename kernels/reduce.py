@@ -58,11 +58,11 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[s
     body: list[str] = []
     body += wgsl.unravel_lines("row", [names[d] for d in outer_dims], row_shape)
     shared_types = set()
+    has_arg = False
     for p, (op, expr) in enumerate(phases):
         body += _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names[:p])
-        shared_types.add("i32" if op.startswith("arg") else expr.dtype)
-        if op.startswith("arg"):
-            shared_types.add(expr.dtype)
+        shared_types.add(expr.dtype)
+        has_arg = has_arg or op.startswith("arg")
     row_results = [r for r in results if not r[0]]
     elem_results = [r for r in results if r[0]]
     if row_results:
@@ -80,6 +80,8 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[s
     text = "\n".join(body)
     shared = "\n".join(f"var<workgroup> red_{t}: array<{wgsl.VALUE_TYPE[t] if t != 'bool' else 'u32'}, {wg}>;"
                        for t in sorted(shared_types))
+    if has_arg:  # indices get their own array: an i32 argmax keeps its values in red_i32
+        shared += f"\nvar<workgroup> red_idx: array<i32, {wg}>;"
     source = f"""{wgsl.binding_decls(bindings)}
 {shared}
 {wgsl.helpers_for(text)}
@@ -118,19 +120,19 @@ def _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names) -> list[s
     from_shared = (lambda x: f"({x} != 0u)") if dt == "bool" else (lambda x: x)
     lines.append(f"  {shared}[lid] = {to_shared(a)};")
     if is_arg:
-        lines.append(f"  red_i32[lid] = {ai};")
+        lines.append(f"  red_idx[lid] = {ai};")
     lines.append("  workgroupBarrier();")
     lines.append(f"  for (var s: u32 = {wg // 2}u; s > 0u; s = s >> 1u) {{")
     lines.append("    if (lid < s) {")
     mine, other = from_shared(f"{shared}[lid]"), from_shared(f"{shared}[lid + s]")
     if is_arg:
         better = ARG_BETTER[(op, dt)].format(v="ov", i="oi", bv="mv", bi="mi")
-        lines += [f"      let mv = {mine}; let mi = red_i32[lid]; let ov = {other}; let oi = red_i32[lid + s];",
-                  f"      if ({better}) {{ {shared}[lid] = {to_shared('ov')}; red_i32[lid] = oi; }}"]
+        lines += [f"      let mv = {mine}; let mi = red_idx[lid]; let ov = {other}; let oi = red_idx[lid + s];",
+                  f"      if ({better}) {{ {shared}[lid] = {to_shared('ov')}; red_idx[lid] = oi; }}"]
     else:
         lines.append(f"      {shared}[lid] = {to_shared(_combine(op, dt, mine, other))};")
     lines += ["    }", "    workgroupBarrier();", "  }"]
-    result = "red_i32[0]" if is_arg else from_shared(f"{shared}[0]")
+    result = "red_idx[0]" if is_arg else from_shared(f"{shared}[0]")
     lines += [f"  let acc{p} = {result};", "  workgroupBarrier();"]
     return lines
 

@@ -97,7 +97,7 @@ def _div(ctx, x, y, rounding_mode=None):
     if rounding_mode == "floor":
         return elementwise(ctx, lambda a, b: E.binary("floordiv", a, b), x, y)
     if COMPUTE[ctx.out_dtype] == E.I32:
-        return elementwise(ctx, lambda a, b: E.binary("div", a, b), x, y)  # i32 division truncates
+        return elementwise(ctx, lambda a, b: E.binary("idiv", a, b), x, y)  # i32 division truncates
     return elementwise(ctx, lambda a, b: E.unary("trunc", E.binary("div", a, b)), x, y)
 
 

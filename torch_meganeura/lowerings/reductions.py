@@ -30,12 +30,15 @@ def _element(ctx, x: Value, compute: str) -> E.Expr:
     return E.cast(ctx.b.load(x, [E.coord(d) for d in range(len(x.shape))]), compute)
 
 
-def _reduce(ctx, x, dims, keepdim, phases_fn, result_fn, dtype=None):
-    """One-output reduction; ``phases_fn(value)`` -> phases, ``result_fn(n)`` -> row result expr."""
+def _reduce(ctx, x, dims, keepdim, phases_fn, result_fn, dtype=None, compute=None):
+    """One-output reduction; ``phases_fn(value)`` -> phases, ``result_fn(n)`` -> row result expr.
+
+    Elements are loaded as ``compute`` (default: the compute type of the output dtype)."""
     axes = _axes(x, dims)
     dtype = dtype or ctx.out_dtype
     n = numel([x.shape[a] for a in axes])
-    value = _element(ctx, x, E.F32 if dtype == "float32" else E.I32 if dtype != "bool" else E.BOOL)
+    compute = compute or (E.F32 if dtype == "float32" else E.I32 if dtype != "bool" else E.BOOL)
+    value = _element(ctx, x, compute)
     (out,) = ctx.b.reduce(x.shape, axes, phases_fn(value), [RowOutput(False, result_fn(n))], [dtype],
                           str(ctx.node.target).split(".")[1])
     return _keep(ctx, out, x, axes, keepdim)
@@ -81,9 +84,10 @@ def _arg(op):
         kind = E.F32 if x.dtype == "float32" else E.I32
         if dim is None:
             flat = ctx.b.reshape(x, [x.numel])
-            out = _reduce(ctx, flat, [0], False, lambda v: [(op, E.cast(v, kind))], lambda n: E.acc(0, E.I32))
+            out = _reduce(ctx, flat, [0], False, lambda v: [(op, v)], lambda n: E.acc(0, E.I32), compute=kind)
             return ctx.b.reshape(out, [1] * len(x.shape)) if keepdim else out
-        return _reduce(ctx, x, [dim], keepdim, lambda v: [(op, E.cast(v, kind))], lambda n: E.acc(0, E.I32))
+        # the values compare in the input's type (the int64 output type would truncate float inputs)
+        return _reduce(ctx, x, [dim], keepdim, lambda v: [(op, v)], lambda n: E.acc(0, E.I32), compute=kind)
     return lower
 
 

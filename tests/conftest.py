@@ -1,0 +1,109 @@
+"""Shared test helpers: ``check_against_eager`` compiles with backend="meganeura" and compares with eager.
+
+Test modules import the helpers directly (``from conftest import check_against_eager``): pytest puts this
+folder on ``sys.path`` because tests/ has no ``__init__.py``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # silences the Vulkan loader's warning; before wgpu loads
+
+import pytest
+import torch
+
+# torch's structured trace log is always at DEBUG and pytest captures it: thousands of empty lines in failure
+# reports. Raising its level turns the records off (torch only writes them for TORCH_TRACE, not set here).
+logging.getLogger("torch.__trace").setLevel(logging.WARNING)
+
+REL_L2 = 1e-5
+
+
+def flatten_outputs(out) -> list:
+    """The leaves of a model's output: tensors and Python values, HF ModelOutputs through ``to_tuple()``."""
+    if hasattr(out, "to_tuple") and callable(out.to_tuple):
+        out = out.to_tuple()
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [leaf for key in sorted(out) for leaf in flatten_outputs(out[key])]
+    if isinstance(out, (list, tuple)):
+        return [leaf for item in out for leaf in flatten_outputs(item)]
+    return [out]
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| over the positions where ``want`` is finite (in float64)."""
+    got, want = got.detach().double(), want.detach().double()
+    finite = torch.isfinite(want)
+    diff = torch.linalg.vector_norm((got - want)[finite]).item()
+    norm = torch.linalg.vector_norm(want[finite]).item()
+    if norm == 0.0:
+        return diff
+    return diff / norm
+
+
+def assert_same(got, want, *, rtol: float, atol: float, rel: float = REL_L2, what: str = "output") -> None:
+    """Elementwise (NaN == NaN) and relative-L2 comparison of two output structures."""
+    got_leaves, want_leaves = flatten_outputs(got), flatten_outputs(want)
+    assert len(got_leaves) == len(want_leaves), f"{what}: {len(got_leaves)} leaves, eager has {len(want_leaves)}"
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        if not isinstance(w, torch.Tensor):
+            assert g == w, f"{what} leaf {i}: {g!r} != eager {w!r}"
+            continue
+        assert isinstance(g, torch.Tensor), f"{what} leaf {i}: got {type(g).__name__}, eager gives a tensor"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what} leaf {i}: {m}")
+        if w.is_floating_point() and w.numel():
+            err = rel_l2(g, w)
+            assert err <= rel, f"{what} leaf {i}: relative L2 error {err:.3g} > {rel:.1g}"
+
+
+def device_counters() -> dict:
+    from meganeura.runtime.device import get_device
+
+    return get_device().counters.snapshot()
+
+
+def meganeura_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("meganeura")]
+
+
+def check_against_eager(fn, *inputs, rtol: float = 1e-4, atol: float = 1e-5, rel: float = REL_L2,
+                        allow_fallback: bool = False, on_device: bool = True, options: dict | None = None):
+    """Compile ``fn`` with backend="meganeura", run it and eager on ``inputs`` under no_grad, compare.
+
+    Unless ``allow_fallback``, the compiled run must emit no meganeura fallback warning; if ``on_device``, it
+    must submit work to the device (so an all-eager fallback cannot pass for a device result). Returns the
+    compiled callable, with the first call's meganeura warnings in ``compiled.meganeura_warnings``.
+    """
+    torch._dynamo.reset()  # also resets the backend's once-per-op warnings
+    kwargs = {} if options is None else {"options": options}
+    compiled = torch.compile(fn, backend="meganeura", **kwargs)
+    with torch.no_grad():
+        want = fn(*inputs)
+        before = device_counters()["submits"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(*inputs)
+        submits = device_counters()["submits"] - before
+    if not allow_fallback:
+        assert not meganeura_warnings(caught), f"unexpected fallback: {meganeura_warnings(caught)}"
+    if on_device:
+        assert submits > 0, "the compiled call submitted no work to the device"
+    assert_same(got, want, rtol=rtol, atol=atol, rel=rel)
+    compiled.meganeura_warnings = meganeura_warnings(caught)  # for tests that expect a particular fallback
+    return compiled
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def check():
+    """``check_against_eager`` as a fixture, for tests that prefer fixtures to imports."""
+    return check_against_eager
