@@ -22,10 +22,12 @@ class ExplainReport:
     unplanned_bytes: int = 0  # sum of all intermediates
     compile_seconds: float = 0.0  # first call, compile included
     adapter: str = ""
+    mode: str = ""  # "inference" or "training forward" (grad enabled and parameters that require it)
 
     def __str__(self) -> str:
         lines = [
             f"adapter:            {self.adapter}",
+            f"graph:              {self.mode}",
             f"graphs / partitions: {self.graphs} / {self.partitions}",
             f"ops on device:      {sum(self.lowered_ops.values())} ({len(self.lowered_ops)} kinds)",
             f"ops in eager:       {len(self.fallback_ops)}" + "".join(
@@ -50,7 +52,10 @@ def explain(model, *inputs, options: dict | None = None) -> ExplainReport:
         elapsed = time.perf_counter() - start
     finally:
         BackendContext.recorders.remove(records)
-    report = ExplainReport(compile_seconds=elapsed)
+    training = torch.is_grad_enabled() and any(
+        p.requires_grad for p in getattr(model, "parameters", lambda: [])())
+    mode = "training forward (saved activations are outputs)" if training else "inference"
+    report = ExplainReport(compile_seconds=elapsed, mode=mode)
     for rec in records:
         if isinstance(rec, dict) and rec["kind"] == "failed":
             report.fallback_ops["<partition>"] = rec["error"]

@@ -75,10 +75,32 @@ def _not(ctx, x):
 
 def _binary(op):
     def lower(ctx, x, y, alpha=1):
-        if alpha != 1:
-            return elementwise(ctx, lambda a, b: E.binary(op, a, E.binary("mul", b, E.const(alpha, b.dtype))), x, y)
-        return elementwise(ctx, lambda a, b: E.binary(op, a, b), x, y)
+        def fn(a, b):
+            if alpha != 1:
+                b = _int64_checked(ctx, "mul", b, E.const(alpha, b.dtype))
+            return _int64_checked(ctx, op, a, b)
+        return elementwise(ctx, fn, x, y)
     return lower
+
+
+def _int64_checked(ctx, op: str, a: E.Expr, b: E.Expr) -> E.Expr:
+    """``a op b``; for int64 results computed in int32, raise on the device when the result overflows."""
+    r = E.binary(op, a, b)
+    if ctx.out_dtype != "int64" or op not in ("add", "sub", "mul"):
+        return r
+    zero = E.const(0, E.I32)
+    if op == "mul":
+        exact = E.binary("eq", E.binary("idiv", r, a), b)
+        min_by_minus_one = E.binary("and", E.binary("eq", a, E.const(-1, E.I32)),
+                                    E.binary("eq", b, E.const(-(2**31), E.I32)))
+        ok = E.binary("or", E.binary("eq", a, zero), E.binary("and", exact, E.unary("not", min_by_minus_one)))
+    else:
+        grows = E.binary("ge", r, a) if op == "add" else E.binary("le", r, a)
+        shrinks = E.binary("lt", r, a) if op == "add" else E.binary("gt", r, a)
+        ok = E.binary("or", E.binary("and", E.binary("ge", b, zero), grows),
+                      E.binary("and", E.binary("lt", b, zero), shrinks))
+    return ctx.b.check(r, ok, f"int64 {op} overflowed the int32 range the device computes int64 in "
+                              f"({ctx.node.target})")
 
 
 for _op, _name in {aten.add: "add", aten.sub: "sub", aten.mul: "mul"}.items():
