@@ -54,12 +54,15 @@ HELPERS = {
   if (d - f > 0.5) { f = f + 1.0; }
   return select(f, a / b, b == 0.0);
 }""",
+    # Signed remainders are spelled a - b * (a / b): the i32 `%` of negative operands came out as an
+    # unsigned remainder on an NVIDIA Vulkan driver (H200, wgpu 0.32), while `/` was right.
+    "mg_ifmod": "fn mg_ifmod(a: i32, b: i32) -> i32 { return a - b * (a / b); }",
     "mg_ifloordiv": """fn mg_ifloordiv(a: i32, b: i32) -> i32 {
   let q = a / b;
-  return select(q, q - 1, (a % b != 0) && ((a < 0) != (b < 0)));
+  return select(q, q - 1, (a - b * q != 0) && ((a < 0) != (b < 0)));
 }""",
     "mg_iremainder": """fn mg_iremainder(a: i32, b: i32) -> i32 {
-  let r = a % b;
+  let r = a - b * (a / b);
   return select(r, r + b, r != 0 && ((r < 0) != (b < 0)));
 }""",
     "mg_expm1": """fn mg_expm1(x: f32) -> f32 {
@@ -93,7 +96,7 @@ FLOAT_OPS = {
 INT_OPS = {
     "neg": "(-{0})", "abs": "abs({0})", "sign": "sign({0})",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "idiv": "({0} / {1})", "imod": "({0} % {1})",
-    "floordiv": "mg_ifloordiv({0}, {1})", "remainder": "mg_iremainder({0}, {1})", "fmod": "({0} % {1})",
+    "floordiv": "mg_ifloordiv({0}, {1})", "remainder": "mg_iremainder({0}, {1})", "fmod": "mg_ifmod({0}, {1})",
     "maximum": "max({0}, {1})", "minimum": "min({0}, {1})",
 }
 COMPARE_OPS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}

@@ -5,6 +5,7 @@ folder on ``sys.path`` because tests/ has no ``__init__.py``.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import warnings
@@ -95,6 +96,16 @@ def check_against_eager(fn, *inputs, rtol: float = 1e-4, atol: float = 1e-5, rel
     assert_same(got, want, rtol=rtol, atol=atol, rel=rel)
     compiled.meganeura_warnings = meganeura_warnings(caught)  # for tests that expect a particular fallback
     return compiled
+
+
+@pytest.fixture(autouse=True)
+def _no_gc_during_test():
+    """Garbage collection frees device copies of dead tensors (weakref callbacks) at arbitrary points;
+    collect before each test and pause it during, so tests that assert on device counters are exact."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture(autouse=True)
