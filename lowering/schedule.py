@@ -17,7 +17,7 @@ from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSp
 from . import expr as E
 from .indexing import linear_index, simplify
 from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, Value
-from .planner import Interval, align, place
+from .planner import Interval, place
 
 
 def tensor_bytes(v: Value) -> int:

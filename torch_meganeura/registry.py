@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 
 from meganeura.lowering.builder import GraphBuilder
-from meganeura.lowering.ir import Value
 
 LOWERINGS: dict = {}
 SUPPORT_CHECKS: dict = {}
@@ -74,7 +73,3 @@ class LowerCtx:
         val = self.val
         vals = val if isinstance(val, (tuple, list)) else [val]
         return [logical_dtype(v.dtype) for v in vals]
-
-
-def is_float(v) -> bool:
-    return (isinstance(v, Value) and v.dtype == "float32") or isinstance(v, float)
