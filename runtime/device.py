@@ -16,6 +16,7 @@ import wgpu
 
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
+from .resident import BufferPool
 
 ADAPTER_ENV = "MEGANEURA_ADAPTER"
 STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
@@ -139,6 +140,7 @@ class Device:
         self._layouts: dict[int, object] = {}
         self._pipelines: dict[tuple[str, int], object] = {}
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
+        self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
 
     def describe(self) -> str:
         return f"{self.name} ({self.adapter_type}, {self.backend})"

@@ -3,7 +3,12 @@
 ``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
 status buffers, compiles every kernel and prepares the read-back. Param buffers come from outside
 (``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records every dispatch into one compute
-pass, copies outputs and status into one staging buffer, submits once and reads back; it creates nothing.
+pass, copies outputs and status into one staging buffer, submits once and reads back.
+
+Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
+fresh pool buffers and returned without a read-back, and ``run(..., device_inputs=...)`` binds such arrays as
+inputs without an upload. Bind groups over those per-run buffers are cached by buffer, so a loop that recycles
+pool buffers builds no new ones.
 """
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ import numpy as np
 from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
 from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
+from .resident import DeviceArray
 
 OWNED_ROLES = ("input", "output", "arena", "status")
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
+SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 
 _HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
 _INT32 = np.iinfo(np.int32)
@@ -90,16 +97,27 @@ def check_limits(dev: Device, plan: Plan) -> None:
 class Program:
     """A plan bound to a device; ``run`` replays it with no allocation."""
 
-    def __init__(self, device: Device, plan: Plan):
+    def __init__(self, device: Device, plan: Plan, resident_outputs=()):
         plan.validate()
         self.device = device
         self.plan = plan
         check_limits(device, plan)
         self._released = False
         self._specs = {b.name: b for b in plan.buffers}
+        self._resident = {t.name: t for t in plan.outputs if t.name in set(resident_outputs)}
+        unknown = sorted(set(resident_outputs) - set(self._resident))
+        if unknown:
+            raise InputError(f"resident outputs {unknown} are not outputs of this plan")
+        self._own_buffer_specs(self._resident.values(), "a resident output")
+        per_run = {t.buffer for t in self._resident.values()}
         self._owned = {
-            b.name: device.storage_buffer(b.size, b.name) for b in plan.buffers if b.role in OWNED_ROLES
+            b.name: device.storage_buffer(b.size, b.name)
+            for b in plan.buffers if b.role in OWNED_ROLES and b.name not in per_run
         }
+        swappable = per_run | {t.buffer for t in plan.inputs}
+        self._swap_names = [tuple(dict.fromkeys(b.buffer for b in d.bindings if b.buffer in swappable))
+                            for d in plan.dispatches]
+        self._swapped_groups: dict[tuple, tuple] = {}
         self._params: dict[str, object] = {}
         self._uploaded_params: set[str] = set()  # param buffers created by upload_params, owned by this program
         self._pipelines = {
@@ -117,6 +135,15 @@ class Program:
             self._resolve()
 
     # ---- construction
+
+    def _own_buffer_specs(self, specs, what: str) -> None:
+        """Require each tensor of ``specs`` to be alone at offset 0 of its buffer (it is swapped per run)."""
+        counts: dict[str, int] = {}
+        for t in self.plan.inputs + self.plan.params + self.plan.outputs:
+            counts[t.buffer] = counts.get(t.buffer, 0) + 1
+        for t in specs:
+            if t.offset or counts[t.buffer] > 1:
+                raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")
 
     def _n_bindings(self, kernel: str) -> int:
         counts = {len(d.bindings) for d in self.plan.dispatches if d.kernel == kernel}
@@ -148,7 +175,7 @@ class Program:
         """
         spans: dict[str, tuple[int, int]] = {}
         for t in self.plan.outputs:
-            if t.nbytes:
+            if t.nbytes and t.name not in self._resident:
                 start, end = spans.get(t.buffer, (t.offset // 4 * 4, t.offset + t.nbytes))
                 spans[t.buffer] = (min(start, t.offset // 4 * 4), max(end, t.offset + t.nbytes))
         self._readback, cursor, placed = [], 0, {}
@@ -156,7 +183,8 @@ class Program:
             self._readback.append((name, start, cursor, end - start))
             placed[name] = cursor - start
             cursor += end - start
-        self._output_offsets = {t.name: placed[t.buffer] + t.offset for t in self.plan.outputs if t.nbytes}
+        self._output_offsets = {t.name: placed[t.buffer] + t.offset for t in self.plan.outputs
+                                if t.nbytes and t.name not in self._resident}
         self._status_offsets = []
         for b in self.plan.buffers:
             if b.role == "status":
@@ -165,17 +193,25 @@ class Program:
                 cursor += b.size
         self._staging_size = max(cursor, 4)
 
-    def _buffer(self, name: str):
+    def _buffer(self, name: str, swaps: dict | None = None):
+        if swaps and name in swaps:
+            return swaps[name]
         return self._owned[name] if name in self._owned else self._params[name]
 
+    def _group(self, d, swaps: dict | None = None):
+        ranges = [(self._buffer(b.buffer, swaps), b.offset, b.size) for b in d.bindings]
+        return self.device.bind_group(ranges, d.label or d.kernel)
+
     def _resolve(self) -> None:
-        """Build the missing bind groups, then the command and copy lists that ``run`` replays."""
+        """Build the missing bind groups, then the command and copy lists that ``run`` replays.
+
+        Dispatches that bind a resident output get their group per run (``_with_swaps``); here None."""
         self._commands = []
         for d in self.plan.dispatches:
             group = self._bind_groups.get(d.bindings)
-            if group is None:
-                ranges = [(self._buffer(b.buffer), b.offset, b.size) for b in d.bindings]
-                group = self._bind_groups[d.bindings] = self.device.bind_group(ranges, d.label or d.kernel)
+            if group is None and not any(b.buffer not in self._owned and b.buffer not in self._params
+                                         for b in d.bindings):
+                group = self._bind_groups[d.bindings] = self._group(d)
             self._commands.append((self._pipelines[d.kernel], group, d.workgroups))
         self._copies = [(self._buffer(n), src, dst, size) for n, src, dst, size in self._readback]
         if not self._copies:  # nothing to read back: still wait for the GPU through a 4-byte copy
@@ -232,15 +268,23 @@ class Program:
 
     # ---- running
 
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Upload ``inputs``, replay the plan in one pass and one submit, and return the outputs by name."""
+    def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None) -> dict:
+        """Upload ``inputs``, bind ``device_inputs``, replay the plan in one pass and one submit.
+
+        Returns the outputs by name: numpy arrays, and a new ``DeviceArray`` for each resident output."""
         if self._released:
             raise MeganeuraError("this program was released")
         if not self._ready:
             raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
-        arrays = self._convert_inputs(inputs)
+        device_inputs = device_inputs or {}
+        arrays = self._convert_inputs(inputs, device_inputs)
         dev = self.device
+        swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
+        kept = {name: DeviceArray(dev.pool, t.shape, t.dtype) for name, t in self._resident.items()}
+        swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         for name, offset, parts, block in self._writes:
+            if name in swaps:
+                continue
             if block is None:
                 spec = parts[0][0]
                 dev.write(self._owned[name], offset, arrays[spec.name].reshape(-1), spec.name)
@@ -255,7 +299,7 @@ class Program:
             if self._commands:
                 compute = encoder.begin_compute_pass()
                 pipeline = group = None
-                for next_pipeline, next_group, workgroups in self._commands:
+                for next_pipeline, next_group, workgroups in self._with_swaps(swaps):
                     if next_pipeline is not pipeline:
                         pipeline = next_pipeline
                         compute.set_pipeline(pipeline)
@@ -269,15 +313,53 @@ class Program:
         dev.submit(encoder, "plan")
         data = dev.read_staging(self._staging, self._staging_size)
         self._raise_status(data)
-        return {t.name: from_device_bytes(t, data, self._output_offsets.get(t.name, 0)) for t in self.plan.outputs}
+        return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
+                for t in self.plan.outputs}
 
-    def _convert_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _with_swaps(self, swaps: dict):
+        """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""
+        if not swaps:
+            return self._commands
+        commands = []
+        for i, (pipeline, group, workgroups) in enumerate(self._commands):
+            names = [n for n in self._swap_names[i] if n in swaps]
+            if names:
+                key = (i, *(id(swaps[n]) for n in names))
+                entry = self._swapped_groups.get(key)
+                if entry is None:
+                    if len(self._swapped_groups) > SWAPPED_GROUPS_PER_DISPATCH * len(self._commands):
+                        self._swapped_groups.clear()
+                    bufs = [swaps[n] for n in names]  # kept alive with the group, so their ids stay unique
+                    entry = self._swapped_groups[key] = (self._group(self.plan.dispatches[i], swaps), bufs)
+                group = entry[0]
+            commands.append((pipeline, group, workgroups))
+        return commands
+
+    def _device_input_specs(self, device_inputs: dict):
         specs = {t.name: t for t in self.plan.inputs}
-        missing = sorted(set(specs) - set(inputs))
-        extra = sorted(set(inputs) - set(specs))
-        if missing or extra:
-            raise InputError(f"missing inputs {missing}, unexpected inputs {extra}; expected {sorted(specs)}")
-        return {name: to_device_array(spec, inputs[name]) for name, spec in specs.items()}
+        return [(name, specs[name]) for name in device_inputs]
+
+    def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict) -> dict[str, np.ndarray]:
+        specs = {t.name: t for t in self.plan.inputs}
+        given = set(inputs) | set(device_inputs)
+        missing = sorted(set(specs) - given)
+        extra = sorted(given - set(specs))
+        both = sorted(set(inputs) & set(device_inputs))
+        if missing or extra or both:
+            raise InputError(f"missing inputs {missing}, unexpected inputs {extra}, given twice {both}; "
+                             f"expected {sorted(specs)}")
+        self._own_buffer_specs([specs[name] for name in device_inputs], "a device input")
+        for name, array in device_inputs.items():
+            spec = specs[name]
+            if not isinstance(array, DeviceArray) or array.buffer is None:
+                raise InputError(f"device input {name!r} must be a live DeviceArray, got {array!r}")
+            if array.device is not self.device:
+                raise InputError(f"device input {name!r} lives on {array.device.name}, this program on "
+                                 f"{self.device.name}")
+            if array.shape != spec.shape or array.dtype != spec.dtype:
+                raise InputError(f"device input {name!r} expects {spec.dtype}{list(spec.shape)}, got "
+                                 f"{array.dtype}{list(array.shape)}")
+        return {name: to_device_array(spec, inputs[name]) for name, spec in specs.items() if name in inputs}
 
     def _raise_status(self, data) -> None:
         for name, offset, size in self._status_offsets:
@@ -310,6 +392,7 @@ class Program:
         for buffer in owned:
             self.device.destroy_buffer(buffer)
         self._owned, self._bind_groups, self._commands, self._copies = {}, {}, [], []
+        self._swapped_groups = {}
         self._uploaded_params = set()
         self._released = True
         self._ready = False

@@ -1,0 +1,112 @@
+"""Tensors that stay on the device between plan runs, and the pool that recycles their buffers.
+
+A ``DeviceArray`` is a contiguous tensor in a storage buffer of its own: a plan writes it as an output that is
+not read back (a forward pass's saved activation) and a later plan binds it as an input without an upload
+(the backward pass). Its buffer returns to the device's ``BufferPool`` when the array is released or garbage
+collected, so a training loop reuses the same buffers step after step instead of allocating new ones.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .plan import DEVICE_DTYPE
+
+_HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
+
+
+def buffer_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of a contiguous tensor on the device (every device dtype is 4 bytes); at least 4."""
+    n = 1
+    for s in shape:
+        n *= s
+    return max(4 * n, 4)
+
+
+class BufferPool:
+    """Storage buffers kept for reuse, by exact size. ``acquire`` reuses the most recently released one."""
+
+    def __init__(self, device):
+        self.device = device
+        self._free: dict[int, list] = {}
+        self.live = 0  # buffers handed out and not yet released
+
+    def acquire(self, nbytes: int):
+        free = self._free.get(nbytes)
+        buffer = free.pop() if free else self.device.storage_buffer(nbytes, "resident")
+        self.live += 1
+        return buffer
+
+    def release(self, buffer) -> None:
+        self.live -= 1
+        if self.device.lost:
+            return
+        self._free.setdefault(buffer.size, []).append(buffer)
+
+    def pooled_bytes(self) -> int:
+        return sum(size * len(buffers) for size, buffers in self._free.items())
+
+    def clear(self) -> None:
+        """Destroy the buffers waiting for reuse (buffers still handed out are not touched)."""
+        for buffers in self._free.values():
+            for buffer in buffers:
+                self.device.destroy_buffer(buffer)
+        self._free.clear()
+
+
+class DeviceArray:
+    """A contiguous tensor of logical ``dtype`` held in a pool buffer of ``device``."""
+
+    __slots__ = ("device", "buffer", "shape", "dtype", "_pool")
+
+    def __init__(self, pool: BufferPool, shape: tuple[int, ...], dtype: str):
+        self.device = pool.device
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self._pool = pool
+        self.buffer = pool.acquire(buffer_bytes(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return buffer_bytes(self.shape)
+
+    def numpy(self) -> np.ndarray:
+        """Download the contents as a numpy array of the logical dtype (int64 from int32, bool from u32)."""
+        if self.buffer is None:
+            raise ValueError("this device array was released")
+        n = 1
+        for s in self.shape:
+            n *= s
+        if n == 0:
+            return np.empty(self.shape, dtype=self.dtype)
+        dev = self.device
+        staging = dev.staging_buffer(self.nbytes, "download")
+        try:
+            with dev.checked("downloading a device array"):
+                encoder = dev.wgpu_device.create_command_encoder()
+                encoder.copy_buffer_to_buffer(self.buffer, 0, staging, 0, self.nbytes)
+            dev.submit(encoder, "download")
+            data = dev.read_staging(staging, self.nbytes)
+        finally:
+            dev.destroy_buffer(staging)
+        words = np.frombuffer(data, _HOST_DTYPE[DEVICE_DTYPE[self.dtype]], n).reshape(self.shape)
+        if self.dtype == "int64":
+            return words.astype(np.int64)
+        if self.dtype == "bool":
+            return words != 0
+        return words.copy()
+
+    def release(self) -> None:
+        """Give the buffer back to the pool; the array cannot be used afterwards."""
+        if self.buffer is not None:
+            buffer, self.buffer = self.buffer, None
+            self._pool.release(buffer)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device: nothing left to give back
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self.buffer is None else "live"
+        return f"<DeviceArray {self.dtype}{list(self.shape)} on {self.device.name}, {state}>"

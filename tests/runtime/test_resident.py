@@ -1,0 +1,94 @@
+"""Resident tensors: outputs kept on the device as DeviceArrays and bound as inputs of a later plan."""
+import gc
+
+import numpy as np
+import pytest
+
+from meganeura.lowering import compile_graph
+from meganeura.lowering import expr as E
+from meganeura.lowering.builder import GraphBuilder
+from meganeura.runtime.device import get_device
+from meganeura.runtime.errors import InputError
+from meganeura.runtime.program import Program
+from meganeura.runtime.resident import DeviceArray
+
+RNG = np.random.default_rng(3)
+
+
+def affine_program(scale: float, shift: float, n: int, resident=()):
+    """A program computing y = x * scale + shift; ``y`` is output ``out0``."""
+    b = GraphBuilder()
+    x = b.input("x", (n,), "float32")
+    b.output(b.map(lambda v: E.add(E.mul(v, E.const(scale, E.F32)), E.const(shift, E.F32)), x, dtype="float32"))
+    dev = get_device()
+    plan, _ = compile_graph(b.graph, dev.limits)
+    return Program(dev, plan, resident_outputs=resident)
+
+
+def test_resident_output_feeds_the_next_plan_without_transfers():
+    first = affine_program(2.0, 1.0, 50, resident=["out0"])
+    second = affine_program(3.0, 0.0, 50)
+    x = RNG.standard_normal(50, dtype=np.float32)
+    kept = first.run({"x": x})["out0"]
+    assert isinstance(kept, DeviceArray) and kept.shape == (50,) and kept.dtype == "float32"
+    np.testing.assert_allclose(kept.numpy(), x * 2 + 1, rtol=1e-6)
+    counters = get_device().counters
+    before = counters.snapshot()
+    y = second.run({}, device_inputs={"x": kept})["out0"]
+    after = counters.snapshot()
+    np.testing.assert_allclose(y, (x * 2 + 1) * 3, rtol=1e-6)
+    assert after["bytes_uploaded"] == before["bytes_uploaded"]
+    assert after["bytes_downloaded"] - before["bytes_downloaded"] == 50 * 4
+
+
+def test_pool_recycles_buffers_and_bind_groups_across_steps():
+    gc.collect()
+    first = affine_program(1.5, -1.0, 40, resident=["out0"])
+    second = affine_program(-2.0, 0.5, 40)
+    dev = get_device()
+    x = RNG.standard_normal(40, dtype=np.float32)
+
+    def step():
+        kept = first.run({"x": x})["out0"]
+        out = second.run({}, device_inputs={"x": kept})["out0"]
+        kept.release()
+        return out
+
+    want = (x * 1.5 - 1.0) * -2.0 + 0.5
+    for _ in range(3):
+        np.testing.assert_allclose(step(), want, rtol=1e-6)
+    before = dev.counters.snapshot()
+    live = dev.pool.live
+    for _ in range(20):
+        np.testing.assert_allclose(step(), want, rtol=1e-6)
+    after = dev.counters.snapshot()
+    assert dev.pool.live == live
+    assert after["bytes_allocated"] == before["bytes_allocated"]
+    assert after["buffers_created"] == before["buffers_created"]
+    assert after["bind_groups_created"] == before["bind_groups_created"]
+
+
+def test_garbage_collected_array_returns_its_buffer():
+    program = affine_program(1.0, 2.0, 30, resident=["out0"])
+    pool = get_device().pool
+    kept = program.run({"x": RNG.standard_normal(30, dtype=np.float32)})["out0"]
+    live = pool.live
+    del kept
+    gc.collect()
+    assert pool.live == live - 1
+
+
+def test_device_inputs_are_checked():
+    first = affine_program(1.0, 0.0, 30, resident=["out0"])
+    other = affine_program(1.0, 0.0, 31)
+    kept = first.run({"x": RNG.standard_normal(30, dtype=np.float32)})["out0"]
+    with pytest.raises(InputError, match=r"expects float32\[31\], got float32\[30\]"):
+        other.run({}, device_inputs={"x": kept})
+    same = affine_program(1.0, 0.0, 30)
+    with pytest.raises(InputError, match="given twice"):
+        same.run({"x": np.zeros(30, np.float32)}, device_inputs={"x": kept})
+    kept.release()
+    with pytest.raises(InputError, match="live DeviceArray"):
+        same.run({}, device_inputs={"x": kept})
+    with pytest.raises(InputError, match="not outputs of this plan"):
+        affine_program(1.0, 0.0, 30, resident=["nope"])
