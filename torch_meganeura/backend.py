@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import warnings
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from meganeura.runtime.device import get_device
 
@@ -57,15 +59,39 @@ def _param_store(device) -> ParamStore:
     return ParamStore(device)
 
 
-def _static_indices() -> set[int]:
+def _fw_metadata():
     ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    return set(getattr(meta, "static_input_indices", None) or [])
+    return getattr(ctx, "fw_metadata", None) if ctx is not None else None
 
 
-def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: BackendContext, backward: bool = False):
-    """The aot_autograd compiler: returns a boxed callable running ``gm`` on the device where it can."""
-    param_indices = set() if backward else _static_indices()
+def _saved_for_backward(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes a training forward returns only to save them for the backward (after the user-visible returns)."""
+    meta = _fw_metadata()
+    if meta is None:
+        return set()
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    user, saved = outputs[: meta.num_forward_returns], outputs[meta.num_forward_returns:]
+    return {n for n in saved if isinstance(n, fx.Node)} - {n for n in user if isinstance(n, fx.Node)}
+
+
+def _resident_outputs(node: fx.Node, saved: set[fx.Node]) -> set[int]:
+    """Output positions of partition call ``node`` whose only use is being saved for the backward."""
+    output = next(n for n in node.graph.nodes if n.op == "output")
+    if node in saved and set(node.users) == {output}:
+        return {0}
+    positions = set()
+    for user in node.users:
+        if user.target is operator.getitem and user in saved and set(user.users) == {output}:
+            positions.add(user.args[1])
+    return positions
+
+
+def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: BackendContext, mode: str):
+    """The aot_autograd compiler for ``mode`` "forward" (of training), "backward" or "inference": returns a boxed
+    callable running ``gm`` on the device where it can. A training forward keeps its saved activations there."""
+    backward = mode == "backward"
+    meta = None if backward else _fw_metadata()
+    param_indices = set(getattr(meta, "static_input_indices", None) or [])
     fallbacks = fallback_ops(gm)
     if fallbacks:
         listing = ", ".join(f"{op} ({why})" for op, why in sorted(fallbacks.items()))
@@ -76,12 +102,14 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
             BackendContext._warned.update(new)
             warnings.warn(f"meganeura: running in eager PyTorch (no device lowering): {listing}", stacklevel=2)
     fused, names = partition(gm)
+    saved = _saved_for_backward(fused) if mode == "forward" else set()
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
         if node.op == "call_module" and node.target in names:
             sub_params = {j for j, a in enumerate(node.args) if index_of.get(a) in param_indices}
-            setattr(fused, node.target, DevicePartition(getattr(fused, node.target), sub_params, context))
+            resident = _resident_outputs(node, saved)
+            setattr(fused, node.target, DevicePartition(getattr(fused, node.target), sub_params, context, resident))
     context.record({"kind": "graph", "backward": backward, "partitions": len(names), "fallback_ops": fallbacks})
 
     def run(args):
@@ -99,8 +127,10 @@ def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     context = BackendContext(opts)
     compiler = functools.partial(compile_graph_module, context=context)
     return aot_autograd(
-        fw_compiler=compiler,
-        bw_compiler=functools.partial(compiler, backward=True),
+        fw_compiler=functools.partial(compiler, mode="forward"),
+        bw_compiler=functools.partial(compiler, mode="backward"),
+        inference_compiler=functools.partial(compiler, mode="inference"),
+        partition_fn=min_cut_rematerialization_partition,
         decompositions=decomposition_table(),
     )(gm, example_inputs)
 

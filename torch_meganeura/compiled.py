@@ -1,8 +1,12 @@
 """A device partition: an fx graph of supported aten ops that runs as one plan per input signature.
 
-At a call with a signature (input shapes, dtypes and Python scalars) not seen before, the graph is lowered
-with those concrete shapes, fused, planned and instantiated on the device; later calls with the same
+At a call with a signature (input shapes, dtypes, kinds and Python scalars) not seen before, the graph is
+lowered with those concrete shapes, fused, planned and instantiated on the device; later calls with the same
 signature only upload inputs (and changed parameters), replay the plan and read outputs back.
+
+Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any graph) are bound from the
+``ParamStore``. Outputs at the positions in ``resident_outputs`` (activations saved for the backward) stay on
+the device as ``ResidentTensor``s, and ResidentTensor arguments are bound without an upload.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -19,6 +24,7 @@ from meganeura.runtime.program import Program
 
 from .fx_lowering import LoweredGraph, lower_graph
 from .params import ParamStore
+from .resident import ResidentTensor
 
 log = logging.getLogger("torch_meganeura")
 
@@ -43,11 +49,17 @@ class _Entry:
     program: Program
 
 
+def arg_kind(a) -> str:
+    if isinstance(a, ResidentTensor):
+        return "resident"
+    return "param" if isinstance(a, torch.nn.Parameter) else "tensor"
+
+
 def signature(args) -> tuple:
     sig = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.dtype))
+            sig.append((tuple(a.shape), a.dtype, arg_kind(a)))
         else:
             sig.append(a)
     return tuple(sig)
@@ -56,10 +68,11 @@ def signature(args) -> tuple:
 class DevicePartition(torch.nn.Module):
     """Runs ``gm`` on the device; stands in for the fused submodule the partitioner made."""
 
-    def __init__(self, gm: fx.GraphModule, param_indices: set[int], context):
+    def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset()):
         super().__init__()
         self.gm = gm
         self.param_indices = set(param_indices)
+        self.resident_outputs = frozenset(resident_outputs)
         self.context = context  # the backend's shared state: device, parameter store, records
         self._plans: dict[tuple, _Entry] = {}
 
@@ -69,7 +82,7 @@ class DevicePartition(torch.nn.Module):
             self._plans[key] = self._compile_or_fall_back(key, args)
         entry = self._plans[key]
         if entry is None:
-            return self.gm(*args)
+            return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
         return self._run(entry, args)
 
     def _compile_or_fall_back(self, key, args) -> _Entry | None:
@@ -88,9 +101,11 @@ class DevicePartition(torch.nn.Module):
     def _compile(self, key, args) -> _Entry:
         start = time.perf_counter()
         device = self.context.device()
-        lowered = lower_graph(self.gm, list(args), self.param_indices)
+        params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
+        lowered = lower_graph(self.gm, list(args), params)
         plan, report = compile_graph(lowered.graph, device.limits)
-        program = Program(device, plan)
+        resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
+        program = Program(device, plan, resident_outputs=resident)
         seconds = time.perf_counter() - start
         record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
                             plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused)
@@ -102,12 +117,21 @@ class DevicePartition(torch.nn.Module):
         lowered, program = entry.lowered, entry.program
         store: ParamStore = self.context.params()
         program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}") for i, name in lowered.params})
-        inputs = {name: args[i].detach().cpu().contiguous().numpy() for i, name in lowered.inputs}
-        results = program.run(inputs)
+        inputs, device_inputs = {}, {}
+        for i, name in lowered.inputs:
+            a = args[i]
+            if isinstance(a, ResidentTensor) and a.array.device is program.device:
+                device_inputs[name] = a.array
+            else:
+                a = a.materialize() if isinstance(a, ResidentTensor) else a
+                inputs[name] = a.detach().cpu().contiguous().numpy()
+        results = program.run(inputs, device_inputs)
         outs = []
         for kind, item in lowered.outputs:
             if kind == "const":
                 outs.append(item)
-            else:
+            elif isinstance(results[item], np.ndarray):
                 outs.append(torch.from_numpy(results[item]))
+            else:
+                outs.append(ResidentTensor(results[item]))
         return tuple(outs) if lowered.returns_tuple else outs[0]
