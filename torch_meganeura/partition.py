@@ -17,7 +17,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from .registry import INT32_RANGE, LOWERINGS, SUPPORT_CHECKS, TORCH_TO_LOGICAL
 
 
-CLAMPED_INT_ARGS = {torch.ops.aten.slice.Tensor}  # ops whose integer arguments are clamped to the size
+CLAMPED_INT_ARGS = {torch.ops.aten.slice.Tensor, torch.ops.aten.slice_scatter.default}  # int args clamped to the size
 
 
 def _tensors(x):

@@ -198,3 +198,8 @@ def test_bert_with_padding_mask():
         other = model(input_ids=ids, token_type_ids=types).last_hidden_state
         assert (other[0] - model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[0]
                 ).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dims", [[0], [-1], [0, 2], []])
+def test_flip(dims):
+    check_against_eager(lambda x: torch.flip(x, dims) * x, torch.randn(2, 3, 4))

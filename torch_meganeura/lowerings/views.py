@@ -1,7 +1,11 @@
-"""View and layout ops: they change index math only and fold into their consumers (no copies)."""
+"""View and layout ops: they change index math only and fold into their consumers (no copies).
+
+cat and constant_pad_nd are selects between such loads (and a constant), still one pointwise expression."""
 from __future__ import annotations
 
 import torch
+
+from meganeura.lowering import expr as E
 
 from ..registry import lowering
 
@@ -89,3 +93,37 @@ def _cat(ctx, tensors, dim=0):
 @lowering(aten.unbind.int)
 def _unbind(ctx, x, dim=0):
     return [ctx.b.select(x, dim, i) for i in range(x.shape[dim])]
+
+
+@lowering(aten.constant_pad_nd.default)
+def _constant_pad_nd(ctx, x, pad, value=0):
+    """Pad (or, for negative pads, crop) the last len(pad)//2 dims: one select between x and ``value``."""
+    b, rank = ctx.b, len(x.shape)
+    fill = E.const(value, x.compute_dtype)
+    shape, coords, inside = list(x.shape), [E.coord(d) for d in range(rank)], []
+    for i in range(len(pad) // 2):
+        d, lo, hi = rank - 1 - i, pad[2 * i], pad[2 * i + 1]
+        shape[d] = x.shape[d] + lo + hi
+        src = E.binary("sub", E.coord(d), E.const(lo, E.I32))
+        if lo > 0:  # a select evaluates both sides: the load coordinate must stay in range
+            inside.append(E.binary("ge", src, E.const(0, E.I32)))
+            src = E.binary("maximum", src, E.const(0, E.I32))
+        if hi > 0:
+            inside.append(E.binary("lt", src, E.const(x.shape[d], E.I32)))
+            src = E.binary("minimum", src, E.const(x.shape[d] - 1, E.I32))
+        coords[d] = src
+    if x.numel == 0 or 0 in shape:
+        return b.full(shape, value, x.dtype)
+    expr = b.load(x, coords)
+    for cond in inside:
+        expr = E.where(cond, expr, fill)
+    return b.pointwise(shape, x.dtype, expr, "constant_pad_nd")
+
+
+@lowering(aten.flip.default)
+def _flip(ctx, x, dims):
+    rank = len(x.shape)
+    flipped = {d % rank for d in dims} if rank else set()
+    coords = [E.binary("sub", E.const(x.shape[d] - 1, E.I32), E.coord(d)) if d in flipped else E.coord(d)
+              for d in range(rank)]
+    return ctx.b.view(x, x.shape, coords, "flip")

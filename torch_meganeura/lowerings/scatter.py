@@ -1,0 +1,244 @@
+"""Scatters, computed from the output side: scatter, scatter_add, scatter_reduce, index_put, and the
+slice/select/diagonal scatters.
+
+No atomics and no write races: each output element gathers its own contributions. A scatter into ``self``
+is a Reduce over the domain ``self.shape + (K,)`` whose last axis enumerates K candidate source entries
+(the positions along ``dim`` for scatter, the broadcast index positions for index_put); a candidate counts
+where its index equals the element's coordinate. Sums give scatter_add and accumulating index_put; an
+overwrite takes the last matching candidate (the ``max`` of its position), as eager does on the CPU. The
+cost is O(numel(self) * K), fine for embedding and loss backward at moderate sizes. Indices are checked
+on the device like gather's. The slice/select/diagonal scatters are pointwise selects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from meganeura.lowering import expr as E
+from meganeura.lowering.builder import broadcast_shapes, unravel
+from meganeura.lowering.ir import RowOutput, Value, numel
+
+from ..registry import lowering
+from .indexing import _checked, _no_bool_index
+
+aten = torch.ops.aten
+
+LOWEST = {E.F32: float("-inf"), E.I32: -(2**31)}
+HIGHEST = {E.F32: float("inf"), E.I32: 2**31 - 1}
+
+
+def _i32(n: int) -> E.Expr:
+    return E.const(n, E.I32)
+
+
+def _all(conds) -> E.Expr:
+    out = E.const(True, E.BOOL)
+    for c in conds:
+        out = c if E.is_const(out, True) else E.binary("and", out, c)
+    return out
+
+
+@dataclass
+class Candidates:
+    """The K source entries that may land on an output element (coordinates 0..rank-1 of the domain).
+
+    ``match(k)``: candidate k lands on this element; ``value(k)``: its value (in the output's compute
+    dtype). ``k`` is an i32 expression: the reduction coordinate in phases, an accumulator in results."""
+
+    count: int
+    match: Callable[[E.Expr], E.Expr]
+    value: Callable[[E.Expr], E.Expr]
+
+
+def _combine(ctx, x: Value, cand: Candidates, reduce: str, include_self: bool = True, label: str = "") -> Value:
+    """The output of scattering ``cand`` into ``x`` with ``reduce``: sum | prod | amax | amin | mean | overwrite."""
+    b, rank = ctx.b, len(x.shape)
+    kind = x.compute_dtype
+    k = E.coord(rank)
+    old = b.load(x, [E.coord(d) for d in range(rank)])
+    if reduce == "overwrite":
+        last = E.acc(0, E.I32)
+        picked = cand.value(E.binary("maximum", last, _i32(0)))
+        result = E.where(E.binary("ge", last, _i32(0)), picked, old)
+        phases = [("max", E.where(cand.match(k), k, _i32(-1)))]
+    else:
+        op, identity = {"sum": ("sum", 0), "mean": ("sum", 0), "prod": ("prod", 1),
+                        "amax": ("max", LOWEST[kind]), "amin": ("min", HIGHEST[kind])}[reduce]
+        phases = [(op, E.where(cand.match(k), cand.value(k), E.const(identity, kind)))]
+        acc = E.acc(0, kind)
+        count = E.acc(1, E.I32)
+        if reduce == "mean" or not include_self:
+            phases.append(("sum", E.where(cand.match(k), _i32(1), _i32(0))))
+        if reduce == "mean":
+            total = E.add(acc, old) if include_self else acc
+            n = E.add(count, _i32(1)) if include_self else E.binary("maximum", count, _i32(1))
+            divide = "div" if kind == E.F32 else "floordiv"
+            result = E.binary(divide, total, E.cast(n, kind))
+        else:
+            merge = {"sum": "add", "prod": "mul", "amax": "maximum", "amin": "minimum"}[reduce]
+            result = E.binary(merge, old, acc) if include_self else acc
+        if not include_self:
+            result = E.where(E.binary("gt", count, _i32(0)), result, old)
+    (out,) = b.reduce(tuple(x.shape) + (cand.count,), [rank], phases, [RowOutput(False, result)], [x.dtype],
+                      label or reduce)
+    return out
+
+
+# ------------------------------------------------------------------------------------ scatter along dim
+def _along_dim(ctx, x: Value, dim: int, index: Value, src, what: str) -> Candidates:
+    """Candidates of scatter(x, dim, index, src): for element c, index[c with c_dim := k] for k < index.shape[dim]."""
+    b, rank = ctx.b, len(x.shape)
+    limits = index.shape
+    inside = [E.binary("lt", E.coord(d), _i32(limits[d])) for d in range(rank) if d != dim and limits[d] < x.shape[d]]
+
+    def coords(k):  # clamped into index's shape: a select evaluates both sides, loads must stay in range
+        return [k if d == dim else E.coord(d) if limits[d] >= x.shape[d] else
+                E.binary("minimum", E.coord(d), _i32(limits[d] - 1)) for d in range(rank)]
+
+    def match(k):
+        target = _checked(ctx, b.load(index, coords(k)), x.shape[dim], what, wrap_negative=False)
+        return _all(inside + [E.binary("eq", target, E.coord(dim))])
+
+    def value(k):
+        if isinstance(src, Value):
+            return E.cast(b.load(src, coords(k)), x.compute_dtype)
+        return E.const(src, x.compute_dtype)
+
+    return Candidates(limits[dim], match, value)
+
+
+def _scatter_like(ctx, x, dim, index, src, reduce, include_self=True):
+    what = str(ctx.node.target).split(".")[1]
+    if index.numel == 0:
+        return x
+    if not x.shape:  # 0-d: the same scatter on one-element vectors
+        x1, index1 = ctx.b.reshape(x, [1]), ctx.b.reshape(index, [1])
+        src1 = ctx.b.reshape(src, [1]) if isinstance(src, Value) else src
+        return ctx.b.reshape(_scatter_like(ctx, x1, 0, index1, src1, reduce, include_self), [])
+    dim %= len(x.shape)
+    return _combine(ctx, x, _along_dim(ctx, x, dim, index, src, what), reduce, include_self, what)
+
+
+def _no_bool_sum(node) -> str | None:
+    if node.args[0].meta["val"].dtype == torch.bool:
+        return f"{node.target} on bool tensors is not lowered"
+    return None
+
+
+@lowering(aten.scatter.src, aten.scatter.value)
+def _scatter(ctx, x, dim, index, src):
+    return _scatter_like(ctx, x, dim, index, src, "overwrite")
+
+
+@lowering(aten.scatter_add.default, supports=_no_bool_sum)
+def _scatter_add(ctx, x, dim, index, src):
+    return _scatter_like(ctx, x, dim, index, src, "sum")
+
+
+@lowering(aten.scatter_reduce.two, supports=_no_bool_sum)
+def _scatter_reduce(ctx, x, dim, index, src, reduce, *, include_self=True):
+    return _scatter_like(ctx, x, dim, index, src, reduce, include_self)
+
+
+# ----------------------------------------------------------------------------------------- index_put
+def _index_put_supported(node) -> str | None:
+    reason = _no_bool_index(node)
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if reason is None and accumulate:
+        reason = _no_bool_sum(node)
+    return reason
+
+
+@lowering(aten.index_put.default, supports=_index_put_supported)
+def _index_put(ctx, x, indices, values, accumulate=False):
+    """x[i0, i1, ...] = values (or +=): numpy's placement of the index dims, as in ``indexing._index``."""
+    b, rank = ctx.b, len(x.shape)
+    indices = list(indices) + [None] * (rank - len(indices))
+    positions = [d for d, i in enumerate(indices) if i is not None]
+    if not positions:
+        raise NotImplementedError("index_put without index tensors")
+    idx_shape = broadcast_shapes(*[indices[d].shape for d in positions])
+    if numel(idx_shape) == 0:
+        return x
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    lead = positions[0] if adjacent else 0
+    rest = [d for d in range(rank) if indices[d] is None]
+    before = [d for d in rest if d < lead] if adjacent else []
+    after = [d for d in rest if d not in before]
+    shape = [x.shape[d] for d in before] + list(idx_shape) + [x.shape[d] for d in after]  # shape of x[indices]
+
+    def match(k):
+        kc = unravel(k, idx_shape)
+        conds = []
+        for d in positions:
+            t = indices[d]
+            off = len(idx_shape) - len(t.shape)
+            tc = [_i32(0) if s == 1 else kc[off + j] for j, s in enumerate(t.shape)]
+            target = _checked(ctx, b.load(t, tc), x.shape[d], "index_put", wrap_negative=True)
+            conds.append(E.binary("eq", target, E.coord(d)))
+        return _all(conds)
+
+    def value(k):
+        coords = [E.coord(d) for d in before] + unravel(k, idx_shape) + [E.coord(d) for d in after]
+        off = len(shape) - len(values.shape)
+        vc = [_i32(0) if s == 1 else coords[off + j] for j, s in enumerate(values.shape)]
+        return E.cast(b.load(values, vc), x.compute_dtype)
+
+    cand = Candidates(numel(idx_shape), match, value)
+    return _combine(ctx, x, cand, "sum" if accumulate else "overwrite", label="index_put")
+
+
+# ------------------------------------------------------------------------- slice/select/diagonal scatter
+def _clamp(i: int, size: int) -> int:
+    if i < 0:
+        i += size
+    return min(max(i, 0), size)
+
+
+@lowering(aten.slice_scatter.default)
+def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
+    """x with x[..., start:end:step, ...] = src (along ``dim``)."""
+    b, rank = ctx.b, len(x.shape)
+    dim %= rank
+    start = _clamp(0 if start is None else start, x.shape[dim])
+    length = src.shape[dim]
+    if length == 0:
+        return x
+    offset = E.binary("sub", E.coord(dim), _i32(start))
+    safe = E.binary("maximum", offset, _i32(0))
+    j = E.binary("idiv", safe, _i32(step))
+    hit = _all([E.binary("ge", offset, _i32(0)), E.binary("eq", E.binary("imod", safe, _i32(step)), _i32(0)),
+                E.binary("lt", j, _i32(length))])
+    coords = [E.coord(d) for d in range(rank)]
+    coords[dim] = E.binary("minimum", j, _i32(length - 1))
+    expr = E.where(hit, E.cast(b.load(src, coords), x.compute_dtype), b.load(x, [E.coord(d) for d in range(rank)]))
+    return b.pointwise(x.shape, x.dtype, expr, "slice_scatter")
+
+
+@lowering(aten.select_scatter.default)
+def _select_scatter(ctx, x, src, dim, index):
+    b, rank = ctx.b, len(x.shape)
+    dim %= rank
+    index %= x.shape[dim]
+    src_coords = [E.coord(d) for d in range(rank) if d != dim]
+    hit = E.binary("eq", E.coord(dim), _i32(index))
+    expr = E.where(hit, E.cast(b.load(src, src_coords), x.compute_dtype), b.load(x, [E.coord(d) for d in range(rank)]))
+    return b.pointwise(x.shape, x.dtype, expr, "select_scatter")
+
+
+@lowering(aten.diagonal_scatter.default)
+def _diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
+    b, rank = ctx.b, len(x.shape)
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    length = src.shape[-1]
+    if length == 0:
+        return x
+    on_diagonal = E.binary("eq", E.binary("sub", E.coord(dim2), E.coord(dim1)), _i32(offset))
+    position = E.coord(dim1 if offset >= 0 else dim2)
+    src_coords = [E.coord(d) for d in range(rank) if d not in (dim1, dim2)]
+    src_coords.append(E.binary("minimum", position, _i32(length - 1)))
+    expr = E.where(on_diagonal, E.cast(b.load(src, src_coords), x.compute_dtype),
+                   b.load(x, [E.coord(d) for d in range(rank)]))
+    return b.pointwise(x.shape, x.dtype, expr, "diagonal_scatter")
