@@ -74,8 +74,20 @@ HELPERS = {
     "mg_sign": "fn mg_sign(x: f32) -> f32 { return select(sign(x), x, x != x); }",
     "mg_tanh": "fn mg_tanh(x: f32) -> f32 { return select(tanh(clamp(x, -20.0, 20.0)), x, mg_isnan(x)); }",
     "mg_sigmoid": "fn mg_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }",
+    # An integer hash with full avalanche (Wellons' lowbias32 constants), the core of the counter-based RNG.
+    "mg_hash": """fn mg_hash(v: u32) -> u32 {
+  var x = v;
+  x = (x ^ (x >> 16u)) * 0x7feb352du;
+  x = (x ^ (x >> 15u)) * 0x846ca68bu;
+  return x ^ (x >> 16u);
+}""",
+    "mg_uniform": """fn mg_uniform(k0: i32, k1: i32, stream: i32, n: i32) -> f32 {
+  let key = mg_hash(bitcast<u32>(k0) ^ mg_hash(bitcast<u32>(k1) + 0x9e3779b9u * bitcast<u32>(stream)));
+  let h = mg_hash(mg_hash(bitcast<u32>(n) ^ key) + key);
+  return f32(h >> 8u) * (1.0 / 16777216.0);
+}""",
 }
-HELPER_DEPS = {"mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"]}
+HELPER_DEPS = {"mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
 
 # op -> format string over arguments {0}, {1}, {2}; helpers named in the string are emitted on demand.
 FLOAT_OPS = {
@@ -97,7 +109,7 @@ INT_OPS = {
     "neg": "(-{0})", "abs": "abs({0})", "sign": "sign({0})",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "idiv": "({0} / {1})", "imod": "({0} % {1})",
     "floordiv": "mg_ifloordiv({0}, {1})", "remainder": "mg_iremainder({0}, {1})", "fmod": "mg_ifmod({0}, {1})",
-    "maximum": "max({0}, {1})", "minimum": "min({0}, {1})",
+    "maximum": "max({0}, {1})", "minimum": "min({0}, {1})", "uniform": "mg_uniform({0}, {1}, {2}, {3})",
 }
 COMPARE_OPS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 BOOL_OPS = {"and": "({0} && {1})", "or": "({0} || {1})", "xor": "({0} != {1})", "not": "(!{0})",

@@ -32,9 +32,13 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 class GraphBuilder:
+    RNG_SEED = "rng_seed"  # the input that random ops draw their key from: two int32, new for every run
+
     def __init__(self):
         self.graph = Graph()
         self._next_id = 0
+        self._seed: Value | None = None
+        self._streams = 0
 
     # ------------------------------------------------------------------------------- nodes
     def _value(self, shape, dtype) -> Value:
@@ -53,6 +57,23 @@ class GraphBuilder:
         v = self._value(shape, dtype)
         expr = E.cast(expr, v.compute_dtype)
         return self._add(Pointwise([v], expr=expr, label=label)).out
+
+    @property
+    def rng_seed(self) -> str | None:
+        """The name of the seed input once a random op was added, else None."""
+        return None if self._seed is None else self.RNG_SEED
+
+    def uniform(self, shape) -> E.Expr:
+        """A fresh uniform [0, 1) number per element of ``shape``: a stream of its own under the run's seed."""
+        if self._seed is None:
+            self._seed = self.input(self.RNG_SEED, (2,), "int32")
+        key = [self.load(self._seed, [E.const(i, E.I32)]) for i in range(2)]
+        strides = contiguous_strides(shape)
+        counter = E.const(0, E.I32)
+        for d, st in enumerate(strides):
+            counter = E.add(counter, E.mul(E.coord(d), E.const(st, E.I32)))
+        self._streams += 1
+        return E.uniform(key[0], key[1], self._streams, counter)
 
     def output(self, v: Value) -> None:
         """Mark ``v`` as a graph output (inputs returned as outputs are copied, so outputs own buffers)."""

@@ -93,6 +93,13 @@ def read(slot: int, index: Expr, dtype: str) -> Expr:
     return Expr("read", (slot, index), dtype)
 
 
+def uniform(key0: Expr, key1: Expr, stream: int, counter: Expr) -> Expr:
+    """A uniform float in [0, 1): element ``counter`` of random stream ``stream`` under the i32 key (key0, key1).
+
+    Counter-based: the same key, stream and counter give the same number on every device and every run."""
+    return Expr("uniform", (key0, key1, const(stream, I32), counter), F32)
+
+
 def is_const(e: Expr, value=None) -> bool:
     return e.op == "const" and (value is None or e.args[0] == value)
 

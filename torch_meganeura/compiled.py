@@ -125,6 +125,8 @@ class DevicePartition(torch.nn.Module):
             else:
                 a = a.materialize() if isinstance(a, ResidentTensor) else a
                 inputs[name] = a.detach().cpu().contiguous().numpy()
+        if lowered.rng_seed:
+            inputs[lowered.rng_seed] = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int64).int().numpy()
         results = program.run(inputs, device_inputs)
         outs = []
         for kind, item in lowered.outputs:

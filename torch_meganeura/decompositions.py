@@ -1,12 +1,13 @@
-"""The decomposition table handed to aot_autograd: torch's core-aten table minus what we lower whole.
+"""The decomposition table handed to aot_autograd: torch's core-aten table minus what we lower whole, plus a
+few of torch's other decompositions for ops that core-aten keeps but we do not lower yet.
 
-Ops kept whole get one fused kernel (or a better one) instead of their decomposition. Each exclusion
-names its reason.
+Ops kept whole get one fused kernel (or a better one) instead of their decomposition. Each exclusion and
+addition names its reason.
 """
 from __future__ import annotations
 
 import torch
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, get_decompositions
 
 aten = torch.ops.aten
 
@@ -20,11 +21,20 @@ KEEP_WHOLE = {
     aten.t.default: "a view, folded into index math",
     aten._unsafe_view.default: "a view, folded into index math",
     aten.sum.default: "one reduction",
+    aten.select_scatter.default: "one pointwise expression (select's backward)",
+}
+
+
+ADDED = {
+    aten._native_batch_norm_legit_functional.default: "batch norm in training, with running-stat outputs",
+    aten._native_batch_norm_legit_no_training.default: "batch norm in eval mode",
+    aten._native_batch_norm_legit.no_stats: "batch norm without running stats",
 }
 
 
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
+    table.update(get_decompositions(list(ADDED)))
     for op in KEEP_WHOLE:
         table.pop(op, None)
     return table

@@ -27,6 +27,7 @@ class LoweredGraph:
     outputs: list[tuple[str, object]]  # ("plan", output name) | ("const", python value)
     ops: dict[str, int]  # aten op -> count
     returns_tuple: bool  # the fx graph returns a tuple/list (else a single value)
+    rng_seed: str | None = None  # the plan input random ops draw from (two int32 per run), if any
 
 
 def lower_graph(gm: fx.GraphModule, args: list, param_indices: set[int]) -> LoweredGraph:
@@ -75,7 +76,7 @@ def lower_graph(gm: fx.GraphModule, args: list, param_indices: set[int]) -> Lowe
             outputs.append(("plan", f"out{first}"))
         else:
             outputs.append(("const", item))
-    return LoweredGraph(b.graph, inputs, params, outputs, ops, isinstance(result, (tuple, list)))
+    return LoweredGraph(b.graph, inputs, params, outputs, ops, isinstance(result, (tuple, list)), b.rng_seed)
 
 
 def _check_shapes(node: fx.Node, value) -> None:
