@@ -193,11 +193,11 @@ def test_dropout_mask_rate_reproducibility_and_gradient():
     mask = y1 != 0
     torch.testing.assert_close(y1[mask], dense[mask] / 0.9, rtol=1e-5, atol=1e-6)
     upstream = torch.randn(64, 64)
-    (grad,) = torch.autograd.grad(y1, x, upstream)
-    want = ((upstream * mask / 0.9) @ lin.weight).detach()
-    torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL)
-    (wgrad,) = torch.autograd.grad(drop(lin(x)) if False else f(x), lin.weight, upstream)  # fresh mask
-    assert wgrad.shape == lin.weight.shape
+    grad_x, grad_w = torch.autograd.grad(y1, (x, lin.weight), upstream)
+    routed = upstream * mask / 0.9  # the backward must reuse the forward's mask
+    torch.testing.assert_close(grad_x, (routed @ lin.weight).detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(grad_w, (routed.T @ x).detach(), rtol=RTOL, atol=ATOL)
+    assert torch.all(routed[~mask] == 0)
 
 
 def test_batch_norm_running_stats_reach_the_module():
@@ -248,18 +248,15 @@ def test_saved_tensors_are_resident_tensors():
     torch._dynamo.reset()
     lin = nn.Linear(8, 8)
     compiled = torch.compile(lambda x: torch.tanh(lin(x)) * 2, backend="meganeura")
-    out = compiled(torch.randn(3, 8))
-    saved = [t for t in out.grad_fn.saved_tensors if isinstance(t, ResidentTensor)] if hasattr(
-        out.grad_fn, "saved_tensors") else []
-    node = out.grad_fn
-    while not saved and node is not None:
-        saved = [getattr(node, a) for a in dir(node) if a.startswith("_saved")]
-        saved = [t for t in saved if isinstance(t, ResidentTensor)]
-        node = node.next_functions[0][0] if node.next_functions else None
-    assert saved, "no saved activation is a ResidentTensor"
-    # an op on a resident tensor outside a device partition downloads it: the values are the real ones
-    host = saved[0] + 0
-    assert isinstance(host, torch.Tensor) and not isinstance(host, ResidentTensor)
+    x = torch.randn(3, 8)
+    out = compiled(x)
+    saved = [t for t in out.grad_fn.saved_tensors if isinstance(t, ResidentTensor)]
+    assert len(saved) == 1, "one activation should be saved on the device"
+    # an op on a resident tensor outside a device partition downloads it first: the values are the real ones.
+    # The min-cut partitioner saves the linear layer's output and recomputes tanh in the backward.
+    host = saved[0] * 1
+    assert type(host) is torch.Tensor
+    torch.testing.assert_close(host, lin(x).detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_no_grad_and_eval_compile_inference_graphs():
