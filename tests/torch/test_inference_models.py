@@ -203,3 +203,10 @@ def test_bert_with_padding_mask():
 @pytest.mark.parametrize("dims", [[0], [-1], [0, 2], []])
 def test_flip(dims):
     check_against_eager(lambda x: torch.flip(x, dims) * x, torch.randn(2, 3, 4))
+
+
+def test_cumsum_of_an_attention_mask_and_repeat():
+    """Position ids from a padding mask (int64 cumsum), a float cumprod along dim 0, and repeat."""
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]])
+    check_against_eager(lambda m, x: ((m.cumsum(-1) - 1) * m, (m > 0).cumsum(1), x.cumprod(0), x.repeat(2, 1, 3)),
+                        mask, torch.rand(3, 4) + 0.5)

@@ -174,3 +174,49 @@ def _layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     y, m, r = b.reduce(x.shape, axes, phases, results, ["float32"] * 3, "layer_norm")
     stat_shape = list(x.shape[: rank - k]) + [1] * k
     return y, b.reshape(m, stat_shape), b.reshape(r, stat_shape)
+
+
+@lowering(aten.linalg_vector_norm.default)
+def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    def magnitude(v):
+        return E.unary("abs", v)
+
+    if ord == 2:
+        phases, finish = (lambda v: [("sum", E.mul(v, v))]), (lambda n: E.unary("sqrt", E.acc(0)))
+    elif ord == 1:
+        phases, finish = (lambda v: [("sum", magnitude(v))]), (lambda n: E.acc(0))
+    elif ord == float("inf"):
+        phases, finish = (lambda v: [("max", magnitude(v))]), (lambda n: E.acc(0))
+    elif ord == float("-inf"):
+        phases, finish = (lambda v: [("min", magnitude(v))]), (lambda n: E.acc(0))
+    elif ord == 0:
+        phases = lambda v: [("sum", E.cast(E.binary("ne", v, E.const(0.0, E.F32)), E.F32))]  # noqa: E731
+        finish = lambda n: E.acc(0)  # noqa: E731
+    else:
+        p = E.const(float(ord), E.F32)
+        phases = lambda v: [("sum", E.binary("pow", magnitude(v), p))]  # noqa: E731
+        finish = lambda n: E.binary("pow", E.acc(0), E.const(1.0 / float(ord), E.F32))  # noqa: E731
+    return _reduce(ctx, x, dim, keepdim, phases, finish, compute=E.F32)
+
+
+def _scan(op: str, identity):
+    """Inclusive scan along ``dim`` as a reduction over a second copy of that axis: element k counts towards
+    output position i when k <= i. O(n^2) per row; fine for the short axes models scan (positions, masks)."""
+    def lower(ctx, x, dim, dtype=None):
+        rank = len(x.shape)
+        if rank == 0:
+            return ctx.b.map(lambda v: v, x, dtype=ctx.out_dtype)
+        dim %= rank
+        kind = E.F32 if ctx.out_dtype == "float32" else E.I32
+        coords = [E.coord(rank) if d == dim else E.coord(d) for d in range(rank)]
+        value = E.cast(ctx.b.load(x, coords), kind)
+        inside = E.binary("le", E.coord(rank), E.coord(dim))
+        element = E.where(inside, value, E.const(identity, kind))
+        (out,) = ctx.b.reduce(x.shape + (x.shape[dim],), (rank,), [(op, element)], [RowOutput(False, E.acc(0, kind))],
+                              [ctx.out_dtype], "cum" + op)
+        return out
+    return lower
+
+
+lowering(aten.cumsum.default)(_scan("sum", 0))
+lowering(aten.cumprod.default)(_scan("prod", 1))

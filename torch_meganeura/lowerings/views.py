@@ -127,3 +127,11 @@ def _flip(ctx, x, dims):
     coords = [E.binary("sub", E.const(x.shape[d] - 1, E.I32), E.coord(d)) if d in flipped else E.coord(d)
               for d in range(rank)]
     return ctx.b.view(x, x.shape, coords, "flip")
+
+
+@lowering(aten.repeat.default)
+def _repeat(ctx, x, repeats):
+    lead = len(repeats) - len(x.shape)
+    shape = [r * (x.shape[d - lead] if d >= lead else 1) for d, r in enumerate(repeats)]
+    coords = [E.binary("imod", E.coord(lead + d), E.const(s, E.I32)) for d, s in enumerate(x.shape)]
+    return ctx.b.view(x, shape, coords, "repeat")
