@@ -244,6 +244,18 @@ def test_saved_activations_stay_on_the_device_and_are_freed():
     assert after_100 == after_10
 
 
+def test_saved_activations_of_a_dropped_graph_are_freed():
+    model = MLP()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="meganeura")
+    pool = get_device().pool
+    live = pool.live
+    loss = compiled(torch.randn(4, 12)).sum()
+    assert pool.live > live
+    del loss  # no backward: autograd drops the graph and its saved tensors
+    assert pool.live == live
+
+
 def test_saved_tensors_are_resident_tensors():
     torch._dynamo.reset()
     lin = nn.Linear(8, 8)
