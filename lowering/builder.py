@@ -203,6 +203,18 @@ class GraphBuilder:
         return out
 
     # -------------------------------------------------------------------------------- matmul
+    def gemm(self, batch: int, m: int, n: int, k: int, a: E.Expr, b: E.Expr, dtype: str = "float32",
+             epilogue: E.Expr | None = None, label: str = "matmul") -> Value:
+        """out[b, i, j] = epilogue(sum_p a(b, i, p) * b(b, p, j)) with shape (batch, m, n).
+
+        ``a`` is an f32 expression of coordinates (0: b, 1: i, 2: p), ``b`` of (0: b, 1: p, 2: j), ``epilogue``
+        of (0: b, 1: i, 2: j) and ``E.acc(0)`` (the sum). Any index math works: implicit-GEMM convolutions
+        gather their operands here."""
+        epi = E.acc(0) if epilogue is None else epilogue
+        out = self._value((batch, m, n), dtype)
+        self._add(Matmul([out], batch=batch, m=m, n=n, k=k, a=a, b=b, epilogue=epi, label=label))
+        return out
+
     def matmul(self, a: Value, b: Value, dtype: str = "float32", epilogue=None, label: str = "matmul") -> Value:
         """Batched matmul with numpy broadcasting of batch dims; 1-D operands like torch.matmul."""
         a2 = self.unsqueeze(a, 0) if len(a.shape) == 1 else a
@@ -222,9 +234,7 @@ class GraphBuilder:
 
         a_expr = operand(a2, [E.coord(1), E.coord(2)])
         b_expr = operand(b2, [E.coord(1), E.coord(2)])
-        epi = E.acc(0) if epilogue is None else epilogue
-        out = self._value((batch, m, n), dtype)
-        self._add(Matmul([out], batch=batch, m=m, n=n, k=k, a=a_expr, b=b_expr, epilogue=epi, label=label))
+        out = self.gemm(batch, m, n, k, a_expr, b_expr, dtype, epilogue, label)
         shape = batch_shape + ((m,) if len(a.shape) > 1 else ()) + ((n,) if len(b.shape) > 1 else ())
         return self.reshape(out, shape)
 
