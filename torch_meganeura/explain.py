@@ -16,7 +16,7 @@ class ExplainReport:
     graphs: int = 0  # fx graphs aot_autograd handed over (forward, backward)
     partitions: int = 0  # device partitions
     kernels: int = 0  # distinct fused kernels
-    dispatches: int = 0  # dispatches per call (sum over partitions)
+    dispatches: int = 0  # dispatches per call, or per training step with loss_fn (sum over partitions)
     fused_producers: int = 0  # pointwise producers folded into their consumers
     planned_bytes: int = 0  # arena size after lifetime planning
     unplanned_bytes: int = 0  # sum of all intermediates
@@ -41,20 +41,28 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def explain(model, *inputs, options: dict | None = None) -> ExplainReport:
-    """Compile ``model`` with the meganeura backend, call it once on ``inputs`` and report."""
+def explain(model, *inputs, loss_fn=None, options: dict | None = None) -> ExplainReport:
+    """Compile ``model`` with the meganeura backend, call it once on ``inputs`` and report.
+
+    With ``loss_fn``, the call is a training step: ``loss_fn(output).backward()`` runs too, and the counts
+    (dispatches, kernels, fallbacks) cover the forward and the backward graphs."""
     records: list = []
     BackendContext.recorders.append(records)
     try:
         compiled = torch.compile(model, backend=lambda gm, ex: meganeura_backend(gm, ex, options=options))
         start = time.perf_counter()
-        compiled(*inputs)
+        out = compiled(*inputs)
+        if loss_fn is not None:
+            loss_fn(out).backward()
         elapsed = time.perf_counter() - start
     finally:
         BackendContext.recorders.remove(records)
     training = torch.is_grad_enabled() and any(
         p.requires_grad for p in getattr(model, "parameters", lambda: [])())
-    mode = "training forward (saved activations are outputs)" if training else "inference"
+    if loss_fn is not None:
+        mode = "training step (forward + backward)"
+    else:
+        mode = "training forward (saved activations are outputs)" if training else "inference"
     report = ExplainReport(compile_seconds=elapsed, mode=mode)
     for rec in records:
         if isinstance(rec, dict) and rec["kind"] == "failed":
