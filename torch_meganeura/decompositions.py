@@ -27,7 +27,6 @@ KEEP_WHOLE = {
 
 ADDED = {
     aten._native_batch_norm_legit_functional.default: "batch norm in training, with running-stat outputs",
-    aten._native_batch_norm_legit_no_training.default: "batch norm in eval mode",
     aten._native_batch_norm_legit.no_stats: "batch norm without running stats",
 }
 

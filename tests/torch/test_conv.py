@@ -75,3 +75,17 @@ def test_conv3d_falls_back_visibly():
     with pytest.warns(UserWarning, match="3-D convolution"):
         out = compiled(x, w)
     torch.testing.assert_close(out, F.conv3d(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bias_residual_and_activation_run_in_the_conv_kernel():
+    import torch_meganeura
+
+    conv = torch.nn.Conv2d(C, 6, 3, padding=1)
+    x, residual = torch.randn(2, C, 8, 8), torch.randn(2, 6, 8, 8)
+    with torch.no_grad():
+        report = torch_meganeura.explain(lambda x, r: F.relu(conv(x) + r), x, residual)
+        torch._dynamo.reset()
+        got = torch.compile(lambda x, r: F.relu(conv(x) + r), backend="meganeura")(x, residual)
+        want = F.relu(conv(x) + residual)
+    assert report.fallback_ops == {} and report.dispatches == 1, str(report)
+    assert_same(got, want, rtol=RTOL, atol=ATOL, rel=REL)
