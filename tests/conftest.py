@@ -88,17 +88,18 @@ def assert_as_accurate_as_eager(got, eager, exact, *, rtol: float = 1e-3, atol: 
     at batch 2, whose BatchNorms normalise over a handful of values): compare ``got`` with the float64 result
     ``exact``, allowing a multiple of eager float32's own error on top of the usual tolerances.
 
-    Elementwise: |got - exact| <= atol + rtol |exact| + 16 max|eager - exact| (rounding in another summation
-    order, amplified the same way, put a few elements of multi-million-element gradients up to ~4x beyond
-    eager's worst one on lavapipe and ~12x on the H200). Relative L2: at most max(rel, 4 x eager's relative L2 error); measured ratios were
-    0.1-0.9 on lavapipe and up to 2.2 on an NVIDIA GPU (fused multiply-adds round differently). A wrong
-    lowering is off by far more than rounding (an O(1) relative error) and fails."""
+    Elementwise: |got - exact| <= atol + rtol |exact| + 32 max|eager - exact|, a guard against gross local
+    errors only: rounding in another summation order, amplified the same way, put single elements of
+    multi-million-element gradients ~4x beyond eager's worst one on lavapipe and 10x-18x on the H200.
+    Relative L2, the real check: at most max(rel, 4 x eager's relative L2 error); measured ratios were 0.1-0.9
+    on lavapipe and a median of 1.1 (worst 1.85) over ResNet-50's parameters on the H200. A wrong lowering is
+    off by far more than rounding (an O(1) relative error) and fails."""
     got, eager, exact = got.detach().double(), eager.detach().double(), exact.detach().double()
-    slack = 16 * (eager - exact).abs().max().item() if exact.numel() else 0.0
+    slack = 32 * (eager - exact).abs().max().item() if exact.numel() else 0.0
     excess = (got - exact).abs() - (atol + rtol * exact.abs() + slack)
     assert not bool((excess > 0).any()), (
         f"{what}: {int((excess > 0).sum())} of {exact.numel()} elements off by more than the tolerance "
-        f"(worst by {excess.max().item():.3g}; eager float32's worst error {slack / 16:.3g})")
+        f"(worst by {excess.max().item():.3g}; eager float32's worst error {slack / 32:.3g})")
     if exact.numel() and exact.norm() > atol * exact.numel() ** 0.5:
         ours, theirs = rel_l2(got, exact), rel_l2(eager, exact)
         assert ours <= max(rel, 4 * theirs), f"{what}: relative L2 error {ours:.3g}, eager float32's {theirs:.3g}"
