@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from . import expr as E
-from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, numel
+from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, numel
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
@@ -201,6 +201,13 @@ class GraphBuilder:
             result = finish(result)
         (out,) = self.reduce(v.shape, axes, [(op, value)], [RowOutput(False, result)], [dtype], label or op)
         return out
+
+    # ----------------------------------------------------------------------------- attention
+    def attention(self, kind: str, outs: list[tuple[tuple[int, ...], str]], **fields) -> list[Value]:
+        """Add an ``Attention`` pass of ``kind`` with outputs of the given (shape, dtype) and node ``fields``."""
+        values = [self._value(shape, dtype) for shape, dtype in outs]
+        self._add(Attention(values, kind=kind, **fields))
+        return values
 
     # -------------------------------------------------------------------------------- matmul
     def gemm(self, batch: int, m: int, n: int, k: int, a: E.Expr, b: E.Expr, dtype: str = "float32",

@@ -4,10 +4,10 @@ Walking the graph in order, every Pointwise node becomes a candidate for inlinin
 candidate unless a rule refuses it, and every refusal is recorded with its reason:
   * a view (a single load) inlines into every consumer: it only changes index math;
   * a computing producer inlines only into its single consumer (no recomputation);
-  * matmul operands take views only (a tile load must stay cheap);
+  * matmul and attention operands take views only (their loads repeat and must stay cheap);
   * a kernel may not exceed the device's storage-buffer bindings nor ``MAX_EXPR_NODES``.
 Values that end up read by no kernel (and are not graph outputs) are dropped, as are unused results of
-multi-output reductions.
+multi-output reductions; other multi-output nodes are kept whole while any of their results is used.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import expr as E
 from .indexing import simplify
-from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce
+from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
 
 log = logging.getLogger("meganeura.lowering.fusion")
 MAX_EXPR_NODES = 1500
@@ -93,7 +93,7 @@ def _direct_loads(node: Node, refused) -> list[int]:
 
 
 def _substitute(e: E.Expr, domain, candidates, refused, consumer) -> E.Expr:
-    views_only = isinstance(consumer, Matmul)
+    views_only = isinstance(consumer, (Matmul, Attention))
 
     def rewrite(node: E.Expr):
         if node.op != "load":
@@ -127,6 +127,8 @@ def _prune(graph: Graph, outputs: set[int]) -> None:
                 node.outs = [v for v, keep in zip(node.outs, live) if keep]
                 kept.append(node)
                 changed = True
+            elif any(live):  # other multi-output kernels write all their outputs
+                kept.append(node)
             else:
                 changed = True
         graph.nodes = kept

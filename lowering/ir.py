@@ -8,7 +8,8 @@ Node kinds (the archetypes):
                 a reduction (sum/prod/max/min/argmax/argmin) of an expression that may use the results of
                 earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
   ``Matmul``    C[b, i, j] = sum_p A[b, i, p] * B[b, p, j], operands given as expressions over (b, i, p) and
-                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``.
+                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``;
+  ``Attention`` fused scaled-dot-product attention (a forward or a backward pass), operands as expressions.
 
 Loads inside expressions name a value id and one coordinate per dimension of that value; nothing here
 knows about memory layout until the planner assigns buffers.
@@ -144,6 +145,56 @@ class Matmul(Node):
 
     def set_exprs(self, exprs):
         self.a, self.b, self.epilogue = exprs
+
+
+ATTENTION_OPERANDS = ("q", "k", "v", "bias", "dout", "lse", "delta")
+
+
+@dataclass
+class Attention(Node):
+    """Scaled dot-product attention without a stored score matrix, one pass of ``kind``:
+    "forward" -> outs [out (batch, heads, lq, dv), lse (batch, heads, lq)]; "grad_q" -> [dq (batch, heads, lq,
+    d)]; "grad_kv" -> [dk (batch, kv_heads, lk, d), dv (batch, kv_heads, lk, dv)].
+
+    Operands are expressions: q over (b, h, i, c), k and v over (b, h, j, c) with h the query head (grouped-query
+    attention maps it to its KV head in the expression), the additive ``bias`` over (b, h, i, j), and for the
+    backward passes dout over (b, h, i, c), lse and delta over (b, h, i). Unused operands are None."""
+
+    kind: str = "forward"
+    batch: int = 1
+    heads: int = 1
+    kv_heads: int = 1
+    lq: int = 1
+    lk: int = 1
+    d: int = 1
+    dv: int = 1
+    scale: float = 1.0
+    causal: bool = False
+    q: E.Expr = None
+    k: E.Expr = None
+    v: E.Expr = None
+    bias: E.Expr | None = None
+    dout: E.Expr | None = None
+    lse: E.Expr | None = None
+    delta: E.Expr | None = None
+    label: str = "attention"
+
+    def operands(self) -> list[str]:
+        """Names of the operands this pass uses, in ``exprs()`` order."""
+        return [name for name in ATTENTION_OPERANDS if getattr(self, name) is not None]
+
+    def exprs(self):
+        return [getattr(self, name) for name in self.operands()]
+
+    def domains(self):
+        b, h, lq, lk = self.batch, self.heads, self.lq, self.lk
+        shapes = {"q": (b, h, lq, self.d), "k": (b, h, lk, self.d), "v": (b, h, lk, self.dv),
+                  "bias": (b, h, lq, lk), "dout": (b, h, lq, self.dv), "lse": (b, h, lq), "delta": (b, h, lq)}
+        return [shapes[name] for name in self.operands()]
+
+    def set_exprs(self, exprs):
+        for name, e in zip(self.operands(), exprs):
+            setattr(self, name, e)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+from meganeura.kernels import attention as attention_kernels
 from meganeura.kernels import matmul as matmul_kernels
 from meganeura.kernels import pointwise as pointwise_kernels
 from meganeura.kernels import reduce as reduce_kernels
@@ -16,7 +17,7 @@ from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSp
 
 from . import expr as E
 from .indexing import linear_index, simplify
-from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, Value
+from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value
 from .planner import Interval, place
 
 
@@ -144,9 +145,31 @@ def _kernel(node: Node, values: dict, limits: dict):
         src, groups = matmul_kernels.matmul_kernel(
             _matmul_prelude(decl, exprs, name(out_slots[0]), node), batch=node.batch, m=node.m, n=node.n,
             k=node.k, limits=limits)
+    elif isinstance(node, Attention):
+        shape = attention_kernels.AttentionShape(node.batch, node.heads, node.kv_heads, node.lq, node.lk, node.d,
+                                                 node.dv, node.scale, node.causal, node.bias is not None)
+        src, groups = attention_kernels.attention_kernel(
+            _attention_prelude(decl, exprs, node), node.kind, shape, [name(s) for s in out_slots], limits)
     else:
         raise TypeError(f"no kernel for node {type(node).__name__}")
     return src, groups, bound
+
+
+ATTENTION_ARGS = {"q": "bhic", "k": "bhjc", "v": "bhjc", "bias": "bhij", "dout": "bhic", "lse": "bhi", "delta": "bhi"}
+
+
+def _attention_prelude(decl, exprs, node: Attention) -> str:
+    """Binding declarations and one ``load_<operand>`` function per operand expression of ``node``."""
+    parts = [wgsl.binding_decls(decl)]
+    for operand, e in zip(node.operands(), exprs):
+        args = ATTENTION_ARGS[operand]
+        em = wgsl.Emitter([f"{x}_" for x in args])
+        value = em.value(E.cast(e, E.F32))
+        head = ", ".join(f"{x}: u32" for x in args)
+        casts = "".join(f"  let {x}_ = i32({x});\n" for x in args)
+        parts.append(f"fn load_{operand}({head}) -> f32 {{\n{casts}" + "\n".join(em.lines) + f"\n  return {value};\n}}")
+    body = "\n".join(parts)
+    return body + "\n" + wgsl.helpers_for(body)
 
 
 def _matmul_prelude(decl, exprs, out_name: str, node: Matmul) -> str:

@@ -15,7 +15,6 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meganeura.runtime.device import get_device
 
@@ -127,16 +126,13 @@ def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = Options.from_user(options)
     context = BackendContext(opts)
     compiler = functools.partial(compile_graph_module, context=context)
-    # SDPA is traced through its math form, so autograd differentiates matmuls and softmax that we lower (the
-    # CPU flash kernel's backward op has no decomposition). Tracing happens here, so the choice is local to it.
-    with sdpa_kernel([SDPBackend.MATH]):
-        return aot_autograd(
-            fw_compiler=functools.partial(compiler, mode="forward"),
-            bw_compiler=functools.partial(compiler, mode="backward"),
-            inference_compiler=functools.partial(compiler, mode="inference"),
-            partition_fn=min_cut_rematerialization_partition,
-            decompositions=decomposition_table(),
-        )(gm, example_inputs)
+    return aot_autograd(
+        fw_compiler=functools.partial(compiler, mode="forward"),
+        bw_compiler=functools.partial(compiler, mode="backward"),
+        inference_compiler=functools.partial(compiler, mode="inference"),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=decomposition_table(),
+    )(gm, example_inputs)
 
 
 def _reset() -> None:

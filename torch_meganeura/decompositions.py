@@ -22,6 +22,8 @@ KEEP_WHOLE = {
     aten._unsafe_view.default: "a view, folded into index math",
     aten.sum.default: "one reduction",
     aten.select_scatter.default: "one pointwise expression (select's backward)",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "the fused attention kernel",
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "the fused attention backward",
 }
 
 
