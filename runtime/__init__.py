@@ -1,16 +1,25 @@
 """The torch-free runtime: load a plan, run it on a wgpu device. Imports only numpy and wgpu.
 
 Modules: ``plan`` (the plan format), ``device`` (adapter choice, the process-wide device), ``program`` (a plan
-instantiated on a device), ``errors``, ``counters``. ``Device``, ``get_device``, ``list_adapters`` and ``Program``
-are importable from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
+instantiated on a device), ``bundle`` (the deploy bundle format), ``requirements`` (what a plan needs of an
+adapter), ``model`` (``load``: a bundle as a callable), ``cli`` (the ``meganeura`` command), ``errors``,
+``counters``. ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load`` and ``Model`` are importable
+from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
 """
-from .errors import DeviceLostError, InputError, KernelStatusError, LimitError, MeganeuraError, NoAdapterError
+from .errors import (
+    BundleError, DeviceLostError, FeatureError, InputError, KernelStatusError, LimitError, MeganeuraError,
+    NoAdapterError,
+)
 from .plan import Plan
 
-_LAZY = {"Device": "device", "get_device": "device", "list_adapters": "device", "Program": "program"}
+_LAZY = {
+    "Device": "device", "get_device": "device", "list_adapters": "device", "Program": "program",
+    "load": "model", "Model": "model",
+}
 
 __all__ = [
-    "DeviceLostError", "InputError", "KernelStatusError", "LimitError", "MeganeuraError", "NoAdapterError", "Plan",
+    "BundleError", "DeviceLostError", "FeatureError", "InputError", "KernelStatusError", "LimitError",
+    "MeganeuraError", "NoAdapterError", "Plan",
     *_LAZY,
 ]
 

@@ -33,6 +33,18 @@ class LimitError(MeganeuraError):
         )
 
 
+class FeatureError(MeganeuraError):
+    """The device lacks a feature that a plan or bundle requires (e.g. shader-f16)."""
+
+    def __init__(self, message: str, *, missing: list[str]):
+        super().__init__(message)
+        self.missing = missing
+
+
+class BundleError(MeganeuraError):
+    """A deploy bundle is malformed, truncated, inconsistent or of an unsupported format version."""
+
+
 class InputError(MeganeuraError, ValueError):
     """A run was given a missing, unexpected or malformed input (name, shape, dtype or value range)."""
 

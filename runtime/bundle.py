@@ -1,0 +1,232 @@
+"""The deploy bundle: a directory holding a model's plan, kernels and weights, written and read without torch.
+
+Layout (the directory form; there is no single-file form)::
+
+    manifest.json         format name and version, producer, inputs/outputs/params, requirements, file hashes
+    plan.json             the static dispatch plan (``Plan.to_dict``), each kernel named, its WGSL in kernels/
+    kernels/<name>.wgsl   one WGSL compute shader per kernel, entry point ``main``
+    weights.safetensors   every param tensor, keyed by its plan name, in its logical dtype
+
+``read_bundle`` validates everything before anything reaches a device: the manifest's format, version and
+shape; every file against its SHA-256 in the manifest (a truncated or edited file is refused by name); the plan
+(``Plan.from_dict``); the manifest against the plan (names, shapes, dtypes, kernels); the weights against the
+plan's params. Only JSON, safetensors (no pickle) and WGSL are read; nothing in the bundle is executed except
+the WGSL later handed to wgpu. Every failure raises ``BundleError`` naming the bundle and the problem.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as load_safetensors
+from safetensors.numpy import save as save_safetensors
+
+from .errors import BundleError
+from .plan import Plan, TensorSpec
+
+FORMAT_NAME = "meganeura-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN_FILE = "plan.json"
+WEIGHTS_FILE = "weights.safetensors"
+KERNEL_DIR = "kernels"
+
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")  # input/output names: also file names in ``meganeura run``
+KERNEL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+# Manifest keys -> type; a tensor entry's keys -> type.
+MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "inputs": list, "outputs": list,
+                 "params": list, "rng_input": (str, type(None)), "kernels": list, "requires": dict, "files": dict}
+TENSOR_KEYS = {"name": str, "plan_name": str, "shape": list, "dtype": str}
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    manifest: dict
+    plan: Plan
+    weights: dict[str, np.ndarray]  # plan param name -> array
+
+
+def kernel_file(name: str) -> str:
+    return f"{KERNEL_DIR}/{name}.wgsl"
+
+
+def tensor_entry(name: str, spec: TensorSpec, **extra) -> dict:
+    """The manifest entry of a plan tensor exposed as ``name``."""
+    return {"name": name, "plan_name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype, **extra}
+
+
+# ---- writing
+
+
+def write_bundle(path, plan: Plan, description: dict, weights: dict[str, np.ndarray], overwrite: bool = False) -> dict:
+    """Write ``plan``, its kernels and ``weights`` under ``path`` and return the manifest.
+
+    ``description`` holds the manifest's producer, inputs, outputs, params, rng_input and requires; this adds the
+    format, the kernel names and the file hashes. The manifest is written last, so an interrupted write leaves
+    no loadable bundle. An existing bundle at ``path`` is replaced only with ``overwrite``."""
+    path = Path(path)
+    plan_dict = plan.to_dict()
+    plan_dict["kernels"] = sorted(plan.kernels)
+    files = {PLAN_FILE: json.dumps(plan_dict, indent=1).encode(), WEIGHTS_FILE: save_safetensors(weights)}
+    files.update({kernel_file(name): wgsl.encode() for name, wgsl in plan.kernels.items()})
+    manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **description,
+                "kernels": sorted(plan.kernels), "files": {name: _sha256(data) for name, data in sorted(files.items())}}
+    _check_manifest(manifest)  # also: every kernel name is a safe file name
+    _prepare_directory(path, overwrite)
+    (path / KERNEL_DIR).mkdir()
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _prepare_directory(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise BundleError(f"{path} exists and is not a directory")
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise BundleError(f"{path} exists and is not empty; pass overwrite=True to replace a bundle there")
+        if not (path / MANIFEST).is_file():
+            raise BundleError(f"{path} is not empty and holds no bundle: not replaced")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---- reading
+
+
+def read_bundle(path) -> Bundle:
+    """Read and validate the bundle at ``path`` (see the module docstring); raise BundleError on any problem."""
+    path = Path(path)
+    try:
+        manifest = _read_manifest(path)
+        data = _read_files(path, manifest)
+        plan = _read_plan(data, manifest)
+        _check_against_plan(manifest, plan)
+        weights = _read_weights(data[WEIGHTS_FILE], plan)
+    except BundleError as err:
+        raise BundleError(f"bundle {path}: {err}") from err.__cause__
+    return Bundle(path, manifest, plan, weights)
+
+
+def _read_manifest(path: Path) -> dict:
+    if not (path / MANIFEST).is_file():
+        raise BundleError(f"no {MANIFEST} (a bundle is a directory written by torch_meganeura.export)")
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BundleError(f"{MANIFEST} is not valid JSON (truncated or corrupt?): {err}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise BundleError(f"{MANIFEST} does not describe a {FORMAT_NAME}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"format version {version!r} is not supported: this runtime reads version {FORMAT_VERSION}; "
+                          "export the model again with a matching torch-meganeura")
+    _check_manifest(manifest)
+    return manifest
+
+
+def _check_manifest(manifest: dict) -> None:
+    """The manifest's keys, types, names and file list."""
+    _check_keys(manifest, MANIFEST_KEYS, MANIFEST)
+    for group in ("inputs", "outputs", "params"):
+        for entry in manifest[group]:
+            _check_keys(entry, TENSOR_KEYS, f"an entry of {group}")
+            if group != "params" and not NAME.match(entry["name"]):
+                raise BundleError(f"{group[:-1]} name {entry['name']!r} is not a plain name")
+        names = [entry["name"] for entry in manifest[group]]
+        if len(set(names)) != len(names):
+            raise BundleError(f"{group} names are not unique: {names}")
+    requires = manifest["requires"]
+    if not (isinstance(requires.get("features"), list) and all(isinstance(f, str) for f in requires["features"])
+            and isinstance(requires.get("limits"), dict)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in requires["limits"].values())):
+        raise BundleError("'requires' must hold a list of feature names and a dict of integer limits")
+    for name in manifest["kernels"]:
+        if not isinstance(name, str) or not KERNEL_NAME.match(name):
+            raise BundleError(f"kernel name {name!r} is not a safe file name")
+    expected = {PLAN_FILE, WEIGHTS_FILE} | {kernel_file(name) for name in manifest["kernels"]}
+    if set(manifest["files"]) != expected:
+        raise BundleError(f"{MANIFEST} lists files {sorted(manifest['files'])}, expected {sorted(expected)}")
+
+
+def _check_keys(entry, keys: dict, what: str) -> None:
+    if not isinstance(entry, dict):
+        raise BundleError(f"{what} is not a JSON object")
+    for key, kind in keys.items():
+        if key not in entry:
+            raise BundleError(f"{what} has no {key!r}")
+        if not isinstance(entry[key], kind) or (kind is int and isinstance(entry[key], bool)):
+            raise BundleError(f"{what}: {key!r} has the wrong type ({type(entry[key]).__name__})")
+
+
+def _read_files(path: Path, manifest: dict) -> dict[str, bytes]:
+    """Every file the manifest lists, checked against its SHA-256."""
+    data = {}
+    for name, digest in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            what = "kernel" if name.startswith(KERNEL_DIR + "/") else "file"
+            raise BundleError(f"missing {what} {name}")
+        data[name] = file.read_bytes()
+        if _sha256(data[name]) != digest:
+            raise BundleError(f"{name} does not match its SHA-256 in {MANIFEST} (truncated or modified)")
+    return data
+
+
+def _read_plan(data: dict[str, bytes], manifest: dict) -> Plan:
+    try:
+        plan_dict = json.loads(data[PLAN_FILE])
+        names = plan_dict["kernels"]
+        if sorted(names) != sorted(manifest["kernels"]):
+            raise BundleError(f"{PLAN_FILE} names kernels {sorted(names)}, {MANIFEST} names "
+                              f"{sorted(manifest['kernels'])}")
+        plan_dict["kernels"] = {name: data[kernel_file(name)].decode() for name in names}
+        return Plan.from_dict(plan_dict)
+    except BundleError:
+        raise
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise BundleError(f"{PLAN_FILE} is not a valid plan: {err}") from err
+
+
+def _check_against_plan(manifest: dict, plan: Plan) -> None:
+    """Names, shapes and dtypes of the manifest's inputs, outputs and params against the plan's tensors."""
+    rng = [manifest["rng_input"]] if manifest["rng_input"] else []
+    groups = (("inputs", plan.inputs, rng), ("outputs", plan.outputs, []), ("params", plan.params, []))
+    for group, specs, extra in groups:
+        by_name = {t.name: t for t in specs}
+        listed = [entry["plan_name"] for entry in manifest[group]] + extra
+        if sorted(set(listed)) != sorted(by_name):
+            raise BundleError(f"{MANIFEST} {group} {sorted(set(listed))} do not match the plan's {sorted(by_name)}")
+        for entry in manifest[group]:
+            spec = by_name[entry["plan_name"]]
+            if tuple(entry["shape"]) != spec.shape or entry["dtype"] != spec.dtype:
+                raise BundleError(f"{MANIFEST} says {group[:-1]} {entry['name']!r} is {entry['dtype']}"
+                                  f"{entry['shape']}, the plan says {spec.dtype}{list(spec.shape)}")
+
+
+def _read_weights(data: bytes, plan: Plan) -> dict[str, np.ndarray]:
+    try:
+        weights = load_safetensors(data)
+    except (SafetensorError, ValueError) as err:
+        raise BundleError(f"{WEIGHTS_FILE} is not a valid safetensors file: {err}") from err
+    specs = {t.name: t for t in plan.params}
+    if sorted(weights) != sorted(specs):
+        raise BundleError(f"{WEIGHTS_FILE} holds {sorted(weights)}, the plan's params are {sorted(specs)}")
+    for name, array in weights.items():
+        spec = specs[name]
+        if array.shape != spec.shape or array.dtype != np.dtype(spec.dtype):
+            raise BundleError(f"weight {name!r} is {array.dtype}{list(array.shape)}, the plan needs "
+                              f"{spec.dtype}{list(spec.shape)}")
+    return weights

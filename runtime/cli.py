@@ -1,0 +1,186 @@
+"""The ``meganeura`` command (also ``python -m meganeura.runtime``): adapters, bundle runs and bundle contents.
+
+    meganeura info [--json]                               adapters wgpu sees: type, backend, features, limits
+    meganeura run BUNDLE --input NAME=FILE.npy ... [--output DIR] [--repeat N] [--adapter A] [--seed S]
+                                                          run a bundle on .npy inputs, write .npy outputs, time it
+    meganeura inspect BUNDLE [--json] [--dispatches]      validate a bundle; print its manifest, plan and memory
+
+Input files are read with ``numpy.load(..., allow_pickle=False)``. Errors print one line to stderr and exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .bundle import read_bundle
+from .errors import MeganeuraError
+from .requirements import PORTABLE_LIMITS
+
+SHOWN_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", *PORTABLE_LIMITS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.command(args)
+    except (MeganeuraError, OSError, ValueError) as err:
+        print(f"meganeura {args.name}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meganeura", description="Run torch-meganeura bundles without torch.")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    info = commands.add_parser("info", help="list GPU adapters with their features and limits",
+                               description="List the adapters wgpu sees, with their features and limits.")
+    info.add_argument("--json", action="store_true", help="print every feature and limit as JSON")
+    info.set_defaults(command=info_command, name="info")
+
+    run = commands.add_parser("run", help="run a bundle on .npy inputs",
+                              description="Run a bundle on .npy inputs; write .npy outputs and print timings.")
+    run.add_argument("bundle", type=Path, help="bundle directory (written by torch_meganeura.export)")
+    run.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE",
+                     help="an input by its manifest name and a .npy file; repeat for each input")
+    run.add_argument("--output", "-o", type=Path, help="directory to write NAME.npy per output (created)")
+    run.add_argument("--repeat", type=int, default=5, help="timed calls after the first (default 5)")
+    run.add_argument("--adapter", help="adapter index or name substring (default: MEGANEURA_ADAPTER, else the best)")
+    run.add_argument("--seed", type=int, help="seed for bundles with random ops")
+    run.set_defaults(command=run_command, name="run")
+
+    inspect = commands.add_parser("inspect", help="validate a bundle and describe it",
+                                  description="Validate a bundle and print its manifest, plan and memory use.")
+    inspect.add_argument("bundle", type=Path, help="bundle directory")
+    inspect.add_argument("--json", action="store_true", help="print the manifest and plan summary as JSON")
+    inspect.add_argument("--dispatches", action="store_true", help="also list every dispatch")
+    inspect.set_defaults(command=inspect_command, name="inspect")
+    return parser
+
+
+# ---- info
+
+
+def info_command(args) -> None:
+    from .device import get_device, list_adapters
+
+    adapters = list_adapters()
+    if args.json:
+        print(json.dumps(adapters, indent=1))
+        return
+    for a in adapters:
+        print(f"[{a['index']}] {a['name']} ({a['type']}, {a['backend']})")
+        print(f"    features: {', '.join(a['features']) or '-'}")
+        for name in SHOWN_LIMITS:
+            print(f"    {name}: {a['limits'].get(name, '-')}")
+    print(f"default: {get_device().describe()}")
+
+
+# ---- run
+
+
+def run_command(args) -> None:
+    from .model import load
+
+    inputs = dict(_read_input(text) for text in args.input)
+    start = time.perf_counter()
+    model = load(args.bundle, adapter=args.adapter, seed=args.seed)
+    loaded = time.perf_counter()
+    outputs = model(**inputs)
+    first = time.perf_counter()
+    times = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        model(**inputs)
+        times.append(time.perf_counter() - t)
+    print(f"adapter:     {model.device.describe()}")
+    print(f"load:        {1e3 * (loaded - start):.1f} ms (validate, pipelines, weights upload)")
+    print(f"first call:  {1e3 * (first - loaded):.1f} ms")
+    if times:
+        print(f"repeat call: {1e3 * statistics.median(times):.1f} ms median of {len(times)}")
+    if args.output:
+        args.output.mkdir(parents=True, exist_ok=True)
+    for name, array in outputs.items():
+        line = f"output {name}: {array.dtype}{list(array.shape)}"
+        if args.output:
+            np.save(args.output / f"{name}.npy", array)
+            line += f" -> {args.output / name}.npy"
+        print(line)
+
+
+def _read_input(text: str) -> tuple[str, np.ndarray]:
+    name, sep, file = text.partition("=")
+    if not sep or not name or not file:
+        raise ValueError(f"--input {text!r}: expected NAME=FILE.npy")
+    array = np.load(file, allow_pickle=False)
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"--input {text!r}: {file} holds several arrays; give one .npy file per input")
+    return name, array
+
+
+# ---- inspect
+
+
+def inspect_command(args) -> None:
+    bundle = read_bundle(args.bundle)
+    summary = _summary(bundle)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        _print_summary(summary)
+    if args.dispatches:
+        for i, d in enumerate(bundle.plan.dispatches):
+            bound = ", ".join(f"{b.buffer}@{b.offset}+{b.size}" for b in d.bindings)
+            print(f"  {i:4d} {d.label or d.kernel}: kernel {d.kernel}, workgroups {list(d.workgroups)}, [{bound}]")
+
+
+def _summary(bundle) -> dict:
+    m, plan = bundle.manifest, bundle.plan
+    by_role: dict[str, int] = {}
+    for b in plan.buffers:
+        by_role[b.role] = by_role.get(b.role, 0) + b.size
+    files = {name: (bundle.path / name).stat().st_size for name in ["manifest.json", *m["files"]]}
+    return {
+        "path": str(bundle.path),
+        "format": f"{m['format']} v{m['format_version']}",
+        "producer": m["producer"],
+        "inputs": [_tensor_line(e) for e in m["inputs"]],
+        "outputs": [_tensor_line(e) for e in m["outputs"]],
+        "params": {"count": len(m["params"]), "bytes": sum(w.nbytes for w in bundle.weights.values())},
+        "kernels": len(plan.kernels),
+        "dispatches": len(plan.dispatches),
+        "memory_bytes_by_role": by_role,
+        "arena": {"planned_bytes": plan.stats.get("arena_bytes"), "unplanned_bytes": plan.stats.get("unplanned_bytes")},
+        "requires": m["requires"],
+        "size_on_disk_bytes": sum(files.values()),
+    }
+
+
+def _tensor_line(entry: dict) -> str:
+    return f"{entry['name']}: {entry['dtype']}{entry['shape']}"
+
+
+def _print_summary(s: dict) -> None:
+    producer = s["producer"]
+    print(f"bundle:      {s['path']} ({s['format']}, {s['size_on_disk_bytes']:,} bytes on disk)")
+    print("producer:    " + ", ".join(f"{k} {v}" for k, v in producer.items()))
+    for key in ("inputs", "outputs"):
+        for line in s[key]:
+            print(f"{key[:-1] + ':':<12} {line}")
+    print(f"params:      {s['params']['count']} tensors, {s['params']['bytes']:,} bytes")
+    print(f"kernels:     {s['kernels']}")
+    print(f"dispatches:  {s['dispatches']}")
+    print("memory plan: " + ", ".join(f"{role} {size:,} B" for role, size in s["memory_bytes_by_role"].items()))
+    arena = s["arena"]
+    if arena["planned_bytes"] is not None:
+        print(f"arena:       {arena['planned_bytes']:,} B planned for {arena['unplanned_bytes']:,} B of intermediates")
+    print(f"features:    {', '.join(s['requires']['features']) or 'none'}")
+    for name, value in s["requires"]["limits"].items():
+        print(f"limit:       {name} {'<=' if name.startswith('min-') else '>='} {value}")

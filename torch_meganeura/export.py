@@ -1,0 +1,196 @@
+"""``export(model, example_inputs, path)``: trace a model once and write a torch-free deploy bundle.
+
+Tracing: ``torch.export.export`` (not the dynamo/AOT path of ``torch.compile``). It gives one whole graph or a
+clear error, never graph breaks; a bundle cannot contain eager PyTorch, so a graph break would have nowhere to
+go. Its graph signature says which placeholders are parameters, buffers and constants (their values come from
+the exported program's state) and which are user inputs, with the argument names that become the bundle's
+input names. ``run_decompositions(decomposition_table())`` brings the graph to the same aten ops the backend
+lowers, and ``lower_graph`` + ``compile_graph`` turn it into one plan for the whole model. Data-dependent
+control flow that torch.export cannot trace is reported with torch's own error (``ExportError``).
+
+Refused, with ``ExportError`` naming the cause: ops the device cannot run (``partition.fallback_ops``), a model
+that mutates its buffers (BatchNorm in training mode: call ``model.eval()``), outputs that are Python constants
+rather than tensors, and inputs or outputs of kinds a plan cannot hold (tokens, custom objects).
+
+Outputs: the model's output structure (tensor, tuple, dict, HF ``ModelOutput``) is flattened to named outputs:
+a dict key or ModelOutput field gives its name (``logits``, ``last_hidden_state``), positions give numbers
+joined by dots; a bare tensor is ``output`` and a tuple's items are ``output.0``, ``output.1``... The manifest
+lists them in the flattened order. Weights: every parameter, buffer and lifted constant the graph reads, keyed
+by its plan name; the manifest's ``params`` maps each to its name in the model's state dict (``source``).
+
+Kernels are generated for WebGPU's default limits unless ``portable=False`` (see
+``meganeura.runtime.requirements``), so a bundle exported on one adapter runs on others.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from meganeura.lowering import compile_graph
+from meganeura.runtime.bundle import tensor_entry, write_bundle
+from meganeura.runtime.device import get_device
+from meganeura.runtime.requirements import compile_limits, plan_requirements
+
+from .decompositions import decomposition_table
+from .fx_lowering import LoweredGraph, lower_graph
+from .partition import fallback_ops
+from .registry import LoweringError
+
+STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+ASSERTIONS = {  # checks torch.export inserts; the runtime checks input shapes and dtypes itself
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+class ExportError(RuntimeError):
+    """The model cannot be exported to a bundle; the message says why."""
+
+
+def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int | None = None,
+           portable: bool = True, overwrite: bool = False) -> dict:
+    """Trace ``model`` on ``example_inputs`` and write its bundle to the directory ``path``; return the manifest.
+
+    ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments. The bundle is
+    specialised to their shapes and dtypes. The model is traced as it is: call ``model.eval()`` first for
+    inference behaviour. A ``torch.compile``d model is exported through its original module, with its current
+    (e.g. trained) weights. ``adapter`` picks the device whose limits the plan is generated for."""
+    module = getattr(model, "_orig_mod", model)
+    args, kwargs = _split_inputs(example_inputs)
+    program = _trace(module, args, kwargs)
+    gm = program.graph_module
+    _drop_assertions(gm)
+    _check_supported(program, gm)
+    lowered, sources = _lower(program, gm, args, kwargs)
+    limits = compile_limits(get_device(adapter).limits, portable)
+    plan, _ = compile_graph(lowered.graph, limits)
+    state = _state(program)
+    weights = {name: _to_numpy(state[sources[name]]) for _, name in lowered.params}
+    specs = {t.name: t for t in plan.inputs + plan.outputs + plan.params}
+    input_specs = program.graph_signature.input_specs
+    outputs = zip(_output_names(program), lowered.outputs)
+    description = {
+        "producer": _producer(module),
+        "inputs": [tensor_entry(input_specs[i].arg.name, specs[name]) for i, name in lowered.inputs],
+        "outputs": [tensor_entry(name, specs[item]) for name, (_, item) in outputs],
+        "params": [tensor_entry(name, specs[name], source=sources[name]) for _, name in lowered.params],
+        "rng_input": lowered.rng_seed,
+        "requires": plan_requirements(plan, limits),
+    }
+    return write_bundle(path, plan, description, weights, overwrite=overwrite)
+
+
+def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _trace(module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    if not isinstance(module, torch.nn.Module):
+        raise ExportError(f"export takes an nn.Module, got {type(module).__name__}")
+    try:
+        program = torch.export.export(module, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - any tracing failure is reported with torch's message
+        raise ExportError(f"torch.export could not trace {type(module).__name__} (a bundle needs one whole graph: "
+                          f"data-dependent control flow is not supported): {type(err).__name__}: {err}") from err
+    return program.run_decompositions(decomposition_table())
+
+
+def _drop_assertions(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in ASSERTIONS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _check_supported(program: torch.export.ExportedProgram, gm: fx.GraphModule) -> None:
+    signature = program.graph_signature
+    allowed = (*STATE_KINDS, InputKind.USER_INPUT)
+    odd_inputs = sorted({s.kind.name for s in signature.input_specs if s.kind not in allowed})
+    mutations = sorted(s.target or s.arg.name for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT)
+    if odd_inputs:
+        raise ExportError(f"the exported graph has inputs of kinds {odd_inputs}, which a bundle cannot hold")
+    if mutations:
+        raise ExportError(f"the model mutates {mutations} when it runs (BatchNorm in training mode? call "
+                          "model.eval() first); a bundle computes outputs only")
+    fallbacks = fallback_ops(gm)
+    if fallbacks:
+        listing = ", ".join(f"{op} ({why})" for op, why in sorted(fallbacks.items()))
+        raise ExportError(f"the device cannot run these ops, and a bundle cannot contain eager PyTorch: {listing}")
+
+
+def _lower(program, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[LoweredGraph, dict[str, str]]:
+    """Lower ``gm`` with every placeholder's value; return it and plan param name -> state dict name."""
+    state = _state(program)
+    kwargs_spec = _children(program.call_spec.in_spec)[1]  # torch.export orders kwargs by the signature
+    user_values = iter(pytree.tree_leaves((args, {key: kwargs[key] for key in kwargs_spec.context})))
+    values, state_indices, targets = [], set(), {}
+    for i, spec in enumerate(program.graph_signature.input_specs):
+        if spec.kind in STATE_KINDS:
+            values.append(state[spec.target])
+            state_indices.add(i)
+            targets[i] = spec.target
+        else:
+            values.append(next(user_values))
+    try:
+        lowered = lower_graph(gm, values, state_indices)
+    except LoweringError as err:
+        raise ExportError(f"lowering the exported graph failed: {err}") from err
+    constants = [repr(item) for kind, item in lowered.outputs if kind == "const"]
+    if constants:
+        raise ExportError(f"outputs {constants} are Python constants, not tensors computed by the model; a bundle "
+                          "returns tensors only")
+    return lowered, {name: targets[i] for i, name in lowered.params}
+
+
+def _output_names(program) -> list[str]:
+    """Names of the flattened outputs (see the module docstring)."""
+    spec = program.call_spec.out_spec
+    names, seen = [], set()
+    for path in _leaf_paths(spec):
+        name = re.sub(r"[^A-Za-z0-9_.]", "_", ".".join(path))
+        if not name or not (name[0].isalpha() or name[0] == "_"):
+            name = "output" + ("." + name if name else "")
+        while name in seen:
+            name += "_"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def _leaf_paths(spec, prefix: tuple = ()):
+    if spec.is_leaf():
+        yield prefix
+        return
+    children = _children(spec)
+    keys = spec.context if isinstance(spec.context, (list, tuple)) and len(spec.context) == len(children) else None
+    for i, child in enumerate(children):
+        yield from _leaf_paths(child, prefix + (str(keys[i] if keys else i),))
+
+
+def _state(program) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and lifted constants (non-persistent buffers among them) by state dict name."""
+    return {**program.state_dict, **program.constants}
+
+
+def _children(spec) -> list:
+    return spec.children() if hasattr(spec, "children") else spec.children_specs  # children_specs: older torch
+
+
+def _producer(module) -> dict:
+    from . import __version__
+
+    return {"package": "torch-meganeura", "version": __version__, "torch": torch.__version__,
+            "model": type(module).__name__}
+
+
+def _to_numpy(t: torch.Tensor):
+    return t.detach().cpu().contiguous().numpy()
