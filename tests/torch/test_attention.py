@@ -150,3 +150,53 @@ def test_whisper_tiny_encoder_forward_and_backward():
     want.pow(2).mean().backward()
     assert_same(hidden, want, rtol=RTOL, atol=ATOL, rel=REL, what="encoder output")
     assert_grads_match(encoder, ref, rtol=RTOL, atol=ATOL, rel=REL)
+
+
+def test_attention_dropout_in_training_uses_the_device_rng():
+    """dropout_p > 0: PyTorch takes its math path (dropout on the probabilities), which runs on the device with
+    the counter-based RNG. Under one seed the output is linear in v, and the backward must use the forward's
+    mask: f(v1) + f(v2) == f(v1 + v2) and <upstream, f(v)> == <grad_v, v>."""
+    q, k = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+
+    def fn(v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="meganeura")
+    v1, v2 = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    outs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for v in (v1, v2, v1 + v2):
+            torch.manual_seed(7)
+            outs.append(compiled(v))
+        torch.manual_seed(7)
+        leaf = v1.clone().requires_grad_()
+        out = compiled(leaf)
+        upstream = torch.randn(out.shape)
+        (grad_v,) = torch.autograd.grad(out, leaf, upstream)
+    assert not meganeura_warnings(caught), meganeura_warnings(caught)
+    torch.testing.assert_close(outs[0] + outs[1], outs[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close((upstream * out).sum(), (grad_v * v1).sum(), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(outs[0], compiled(v1)), "a new draw must give a new dropout mask"
+    assert not torch.equal(outs[0], F.scaled_dot_product_attention(q, k, v1)), "dropout had no effect"
+
+
+def _llama_dispatches(layers: int, kv_heads: int) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=72, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    with torch.no_grad():
+        return torch_meganeura.explain(LlamaForCausalLM(cfg).eval(), torch.randint(0, 64, (1, 16))).dispatches
+
+
+def test_repeat_kv_adds_no_copy():
+    """Per decoder layer, grouped-query attention (9 query / 3 KV heads, HF's repeat_kv) costs exactly as many
+    dispatches as plain multi-head attention: the repeat is index math in the attention loads. The per-layer
+    count (13 today; the rotary embedding still runs as separate pointwise kernels) is pinned as a regression
+    guard."""
+    per_layer_gqa = _llama_dispatches(2, 3) - _llama_dispatches(1, 3)
+    per_layer_mha = _llama_dispatches(2, 9) - _llama_dispatches(1, 9)
+    assert per_layer_gqa == per_layer_mha
+    assert per_layer_gqa <= 13
