@@ -200,3 +200,23 @@ def test_repeat_kv_adds_no_copy():
     per_layer_mha = _llama_dispatches(2, 9) - _llama_dispatches(1, 9)
     assert per_layer_gqa == per_layer_mha
     assert per_layer_gqa <= 13
+
+
+def _cpu_adapter() -> bool:
+    from meganeura.runtime.device import get_device
+
+    return get_device().adapter_type == "CPU"
+
+
+@pytest.mark.skipif(_cpu_adapter(), reason="seq 4096 x 8 heads takes minutes on a CPU Vulkan driver; runs on GPUs")
+def test_long_sequence_runs():
+    q, k, v = (torch.randn(1, 8, 4096, 64) for _ in range(3))
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(fn, backend="meganeura")(q, k, v)
+        want = fn(q, k, v)
+    assert_same(got, want, rtol=RTOL, atol=ATOL, rel=REL)
