@@ -1,4 +1,4 @@
-"""Export: bundles of the spine's Llama and BERT run without torch (``meganeura.runtime`` and the CLI) and match
+"""Export: bundles of the spine's Llama and BERT and of HF ResNet-50 (eval) run without torch (``meganeura.runtime`` and the CLI) and match
 eager; bad bundles are refused by name before any device object is built; what cannot be exported is refused;
 a model trained with backend="meganeura" deploys with its trained weights."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ from meganeura.runtime.cli import main as cli
 from meganeura.runtime.device import get_device
 from meganeura.runtime.requirements import PORTABLE_LIMITS, compile_limits, plan_requirements
 from test_inference_models import _llama, _randomize
+from test_vision_models import resnet50
 
 # torch.export deep-copies TreeSpecs, which warns inside torch 2.13 (copyreg): not ours, and noise in reports.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -87,6 +88,8 @@ def cases(tmp_path_factory):
         "llama": _exported(_llama(), {"input_ids": ids, "attention_mask": mask}, tmp_path_factory.mktemp("llama")),
         "bert": _exported(_bert(), {"input_ids": ids, "attention_mask": bert_mask, "token_type_ids": types},
                           tmp_path_factory.mktemp("bert")),
+        "resnet50": _exported(resnet50().eval(), {"pixel_values": torch.randn(1, 3, 32, 32)},
+                              tmp_path_factory.mktemp("resnet50")),
     }
 
 
@@ -107,7 +110,7 @@ def test_bundles_match_eager_in_a_process_without_torch(cases, tmp_path):
     assert list(cases["bert"]["want"]) == ["last_hidden_state", "pooler_output"]  # ModelOutput fields, named
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize("name", ["llama", "bert", "resnet50"])
 def test_cli_run_matches_eager_without_torch(cases, tmp_path, name):
     case = cases[name]
     inputs = [f"--input={key}={file}" for key, file in case["inputs"].items()]
