@@ -105,6 +105,32 @@ def assert_as_accurate_as_eager(got, eager, exact, *, rtol: float = 1e-3, atol: 
         assert ours <= max(rel, 4 * theirs), f"{what}: relative L2 error {ours:.3g}, eager float32's {theirs:.3g}"
 
 
+def check_gradients_against_eager(fn, *inputs, rtol: float = 1e-3, atol: float = 1e-4, rel: float = 1e-4,
+                                  names=None, what: str = "") -> None:
+    """Compile ``fn``, run it on copies of the float ``inputs`` and backward with a random upstream gradient, do
+    the same in eager, and compare the output and every input gradient (no meganeura fallback allowed).
+
+    A gradient whose RMS is within ``atol`` is zero in exact arithmetic (e.g. dq of attention over one key);
+    eager returns rounding noise there, so it is compared elementwise only."""
+    names = names or [f"input {i}" for i in range(len(inputs))]
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    ref = [t.detach().clone().requires_grad_() for t in inputs]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="meganeura")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(*leaves)
+        upstream = torch.randn(out.shape)
+        grads = torch.autograd.grad(out, leaves, upstream)
+    assert not meganeura_warnings(caught), meganeura_warnings(caught)
+    want = fn(*ref)
+    want_grads = torch.autograd.grad(want, ref, upstream)
+    assert_same(out, want, rtol=rtol, atol=atol, rel=rel, what=f"{what} output")
+    for name, got, exp in zip(names, grads, want_grads):
+        tiny = exp.norm() <= atol * exp.numel() ** 0.5
+        assert_same(got, exp, rtol=rtol, atol=atol, rel=float("inf") if tiny else rel, what=f"{what} d({name})")
+
+
 def device_counters() -> dict:
     from meganeura.runtime.device import get_device
 

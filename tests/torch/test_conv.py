@@ -5,13 +5,12 @@ combination; 'same' only with stride 1, as torch requires), with the kernel size
 then conv1d and conv_transpose2d. Tolerances: rtol 1e-3, atol 1e-4, relative L2 1e-4.
 """
 import itertools
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same, meganeura_warnings
+from conftest import assert_same, check_gradients_against_eager
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 C = 4  # input channels; groups C makes a depthwise convolution
@@ -22,22 +21,7 @@ KERNELS = (1, 3, 5, 7)
 
 
 def check_conv(fn, x, w, bias):
-    """Compile ``fn(x, w, bias)``, run forward and backward with a random upstream gradient, compare to eager."""
-    torch._dynamo.reset()
-    inputs = [t.clone().requires_grad_() for t in (x, w, bias)]
-    ref = [t.clone().requires_grad_() for t in (x, w, bias)]
-    compiled = torch.compile(fn, backend="meganeura")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = compiled(*inputs)
-        upstream = torch.randn(out.shape)
-        grads = torch.autograd.grad(out, inputs, upstream)
-    assert not meganeura_warnings(caught), meganeura_warnings(caught)
-    want = fn(*ref)
-    want_grads = torch.autograd.grad(want, ref, upstream)
-    assert_same(out, want, rtol=RTOL, atol=ATOL, rel=REL, what="output")
-    for name, got, exp in zip(("input", "weight", "bias"), grads, want_grads):
-        assert_same(got, exp, rtol=RTOL, atol=ATOL, rel=REL, what=f"{name} gradient")
+    check_gradients_against_eager(fn, x, w, bias, rtol=RTOL, atol=ATOL, rel=REL, names=("input", "weight", "bias"))
 
 
 @pytest.mark.parametrize("index", range(len(SWEEP)))

@@ -4,13 +4,12 @@ Each case is a function of float inputs (fresh random values, shifted away from 
 differentiable); the compiled function's output is reduced with a random weighting so every output element
 gets its own upstream gradient. Tolerances: rtol 1e-3, atol 1e-4, relative L2 1e-4 per gradient.
 """
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same, meganeura_warnings
+from conftest import check_gradients_against_eager
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 IDX = torch.tensor([2, 0, 2, 1])
@@ -62,18 +61,4 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_op_gradient(name):
     fn, shapes = CASES[name]
-    inputs = [torch.randn(*s, requires_grad=True) for s in shapes]
-    ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="meganeura")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = compiled(*inputs)
-        weight = torch.randn(out.shape)
-        (out * weight).sum().backward()
-    assert not meganeura_warnings(caught), meganeura_warnings(caught)
-    want = fn(*ref_inputs)
-    (want * weight).sum().backward()
-    assert_same(out, want, rtol=RTOL, atol=ATOL, rel=REL, what="output")
-    for i, (got, ref) in enumerate(zip(inputs, ref_inputs)):
-        assert_same(got.grad, ref.grad, rtol=RTOL, atol=ATOL, rel=REL, what=f"gradient of input {i}")
+    check_gradients_against_eager(fn, *[torch.randn(*s) for s in shapes], rtol=RTOL, atol=ATOL, rel=REL, what=name)
