@@ -102,6 +102,14 @@ def _output_tap(g: Geometry, pixel, tap, axis: int) -> tuple[E.Expr, E.Expr]:
     return E.binary("minimum", pos, _i(size - 1)), _all(conds)
 
 
+def _bias_epilogue(b, bias: Value | None, group_of_batch: E.Expr, per_group: int) -> E.Expr | None:
+    """acc + bias[channel] for GEMM row i of group ``group_of_batch`` (``per_group`` channels a group)."""
+    if bias is None:
+        return None
+    channel = E.add(E.mul(group_of_batch, _i(per_group)), E.coord(1))
+    return E.add(E.acc(0), E.cast(b.load(bias, [channel]), E.F32))
+
+
 def conv_forward(b, x: Value, w: Value, bias: Value | None, g: Geometry) -> Value:
     group_of_batch = E.binary("imod", E.coord(0), _i(g.groups))
     ci, kh, kw = unravel(E.coord(2), g.taps)
@@ -110,12 +118,8 @@ def conv_forward(b, x: Value, w: Value, bias: Value | None, g: Geometry) -> Valu
     ci, kh, kw = unravel(E.coord(1), g.taps)
     oh, ow = unravel(E.coord(2), (g.oh, g.ow))
     patch = _image_tap(b, x, g, n, E.add(E.mul(group_of_batch, _i(g.cin_g)), ci), oh, ow, kh, kw)
-    epilogue = None
-    if bias is not None:
-        channel = E.add(E.mul(group_of_batch, _i(g.cout_g)), E.coord(1))
-        epilogue = E.add(E.acc(0), E.cast(b.load(bias, [channel]), E.F32))
     out = b.gemm(g.n * g.groups, g.cout_g, g.oh * g.ow, g.cin_g * g.kh * g.kw, a, patch,
-                 epilogue=epilogue, label="conv")
+                 epilogue=_bias_epilogue(b, bias, group_of_batch, g.cout_g), label="conv")
     return b.reshape(out, (g.n, g.cout, g.oh, g.ow))
 
 
@@ -131,12 +135,8 @@ def conv_input_grad(b, dy: Value, w: Value, bias: Value | None, g: Geometry) -> 
     ow, reach_w = _output_tap(g, iw, kw, 1)
     value = E.cast(b.load(dy, [n, E.add(E.mul(group_of_batch, _i(g.cout_g)), co), oh, ow]), E.F32)
     taps = E.where(E.binary("and", reach_h, reach_w), value, E.const(0.0, E.F32))
-    epilogue = None
-    if bias is not None:
-        channel = E.add(E.mul(group_of_batch, _i(g.cin_g)), E.coord(1))
-        epilogue = E.add(E.acc(0), E.cast(b.load(bias, [channel]), E.F32))
     out = b.gemm(g.n * g.groups, g.cin_g, g.ih * g.iw, g.cout_g * g.kh * g.kw, a, taps,
-                 epilogue=epilogue, label="conv_input_grad")
+                 epilogue=_bias_epilogue(b, bias, group_of_batch, g.cin_g), label="conv_input_grad")
     return b.reshape(out, (g.n, g.cin, g.ih, g.iw))
 
 
