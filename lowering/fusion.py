@@ -4,7 +4,10 @@ Walking the graph in order, every Pointwise node becomes a candidate for inlinin
 candidate unless a rule refuses it, and every refusal is recorded with its reason:
   * a view (a single load) inlines into every consumer: it only changes index math;
   * a computing producer inlines only into its single consumer (no recomputation);
-  * matmul and attention operands take views only (their loads repeat and must stay cheap);
+  * matmul operands take views only (their loads repeat and must stay cheap);
+  * attention operands take views and cheap prologues: a single-consumer producer of at most
+    ``PROLOGUE_MAX_LOADS`` loads and plain arithmetic (no transcendentals, no RNG), recomputed on every load. This
+    folds rotary embeddings (q * cos + rotate_half(q) * sin) into the attention loads;
   * a kernel may not exceed the device's storage-buffer bindings nor ``MAX_EXPR_NODES``.
 Values that end up read by no kernel (and are not graph outputs) are dropped, as are unused results of
 multi-output reductions; other multi-output nodes are kept whole while any of their results is used.
@@ -20,6 +23,9 @@ from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
 
 log = logging.getLogger("meganeura.lowering.fusion")
 MAX_EXPR_NODES = 1500
+PROLOGUE_MAX_LOADS = 6
+PROLOGUE_OPS = {"load", "const", "coord", "cast", "neg", "add", "sub", "mul", "where", "maximum", "minimum",
+                "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}
 
 
 @dataclass
@@ -92,9 +98,24 @@ def _direct_loads(node: Node, refused) -> list[int]:
     return sorted({ld.args[0] for e in node.exprs() for ld in E.loads_of(e)} - refused)
 
 
-def _substitute(e: E.Expr, domain, candidates, refused, consumer) -> E.Expr:
-    views_only = isinstance(consumer, (Matmul, Attention))
+def is_cheap_prologue(producer: Pointwise) -> bool:
+    """Whether recomputing ``producer`` on every load of an attention operand costs about as little as a view."""
+    nodes = E.walk(producer.expr)
+    return (all(n.op in PROLOGUE_OPS for n in nodes)
+            and sum(n.op == "load" for n in nodes) <= PROLOGUE_MAX_LOADS)
 
+
+def _takes(consumer: Node, producer: Pointwise) -> bool:
+    if producer.is_view():
+        return True
+    if isinstance(consumer, Matmul):
+        return False
+    if isinstance(consumer, Attention):
+        return is_cheap_prologue(producer)
+    return True
+
+
+def _substitute(e: E.Expr, domain, candidates, refused, consumer) -> E.Expr:
     def rewrite(node: E.Expr):
         if node.op != "load":
             return None
@@ -102,7 +123,7 @@ def _substitute(e: E.Expr, domain, candidates, refused, consumer) -> E.Expr:
         producer = candidates.get(vid)
         if producer is None or vid in refused:
             return None
-        if views_only and not producer.is_view():
+        if not _takes(consumer, producer):
             return None
         mapping = dict(enumerate(coords))
         return E.shift_coords(producer.expr, mapping)
