@@ -13,6 +13,7 @@ class Counters:
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
     bytes_allocated: int = 0  # live: buffer creation adds its size, destruction subtracts it
+    peak_bytes_allocated: int = 0  # the most ``bytes_allocated`` reached (a caller may lower it to start a window)
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -214,6 +214,7 @@ class Device:
             buffer = self.wgpu_device.create_buffer(size=size, usage=usage, label=label)
         self.counters.buffers_created += 1
         self.counters.bytes_allocated += size
+        self.counters.peak_bytes_allocated = max(self.counters.peak_bytes_allocated, self.counters.bytes_allocated)
         return buffer
 
     def storage_buffer(self, size: int, label: str = ""):

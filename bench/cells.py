@@ -1,0 +1,241 @@
+"""One workload measured in every mode against every competitor: the cells of the benchmark table.
+
+A cell is (workload, mode, competitor). Modes: ``latency`` (inference at the minimal input), ``inference`` (at the
+workload's size), ``training`` (zero_grad + forward + backward + AdamW step, all timed). Compile time is the wall
+time of a cell's first call (tracing, compiling and one run); ``recompile`` repeats it after ``torch._dynamo.reset``
+on a fresh copy of the model (a warm start where the competitor has an on-disk cache).
+
+Every cell is gated on the same weights and inputs against eager PyTorch on the CPU in float64, with eager f32's own
+error as the allowance (see ``gates``): the inference output, or the training loss and every parameter gradient (of
+the first step, before any optimizer update), by relative L2 per tensor. A cell that fails its gate keeps its timings but is marked failed, never reported as a win.
+Competitors are timed alternately, call by call, after a warm-up; both sides are synchronised (a CUDA
+synchronize; meganeura returns host tensors, so its calls end when the results are read back).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .gates import Gate, gate_gradients, gate_output
+from .workloads import Workload
+
+MODES = ("latency", "inference", "training")
+COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
+
+
+@dataclass
+class Cell:
+    workload: str
+    mode: str
+    competitor: str
+    samples_ms: list[float] = field(default_factory=list)
+    median_ms: float | None = None
+    compile_s: float | None = None  # first call: trace + compile + one run
+    gate: dict | None = None
+    dispatches: int | None = None  # meganeura: dispatches per call (forward + backward for training)
+    planned_bytes: int | None = None  # meganeura: arena bytes of the plans after lifetime planning
+    peak_memory_bytes: int | None = None  # device bytes allocated at peak during the cell
+    transfer_bytes_per_call: int | None = None  # meganeura: host<->device bytes per timed call
+    error: str | None = None
+
+
+class Runner:
+    """One competitor's model copy, compiled function, batch and optimizer for one (workload, mode)."""
+
+    def __init__(self, competitor: str, workload: Workload, base: torch.nn.Module, mode: str, batch: tuple):
+        self.competitor = competitor
+        self.training = mode == "training"
+        self.device = "cuda" if competitor.startswith("torch-cuda") else "cpu"
+        self.model = copy.deepcopy(base).to(self.device).train(self.training)
+        self.batch = tuple(t.to(self.device) for t in batch)
+        what = workload.loss if self.training else workload.output
+        model = self.model
+
+        def call(*args):
+            return what(model, *args)
+
+        if competitor == "meganeura":
+            self.fn = torch.compile(call, backend="meganeura")
+        elif competitor == "torch-cuda-inductor":
+            self.fn = torch.compile(call, backend="inductor")
+        else:
+            self.fn = call
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5) if self.training else None
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def first_call(self):
+        """The first call (compiles), returning what the gate compares: the output, or (loss, gradients)."""
+        start = time.perf_counter()
+        if self.training:
+            loss = self.fn(*self.batch)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                out = self.fn(*self.batch)
+        self.sync()
+        seconds = time.perf_counter() - start
+        if self.training:
+            grads = {n: p.grad.detach().cpu() for n, p in self.model.named_parameters() if p.grad is not None}
+            return seconds, (loss.detach().cpu(), grads)
+        return seconds, out.detach().cpu()
+
+    def step(self) -> float:
+        """One timed call in milliseconds."""
+        start = time.perf_counter()
+        if self.training:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.fn(*self.batch).backward()
+            self.optimizer.step()
+        else:
+            with torch.no_grad():
+                self.fn(*self.batch)
+        self.sync()
+        return (time.perf_counter() - start) * 1e3
+
+
+def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple, dtype=torch.float32):
+    """Eager PyTorch on the CPU in ``dtype``: the output, or (loss, gradients) of the first training step."""
+    model = copy.deepcopy(base).to(dtype).train(mode == "training")
+    batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    if mode != "training":
+        with torch.no_grad():
+            return workload.output(model, *batch)
+    loss = workload.loss(model, *batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, repeats: int,
+            smoke: bool = False, seed: int = 0) -> list[Cell]:
+    """The cells of one (workload, mode), competitors timed alternately."""
+    torch.manual_seed(seed)
+    base = workload.build(smoke).float()
+    size = "minimal" if mode == "latency" else "full"
+    batch = workload.batch(size, torch.Generator().manual_seed(seed + 1), smoke)
+    try:
+        exact = reference(workload, base, mode, batch, torch.float64)
+        eager = reference(workload, base, mode, batch)
+    except Exception as err:  # noqa: BLE001 - a workload that eager cannot run fails every cell of its mode
+        return [Cell(workload.name, mode, c, error=f"eager reference failed: {type(err).__name__}: {err}"[:2000])
+                for c in competitors]
+    cells, runners = [], []
+    torch._dynamo.reset()  # every Runner compiles the same code object: start each (workload, mode) afresh
+    for competitor in competitors:
+        cell = Cell(workload.name, mode, competitor)
+        cells.append(cell)
+        try:
+            with _Meter(competitor) as meter:  # construction, first call and one step: the peak-memory window
+                runner = Runner(competitor, workload, base, mode, batch)
+                cell.compile_s, got = runner.first_call()
+                runner.step()
+            meter.report(cell)
+            cell.gate = _gate(got, exact, eager, mode == "training").as_dict()
+            runners.append((runner, cell))
+        except Exception as err:  # noqa: BLE001 - a competitor that cannot run this cell is reported, not fatal
+            cell.error = f"{type(err).__name__}: {err}"[:2000]
+    for _ in range(warmup - 1):
+        for runner, _cell in runners:
+            runner.step()
+    for _ in range(repeats):
+        for runner, cell in runners:
+            with _Transfers(cell) as moved:
+                cell.samples_ms.append(runner.step())
+            if moved.bytes is not None:
+                cell.transfer_bytes_per_call = moved.bytes  # the same every call: the last one is kept
+    for cell in cells:
+        if cell.samples_ms:
+            cell.median_ms = statistics.median(cell.samples_ms)
+    del runners
+    gc.collect()
+    return cells
+
+
+def recompile(workload: Workload, competitor: str, smoke: bool = False, seed: int = 0) -> float:
+    """First-call seconds of the training step after ``torch._dynamo.reset`` (on-disk caches kept)."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    base = workload.build(smoke).float()
+    batch = workload.batch("full", torch.Generator().manual_seed(seed + 1), smoke)
+    seconds, _ = Runner(competitor, workload, base, "training", batch).first_call()
+    return seconds
+
+
+def _gate(got, exact, eager, training: bool) -> Gate:
+    if not training:
+        return gate_output(got, exact, eager)
+    (loss, grads), (exact_loss, exact_grads), (eager_loss, eager_grads) = got, exact, eager
+    return gate_gradients(loss, grads, exact_loss, exact_grads, eager_loss, eager_grads)
+
+
+class _Meter:
+    """A window over a competitor's first call: what meganeura's backend records while it compiles, and the
+    device memory allocated at peak (meganeura's allocation counters, or CUDA's peak statistics)."""
+
+    def __init__(self, competitor: str):
+        self.competitor, self.records, self.start = competitor, [], 0
+
+    def __enter__(self):
+        if self.competitor == "meganeura":
+            from torch_meganeura.backend import BackendContext
+
+            BackendContext.recorders.append(self.records)
+            counters = _device().counters
+            counters.peak_bytes_allocated = self.start = counters.bytes_allocated
+        elif self.competitor.startswith("torch-cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        if self.competitor == "meganeura":
+            from torch_meganeura.backend import BackendContext
+
+            BackendContext.recorders.remove(self.records)
+            self.peak = _device().counters.peak_bytes_allocated - self.start
+        elif self.competitor.startswith("torch-cuda"):
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.peak = None
+        return False
+
+    def report(self, cell: Cell) -> None:
+        cell.peak_memory_bytes = self.peak
+        plans = [r for r in self.records if not isinstance(r, dict)]
+        if plans:
+            cell.dispatches = sum(r.dispatches for r in plans)
+            cell.planned_bytes = sum(r.arena_bytes for r in plans)
+
+
+class _Transfers:
+    """meganeura's host<->device bytes during one call (None for other competitors)."""
+
+    def __init__(self, cell: Cell):
+        self.on = cell.competitor == "meganeura"
+        self.bytes = None
+
+    def __enter__(self):
+        if self.on:
+            c = _device().counters
+            self.start = c.bytes_uploaded + c.bytes_downloaded
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            c = _device().counters
+            self.bytes = c.bytes_uploaded + c.bytes_downloaded - self.start
+        return False
+
+
+def _device():
+    from meganeura.runtime.device import get_device
+
+    return get_device()

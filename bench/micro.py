@@ -1,0 +1,152 @@
+"""Micro benchmarks: f32 matmul, a fused pointwise chain and a copy (the bandwidth roof), a row reduction, and the
+host cost per dispatch of plan replay.
+
+meganeura's side runs a plan directly: the function is traced to aten (``make_fx``), lowered and compiled like a
+backend graph, its operands uploaded once as parameters and its outputs kept on the device (``DeviceArray``s,
+recycled every call), so a timed call is one submit of the plan plus the 4-byte fence read that waits for it.
+PyTorch's side calls the same function on resident tensors (CPU, and CUDA where present, synchronised).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+DISPATCH_CHAIN = 500  # dispatches in the host-cost plan
+
+
+@dataclass
+class MicroResult:
+    name: str
+    competitor: str
+    work: str  # what the rate counts: "GFLOP/s" or "GB/s" (bytes read + written)
+    samples_ms: list[float] = field(default_factory=list)
+    median_ms: float | None = None
+    rate: float | None = None
+    per_dispatch_us: float | None = None  # the dispatch chain: time per dispatch (per eager op for PyTorch)
+    dispatches: int | None = None  # meganeura: dispatches of the plan
+    correct: bool | None = None  # the result against PyTorch on the CPU (relative L2 < 1e-3)
+    error: str | None = None
+
+
+def _device_call(fn, args):
+    """Callables that replay ``fn``'s plan on the device and that return its first output; its dispatch count."""
+    from meganeura.lowering import compile_graph
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.program import Program
+    from torch_meganeura.fx_lowering import lower_graph
+
+    gm = make_fx(fn)(*args)
+    lowered = lower_graph(gm, list(args), set(range(len(args))))
+    device = get_device()
+    plan, _ = compile_graph(lowered.graph, device.limits)
+    outputs = [t.name for t in plan.outputs]
+    program = Program(device, plan, resident_outputs=outputs)
+    program.upload_params({name: args[i].numpy() for i, name in lowered.params})
+
+    def run():
+        for array in program.run({}).values():
+            array.release()
+
+    def result():
+        arrays = program.run({})
+        values = [arrays[name].numpy() for name in outputs]
+        for array in arrays.values():
+            array.release()
+        return torch.from_numpy(values[0])
+
+    return run, result, len(plan.dispatches)
+
+
+def _timed(call, sync) -> float:
+    start = time.perf_counter()
+    call()
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: int, repeats: int
+            ) -> list[MicroResult]:
+    """Time ``fn(*args)`` for each competitor, alternately; ``amount`` is the FLOPs or bytes of one call."""
+    from .gates import rel_l2
+
+    want = fn(*args)
+    results, timed = [], []
+    for competitor in competitors:
+        res = MicroResult(name, competitor, work)
+        results.append(res)
+        try:
+            call, sync, result, res.dispatches = _prepare(competitor, fn, args)
+            res.correct = rel_l2(result(), want) < 1e-3
+            timed.append((res, call, sync))
+        except Exception as err:  # noqa: BLE001 - reported per competitor
+            res.error = f"{type(err).__name__}: {err}"[:2000]
+    for _ in range(warmup):
+        for _res, call, sync in timed:
+            _timed(call, sync)
+    for _ in range(repeats):
+        for res, call, sync in timed:
+            res.samples_ms.append(_timed(call, sync))
+    for res, _call, _sync in timed:
+        res.median_ms = statistics.median(res.samples_ms)
+        res.rate = amount / (res.median_ms * 1e-3) / 1e9
+    return results
+
+
+def _prepare(competitor: str, fn, args):
+    """(call, sync, result, dispatches per call or None) of one competitor."""
+    if competitor == "meganeura":
+        run, result, dispatches = _device_call(fn, args)
+        return run, lambda: None, result, dispatches
+    device = "cuda" if competitor == "torch-cuda-eager" else "cpu"
+    on = [a.to(device) for a in args]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return (lambda: fn(*on)), sync, (lambda: fn(*on).cpu()), None
+
+
+def _matmul(a, b):
+    return a @ b
+
+
+def _pointwise_chain(x):
+    return torch.sigmoid(x * 1.5 + 0.5) * x - 0.25
+
+
+def _copy(x):
+    return x * 1.0
+
+
+def _row_sum(x):
+    return x.sum(dim=-1)
+
+
+def _dispatch_chain(x, w):
+    for _ in range(DISPATCH_CHAIN):
+        x = x @ w  # a matmul per step: nothing fuses, every step is a dispatch
+    return x
+
+
+def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: int) -> list[MicroResult]:
+    """Every micro benchmark; ``stream_mib`` sizes the pointwise, copy and reduction inputs."""
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for n in matmul_sizes:
+        a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+        results += measure(f"matmul {n}", _matmul, (a, b), "GFLOP/s", 2.0 * n**3, competitors, warmup, repeats)
+    numel = stream_mib * (1 << 20) // 4
+    x = torch.randn(numel, generator=gen)
+    for name, fn in ((f"pointwise chain {stream_mib} MiB", _pointwise_chain), (f"copy {stream_mib} MiB", _copy)):
+        results += measure(name, fn, (x,), "GB/s", 8.0 * numel, competitors, warmup, repeats)
+    rows = x.view(-1, 4096)
+    results += measure(f"row sum {stream_mib} MiB", _row_sum, (rows,), "GB/s", 4.0 * numel, competitors, warmup,
+                       repeats)
+    small, w = torch.randn(8, 8, generator=gen), torch.eye(8) + 0.001 * torch.randn(8, 8, generator=gen)
+    chain = measure(f"{DISPATCH_CHAIN} dispatches of 8x8 matmuls", _dispatch_chain, (small, w), "GFLOP/s",
+                    2.0 * 8**3 * DISPATCH_CHAIN, competitors, warmup, repeats)
+    for res in chain:  # one dispatch (one eager op) per matmul on every side
+        if res.median_ms is not None:
+            res.per_dispatch_us = res.median_ms * 1e3 / DISPATCH_CHAIN
+    return results + chain

@@ -1,0 +1,194 @@
+"""``python -m bench.report RESULTS.json [--readme README.md]``: the markdown table and the PNG plot of a results
+file, next to it; with ``--readme``, also the compact table between the README's ``<!-- bench:TAG -->`` and
+``<!-- /bench:TAG -->`` markers (TAG is the results file's name).
+
+All of it is generated from the JSON only. Ratios are meganeura's median time over a competitor's (below 1: meganeura
+is faster). A cell whose gate failed, or that raised, shows as such and has no ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+MODES = ("latency", "inference", "training")
+BASELINES = ("torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
+
+
+def _cells(data: dict) -> dict:
+    return {(c["workload"], c["mode"], c["competitor"]): c for c in data["cells"]}
+
+
+def _ok(cell: dict | None) -> bool:
+    return bool(cell and not cell["error"] and cell["gate"] and cell["gate"]["passed"])
+
+
+def _status(cell: dict | None) -> str:
+    if cell is None:
+        return "-"
+    if cell["error"]:
+        return "error"
+    return f"{cell['median_ms']:.2f}" if cell["gate"]["passed"] else f"{cell['median_ms']:.2f} (gate failed)"
+
+
+def ratio(cells: dict, workload: str, mode: str, baseline: str) -> float | None:
+    ours, theirs = cells.get((workload, mode, "meganeura")), cells.get((workload, mode, baseline))
+    if not (_ok(ours) and _ok(theirs)):
+        return None
+    return ours["median_ms"] / theirs["median_ms"]
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}"
+
+
+def markdown(data: dict) -> str:
+    cells = _cells(data)
+    m = data["machine"]
+    adapter = m.get("adapter", {})
+    baselines = [b for b in BASELINES if any(k[2] == b for k in cells)]
+    lines = [f"# Benchmark: {adapter.get('name', '?')} ({adapter.get('type', '?')}, {adapter.get('backend', '?')})", "",
+             f"Machine: {m['processor']}, {m['cpu_count']} CPUs ({m['torch_threads']} torch threads), CUDA: "
+             f"{m['cuda_device'] or 'none'}; {m['date']}. Versions: "
+             + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ". f32, TF32 off. "
+             f"Median of {data['settings']['repeats']} calls after {data['settings']['warmup']} warm-up calls, "
+             "competitors alternated. Ratio = meganeura / competitor (below 1: meganeura is faster). Gates (per "
+             "tensor: the output, or the loss and every gradient): relative L2 against eager float64 on the CPU "
+             "below 1e-3, or below twice eager f32's own error where f32 cannot reach 1e-3 (bench/gates.py).", ""]
+    header = ["workload", "mode", "meganeura ms"]
+    for b in baselines:
+        header += [f"{b} ms", "ratio"]
+    header += ["gates", "first call s (meganeura" + (" / inductor)" if "torch-cuda-inductor" in baselines else ")"),
+               "dispatches", "planned MiB", "peak MiB (meganeura / torch)", "host<->device MiB/call"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    workloads = list(dict.fromkeys(c["workload"] for c in data["cells"]))
+    for w in workloads:
+        for mode in MODES:
+            ours = cells.get((w, mode, "meganeura"))
+            if ours is None:
+                continue
+            row = [w, mode, _status(ours)]
+            for b in baselines:
+                r = ratio(cells, w, mode, b)
+                row += [_status(cells.get((w, mode, b))), "-" if r is None else f"{r:.2f}"]
+            present = [c for c in (cells.get((w, mode, x)) for x in ("meganeura", *baselines)) if c]
+            failed = [c["competitor"] for c in present if not _ok(c)]
+            row.append("all pass" if not failed else "FAILED: " + ", ".join(failed))
+            first = f"{ours['compile_s']:.1f}" if ours["compile_s"] is not None else "-"
+            inductor = cells.get((w, mode, "torch-cuda-inductor"))
+            if inductor and inductor["compile_s"] is not None:
+                first += f" / {inductor['compile_s']:.1f}"
+            torch_peak = next((cells[(w, mode, b)]["peak_memory_bytes"] for b in ("torch-cuda-eager",)
+                               if (w, mode, b) in cells), None)
+            row += [first, str(ours["dispatches"] or "-"), _mib(ours["planned_bytes"]),
+                    f"{_mib(ours['peak_memory_bytes'])} / {_mib(torch_peak)}", _mib(ours["transfer_bytes_per_call"])]
+            lines.append("| " + " | ".join(row) + " |")
+    errors = [c for c in data["cells"] if c["error"] or (c["gate"] and not c["gate"]["passed"])]
+    if errors:
+        lines += ["", "Failures:", ""]
+        lines += [f"- {c['workload']} {c['mode']} {c['competitor']}: {c['error'] or c['gate']['reason']}"
+                  for c in errors]
+    if data.get("recompile"):
+        lines += ["", "Second compile of the training step after `torch._dynamo.reset()` (on-disk caches kept):", ""]
+        lines += [f"- {r['workload']} {r['competitor']}: {r['seconds']:.1f} s" for r in data["recompile"]]
+    if data.get("micro"):
+        lines += ["", "## Micro benchmarks", "", "| benchmark | competitor | median ms | rate | µs per dispatch/op "
+                  "| dispatches | correct |", "|---|---|---|---|---|---|---|"]
+        for r in data["micro"]:
+            if r["error"]:
+                lines.append(f"| {r['name']} | {r['competitor']} | error: {r['error'][:120]} | | | | |")
+                continue
+            per = "-" if r["per_dispatch_us"] is None else f"{r['per_dispatch_us']:.1f}"
+            lines.append(f"| {r['name']} | {r['competitor']} | {r['median_ms']:.3f} | {r['rate']:.1f} {r['work']} "
+                         f"| {per} | {r['dispatches'] or '-'} | {'yes' if r['correct'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = _cells(data)
+    baselines = [b for b in BASELINES if any(k[2] == b for k in cells)]
+    groups = [(w, mode) for w in dict.fromkeys(c["workload"] for c in data["cells"]) for mode in MODES
+              if (w, mode, "meganeura") in cells]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(groups) + 2), 4.5))
+    width = 0.8 / max(len(baselines), 1)
+    for k, b in enumerate(baselines):
+        xs, ys, missing = [], [], []
+        for i, (w, mode) in enumerate(groups):
+            r = ratio(cells, w, mode, b)
+            (xs if r is not None else missing).append(i + k * width)
+            if r is not None:
+                ys.append(r)
+        bars = ax.bar(xs, ys, width, label=f"meganeura / {b}")
+        for x in missing:
+            ax.text(x, 1.0, "x", ha="center", va="center", color=bars.patches[0].get_facecolor() if ys else "k")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("time ratio (below 1: meganeura faster)")
+    ax.set_xticks([i + width * (len(baselines) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{w}\n{mode}" for w, mode in groups], rotation=60, ha="right", fontsize=7)
+    adapter = data["machine"].get("adapter", {}).get("name", "?")
+    ax.set_title(f"meganeura on {adapter} vs PyTorch (x: failed gate or error)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: Path) -> None:
+    data = json.loads(Path(results).read_text())
+    Path(results).with_suffix(".md").write_text(markdown(data))
+    if data["cells"]:
+        plot(data, Path(results).with_suffix(".png"))
+
+
+def summary(data: dict, image: str) -> str:
+    """The compact table for the README: median ms per competitor and meganeura's ratio to each, and the plot."""
+    cells = _cells(data)
+    baselines = [b for b in BASELINES if any(k[2] == b for k in cells)]
+    m = data["machine"]
+    header = ["workload", "mode", "meganeura ms"] + [x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates"]
+    lines = [f"{m.get('adapter', {}).get('name', '?')} vs PyTorch {m['versions'].get('torch')} "
+             f"({m['cuda_device'] or m['processor'] + ' CPU'}), {data['settings'].get('scale', 'full')} scale, "
+             f"{m['date'][:10]}; ratio = meganeura / competitor, below 1 is faster.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for w in dict.fromkeys(c["workload"] for c in data["cells"]):
+        for mode in MODES:
+            if (w, mode, "meganeura") not in cells:
+                continue
+            row = [w, mode, _status(cells[(w, mode, "meganeura")])]
+            for b in baselines:
+                r = ratio(cells, w, mode, b)
+                row += [_status(cells.get((w, mode, b))), "-" if r is None else f"{r:.2f}"]
+            present = [c for k, c in cells.items() if k[:2] == (w, mode)]
+            row.append("pass" if all(_ok(c) for c in present) else "FAILED")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines + ["", f"![ratios]({image})"])
+
+
+def update_readme(results: Path, readme: Path) -> None:
+    tag = results.stem
+    begin, end = f"<!-- bench:{tag} -->", f"<!-- /bench:{tag} -->"
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme} has no {begin} ... {end} markers")
+    image = results.with_suffix(".png").resolve().relative_to(readme.resolve().parent)
+    block = summary(json.loads(results.read_text()), str(image))
+    readme.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{block}\n{end}", text,
+                             flags=re.S))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, help="bench/results/TAG.json")
+    parser.add_argument("--readme", type=Path, help="also update this README's table for TAG")
+    args = parser.parse_args()
+    write(args.results)
+    if args.readme:
+        update_readme(args.results, args.readme)

@@ -1,0 +1,164 @@
+"""``python -m bench``: run the workloads and micro benchmarks, write one JSON file per machine, and its report.
+
+The JSON (``bench/results/<tag>.json``) holds the machine (CPU, adapter, CUDA device, library versions, TF32
+setting), the settings, every cell with every sample, and the micro results; ``bench.report`` makes the markdown
+table and the PNG plot from it. All timings are f32 with TF32 off.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .cells import COMPETITORS, MODES
+    from .workloads import WORKLOADS
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tag", required=True, help="results name: bench/results/TAG.json (e.g. cpu-lavapipe, h200)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all); 'none' for micro only")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--competitors", default=None,
+                   help=f"comma-separated, from {', '.join(COMPETITORS)} (default: the CPU ones, and the CUDA ones "
+                        "when CUDA is present)")
+    p.add_argument("--smoke", action="store_true",
+                   help="smoke scale: every workload shrunk (same architectures) to check the path, not to time it")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per competitor before timing (>= 1)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per competitor (alternated)")
+    p.add_argument("--recompile", action="store_true",
+                   help="also time a second compile of each training step after torch._dynamo.reset (warm caches)")
+    p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
+    p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
+    p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
+    p.add_argument("--merge", action="store_true",
+                   help="add to an existing results file (cells of the same workload and mode are replaced)")
+    return p
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "versions": {}, "tf32": {"cuda_matmul": False, "cudnn": False}}
+    for package in ("torch", "torch-meganeura", "wgpu", "numpy", "transformers", "diffusers"):
+        try:
+            info["versions"][package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info["versions"][package] = None
+    try:
+        from meganeura.runtime.device import get_device
+
+        dev = get_device()
+        info["adapter"] = {"name": dev.name, "type": dev.adapter_type, "backend": dev.backend,
+                           "info": {k: str(v) for k, v in dev.adapter.info.items()}}
+    except Exception as err:  # noqa: BLE001 - recorded: the meganeura cells will report the same error
+        info["adapter"] = {"error": str(err)}
+    info["cuda_device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    info["torch_threads"] = torch.get_num_threads()
+    return info
+
+
+def _strict_f32() -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))  # cold compiles
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="bench-triton-"))
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    import torch
+
+    from . import cells, micro, report
+    from .workloads import WORKLOADS
+
+    _strict_f32()
+    if args.warmup < 1:
+        raise SystemExit("--warmup must be at least 1")
+    if args.competitors:
+        competitors = args.competitors.split(",")
+    else:
+        competitors = ["meganeura", "torch-cpu-eager"]
+        if torch.cuda.is_available():
+            competitors += ["torch-cuda-eager", "torch-cuda-inductor"]
+    unknown = set(competitors) - set(cells.COMPETITORS)
+    if unknown:
+        raise SystemExit(f"unknown competitors {sorted(unknown)}; choose from {cells.COMPETITORS}")
+    workloads = [] if args.workloads == "none" else args.workloads.split(",")
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    modes = args.modes.split(",")
+    if set(modes) - set(cells.MODES):
+        raise SystemExit(f"unknown modes {sorted(set(modes) - set(cells.MODES))}; choose from {cells.MODES}")
+
+    path = RESULTS / f"{args.tag}.json"
+    result = json.loads(path.read_text()) if args.merge and path.exists() else {"cells": [], "micro": [],
+                                                                                   "recompile": []}
+    result["machine"] = machine()
+    result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "competitors": competitors,
+                          "scale": "smoke" if args.smoke else "full"}
+    print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
+    for name in workloads:
+        for mode in modes:
+            done = cells.measure(WORKLOADS[name], mode, competitors, args.warmup, args.repeats, args.smoke)
+            result["cells"] = [c for c in result["cells"] if (c["workload"], c["mode"]) != (name, mode)]
+            result["cells"] += [dataclasses.asdict(c) for c in done]
+            for c in done:
+                _print_cell(c)
+            _write(path, result)
+        if args.recompile and "training" in modes:
+            result["recompile"] = [r for r in result["recompile"] if r["workload"] != name]
+            for competitor in competitors:
+                if competitor in ("meganeura", "torch-cuda-inductor"):
+                    seconds = cells.recompile(WORKLOADS[name], competitor, args.smoke)
+                    result["recompile"].append({"workload": name, "competitor": competitor, "seconds": seconds})
+                    print(f"{name:15s} recompile  {competitor:20s} {seconds:8.2f} s", flush=True)
+            _write(path, result)
+    if args.micro:
+        sizes = [int(n) for n in args.matmul_sizes.split(",") if n]
+        micro_competitors = [c for c in competitors if c != "torch-cuda-inductor"]
+        done = micro.run_all(micro_competitors, sizes, args.stream_mib, args.warmup, args.repeats)
+        result["micro"] = [dataclasses.asdict(m) for m in done]
+        for m in done:
+            rate = f"{m.rate:10.1f} {m.work}" if m.rate is not None else m.error
+            print(f"{m.name:32s} {m.competitor:20s} {m.median_ms or 0:9.3f} ms {rate}", flush=True)
+        _write(path, result)
+    report.write(path)
+    print(f"wrote {path} and its report", flush=True)
+    return 0
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+
+
+def _print_cell(c) -> None:
+    if c.error:
+        print(f"{c.workload:15s} {c.mode:9s} {c.competitor:20s} ERROR {c.error[:300]}", flush=True)
+        return
+    gate = "ok" if c.gate and c.gate["passed"] else f"GATE FAILED {c.gate and c.gate['reason']}"
+    print(f"{c.workload:15s} {c.mode:9s} {c.competitor:20s} {c.median_ms:10.2f} ms  first call {c.compile_s:7.2f} s"
+          f"  {gate}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The benchmark's path at smoke scale (CI): cells compile, run and pass their correctness gates against eager
+float64, the gates reject a wrong result, and the report renders from the JSON. No timing is asserted."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench import cells, gates, report
+from bench.workloads import WORKLOADS
+
+COMPETITORS = ["meganeura", "torch-cpu-eager"]
+
+
+@pytest.mark.parametrize("workload, mode", [("smollm2", "training"), ("resnet50", "inference"),
+                                            ("smolvla_expert", "latency")])
+def test_smoke_cells_pass_their_gates(workload, mode, tmp_path):
+    done = cells.measure(WORKLOADS[workload], mode, COMPETITORS, warmup=1, repeats=1, smoke=True)
+    for cell in done:
+        assert cell.error is None, cell.error
+        assert cell.gate["passed"], cell.gate["reason"]
+        assert len(cell.samples_ms) == 1
+    ours = done[0]
+    assert ours.dispatches and ours.dispatches > 0
+    if mode == "training":
+        assert ours.gate["gradients"] == sum(1 for p in WORKLOADS[workload].build(True).parameters())
+    results = tmp_path / "smoke.json"
+    results.write_text(json.dumps({
+        "machine": {"processor": "x", "cpu_count": 2, "torch_threads": 2, "cuda_device": None, "date": "-",
+                    "versions": {"torch": torch.__version__}, "adapter": {"name": "test"}},
+        "settings": {"warmup": 1, "repeats": 1}, "cells": [dataclasses.asdict(c) for c in done], "micro": []}))
+    report.write(results)
+    table = results.with_suffix(".md").read_text()
+    assert f"| {workload} | {mode} |" in table and "all pass" in table
+    assert results.with_suffix(".png").stat().st_size > 0
+
+
+def test_gates_reject_a_wrong_gradient_and_accept_eager_level_error():
+    gen = torch.Generator().manual_seed(0)
+    exact = {"w": torch.randn(64, 64, generator=gen, dtype=torch.float64)}
+    eager = {"w": exact["w"].float()}
+    loss = torch.tensor(1.0)
+    assert gates.gate_gradients(loss, eager, loss.double(), exact, loss, eager).passed
+    wrong = {"w": eager["w"] * 1.01}
+    verdict = gates.gate_gradients(loss, wrong, loss.double(), exact, loss, eager)
+    assert not verdict.passed and verdict.worst_grad == "w"
+    # an ill-conditioned tensor: eager f32 itself is 5% off, so a competitor 8% off passes and 12% off fails
+    noisy = {"w": exact["w"] * 1.05}
+    assert gates.gate_gradients(loss, {"w": exact["w"] * 1.08}, loss.double(), exact, loss, noisy).passed
+    assert not gates.gate_gradients(loss, {"w": exact["w"] * 1.12}, loss.double(), exact, loss, noisy).passed
+    assert not gates.gate_output(torch.full((3,), float("nan")), torch.ones(3, dtype=torch.float64),
+                                 torch.ones(3)).passed
