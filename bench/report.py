@@ -55,7 +55,10 @@ def markdown(data: dict) -> str:
              f"Median of {data['settings']['repeats']} calls after {data['settings']['warmup']} warm-up calls, "
              "competitors alternated. Ratio = meganeura / competitor (below 1: meganeura is faster). Gates (per "
              "tensor: the output, or the loss and every gradient): relative L2 against eager float64 on the CPU "
-             "below 1e-3, or below twice eager f32's own error where f32 cannot reach 1e-3 (bench/gates.py).", ""]
+             "below 1e-3, or below twice eager f32's own error where f32 cannot reach 1e-3 (bench/gates.py)."]
+    if data["settings"].get("note"):
+        lines += ["", f"Note: {data['settings']['note']}"]
+    lines.append("")
     header = ["workload", "mode", "meganeura ms"]
     for b in baselines:
         header += [f"{b} ms", "ratio"]
@@ -155,7 +158,8 @@ def summary(data: dict, image: str) -> str:
     header = ["workload", "mode", "meganeura ms"] + [x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates"]
     lines = [f"{m.get('adapter', {}).get('name', '?')} vs PyTorch {m['versions'].get('torch')} "
              f"({m['cuda_device'] or m['processor'] + ' CPU'}), {data['settings'].get('scale', 'full')} scale, "
-             f"{m['date'][:10]}; ratio = meganeura / competitor, below 1 is faster.", "",
+             f"{m['date'][:10]}; ratio = meganeura / competitor, below 1 is faster."
+             + (f" {data['settings']['note']}" if data["settings"].get("note") else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for w in dict.fromkeys(c["workload"] for c in data["cells"]):
         for mode in MODES:

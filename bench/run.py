@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
     p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
+    p.add_argument("--note", default="", help="a remark on the conditions of this run, shown in the report")
     p.add_argument("--merge", action="store_true",
                    help="add to an existing results file (cells of the same workload and mode are replaced)")
     return p
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
                                                                                    "recompile": []}
     result["machine"] = machine()
     result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "competitors": competitors,
-                          "scale": "smoke" if args.smoke else "full"}
+                          "scale": "smoke" if args.smoke else "full", "note": args.note}
     print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
     for name in workloads:
         for mode in modes:
