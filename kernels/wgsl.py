@@ -103,13 +103,14 @@ FLOAT_OPS = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "pow": "mg_pow({0}, {1})", "maximum": "mg_max({0}, {1})", "minimum": "mg_min({0}, {1})",
     "fmod": "({0} % {1})", "remainder": "mg_remainder({0}, {1})", "floordiv": "mg_floordiv({0}, {1})",
-    "atan2": "atan2({0}, {1})",
+    "atan2": "atan2({0}, {1})", "fma": "fma({0}, {1}, {2})",
 }
 INT_OPS = {
     "neg": "(-{0})", "abs": "abs({0})", "sign": "sign({0})",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "idiv": "({0} / {1})", "imod": "({0} % {1})",
     "floordiv": "mg_ifloordiv({0}, {1})", "remainder": "mg_iremainder({0}, {1})", "fmod": "mg_ifmod({0}, {1})",
     "maximum": "max({0}, {1})", "minimum": "min({0}, {1})", "uniform": "mg_uniform({0}, {1}, {2}, {3})",
+    "fma": "({0} * {1} + {2})",
 }
 COMPARE_OPS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 BOOL_OPS = {"and": "({0} && {1})", "or": "({0} || {1})", "xor": "({0} != {1})", "not": "(!{0})",

@@ -149,6 +149,13 @@ def where(c: Expr, a: Expr, b: Expr) -> Expr:
     return Expr("where", (cast(c, BOOL), a, b), a.dtype)
 
 
+def fma(x: Expr, y: Expr, z: Expr) -> Expr:
+    """x * y + z (one fused operation where the device has it)."""
+    if not x.dtype == y.dtype == z.dtype:
+        raise TypeError(f"fma on mixed dtypes {x.dtype}, {y.dtype}, {z.dtype}: cast first")
+    return Expr("fma", (x, y, z), x.dtype)
+
+
 def add(x, y):
     return binary("add", x, y)
 

@@ -38,7 +38,9 @@ class BufferPool:
 
     def release(self, buffer) -> None:
         self.live -= 1
-        if self.device.lost:
+        if self.device.lost or getattr(buffer, "_internal", True) is None:
+            # the second case: the array and its buffer died in one garbage cycle and wgpu-py released the buffer
+            # first; a dead buffer must never be handed out again
             return
         self._free.setdefault(buffer.size, []).append(buffer)
 
@@ -64,6 +66,15 @@ class DeviceArray:
         self.dtype = dtype
         self._pool = pool
         self.buffer = pool.acquire(buffer_bytes(self.shape))
+
+    @classmethod
+    def upload(cls, device, array: np.ndarray, dtype: str) -> "DeviceArray":
+        """A new device array of logical ``dtype`` holding ``array`` (int64 is stored as int32, bool as u32)."""
+        result = cls(device.pool, tuple(array.shape), dtype)
+        host = np.ascontiguousarray(array, dtype=_HOST_DTYPE[DEVICE_DTYPE[dtype]])
+        if host.size:
+            device.write(result.buffer, 0, host.reshape(-1), "device array")
+        return result
 
     @property
     def nbytes(self) -> int:

@@ -30,6 +30,7 @@ KEEP_WHOLE = {
 ADDED = {
     aten._native_batch_norm_legit_functional.default: "batch norm in training, with running-stat outputs",
     aten._native_batch_norm_legit.no_stats: "batch norm without running stats",
+    aten.native_batch_norm.default: "batch norm as make_fx + functionalize trace it (compile_train_step)",
 }
 
 

@@ -10,11 +10,13 @@ from ..registry import lowering
 aten = torch.ops.aten
 
 
-@lowering(aten.full.default, aten.empty.memory_format, aten.full_like.default, aten.empty_like.default,
-          aten.scalar_tensor.default, aten.zeros_like.default, aten.ones_like.default)
+@lowering(aten.full.default, aten.empty.memory_format, aten.empty_permuted.default, aten.full_like.default,
+          aten.empty_like.default, aten.scalar_tensor.default, aten.zeros_like.default, aten.ones_like.default)
 def _full(ctx, first, value=0, **kwargs):
     target = ctx.node.target
-    if target is aten.empty.memory_format:
+    if target is aten.empty_permuted.default:  # (size, physical_layout): the layout is not observable here
+        shape, value = first, 0
+    elif target is aten.empty.memory_format:
         shape, value = first, 0
     elif target in (aten.full_like.default,):
         shape = first.shape

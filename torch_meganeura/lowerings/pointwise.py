@@ -167,6 +167,11 @@ def _pow(ctx, x, y):
     return elementwise(ctx, lambda a, b: E.binary("pow", a, b), x, y)
 
 
+@lowering(torch.ops.prims.fma.default)
+def _fma(ctx, x, y, z):  # torch.optim's compiled lerp / addcmul decompose to it
+    return elementwise(ctx, E.fma, x, y, z)
+
+
 @lowering(aten.where.self)
 def _where(ctx, cond, x, y):
     compute = COMPUTE[ctx.out_dtype]

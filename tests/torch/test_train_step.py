@@ -1,0 +1,202 @@
+"""Device-resident training (compile_train_step) against eager torch.optim, step by step.
+
+50 AdamW steps (weight decay, cosine LR schedule) on a small HF Llama and 50 SGD steps (momentum, nesterov, weight
+decay) on a small HF ResNet with BatchNorm: the loss of every step within 1e-4 relative, then the final weights,
+BatchNorm statistics and optimizer state elementwise. A checkpoint saved at step 25 and loaded in a fresh process
+continues with the uninterrupted run's losses. Gradient clipping against clip_grad_norm_, and refusals."""
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_meganeura import compile_train_step
+
+LLAMA = dict(vocab_size=64, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
+             num_key_value_heads=3, max_position_embeddings=64)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**LLAMA)).train()
+
+
+def _llama_loss(model, ids):
+    return model(ids, labels=ids, use_cache=False).loss
+
+
+def _ids(step):
+    return (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1000 + step)),)
+
+
+def _run_both(model, loss_fn, make_optimizer, batches, steps, **options):
+    """Train ``model`` through compile_train_step and a deep copy eagerly; returns both sides and the losses."""
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_optimizer(model), make_optimizer(ref)
+    sched, ref_sched = (torch.optim.lr_scheduler.CosineAnnealingLR(o, steps) for o in (opt, ref_opt))
+    step = compile_train_step(model, loss_fn, opt, **options)
+    losses = []
+    for i in range(steps):
+        batch = batches(i)
+        got = step(*batch)
+        sched.step()
+        ref_opt.zero_grad()
+        want = loss_fn(ref, *batch)
+        want.backward()
+        if options.get("max_grad_norm") is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), options["max_grad_norm"])
+        ref_opt.step()
+        ref_sched.step()
+        losses.append((float(got), float(want.detach())))
+    return step, ref, ref_opt, losses
+
+
+def _assert_losses(losses, rel=1e-4):
+    for i, (got, want) in enumerate(losses):
+        assert abs(got - want) <= rel * abs(want), f"step {i + 1}: loss {got} vs eager {want}"
+
+
+def test_adamw_cosine_llama_50_steps_and_checkpoint_resume_in_a_fresh_process(tmp_path):
+    torch.manual_seed(0)
+    model = _llama()
+    checkpoint = tmp_path / "step25.safetensors"
+
+    def make_optimizer(m):
+        return torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_optimizer(model), make_optimizer(ref)
+    sched, ref_sched = (torch.optim.lr_scheduler.CosineAnnealingLR(o, 50) for o in (opt, ref_opt))
+    step = compile_train_step(model, _llama_loss, opt)
+    losses = []
+    for i in range(50):
+        got = float(step(*_ids(i)))
+        sched.step()
+        if i + 1 == 25:
+            step.save(checkpoint)
+        ref_opt.zero_grad()
+        want = _llama_loss(ref, *_ids(i))
+        want.backward()
+        ref_opt.step()
+        ref_sched.step()
+        losses.append((got, float(want.detach())))
+    _assert_losses(losses)
+    step.sync_to_module()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        for slot in ("exp_avg", "exp_avg_sq"):  # moments of f32 gradients: within 1e-3 of the tensor's scale
+            want = ref_opt.state[q][slot]
+            torch.testing.assert_close(opt.state[p][slot], want, rtol=1e-3, atol=1e-3 * float(want.abs().max()),
+                                       msg=lambda m: f"{name} {slot}: {m}")
+        assert float(opt.state[p]["step"]) == 50
+
+    resumed = _resume_in_subprocess(checkpoint, first=25, last=50)
+    assert resumed == [got for got, _ in losses[25:]], (resumed, losses[25:])
+
+
+def _resume_in_subprocess(checkpoint, first: int, last: int) -> list[float]:
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.modules["test_train_step"] = None  # nothing from the parent process: a fresh model and optimizer
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from torch_meganeura import compile_train_step
+        model = LlamaForCausalLM(LlamaConfig(**{LLAMA!r})).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 50)
+        for _ in range({first}):
+            sched.step()
+        step = compile_train_step(model, lambda m, ids: m(ids, labels=ids, use_cache=False).loss, opt)
+        step.load({str(checkpoint)!r})
+        assert step.steps == {first}
+        losses = []
+        for i in range({first}, {last}):
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1000 + i))
+            losses.append(float(step(ids)))
+            sched.step()
+        print(json.dumps(losses))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_sgd_nesterov_resnet_with_batchnorm_50_steps():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    model = ResNetForImageClassification(ResNetConfig(embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1],
+                                                      num_labels=10)).train()
+    gen = torch.Generator().manual_seed(0)
+    # batches of 8 at 32x32: with fewer samples per BatchNorm channel, rounding differences grow chaotically
+    data = [(torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 10, (8,), generator=gen)) for _ in range(4)]
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(pixel_values=x).logits, y)
+
+    def make_optimizer(m):  # at lr 1e-2 this small net's trajectory is chaotic: any two f32 implementations part
+        return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+    step, ref, ref_opt, losses = _run_both(model, loss_fn, make_optimizer, lambda i: data[i % 4], 50)
+    _assert_losses(losses)
+    state = step.state_dict()  # synced from the device: parameters and BatchNorm statistics
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(state[name].to(want.dtype), want, rtol=1e-3, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    assert int(state["resnet.embedder.embedder.normalization.num_batches_tracked"]) == 50
+
+
+def test_gradient_clipping_by_global_norm_matches_clip_grad_norm():
+    torch.manual_seed(1)
+    model = _llama()
+    _, _, _, losses = _run_both(model, _llama_loss, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), _ids, 6,
+                                max_grad_norm=0.05)
+    _assert_losses(losses)
+
+
+def test_module_is_stale_until_synced():
+    torch.manual_seed(2)
+    model = _llama()
+    before = model.lm_head.weight.detach().clone()
+    step = compile_train_step(model, _llama_loss, torch.optim.SGD(model.parameters(), lr=0.5))
+    step(*_ids(0))
+    assert torch.equal(model.lm_head.weight, before)  # the device holds the truth between steps
+    step.sync_to_module()
+    assert not torch.equal(model.lm_head.weight, before)
+
+
+def test_unsupported_optimizers_are_refused_by_name():
+    model = _llama()
+    with pytest.raises(NotImplementedError, match="RMSprop"):
+        compile_train_step(model, _llama_loss, torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        compile_train_step(model, _llama_loss, torch.optim.Adam(model.parameters(), amsgrad=True))
+
+
+def test_compiled_optimizer_step_runs_on_the_device():
+    """torch.compile(opt.step, backend="meganeura") lowers AdamW's update (prims.fma included): no fallback."""
+    import warnings
+
+    from conftest import meganeura_warnings
+
+    model = torch.nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+    step = torch.compile(opt.step, backend="meganeura")
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        assert not meganeura_warnings(caught), meganeura_warnings(caught)
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

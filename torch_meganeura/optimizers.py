@@ -1,0 +1,104 @@
+"""torch.optim updates written as functions of tensors, so they trace into a device training plan.
+
+Each supported optimizer (SGD, Adam, AdamW) follows torch.optim's single-tensor update op for op, so a device step
+matches an eager step to rounding. Per-step numbers (learning rate, weight decay, betas, bias corrections, whether a
+momentum buffer is new) are not baked into the plan: ``hyperparameters`` computes them on the host every step from
+``optimizer.param_groups`` and the step count, and the plan reads them from a small input tensor (one row per param
+group). An LR scheduler, or a change of weight decay between steps, therefore needs no recompilation.
+Options that change the update's structure (nesterov, maximize) are read once at trace time; ``check`` refuses the
+ones not implemented (amsgrad) with a clear error.
+"""
+from __future__ import annotations
+
+import torch
+
+SGD_FIELDS = ("lr", "weight_decay", "momentum", "dampening", "first")
+ADAM_FIELDS = ("lr", "weight_decay", "decay", "beta1_weight", "beta2", "one_minus_beta2", "eps", "step_size",
+               "bias_correction2_sqrt")
+
+
+def kind(optimizer: torch.optim.Optimizer) -> str:
+    """"sgd", "adam" or "adamw"; raises NotImplementedError for other optimizers and unsupported options."""
+    if type(optimizer) is torch.optim.SGD:
+        return "sgd"
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        for group in optimizer.param_groups:
+            if group.get("amsgrad"):
+                raise NotImplementedError("meganeura's device optimizer does not implement amsgrad")
+            if group.get("decoupled_weight_decay"):
+                return "adamw"
+        return "adamw" if type(optimizer) is torch.optim.AdamW else "adam"
+    raise NotImplementedError(f"meganeura's device training supports torch.optim SGD, Adam and AdamW, not "
+                              f"{type(optimizer).__name__}")
+
+
+def check(optimizer: torch.optim.Optimizer) -> None:
+    kind(optimizer)
+    maximize = {bool(g.get("maximize", False)) for g in optimizer.param_groups}
+    nesterov = {bool(g.get("nesterov", False)) for g in optimizer.param_groups}
+    if len(maximize) > 1 or len(nesterov) > 1:
+        raise NotImplementedError("param groups differing in maximize or nesterov are not supported")
+
+
+def state_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """Names of the per-parameter state tensors the update keeps (as torch.optim names them)."""
+    k = kind(optimizer)
+    if k == "sgd":
+        return ("momentum_buffer",) if any(g["momentum"] != 0 for g in optimizer.param_groups) else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+def structure(optimizer: torch.optim.Optimizer) -> dict:
+    """The trace-time options: they change which ops the update has."""
+    group = optimizer.param_groups[0]
+    return {"kind": kind(optimizer), "maximize": bool(group.get("maximize", False)),
+            "nesterov": bool(group.get("nesterov", False)), "slots": state_slots(optimizer)}
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor:
+    """The per-group numbers of update ``step`` (1-based) as a float32 tensor [groups, fields]."""
+    k = kind(optimizer)
+    rows = []
+    for g in optimizer.param_groups:
+        lr = float(g["lr"])
+        if k == "sgd":
+            rows.append([lr, g["weight_decay"], g["momentum"], g["dampening"], 1.0 if step == 1 else 0.0])
+            continue
+        beta1, beta2 = g["betas"]
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        rows.append([lr, g["weight_decay"], 1 - lr * g["weight_decay"], 1 - beta1, beta2, 1 - beta2, g["eps"],
+                     lr / bias_correction1, bias_correction2 ** 0.5])
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def update(opts: dict, param, grad, state: list, h) -> tuple[torch.Tensor, list]:
+    """One parameter's update; ``h`` is its group's row of ``hyperparameters``. Returns (param, state)."""
+    if opts["maximize"]:
+        grad = -grad
+    if opts["kind"] == "sgd":
+        return _sgd(opts, param, grad, state, dict(zip(SGD_FIELDS, h.unbind(0))))
+    return _adam(opts, param, grad, state, dict(zip(ADAM_FIELDS, h.unbind(0))))
+
+
+def _sgd(opts, param, grad, state, h):
+    grad = grad + h["weight_decay"] * param
+    if opts["slots"]:
+        (buf,) = state
+        buf = torch.where(h["first"] > 0.5, grad, buf * h["momentum"] + (1 - h["dampening"]) * grad)
+        grad = grad + h["momentum"] * buf if opts["nesterov"] else buf
+        state = [buf]
+    return param - h["lr"] * grad, state
+
+
+def _adam(opts, param, grad, state, h):
+    exp_avg, exp_avg_sq = state
+    if opts["kind"] == "adamw":
+        param = param * h["decay"]
+    else:
+        grad = grad + h["weight_decay"] * param
+    weight = h["beta1_weight"]  # torch's lerp: start + w (end - start) for w < 0.5, else end - (end - start)(1 - w)
+    exp_avg = torch.where(weight < 0.5, exp_avg + weight * (grad - exp_avg), grad - (grad - exp_avg) * (1 - weight))
+    exp_avg_sq = exp_avg_sq * h["beta2"] + h["one_minus_beta2"] * grad * grad
+    denom = exp_avg_sq.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
+    return param - h["step_size"] * (exp_avg / denom), [exp_avg, exp_avg_sq]

@@ -1,0 +1,376 @@
+"""Device-resident training: forward, backward and the optimizer update of a step in one plan and one submit.
+
+``step = compile_train_step(model, loss_fn, optimizer)`` then ``loss = step(*batch)``. ``loss_fn(model, *batch)``
+returns the scalar loss. The first call traces one functional step (``make_fx`` over ``torch.func.grad_and_value``
+and the optimizer's update from ``optimizers``, functionalized, with the backend's decompositions) and compiles it
+into a plan. Parameters, buffers (BatchNorm statistics) and optimizer state live on the device as ``DeviceArray``s:
+every call uploads the batch and a few hyperparameters, runs the plan once, reads back the loss only, and swaps
+the new parameter and state arrays in for the old ones (whose buffers the pool recycles).
+
+Checkpoints: ``save(path)`` writes parameters, buffers, optimizer state and the step count to one safetensors
+file (no pickle); ``load(path)`` restores them into a step built over the same model and optimizer types, so a run
+resumed in a fresh process continues exactly. The optimizer's hyperparameters and any LR scheduler are the
+caller's (schedulers have plain-number state dicts).
+
+``max_grad_norm`` clips the gradients by their global L2 norm before the update, as
+``torch.nn.utils.clip_grad_norm_`` does.
+
+When the torch module is current: the device holds the truth between steps. ``sync_to_module()`` copies
+parameters, buffers and optimizer state (with its step count) back into ``model`` and ``optimizer``;
+``state_dict()`` syncs first. Until then ``model``'s tensors and ``optimizer.state`` keep the values they had when
+the step was compiled or last synced. Changing them directly has no effect on the device copy: call
+``load_from_module()`` after such a change.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import fx
+from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from meganeura.lowering import compile_graph
+from meganeura.runtime.device import get_device
+from meganeura.runtime.program import Program
+from meganeura.runtime.resident import DeviceArray
+
+from . import optimizers
+from .decompositions import decomposition_table
+from .fx_lowering import lower_graph
+from .partition import fallback_ops
+from .registry import logical_dtype
+
+
+CHECKPOINT_FORMAT = "meganeura-train-step-1"
+
+
+class TrainStep:
+    """A compiled training step over ``model``'s trainable parameters and ``optimizer``'s update."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, adapter=None,
+                 max_grad_norm: float | None = None):
+        optimizers.check(optimizer)
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.max_grad_norm = max_grad_norm
+        self.device = get_device(adapter)
+        self._opts = optimizers.structure(optimizer)
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        missing = [n for n, p in named if id(p) not in group_of]
+        if missing:
+            raise ValueError(f"parameters {missing[:5]} require grad but are not in the optimizer")
+        self._trainable = [n for n, _ in named]
+        self._groups = [group_of[id(p)] for _, p in named]
+        self._frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        self._buffers = [n for n, _ in model.named_buffers()]
+        self._plans: dict[tuple, _CompiledStep] = {}
+        self.steps = 0
+        self.load_from_module()
+
+    # ---- device state
+
+    def load_from_module(self) -> None:
+        """(Re)upload parameters, buffers and optimizer state from the torch module and optimizer."""
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        self._arrays = {f"param:{n}": _upload(self.device, params[n]) for n in self._trainable}
+        self._arrays.update({f"frozen:{n}": _upload(self.device, params[n]) for n in self._frozen})
+        self._arrays.update({f"buffer:{n}": _upload(self.device, buffers[n]) for n in self._buffers})
+        steps = set()
+        for n in self._trainable:
+            state = self.optimizer.state.get(params[n], {})
+            if "step" in state:
+                steps.add(int(state["step"]))
+            for slot in self._opts["slots"]:
+                value = state.get(slot)
+                value = torch.zeros_like(params[n]) if value is None else value
+                self._arrays[f"state:{slot}:{n}"] = _upload(self.device, value)
+        if len(steps) > 1:
+            raise ValueError(f"optimizer state has different step counts {sorted(steps)} across parameters")
+        self.steps = steps.pop() if steps else 0
+
+    def sync_to_module(self) -> None:
+        """Copy the device's parameters, buffers and optimizer state into the torch module and optimizer."""
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for n in self._trainable:
+                params[n].copy_(_download(self._arrays[f"param:{n}"], params[n]))
+                state = self.optimizer.state[params[n]]
+                for slot in self._opts["slots"]:
+                    state[slot] = _download(self._arrays[f"state:{slot}:{n}"], params[n]).clone()
+                if self._opts["kind"] != "sgd":
+                    state["step"] = torch.tensor(float(self.steps))
+            for n in self._buffers:
+                buffers[n].copy_(_download(self._arrays[f"buffer:{n}"], buffers[n]))
+
+    def state_dict(self) -> dict:
+        """The module's state dict, synced from the device first."""
+        self.sync_to_module()
+        return self.model.state_dict()
+
+    def save(self, path) -> None:
+        """Write the device state (parameters, buffers, optimizer state) and the step count to a safetensors file."""
+        from safetensors.numpy import save_file
+
+        tensors = {role: array.numpy() for role, array in self._arrays.items() if not role.startswith("frozen:")}
+        save_file(tensors, str(path), metadata={"format": CHECKPOINT_FORMAT, "steps": str(self.steps),
+                                                "optimizer": self._opts["kind"]})
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by ``save`` for the same model and optimizer kind."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError(f"{path} is not a meganeura training checkpoint (format {meta.get('format')!r})")
+            if meta.get("optimizer") != self._opts["kind"]:
+                raise ValueError(f"{path} holds {meta.get('optimizer')} state, this step uses {self._opts['kind']}")
+            expected = {role for role in self._arrays if not role.startswith("frozen:")}
+            found = set(f.keys())
+            if found != expected:
+                raise ValueError(f"{path} does not match this model: missing {sorted(expected - found)[:5]}, "
+                                 f"unexpected {sorted(found - expected)[:5]}")
+            loaded = {role: f.get_tensor(role) for role in sorted(found)}
+        for role, value in loaded.items():
+            old = self._arrays[role]
+            if tuple(value.shape) != old.shape:
+                raise ValueError(f"{path}: {role} has shape {tuple(value.shape)}, the model's is {old.shape}")
+        for role, value in loaded.items():
+            dtype = self._arrays[role].dtype
+            self._arrays.pop(role).release()
+            self._arrays[role] = DeviceArray.upload(self.device, value, dtype)
+        self.steps = int(meta["steps"])
+
+    # ---- stepping
+
+    def __call__(self, *batch) -> torch.Tensor:
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch)
+        compiled = self._plans.get(key)
+        if compiled is None:
+            compiled = self._plans[key] = _CompiledStep(self, batch)
+        self.steps += 1
+        hyper = optimizers.hyperparameters(self.optimizer, self.steps)
+        loss, updated = compiled.run(self._arrays, batch, hyper)
+        self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check before stepping
+        for name, array in updated.items():
+            self._arrays.pop(name).release()
+            self._arrays[name] = array
+        return loss
+
+
+def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *,
+                       max_grad_norm: float | None = None, adapter=None) -> TrainStep:
+    """A training step that keeps ``model``'s parameters and ``optimizer``'s state on the device (module docstring)."""
+    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm)
+
+
+class _CompiledStep:
+    """The traced and compiled step for one batch signature."""
+
+    def __init__(self, owner: TrainStep, batch: tuple):  # keeps no reference to owner: no cycle holding arrays
+        gm, self.roles, self.outputs, constants = _trace(owner, batch)
+        unsupported = fallback_ops(gm)
+        if unsupported:
+            listing = ", ".join(f"{op} ({why})" for op, why in sorted(unsupported.items()))
+            raise NotImplementedError(f"compile_train_step needs every op on the device; these are not: {listing}")
+        example = [constants[role] if role in constants else _example(owner, role, batch) for role in self.roles]
+        self.lowered = lower_graph(gm, example, set())
+        plan, _ = compile_graph(self.lowered.graph, owner.device.limits)
+        placeholder_of = dict(self.lowered.inputs)
+        self.input_names = {role: placeholder_of[i] for i, role in enumerate(self.roles) if i in placeholder_of}
+        kinds = [kind for kind, _ in self.lowered.outputs]
+        if kinds[0] != "plan" or any(k != "plan" for k in kinds):
+            raise NotImplementedError("a training step output folded to a constant; cannot keep it on the device")
+        names = [name for _, name in self.lowered.outputs]
+        self.loss_name, self.state_outputs = names[0], dict(zip(self.outputs[1:], names[1:]))
+        self.program = Program(owner.device, plan, resident_outputs=list(self.state_outputs.values()))
+        self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
+
+    def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor):
+        host, device_inputs = {}, {}
+        for role, name in self.input_names.items():
+            if role.startswith("batch:"):
+                host[name] = batch[int(role[6:])].detach().cpu().contiguous().numpy()
+            elif role == "hyper":
+                host[name] = hyper.numpy()
+            elif role in self.constants:
+                device_inputs[name] = self.constants[role]
+            else:
+                device_inputs[name] = arrays[role]
+        if self.lowered.rng_seed:
+            host[self.lowered.rng_seed] = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int64).int().numpy()
+        results = self.program.run(host, device_inputs)
+        loss = torch.from_numpy(np.asarray(results[self.loss_name]).copy())
+        return loss, {role: results[name] for role, name in self.state_outputs.items()}
+
+
+def _capture(owner: TrainStep, batch: tuple):
+    """The loss as a straight-line fx graph (dynamo, fullgraph) and what feeds each of its placeholders: a role
+    ("param:NAME", "frozen:NAME", "buffer:NAME", "batch:I") or, for anything else dynamo lifted, the tensor."""
+    model = owner.model
+    roles_by_id = {id(p): f"{'param' if p.requires_grad else 'frozen'}:{n}" for n, p in model.named_parameters()}
+    roles_by_id.update({id(b): f"buffer:{n}" for n, b in model.named_buffers()})
+    roles_by_id.update({id(t): f"batch:{i}" for i, t in enumerate(batch) if isinstance(t, torch.Tensor)})
+    captured = {}
+
+    def grab(gm, example_inputs):
+        captured["gm"], captured["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # the capture run updates BatchNorm stats
+    try:
+        torch.compile(lambda *args: owner.loss_fn(model, *args), backend=grab, fullgraph=True, dynamic=False)(*batch)
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+    sources = [roles_by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in captured["inputs"]]
+    return captured["gm"], sources
+
+
+def _trace(owner: TrainStep, batch: tuple):
+    """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
+    hyperparameters, batch tensors, lifted constants. Outputs: loss, new params, changed buffers, new state."""
+    model, opts = owner.model, owner._opts
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    n_train = len(owner._trainable)
+    slots = opts["slots"]
+    loss_graph, sources = _capture(owner, batch)
+    tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
+    extra = [src for src in sources if isinstance(src, torch.Tensor)]
+
+    def step(train, frozen, bufs, state, hyper, batch_tensors, extra_tensors):
+        fixed = {**{f"frozen:{n}": t for n, t in zip(owner._frozen, frozen)},
+                 **{f"batch:{i}": t for i, t in zip(tensors, batch_tensors)}}
+
+        def loss_of(ps, bs):
+            # buffers are an argument (not captured) because the forward mutates them (BatchNorm statistics)
+            values = {**fixed, **{f"param:{n}": t for n, t in zip(owner._trainable, ps)},
+                      **{f"buffer:{n}": t for n, t in zip(owner._buffers, bs)}}
+            extras = iter(extra_tensors)
+            args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
+            out = loss_graph(*args)
+            return (out[0] if isinstance(out, (tuple, list)) else out), list(bs)
+
+        bufs = [b.clone() for b in bufs]
+        grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
+        if owner.max_grad_norm is not None:
+            grads = _clip_by_global_norm(grads, owner.max_grad_norm)
+        new_params, new_state = [], []
+        for i, (p, g) in enumerate(zip(train, grads)):
+            per_param = [state[s * n_train + i] for s in range(len(slots))]
+            p, per_param = optimizers.update(opts, p, g, per_param, hyper[owner._groups[i]])
+            new_params.append(p)
+            new_state.append(per_param)
+        flat_state = [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
+        return loss, new_params, bufs, flat_state
+
+    example = ([params[n].detach() for n in owner._trainable], [params[n].detach() for n in owner._frozen],
+               [buffers[n].detach() for n in owner._buffers],
+               [torch.zeros_like(params[n]) for _ in slots for n in owner._trainable],
+               optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), [batch[i] for i in tensors],
+               [t.detach() for t in extra])
+    gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*example)
+    roles = ([f"param:{n}" for n in owner._trainable] + [f"frozen:{n}" for n in owner._frozen]
+             + [f"buffer:{n}" for n in owner._buffers]
+             + [f"state:{s}:{n}" for s in slots for n in owner._trainable] + ["hyper"]
+             + [f"batch:{i}" for i in tensors] + [f"constant:extra{k}" for k in range(len(extra))])
+    outputs = (["loss"] + [f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
+               + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
+    constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
+    constants.update(_lift_constants(gm, roles))
+    outputs = _drop_unchanged_outputs(gm, roles, outputs)
+    return gm, roles, outputs, constants
+
+
+def _clip_by_global_norm(grads, max_norm: float):
+    """torch.nn.utils.clip_grad_norm_: scale every gradient by min(1, max_norm / (total norm + 1e-6))."""
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    total = torch.linalg.vector_norm(norms)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef for g in grads]
+
+
+def _lift_constants(gm: fx.GraphModule, roles: list) -> dict:
+    """Turn tensor constants (get_attr) into trailing placeholders; returns their values by role."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    constants = {}
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        value = getattr(gm, node.target)
+        role = f"constant:{node.target}"
+        with gm.graph.inserting_after(placeholders[-1]):
+            ph = gm.graph.placeholder(node.target.replace(".", "_") + "_lifted")
+        placeholders.append(ph)
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        roles.append(role)
+        constants[role] = value
+    _drop_input_copies(gm)
+    gm.recompile()
+    return constants
+
+
+def _drop_input_copies(gm: fx.GraphModule) -> None:
+    """Remove the copy_ writes that functionalization leaves: into an input at the end (the step returns those
+    values), or into an intermediate when nothing reads the destination afterwards (the copy's result is the
+    source, cast and expanded to the destination)."""
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy_.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if dst.op == "placeholder" and not node.users:
+            gm.graph.erase_node(node)
+            continue
+        if any(order[u] > order[node] for u in dst.users if u is not node):
+            raise NotImplementedError(f"compile_train_step: {dst.name} is read after an in-place copy into it")
+        want, have = dst.meta["val"], src.meta["val"]
+        with gm.graph.inserting_before(node):
+            value = src
+            if have.dtype != want.dtype:
+                value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype})
+            if tuple(have.shape) != tuple(want.shape):
+                value = gm.graph.call_function(aten.expand.default, (value, list(want.shape)))
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+
+
+def _drop_unchanged_outputs(gm: fx.GraphModule, roles: list, outputs: list) -> list:
+    """Outputs that are their own input (a buffer the forward does not change) stay as they are on the device."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0])  # make_fx returns the step's outputs flattened, in ``outputs`` order
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    role_of = {ph: roles[i] for i, ph in enumerate(placeholders)}
+    kept = [(node, name) for node, name in zip(flat, outputs) if role_of.get(node) != name]
+    out.args = (tuple(node for node, _ in kept),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return [name for _, name in kept]
+
+
+def _example(owner: TrainStep, role: str, batch: tuple):
+    if role.startswith("batch:"):
+        return batch[int(role[6:])]
+    if role == "hyper":
+        return optimizers.hyperparameters(owner.optimizer, 1)
+    array = owner._arrays[role]
+    return torch.empty(array.shape, dtype=_TORCH_DTYPE[array.dtype])
+
+
+_TORCH_DTYPE = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+def _upload(device, tensor: torch.Tensor) -> DeviceArray:
+    tensor = tensor.detach().cpu().contiguous()
+    return DeviceArray.upload(device, tensor.numpy(), logical_dtype(tensor.dtype))
+
+
+def _download(array: DeviceArray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(array.numpy()).to(like.dtype).reshape(like.shape)
+
