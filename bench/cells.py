@@ -25,7 +25,8 @@ from .gates import Gate, gate_gradients, gate_output
 from .workloads import Workload
 
 MODES = ("latency", "inference", "training")
-COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
+COMPETITORS = ("meganeura", "meganeura-resident", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
+TRAINING_ONLY = ("meganeura-resident",)  # compile_train_step: forward, backward and AdamW in one device plan
 
 
 @dataclass
@@ -59,20 +60,35 @@ class Runner:
         def call(*args):
             return what(model, *args)
 
-        if competitor == "meganeura":
+        self.resident = None
+        if competitor == "meganeura-resident":
+            from torch_meganeura import compile_train_step
+
+            self.resident = compile_train_step(self.model, what, torch.optim.AdamW(self.model.parameters(), lr=1e-5))
+            self.fn = None
+        elif competitor == "meganeura":
             self.fn = torch.compile(call, backend="meganeura")
         elif competitor == "torch-cuda-inductor":
             self.fn = torch.compile(call, backend="inductor")
         else:
             self.fn = call
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5) if self.training else None
+        if self.resident is not None:
+            self.optimizer = self.resident.optimizer
 
     def sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
     def first_call(self):
-        """The first call (compiles), returning what the gate compares: the output, or (loss, gradients)."""
+        """The first call (compiles), returning what the gate compares: the output, or (loss, gradients).
+        For the resident step the gate reads its gradients (a separate plan, not timed) and the time is that of
+        the first real step, which compiles the training plan."""
+        if self.resident is not None:
+            loss, grads = self.resident.gradients(*self.batch)
+            start = time.perf_counter()
+            self.resident(*self.batch)
+            return time.perf_counter() - start, (loss, grads)
         start = time.perf_counter()
         if self.training:
             loss = self.fn(*self.batch)
@@ -90,7 +106,9 @@ class Runner:
     def step(self) -> float:
         """One timed call in milliseconds."""
         start = time.perf_counter()
-        if self.training:
+        if self.resident is not None:
+            self.resident(*self.batch)  # the loss comes back to the host: the call is synchronised
+        elif self.training:
             self.optimizer.zero_grad(set_to_none=True)
             self.fn(*self.batch).backward()
             self.optimizer.step()
@@ -126,6 +144,7 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
     except Exception as err:  # noqa: BLE001 - a workload that eager cannot run fails every cell of its mode
         return [Cell(workload.name, mode, c, error=f"eager reference failed: {type(err).__name__}: {err}"[:2000])
                 for c in competitors]
+    competitors = [c for c in competitors if mode == "training" or c not in TRAINING_ONLY]
     cells, runners = [], []
     torch._dynamo.reset()  # every Runner compiles the same code object: start each (workload, mode) afresh
     for competitor in competitors:
@@ -137,6 +156,10 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
                 cell.compile_s, got = runner.first_call()
                 runner.step()
             meter.report(cell)
+            if runner.resident is not None:
+                plans = [p.program.plan for p in runner.resident._plans.values()]
+                cell.dispatches = len(plans[-1].dispatches)  # the training plan (the last compiled)
+                cell.planned_bytes = plans[-1].stats["arena_bytes"]
             cell.gate = _gate(got, exact, eager, mode == "training").as_dict()
             runners.append((runner, cell))
         except Exception as err:  # noqa: BLE001 - a competitor that cannot run this cell is reported, not fatal
@@ -183,7 +206,7 @@ class _Meter:
         self.competitor, self.records, self.start = competitor, [], 0
 
     def __enter__(self):
-        if self.competitor == "meganeura":
+        if self.competitor.startswith("meganeura"):
             from torch_meganeura.backend import BackendContext
 
             BackendContext.recorders.append(self.records)
@@ -196,7 +219,7 @@ class _Meter:
         return self
 
     def __exit__(self, *exc):
-        if self.competitor == "meganeura":
+        if self.competitor.startswith("meganeura"):
             from torch_meganeura.backend import BackendContext
 
             BackendContext.recorders.remove(self.records)
@@ -219,7 +242,7 @@ class _Transfers:
     """meganeura's host<->device bytes during one call (None for other competitors)."""
 
     def __init__(self, cell: Cell):
-        self.on = cell.competitor == "meganeura"
+        self.on = cell.competitor.startswith("meganeura")
         self.bytes = None
 
     def __enter__(self):

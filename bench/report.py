@@ -87,6 +87,7 @@ def markdown(data: dict) -> str:
             row += [first, str(ours["dispatches"] or "-"), _mib(ours["planned_bytes"]),
                     f"{_mib(ours['peak_memory_bytes'])} / {_mib(torch_peak)}", _mib(ours["transfer_bytes_per_call"])]
             lines.append("| " + " | ".join(row) + " |")
+    lines += _resident_table(cells, baselines)
     errors = [c for c in data["cells"] if c["error"] or (c["gate"] and not c["gate"]["passed"])]
     if errors:
         lines += ["", "Failures:", ""]
@@ -106,6 +107,29 @@ def markdown(data: dict) -> str:
             lines.append(f"| {r['name']} | {r['competitor']} | {r['median_ms']:.3f} | {r['rate']:.1f} {r['work']} "
                          f"| {per} | {r['dispatches'] or '-'} | {'yes' if r['correct'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _resident_table(cells: dict, baselines: list) -> list[str]:
+    """Device-resident training (compile_train_step) next to the backend's training step and the baselines."""
+    rows = [w for (w, mode, c) in cells if c == "meganeura-resident" and mode == "training"]
+    if not rows:
+        return []
+    header = ["workload", "meganeura-resident ms", "meganeura (backend) ms"] + [
+        x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates", "dispatches", "host<->device MiB/step"]
+    lines = ["", "Training step through `compile_train_step` (forward, backward and AdamW in one device plan; "
+             "ratio = meganeura-resident / competitor):", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for w in dict.fromkeys(rows):
+        ours = cells[(w, "training", "meganeura-resident")]
+        row = [w, _status(ours), _status(cells.get((w, "training", "meganeura")))]
+        for b in baselines:
+            theirs = cells.get((w, "training", b))
+            r = ours["median_ms"] / theirs["median_ms"] if _ok(ours) and _ok(theirs) else None
+            row += [_status(theirs), "-" if r is None else f"{r:.2f}"]
+        row += ["pass" if _ok(ours) else "FAILED", str(ours["dispatches"] or "-"),
+                _mib(ours["transfer_bytes_per_call"])]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def plot(data: dict, path: Path) -> None:

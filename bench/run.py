@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
     p.add_argument("--note", default="", help="a remark on the conditions of this run, shown in the report")
     p.add_argument("--merge", action="store_true",
-                   help="add to an existing results file (cells of the same workload and mode are replaced)")
+                   help="add to an existing results file (cells of the same workload, mode and competitor are replaced)")
     return p
 
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     if args.competitors:
         competitors = args.competitors.split(",")
     else:
-        competitors = ["meganeura", "torch-cpu-eager"]
+        competitors = ["meganeura", "meganeura-resident", "torch-cpu-eager"]
         if torch.cuda.is_available():
             competitors += ["torch-cuda-eager", "torch-cuda-inductor"]
     unknown = set(competitors) - set(cells.COMPETITORS)
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     for name in workloads:
         for mode in modes:
             done = cells.measure(WORKLOADS[name], mode, competitors, args.warmup, args.repeats, args.smoke)
-            result["cells"] = [c for c in result["cells"] if (c["workload"], c["mode"]) != (name, mode)]
+            result["cells"] = [c for c in result["cells"]
+                               if (c["workload"], c["mode"]) != (name, mode) or c["competitor"] not in competitors]
             result["cells"] += [dataclasses.asdict(c) for c in done]
             for c in done:
                 _print_cell(c)

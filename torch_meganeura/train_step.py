@@ -146,14 +146,28 @@ class TrainStep:
 
     # ---- stepping
 
-    def __call__(self, *batch) -> torch.Tensor:
-        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch)
+    def _compiled(self, batch: tuple, update: bool) -> "_CompiledStep":
+        key = (update, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch))
         compiled = self._plans.get(key)
         if compiled is None:
-            compiled = self._plans[key] = _CompiledStep(self, batch)
+            compiled = self._plans[key] = _CompiledStep(self, batch, update)
+        return compiled
+
+    def gradients(self, *batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and every trainable parameter's gradient (clipped if ``max_grad_norm``) at the current device
+        state, changing nothing: no update, no BatchNorm statistics. For inspection and correctness checks."""
+        loss, grads = self._compiled(batch, update=False).run(self._arrays, batch, self._hyper(self.steps + 1))
+        params = dict(self.model.named_parameters())
+        return loss, {role[5:]: torch.from_numpy(np.asarray(g).copy()).reshape(params[role[5:]].shape)
+                      for role, g in grads.items()}
+
+    def _hyper(self, step: int) -> torch.Tensor:
+        return optimizers.hyperparameters(self.optimizer, step)
+
+    def __call__(self, *batch) -> torch.Tensor:
+        compiled = self._compiled(batch, update=True)
         self.steps += 1
-        hyper = optimizers.hyperparameters(self.optimizer, self.steps)
-        loss, updated = compiled.run(self._arrays, batch, hyper)
+        loss, updated = compiled.run(self._arrays, batch, self._hyper(self.steps))
         self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check before stepping
         for name, array in updated.items():
             self._arrays.pop(name).release()
@@ -168,10 +182,11 @@ def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.O
 
 
 class _CompiledStep:
-    """The traced and compiled step for one batch signature."""
+    """The traced and compiled step for one batch signature: with ``update``, outputs the loss and the new device
+    state (kept on the device); without, the loss and the gradients (read back)."""
 
-    def __init__(self, owner: TrainStep, batch: tuple):  # keeps no reference to owner: no cycle holding arrays
-        gm, self.roles, self.outputs, constants = _trace(owner, batch)
+    def __init__(self, owner: TrainStep, batch: tuple, update: bool):  # no reference to owner: no cycle
+        gm, self.roles, self.outputs, constants = _trace(owner, batch, update)
         unsupported = fallback_ops(gm)
         if unsupported:
             listing = ", ".join(f"{op} ({why})" for op, why in sorted(unsupported.items()))
@@ -186,7 +201,8 @@ class _CompiledStep:
             raise NotImplementedError("a training step output folded to a constant; cannot keep it on the device")
         names = [name for _, name in self.lowered.outputs]
         self.loss_name, self.state_outputs = names[0], dict(zip(self.outputs[1:], names[1:]))
-        self.program = Program(owner.device, plan, resident_outputs=list(self.state_outputs.values()))
+        resident = list(self.state_outputs.values()) if update else []
+        self.program = Program(owner.device, plan, resident_outputs=resident)
         self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor):
@@ -231,9 +247,10 @@ def _capture(owner: TrainStep, batch: tuple):
     return captured["gm"], sources
 
 
-def _trace(owner: TrainStep, batch: tuple):
+def _trace(owner: TrainStep, batch: tuple, update: bool):
     """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
-    hyperparameters, batch tensors, lifted constants. Outputs: loss, new params, changed buffers, new state."""
+    hyperparameters, batch tensors, lifted constants. Outputs: loss, new params, changed buffers, new state; or
+    without ``update``, loss and gradients."""
     model, opts = owner.model, owner._opts
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -260,6 +277,8 @@ def _trace(owner: TrainStep, batch: tuple):
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
         if owner.max_grad_norm is not None:
             grads = _clip_by_global_norm(grads, owner.max_grad_norm)
+        if not update:
+            return loss, list(grads)
         new_params, new_state = [], []
         for i, (p, g) in enumerate(zip(train, grads)):
             per_param = [state[s * n_train + i] for s in range(len(slots))]
@@ -281,7 +300,8 @@ def _trace(owner: TrainStep, batch: tuple):
              + [f"state:{s}:{n}" for s in slots for n in owner._trainable] + ["hyper"]
              + [f"batch:{i}" for i in tensors] + [f"constant:extra{k}" for k in range(len(extra))])
     outputs = (["loss"] + [f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
-               + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
+               + [f"state:{s}:{n}" for s in slots for n in owner._trainable]) if update else \
+        ["loss"] + [f"grad:{n}" for n in owner._trainable]
     constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
     constants.update(_lift_constants(gm, roles))
     outputs = _drop_unchanged_outputs(gm, roles, outputs)

@@ -200,3 +200,19 @@ def test_compiled_optimizer_step_runs_on_the_device():
         ref_opt.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_match_eager_and_change_nothing():
+    torch.manual_seed(3)
+    model = _llama()
+    ref = copy.deepcopy(model)
+    step = compile_train_step(model, _llama_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss, grads = step.gradients(*_ids(0))
+    want = _llama_loss(ref, *_ids(0))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=0)
+    assert set(grads) == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    again, _ = step.gradients(*_ids(0))
+    assert float(again) == float(loss) and step.steps == 0
