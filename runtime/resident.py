@@ -22,6 +22,12 @@ def buffer_bytes(shape: tuple[int, ...]) -> int:
     return max(4 * n, 4)
 
 
+def _alive(buffer) -> bool:
+    """False for a buffer wgpu-py has released: when an array and its buffer die in one garbage cycle, the
+    buffer's finalizer may run before or after the array's returns it here; such a buffer is never handed out."""
+    return getattr(buffer, "_internal", True) is not None
+
+
 class BufferPool:
     """Storage buffers kept for reuse, by exact size. ``acquire`` reuses the most recently released one."""
 
@@ -31,16 +37,16 @@ class BufferPool:
         self.live = 0  # buffers handed out and not yet released
 
     def acquire(self, nbytes: int):
-        free = self._free.get(nbytes)
+        free = self._free.get(nbytes, [])
+        while free and not _alive(free[-1]):
+            free.pop()
         buffer = free.pop() if free else self.device.storage_buffer(nbytes, "resident")
         self.live += 1
         return buffer
 
     def release(self, buffer) -> None:
         self.live -= 1
-        if self.device.lost or getattr(buffer, "_internal", True) is None:
-            # the second case: the array and its buffer died in one garbage cycle and wgpu-py released the buffer
-            # first; a dead buffer must never be handed out again
+        if self.device.lost or not _alive(buffer):
             return
         self._free.setdefault(buffer.size, []).append(buffer)
 

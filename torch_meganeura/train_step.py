@@ -256,9 +256,10 @@ def _trace(owner: TrainStep, batch: tuple, update: bool):
     buffers = dict(model.named_buffers())
     n_train = len(owner._trainable)
     slots = opts["slots"]
-    loss_graph, sources = _capture(owner, batch)
+    captured, sources = _capture(owner, batch)
     tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
     extra = [src for src in sources if isinstance(src, torch.Tensor)]
+    loss_graph = _decomposed(captured, sources, params, buffers, batch)
 
     def step(train, frozen, bufs, state, hyper, batch_tensors, extra_tensors):
         fixed = {**{f"frozen:{n}": t for n, t in zip(owner._frozen, frozen)},
@@ -270,8 +271,7 @@ def _trace(owner: TrainStep, batch: tuple, update: bool):
                       **{f"buffer:{n}": t for n, t in zip(owner._buffers, bs)}}
             extras = iter(extra_tensors)
             args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
-            out = loss_graph(*args)
-            return (out[0] if isinstance(out, (tuple, list)) else out), list(bs)
+            return loss_graph(*args), list(bs)
 
         bufs = [b.clone() for b in bufs]
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
@@ -306,6 +306,28 @@ def _trace(owner: TrainStep, batch: tuple, update: bool):
     constants.update(_lift_constants(gm, roles))
     outputs = _drop_unchanged_outputs(gm, roles, outputs)
     return gm, roles, outputs, constants
+
+
+def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple):
+    """The captured loss graph re-traced through the backend's decompositions, so that differentiating it
+    differentiates decomposed ops (as aot_autograd does): their backward formulas lower, where those of some
+    composite ops (upsample's, for one) have no decomposition."""
+    def value(src):
+        if isinstance(src, torch.Tensor):
+            return src.detach()
+        if isinstance(src, str) and src.split(":", 1)[0] in ("param", "frozen"):
+            return params[src.split(":", 1)[1]].detach()
+        if isinstance(src, str) and src.startswith("buffer:"):
+            return buffers[src[7:]].detach().clone()
+        if isinstance(src, str) and src.startswith("batch:"):
+            return batch[int(src[6:])]
+        return src
+
+    def loss(*args):
+        out = captured(*args)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return make_fx(loss, decomposition_table=decomposition_table(), tracing_mode="fake")(*map(value, sources))
 
 
 def _clip_by_global_norm(grads, max_norm: float):
