@@ -7,7 +7,8 @@ pass, copies outputs and status into one staging buffer, submits once and reads 
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
 fresh pool buffers and returned without a read-back, and ``run(..., device_inputs=...)`` binds such arrays as
-inputs without an upload. Bind groups over those per-run buffers are cached by buffer, so a loop that recycles
+inputs without an upload. Inputs named in ``device_only_inputs`` are always bound that way: the program allocates
+no buffer of its own for them. Bind groups over those per-run buffers are cached by buffer, so a loop that recycles
 pool buffers builds no new ones.
 """
 from __future__ import annotations
@@ -97,7 +98,7 @@ def check_limits(dev: Device, plan: Plan) -> None:
 class Program:
     """A plan bound to a device; ``run`` replays it with no allocation."""
 
-    def __init__(self, device: Device, plan: Plan, resident_outputs=()):
+    def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=()):
         plan.validate()
         self.device = device
         self.plan = plan
@@ -109,7 +110,13 @@ class Program:
         if unknown:
             raise InputError(f"resident outputs {unknown} are not outputs of this plan")
         self._own_buffer_specs(self._resident.values(), "a resident output")
-        per_run = {t.buffer for t in self._resident.values()}
+        input_specs = {t.name: t for t in plan.inputs}
+        unknown = sorted(set(device_only_inputs) - set(input_specs))
+        if unknown:
+            raise InputError(f"device-only inputs {unknown} are not inputs of this plan")
+        self._device_only = frozenset(device_only_inputs)
+        self._own_buffer_specs([input_specs[n] for n in self._device_only], "a device-only input")
+        per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
         self._owned = {
             b.name: device.storage_buffer(b.size, b.name)
             for b in plan.buffers if b.role in OWNED_ROLES and b.name not in per_run
@@ -348,6 +355,9 @@ class Program:
         if missing or extra or both:
             raise InputError(f"missing inputs {missing}, unexpected inputs {extra}, given twice {both}; "
                              f"expected {sorted(specs)}")
+        host_only = sorted(self._device_only & set(inputs))
+        if host_only:
+            raise InputError(f"inputs {host_only} are device-only in this program: pass them as device_inputs")
         self._own_buffer_specs([specs[name] for name in device_inputs], "a device input")
         for name, array in device_inputs.items():
             spec = specs[name]

@@ -105,7 +105,9 @@ class DevicePartition(torch.nn.Module):
         lowered = lower_graph(self.gm, list(args), params)
         plan, report = compile_graph(lowered.graph, device.limits)
         resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
-        program = Program(device, plan, resident_outputs=resident)
+        on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
+                     if isinstance(args[i], ResidentTensor) and args[i].array.device is device]
+        program = Program(device, plan, resident_outputs=resident, device_only_inputs=on_device)
         seconds = time.perf_counter() - start
         record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
                             plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused)

@@ -202,7 +202,8 @@ class _CompiledStep:
         names = [name for _, name in self.lowered.outputs]
         self.loss_name, self.state_outputs = names[0], dict(zip(self.outputs[1:], names[1:]))
         resident = list(self.state_outputs.values()) if update else []
-        self.program = Program(owner.device, plan, resident_outputs=resident)
+        on_device = [name for role, name in self.input_names.items() if role != "hyper" and not role.startswith("batch:")]
+        self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
         self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor):

@@ -15,14 +15,14 @@ from meganeura.runtime.resident import DeviceArray
 RNG = np.random.default_rng(3)
 
 
-def affine_program(scale: float, shift: float, n: int, resident=()):
+def affine_program(scale: float, shift: float, n: int, resident=(), device_only=()):
     """A program computing y = x * scale + shift; ``y`` is output ``out0``."""
     b = GraphBuilder()
     x = b.input("x", (n,), "float32")
     b.output(b.map(lambda v: E.add(E.mul(v, E.const(scale, E.F32)), E.const(shift, E.F32)), x, dtype="float32"))
     dev = get_device()
     plan, _ = compile_graph(b.graph, dev.limits)
-    return Program(dev, plan, resident_outputs=resident)
+    return Program(dev, plan, resident_outputs=resident, device_only_inputs=device_only)
 
 
 def test_resident_output_feeds_the_next_plan_without_transfers():
@@ -92,3 +92,21 @@ def test_device_inputs_are_checked():
         same.run({}, device_inputs={"x": kept})
     with pytest.raises(InputError, match="not outputs of this plan"):
         affine_program(1.0, 0.0, 30, resident=["nope"])
+
+
+def test_device_only_input_has_no_buffer_of_its_own_and_refuses_host_data():
+    n = 1 << 14
+    dev = get_device()
+    before = dev.counters.bytes_allocated
+    plain = affine_program(2.0, 0.0, n)
+    plain_bytes = dev.counters.bytes_allocated - before
+    before = dev.counters.bytes_allocated
+    lean = affine_program(2.0, 0.0, n, device_only=["x"])
+    assert plain_bytes - (dev.counters.bytes_allocated - before) >= 4 * n  # x's buffer was not created
+    x = RNG.standard_normal(n, dtype=np.float32)
+    array = DeviceArray.upload(dev, x, "float32")
+    np.testing.assert_allclose(lean.run({}, device_inputs={"x": array})["out0"], x * 2, rtol=1e-6)
+    with pytest.raises(InputError, match="device-only"):
+        lean.run({"x": x})
+    with pytest.raises(InputError, match="not inputs"):
+        affine_program(1.0, 0.0, 8, device_only=["y"])
