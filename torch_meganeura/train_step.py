@@ -13,7 +13,10 @@ resumed in a fresh process continues exactly. The optimizer's hyperparameters an
 caller's (schedulers have plain-number state dicts).
 
 ``max_grad_norm`` clips the gradients by their global L2 norm before the update, as
-``torch.nn.utils.clip_grad_norm_`` does.
+``torch.nn.utils.clip_grad_norm_`` does. ``accumulation_steps=k`` accumulates gradients over k calls (micro-batches)
+in device buffers and updates on every k-th call, like the usual loop of ``(loss / k).backward()`` k times then
+``optimizer.step()``: each call's loss is divided by k before differentiation, and the call returns that divided
+loss. ``steps`` counts optimizer updates.
 
 When the torch module is current: the device holds the truth between steps. ``sync_to_module()`` copies
 parameters, buffers and optimizer state (with its step count) back into ``model`` and ``optimizer``;
@@ -28,7 +31,6 @@ import torch
 from torch import fx
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.utils.stateless import _reparametrize_module
 
 from meganeura.lowering import compile_graph
 from meganeura.runtime.device import get_device
@@ -49,10 +51,14 @@ class TrainStep:
     """A compiled training step over ``model``'s trainable parameters and ``optimizer``'s update."""
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, adapter=None,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, accumulation_steps: int = 1):
         optimizers.check(optimizer)
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
+        self.micro_batches = 0  # calls since the last update (always 0 without accumulation)
         self.device = get_device(adapter)
         self._opts = optimizers.structure(optimizer)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -89,6 +95,10 @@ class TrainStep:
         if len(steps) > 1:
             raise ValueError(f"optimizer state has different step counts {sorted(steps)} across parameters")
         self.steps = steps.pop() if steps else 0
+        if self.accumulation_steps > 1:
+            self._arrays.update({f"acc:{n}": _upload(self.device, torch.zeros_like(params[n]))
+                                 for n in self._trainable})
+        self.micro_batches = 0
 
     def sync_to_module(self) -> None:
         """Copy the device's parameters, buffers and optimizer state into the torch module and optimizer."""
@@ -116,6 +126,7 @@ class TrainStep:
 
         tensors = {role: array.numpy() for role, array in self._arrays.items() if not role.startswith("frozen:")}
         save_file(tensors, str(path), metadata={"format": CHECKPOINT_FORMAT, "steps": str(self.steps),
+                                                "micro_batches": str(self.micro_batches),
                                                 "optimizer": self._opts["kind"]})
 
     def load(self, path) -> None:
@@ -143,20 +154,21 @@ class TrainStep:
             self._arrays.pop(role).release()
             self._arrays[role] = DeviceArray.upload(self.device, value, dtype)
         self.steps = int(meta["steps"])
+        self.micro_batches = int(meta.get("micro_batches", "0"))
 
     # ---- stepping
 
-    def _compiled(self, batch: tuple, update: bool) -> "_CompiledStep":
-        key = (update, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch))
+    def _compiled(self, batch: tuple, mode: str) -> "_CompiledStep":
+        key = (mode, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch))
         compiled = self._plans.get(key)
         if compiled is None:
-            compiled = self._plans[key] = _CompiledStep(self, batch, update)
+            compiled = self._plans[key] = _CompiledStep(self, batch, mode)
         return compiled
 
     def gradients(self, *batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and every trainable parameter's gradient (clipped if ``max_grad_norm``) at the current device
         state, changing nothing: no update, no BatchNorm statistics. For inspection and correctness checks."""
-        loss, grads = self._compiled(batch, update=False).run(self._arrays, batch, self._hyper(self.steps + 1))
+        loss, grads = self._compiled(batch, "grads").run(self._arrays, batch, self._hyper(self.steps + 1))
         params = dict(self.model.named_parameters())
         return loss, {role[5:]: torch.from_numpy(np.asarray(g).copy()).reshape(params[role[5:]].shape)
                       for role, g in grads.items()}
@@ -165,10 +177,18 @@ class TrainStep:
         return optimizers.hyperparameters(self.optimizer, step)
 
     def __call__(self, *batch) -> torch.Tensor:
-        compiled = self._compiled(batch, update=True)
-        self.steps += 1
-        loss, updated = compiled.run(self._arrays, batch, self._hyper(self.steps))
-        self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check before stepping
+        self.micro_batches += 1
+        if self.accumulation_steps == 1:
+            mode = "step"
+        else:
+            mode = "apply" if self.micro_batches == self.accumulation_steps else "accumulate"
+        compiled = self._compiled(batch, mode)
+        if mode != "accumulate":
+            self.steps += 1
+            self.micro_batches = 0
+        loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)))
+        if mode != "accumulate":
+            self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check
         for name, array in updated.items():
             self._arrays.pop(name).release()
             self._arrays[name] = array
@@ -176,17 +196,17 @@ class TrainStep:
 
 
 def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *,
-                       max_grad_norm: float | None = None, adapter=None) -> TrainStep:
+                       max_grad_norm: float | None = None, accumulation_steps: int = 1, adapter=None) -> TrainStep:
     """A training step that keeps ``model``'s parameters and ``optimizer``'s state on the device (module docstring)."""
-    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm)
+    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm, accumulation_steps)
 
 
 class _CompiledStep:
-    """The traced and compiled step for one batch signature: with ``update``, outputs the loss and the new device
-    state (kept on the device); without, the loss and the gradients (read back)."""
+    """The traced and compiled step for one batch signature and ``mode`` (see ``_trace``). The loss (and the
+    gradients in mode "grads") are read back; every other output stays on the device."""
 
-    def __init__(self, owner: TrainStep, batch: tuple, update: bool):  # no reference to owner: no cycle
-        gm, self.roles, self.outputs, constants = _trace(owner, batch, update)
+    def __init__(self, owner: TrainStep, batch: tuple, mode: str):  # no reference to owner: no cycle
+        gm, self.roles, self.outputs, constants = _trace(owner, batch, mode)
         unsupported = fallback_ops(gm)
         if unsupported:
             listing = ", ".join(f"{op} ({why})" for op, why in sorted(unsupported.items()))
@@ -201,7 +221,7 @@ class _CompiledStep:
             raise NotImplementedError("a training step output folded to a constant; cannot keep it on the device")
         names = [name for _, name in self.lowered.outputs]
         self.loss_name, self.state_outputs = names[0], dict(zip(self.outputs[1:], names[1:]))
-        resident = list(self.state_outputs.values()) if update else []
+        resident = list(self.state_outputs.values()) if mode != "grads" else []
         on_device = [name for role, name in self.input_names.items() if role != "hyper" and not role.startswith("batch:")]
         self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
         self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
@@ -248,10 +268,13 @@ def _capture(owner: TrainStep, batch: tuple):
     return captured["gm"], sources
 
 
-def _trace(owner: TrainStep, batch: tuple, update: bool):
+def _trace(owner: TrainStep, batch: tuple, mode: str):
     """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
-    hyperparameters, batch tensors, lifted constants. Outputs: loss, new params, changed buffers, new state; or
-    without ``update``, loss and gradients."""
+    gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs by ``mode``:
+      "step"        loss, new params, changed buffers, new optimizer state;
+      "accumulate"  loss, new accumulators (+ this micro-batch's gradients), changed buffers;
+      "apply"       as "step" with the accumulated gradients, then zeroed accumulators;
+      "grads"       loss and gradients, nothing else (buffers unchanged)."""
     model, opts = owner.model, owner._opts
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -262,7 +285,10 @@ def _trace(owner: TrainStep, batch: tuple, update: bool):
     extra = [src for src in sources if isinstance(src, torch.Tensor)]
     loss_graph = _decomposed(captured, sources, params, buffers, batch)
 
-    def step(train, frozen, bufs, state, hyper, batch_tensors, extra_tensors):
+    k = owner.accumulation_steps
+    accumulating = k > 1 and mode in ("accumulate", "apply")
+
+    def step(train, frozen, bufs, state, acc, hyper, batch_tensors, extra_tensors):
         fixed = {**{f"frozen:{n}": t for n, t in zip(owner._frozen, frozen)},
                  **{f"batch:{i}": t for i, t in zip(tensors, batch_tensors)}}
 
@@ -272,13 +298,18 @@ def _trace(owner: TrainStep, batch: tuple, update: bool):
                       **{f"buffer:{n}": t for n, t in zip(owner._buffers, bs)}}
             extras = iter(extra_tensors)
             args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
-            return loss_graph(*args), list(bs)
+            loss = loss_graph(*args)
+            return (loss / k if accumulating else loss), list(bs)
 
         bufs = [b.clone() for b in bufs]
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
+        if mode == "accumulate":
+            return loss, [a + g for a, g in zip(acc, grads)], bufs
+        if mode == "apply":
+            grads = [a + g for a, g in zip(acc, grads)]
         if owner.max_grad_norm is not None:
             grads = _clip_by_global_norm(grads, owner.max_grad_norm)
-        if not update:
+        if mode == "grads":
             return loss, list(grads)
         new_params, new_state = [], []
         for i, (p, g) in enumerate(zip(train, grads)):
@@ -287,22 +318,28 @@ def _trace(owner: TrainStep, batch: tuple, update: bool):
             new_params.append(p)
             new_state.append(per_param)
         flat_state = [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
+        if mode == "apply":
+            return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
         return loss, new_params, bufs, flat_state
 
     example = ([params[n].detach() for n in owner._trainable], [params[n].detach() for n in owner._frozen],
                [buffers[n].detach() for n in owner._buffers],
                [torch.zeros_like(params[n]) for _ in slots for n in owner._trainable],
+               [torch.zeros_like(params[n]) for n in owner._trainable] if k > 1 else [],
                optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), [batch[i] for i in tensors],
                [t.detach() for t in extra])
     gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
                  tracing_mode="fake")(*example)
     roles = ([f"param:{n}" for n in owner._trainable] + [f"frozen:{n}" for n in owner._frozen]
              + [f"buffer:{n}" for n in owner._buffers]
-             + [f"state:{s}:{n}" for s in slots for n in owner._trainable] + ["hyper"]
+             + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+             + ([f"acc:{n}" for n in owner._trainable] if k > 1 else []) + ["hyper"]
              + [f"batch:{i}" for i in tensors] + [f"constant:extra{k}" for k in range(len(extra))])
-    outputs = (["loss"] + [f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
-               + [f"state:{s}:{n}" for s in slots for n in owner._trainable]) if update else \
-        ["loss"] + [f"grad:{n}" for n in owner._trainable]
+    accumulators = [f"acc:{n}" for n in owner._trainable]
+    updated = ([f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
+               + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
+    outputs = ["loss"] + {"step": updated, "apply": updated + accumulators, "grads": [f"grad:{n}" for n in owner._trainable],
+                          "accumulate": accumulators + [f"buffer:{n}" for n in owner._buffers]}[mode]
     constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
     constants.update(_lift_constants(gm, roles))
     outputs = _drop_unchanged_outputs(gm, roles, outputs)

@@ -3,7 +3,8 @@
 50 AdamW steps (weight decay, cosine LR schedule) on a small HF Llama and 50 SGD steps (momentum, nesterov, weight
 decay) on a small HF ResNet with BatchNorm: the loss of every step within 1e-4 relative, then the final weights,
 BatchNorm statistics and optimizer state elementwise. A checkpoint saved at step 25 and loaded in a fresh process
-continues with the uninterrupted run's losses. Gradient clipping against clip_grad_norm_, and refusals."""
+continues with the uninterrupted run's losses. Gradient clipping against clip_grad_norm_, gradient accumulation against
+the usual loop, gradients() against eager, a compiled optimizer.step, and refusals."""
 import copy
 import json
 import subprocess
@@ -216,3 +217,28 @@ def test_gradients_match_eager_and_change_nothing():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
     again, _ = step.gradients(*_ids(0))
     assert float(again) == float(loss) and step.steps == 0
+
+
+def test_gradient_accumulation_matches_the_usual_loop():
+    """accumulation_steps=3: each micro-batch's loss / 3 is differentiated and added up on the device, AdamW
+    updates on every third call; eager runs (loss / 3).backward() three times, then step() and zero_grad()."""
+    torch.manual_seed(4)
+    model = _llama()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in (model, ref))
+    step = compile_train_step(model, _llama_loss, opt, accumulation_steps=3, max_grad_norm=0.5)
+    losses = []
+    for i in range(12):
+        got = float(step(*_ids(i)))
+        want = _llama_loss(ref, *_ids(i)) / 3
+        want.backward()
+        if i % 3 == 2:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        losses.append((got, float(want.detach())))
+    _assert_losses(losses)
+    assert step.steps == 4 and step.micro_batches == 0
+    step.sync_to_module()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
