@@ -7,7 +7,8 @@ on a fresh copy of the model (a warm start where the competitor has an on-disk c
 
 Every cell is gated on the same weights and inputs against eager PyTorch on the CPU in float64, with eager f32's own
 error as the allowance (see ``gates``): the inference output, or the training loss and every parameter gradient (of
-the first step, before any optimizer update), by relative L2 per tensor. A cell that fails its gate keeps its timings but is marked failed, never reported as a win.
+the first step, before any optimizer update), by relative L2 per tensor. A cell that fails its gate keeps its
+timings but is marked failed, never reported as a win.
 Competitors are timed alternately, call by call, after a warm-up; both sides are synchronised (a CUDA
 synchronize; meganeura returns host tensors, so its calls end when the results are read back).
 """

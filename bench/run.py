@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
     p.add_argument("--note", default="", help="a remark on the conditions of this run, shown in the report")
     p.add_argument("--merge", action="store_true",
-                   help="add to an existing results file (cells of the same workload, mode and competitor are replaced)")
+                   help="add to an existing results file (cells of the same workload, mode and competitor "
+                        "are replaced)")
     return p
 
 

@@ -222,7 +222,8 @@ class _CompiledStep:
         names = [name for _, name in self.lowered.outputs]
         self.loss_name, self.state_outputs = names[0], dict(zip(self.outputs[1:], names[1:]))
         resident = list(self.state_outputs.values()) if mode != "grads" else []
-        on_device = [name for role, name in self.input_names.items() if role != "hyper" and not role.startswith("batch:")]
+        on_device = [name for role, name in self.input_names.items()
+                     if role != "hyper" and not role.startswith("batch:")]
         self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
         self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
 
@@ -338,7 +339,8 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
     accumulators = [f"acc:{n}" for n in owner._trainable]
     updated = ([f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
                + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
-    outputs = ["loss"] + {"step": updated, "apply": updated + accumulators, "grads": [f"grad:{n}" for n in owner._trainable],
+    outputs = ["loss"] + {"step": updated, "apply": updated + accumulators,
+                          "grads": [f"grad:{n}" for n in owner._trainable],
                           "accumulate": accumulators + [f"buffer:{n}" for n in owner._buffers]}[mode]
     constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
     constants.update(_lift_constants(gm, roles))
