@@ -26,6 +26,8 @@ the step was compiled or last synced. Changing them directly has no effect on th
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import torch
 from torch import fx
@@ -258,9 +260,15 @@ def _capture(owner: TrainStep, batch: tuple):
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
         return gm.forward
 
+    def call(*args):
+        return owner.loss_fn(model, *args)
+
+    # dynamo caches compiled frames per code object and refuses (under fullgraph) past its recompile limit: a fresh
+    # code object per capture keeps every TrainStep's capture independent of the ones before it
+    call = types.FunctionType(call.__code__.replace(), call.__globals__, closure=call.__closure__)
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # the capture run updates BatchNorm stats
     try:
-        torch.compile(lambda *args: owner.loss_fn(model, *args), backend=grab, fullgraph=True, dynamic=False)(*batch)
+        torch.compile(call, backend=grab, fullgraph=True, dynamic=False)(*batch)
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():

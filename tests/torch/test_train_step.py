@@ -242,3 +242,13 @@ def test_gradient_accumulation_matches_the_usual_loop():
     step.sync_to_module()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_many_train_steps_in_one_process():
+    """Each step's dynamo capture is independent: more steps than dynamo's recompile limit (8) all compile."""
+    for _ in range(10):
+        model = torch.nn.Linear(4, 2)
+        ref = copy.deepcopy(model)
+        step = compile_train_step(model, lambda m, x: m(x).pow(2).mean(), torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(step(x), ref(x).pow(2).mean().detach(), rtol=1e-5, atol=1e-6)
