@@ -43,6 +43,8 @@ class Cell:
     planned_bytes: int | None = None  # meganeura: arena bytes of the plans after lifetime planning
     peak_memory_bytes: int | None = None  # device bytes allocated at peak during the cell
     transfer_bytes_per_call: int | None = None  # meganeura: host<->device bytes per timed call
+    gpu_ms_per_call: float | None = None  # meganeura, with --profile: summed kernel time of a call
+    top_kernels: list | None = None  # meganeura, with --profile: [{name, ms_per_call, share}] by GPU time
     error: str | None = None
 
 
@@ -133,8 +135,9 @@ def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple
 
 
 def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, repeats: int,
-            smoke: bool = False, seed: int = 0) -> list[Cell]:
-    """The cells of one (workload, mode), competitors timed alternately."""
+            smoke: bool = False, seed: int = 0, profile_calls: int = 0) -> list[Cell]:
+    """The cells of one (workload, mode), competitors timed alternately; then, if ``profile_calls``, that many
+    more calls of each meganeura competitor under the profiler (per-dispatch GPU time, not the timed calls)."""
     torch.manual_seed(seed)
     base = workload.build(smoke).float()
     size = "minimal" if mode == "latency" else "full"
@@ -177,6 +180,10 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
     for cell in cells:
         if cell.samples_ms:
             cell.median_ms = statistics.median(cell.samples_ms)
+    if profile_calls:
+        for runner, cell in runners:
+            if runner.competitor.startswith("meganeura"):
+                _profile(runner, cell, profile_calls)
     del runners
     gc.collect()
     return cells
@@ -190,6 +197,18 @@ def recompile(workload: Workload, competitor: str, smoke: bool = False, seed: in
     batch = workload.batch("full", torch.Generator().manual_seed(seed + 1), smoke)
     seconds, _ = Runner(competitor, workload, base, "training", batch).first_call()
     return seconds
+
+
+def _profile(runner: Runner, cell: Cell, calls: int, top: int = 5) -> None:
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.profiler import profile
+
+    with profile(get_device()) as prof:
+        for _ in range(calls):
+            runner.step()
+    cell.gpu_ms_per_call = sum(e["duration_ns"] for e in prof.events) / 1e6 / calls
+    cell.top_kernels = [{"name": k.name, "ms_per_call": k.total_ms / calls, "share": k.share}
+                        for k in prof.top(top)]
 
 
 def _gate(got, exact, eager, training: bool) -> Gate:

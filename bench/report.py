@@ -93,6 +93,7 @@ def markdown(data: dict) -> str:
         lines += ["", "Failures:", ""]
         lines += [f"- {c['workload']} {c['mode']} {c['competitor']}: {c['error'] or c['gate']['reason']}"
                   for c in errors]
+    lines += _profile_lines(data["cells"])
     if data.get("recompile"):
         lines += ["", "Second compile of the training step after `torch._dynamo.reset()` (on-disk caches kept):", ""]
         lines += [f"- {r['workload']} {r['competitor']}: {r['seconds']:.1f} s" for r in data["recompile"]]
@@ -107,6 +108,19 @@ def markdown(data: dict) -> str:
             lines.append(f"| {r['name']} | {r['competitor']} | {r['median_ms']:.3f} | {r['rate']:.1f} {r['work']} "
                          f"| {per} | {r['dispatches'] or '-'} | {'yes' if r['correct'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _profile_lines(cells: list) -> list[str]:
+    """Top kernels by GPU time of the profiled meganeura cells."""
+    profiled = [c for c in cells if c.get("top_kernels")]
+    if not profiled:
+        return []
+    lines = ["", "## Where the GPU time goes (profiler: each dispatch in a timestamped pass)", "",
+             "| workload | mode | competitor | GPU ms per call | top kernels: ms per call (share) |", "|---|---|---|---|---|"]
+    for c in profiled:
+        top = "; ".join(f"{k['name']} {k['ms_per_call']:.2f} ({100 * k['share']:.0f}%)" for k in c["top_kernels"])
+        lines.append(f"| {c['workload']} | {c['mode']} | {c['competitor']} | {c['gpu_ms_per_call']:.2f} | {top} |")
+    return lines
 
 
 def _resident_table(cells: dict, baselines: list) -> list[str]:

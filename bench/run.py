@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed calls per competitor (alternated)")
     p.add_argument("--recompile", action="store_true",
                    help="also time a second compile of each training step after torch._dynamo.reset (warm caches)")
+    p.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                   help="after timing, run each meganeura cell CALLS more times under the GPU profiler and report "
+                        "its top kernels (profiled calls are not timed)")
     p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
     p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
@@ -120,7 +123,8 @@ def main(argv=None) -> int:
     print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
     for name in workloads:
         for mode in modes:
-            done = cells.measure(WORKLOADS[name], mode, competitors, args.warmup, args.repeats, args.smoke)
+            done = cells.measure(WORKLOADS[name], mode, competitors, args.warmup, args.repeats, args.smoke,
+                                 profile_calls=args.profile)
             result["cells"] = [c for c in result["cells"]
                                if (c["workload"], c["mode"]) != (name, mode) or c["competitor"] not in competitors]
             result["cells"] += [dataclasses.asdict(c) for c in done]

@@ -81,6 +81,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
                 buf, off = placement[vid]
                 bindings.append(Binding(buf, off, tensor_bytes(values[vid])))
         label = getattr(node, "label", "") or type(node).__name__.lower()
+        if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
+            label += f" {node.batch}x{node.m}x{node.n}x{node.k}" if node.batch > 1 else f" {node.m}x{node.n}x{node.k}"
         dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label))
 
     unplanned = sum(iv.size for iv in intervals)

@@ -16,6 +16,7 @@ import wgpu
 
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
+from .profiler import profiler_from_env
 from .resident import BufferPool
 
 ADAPTER_ENV = "MEGANEURA_ADAPTER"
@@ -141,6 +142,7 @@ class Device:
         self._pipelines: dict[tuple[str, int], object] = {}
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
         self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
+        self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
 
     def describe(self) -> str:
         return f"{self.name} ({self.adapter_type}, {self.backend})"

@@ -3,7 +3,8 @@
 ``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
 status buffers, compiles every kernel and prepares the read-back. Param buffers come from outside
 (``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records every dispatch into one compute
-pass, copies outputs and status into one staging buffer, submits once and reads back.
+pass, copies outputs and status into one staging buffer, submits once and reads back. While a profiler is
+attached to the device (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
 fresh pool buffers and returned without a read-back, and ``run(..., device_inputs=...)`` binds such arrays as
@@ -17,6 +18,7 @@ import numpy as np
 
 from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
+from .native import record_dispatches
 from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
 from .resident import DeviceArray
 
@@ -303,25 +305,33 @@ class Program:
             encoder = dev.wgpu_device.create_command_encoder()
             for name, _, _ in self._status_offsets:
                 encoder.clear_buffer(self._owned[name])
-            if self._commands:
+            commands = self._with_swaps(swaps)
+            profiler = dev.profiler if commands else None
+            if profiler is not None:
+                self._record_profiled(encoder, commands, profiler)
+            elif commands:
                 compute = encoder.begin_compute_pass()
-                pipeline = group = None
-                for next_pipeline, next_group, workgroups in self._with_swaps(swaps):
-                    if next_pipeline is not pipeline:
-                        pipeline = next_pipeline
-                        compute.set_pipeline(pipeline)
-                    if next_group is not group:
-                        group = next_group
-                        compute.set_bind_group(0, group)
-                    compute.dispatch_workgroups(*workgroups)
+                record_dispatches(compute, commands)
                 compute.end()
             for source, src_offset, dst_offset, size in self._copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, self._staging, dst_offset, size)
         dev.submit(encoder, "plan")
         data = dev.read_staging(self._staging, self._staging_size)
+        if profiler is not None:
+            profiler.collect(self.plan.dispatches)
         self._raise_status(data)
         return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
                 for t in self.plan.outputs}
+
+    @staticmethod
+    def _record_profiled(encoder, commands, profiler) -> None:
+        """Each dispatch in a compute pass of its own, its beginning and end timestamped."""
+        profiler.prepare(len(commands))
+        for i, command in enumerate(commands):
+            compute = encoder.begin_compute_pass(timestamp_writes=profiler.timestamp_writes(i))
+            record_dispatches(compute, [command])
+            compute.end()
+        profiler.resolve(encoder, len(commands))
 
     def _with_swaps(self, swaps: dict):
         """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""

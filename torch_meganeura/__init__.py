@@ -2,13 +2,26 @@
 
 ``torch.compile(model, backend="meganeura")`` works after ``pip install`` (entry point); ``explain`` reports
 what a model lowers to; ``export`` writes a bundle that ``meganeura.runtime.load`` runs without torch;
-``compile_train_step`` runs forward, backward and the optimizer update on the device with weights kept there.
+``compile_train_step`` runs forward, backward and the optimizer update on the device with weights kept there;
+``profile`` times every dispatch on the GPU.
 """
 from .backend import FallbackError, meganeura_backend
 from .explain import explain
 from .export import ExportError, export
 from .train_step import TrainStep, compile_train_step
 
+
+def profile(adapter=None):
+    """``with torch_meganeura.profile() as prof:`` times every dispatch that the block runs on the device.
+
+    ``prof.top()`` ranks kernels by GPU time and ``prof.save(path)`` writes a chrome trace
+    (see ``meganeura.runtime.profiler``)."""
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.profiler import profile as device_profile
+
+    return device_profile(get_device(adapter))
+
+
 __version__ = "0.1.0"
 __all__ = ["meganeura_backend", "explain", "export", "ExportError", "FallbackError", "compile_train_step", "TrainStep",
-           "__version__"]
+           "profile", "__version__"]

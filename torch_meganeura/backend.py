@@ -17,6 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from meganeura.runtime.device import get_device
+from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import DevicePartition
 from .decompositions import decomposition_table
@@ -42,7 +43,10 @@ class BackendContext:
         self._params: ParamStore | None = None
 
     def device(self):
-        return get_device(self.options.adapter)
+        device = get_device(self.options.adapter)
+        if self.options.profile and device.profiler is None:
+            attach_profiler(device, self.options.profile)
+        return device
 
     def params(self) -> ParamStore:
         if self._params is None:

@@ -10,6 +10,7 @@ FALLBACK_POLICIES = ("warn", "error")
 class Options:
     adapter: str | int | None = None  # adapter index or name substring; default: env MEGANEURA_ADAPTER, then best GPU
     fallback: str = "warn"  # "warn": ops without a lowering run in eager PyTorch with a warning; "error": raise
+    profile: str | None = None  # path: time every dispatch on the GPU, write a chrome trace there at exit
 
     @classmethod
     def from_user(cls, options: dict | None) -> "Options":

@@ -115,3 +115,24 @@ def test_memory_plan_of_deep_mlp():
     assert report.unplanned_bytes >= 11 * one, report
     assert 2 * one <= report.planned_bytes < report.unplanned_bytes / 2, report
     check_against_eager(model, torch.randn(8, 64))
+
+
+def test_profile_times_each_dispatch_of_a_compiled_model(tmp_path):
+    from meganeura.runtime.device import get_device
+
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(5, 8)
+    trace = tmp_path / "trace.json"
+    compiled = torch.compile(model, backend="meganeura", options={"profile": str(trace)})
+    device = get_device()
+    try:
+        assert_same(_call(compiled, x), model(x), rtol=1e-5, atol=1e-5)  # the option attaches a profiler that saves at exit
+        assert device.profiler is not None and device.profiler.runs == 1
+    finally:
+        device.profiler = None
+    with torch_meganeura.profile() as prof:
+        assert_same(_call(compiled, x), model(x), rtol=1e-5, atol=1e-5)
+    names = [e["name"] for e in prof.events]
+    assert prof.runs == 1 and len(names) >= 2
+    assert any(n.startswith("addmm 5x16x8") for n in names), names
+    assert device.profiler is None
