@@ -6,10 +6,12 @@ epilogue). This module owns the loop structure and calls them only with in-range
 exactly once per output element for store_c. Shapes are baked into the source as constants.
 
 Two kernel families, chosen by shape:
-- tiled: a TILE_M x TILE_N output tile per workgroup of THREADS_SIDE^2 threads, each thread a
-  register block of (TILE_M / side) x (TILE_N / side) outputs; K is staged in chunks through
-  padded workgroup memory. Tiles come from (64, 32, 16) per dimension, shrunk when the problem
-  is too small to fill MIN_WORKGROUPS workgroups or the workgroup storage limit is too small.
+- tiled: a TILE_M x TILE_N output tile per workgroup, each thread a register block of 4x4 outputs (8 along an
+  edge of 128), held as vec4 accumulators and fed by vec4 reads of workgroup memory. K is staged in chunks
+  through padded workgroup memory, the next chunk's loads issued before the current chunk's FMAs. Tiles come
+  from (128, 64, 32, 16) per dimension, shrunk when the problem is too small to fill enough workgroups
+  (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does not fit the workgroup
+  storage or invocation limit.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
   threads ("lanes"), then reduces the partial sums with a workgroup tree reduction.
 
@@ -20,10 +22,14 @@ and the kernel recovers the linear workgroup index. No atomics: results are dete
 from dataclasses import dataclass
 
 THREADS_WANTED = 256          # threads per workgroup when the device allows it
-TILE_SIZES = (64, 32, 16)     # output tile edge candidates, largest first
+TILE_SIZES = (128, 64, 32, 16)  # output tile edge candidates, largest first
 K_CHUNKS = (16, 8, 4)         # K chunk candidates staged per barrier, largest first
-SHARED_PAD = 2                # floats of padding per shared-tile row (row stride = 2 mod 32 banks)
-MIN_WORKGROUPS = 128          # shrink tiles until a problem gets at least this many workgroups
+SHARED_PAD_VEC4 = 1           # vec4s of padding per shared-tile row: transposed stores spread over banks
+# Tile choice, from timings on an H200 (bench/results/h200-matmul-tiles.json): a 128 edge pays off from 128
+# workgroups on; below, 64x64-class tiles win down to about 32 workgroups; smaller problems shrink further.
+BIG_TILE_EDGE = 64
+MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
+MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
 GEMV_SHORT_K = 256            # gemv: k up to this -> many columns, few lanes per column
 GEMV_LONG_K = 4096            # gemv: k from this on -> few columns, many lanes per column
 
@@ -33,10 +39,29 @@ class TiledPlan:
     tile_m: int
     tile_n: int
     chunk_k: int
-    threads_side: int
+
+    @property
+    def rows_per_thread(self) -> int:
+        return 8 if self.tile_m >= 128 else 4
+
+    @property
+    def cols_per_thread(self) -> int:
+        return 8 if self.tile_n >= 128 else 4
+
+    @property
+    def threads_m(self) -> int:
+        return self.tile_m // self.rows_per_thread
+
+    @property
+    def threads_n(self) -> int:
+        return self.tile_n // self.cols_per_thread
+
+    @property
+    def threads(self) -> int:
+        return self.threads_m * self.threads_n
 
     def shared_floats(self) -> int:
-        return self.chunk_k * (self.tile_m + SHARED_PAD + self.tile_n + SHARED_PAD)
+        return self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
 
 
 @dataclass(frozen=True)
@@ -46,15 +71,21 @@ class GemvPlan:
     out_fastest: bool  # thread order: neighbouring threads take neighbouring outputs (else neighbouring p)
 
 
-def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int,
-                  limits: dict) -> tuple[str, tuple[int, int, int]]:
-    """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k."""
+def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
+                  b_fast: str = "j", tile: tuple[int, int] | None = None) -> tuple[str, tuple[int, int, int]]:
+    """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
+
+    ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
+    so that neighbouring threads read neighbouring addresses; any value is correct, the right one is faster.
+    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each from TILE_SIZES), e.g. for tuning."""
     if min(batch, m, n) < 1 or k < 0:
         raise ValueError(f"matmul_kernel: need batch, m, n >= 1 and k >= 0, got {batch=} {m=} {n=} {k=}")
-    threads = _thread_count(limits)
-    if m == 1 or n == 1:
-        return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=threads, limits=limits)
-    return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=threads, limits=limits)
+    if a_fast not in ("p", "i") or b_fast not in ("p", "j"):
+        raise ValueError(f"matmul_kernel: a_fast must be 'p' or 'i' and b_fast 'p' or 'j', got {a_fast=} {b_fast=}")
+    if tile is None and (m == 1 or n == 1):
+        return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
+                            contiguous_k=(b_fast if m == 1 else a_fast) == "p")
+    return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile)
 
 
 def fold_grid(total: int, max_per_dim: int) -> tuple[int, int, int]:
@@ -100,21 +131,29 @@ LINEAR_WORKGROUP = """    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
 # ---------------------------------------------------------------- tiled
 
 
-def _choose_tiled_plan(batch: int, m: int, n: int, k: int, threads: int, shared_limit: int) -> TiledPlan:
-    side = 16 if threads == 256 else 8
-    tile_m = next((t for t in reversed(TILE_SIZES) if t >= m), TILE_SIZES[0])
-    tile_n = next((t for t in reversed(TILE_SIZES) if t >= n), TILE_SIZES[0])
+def _tile_edge(size: int) -> int:
+    return next((t for t in reversed(TILE_SIZES) if t >= size), TILE_SIZES[0])
+
+
+def _choose_tiled_plan(batch: int, m: int, n: int, k: int, shared_limit: int, max_threads: int,
+                       tile: tuple[int, int] | None = None) -> TiledPlan:
+    tile_m, tile_n = tile or (_tile_edge(m), _tile_edge(n))
     smallest = TILE_SIZES[-1]
 
     def workgroups(tm: int, tn: int) -> int:
         return batch * -(-m // tm) * -(-n // tn)
 
-    while workgroups(tile_m, tile_n) < MIN_WORKGROUPS and max(tile_m, tile_n) > smallest:
+    if tile is None:
+        while max(tile_m, tile_n) > BIG_TILE_EDGE and workgroups(tile_m, tile_n) < MIN_WORKGROUPS_BIG:
+            tile_m, tile_n = _halve_larger(tile_m, tile_n)
+        while workgroups(tile_m, tile_n) < MIN_WORKGROUPS and max(tile_m, tile_n) > smallest:
+            tile_m, tile_n = _halve_larger(tile_m, tile_n)
+    while TiledPlan(tile_m, tile_n, K_CHUNKS[-1]).threads > max_threads:
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
     chunk_cap = max(K_CHUNKS[-1], _pow2_ceil(k))
     while True:
         for chunk in K_CHUNKS:
-            plan = TiledPlan(tile_m, tile_n, min(chunk, chunk_cap), side)
+            plan = TiledPlan(tile_m, tile_n, min(chunk, chunk_cap))
             if plan.shared_floats() * 4 <= shared_limit:
                 return plan
         if max(tile_m, tile_n) == smallest:
@@ -126,76 +165,123 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
     return (tile_m // 2, tile_n) if tile_m >= tile_n else (tile_m, tile_n // 2)
 
 
-def _stage_tile(plan: TiledPlan, threads: int, a_side: bool) -> str:
-    """WGSL that copies one K chunk of A (tile_m rows) or B (tile_n columns) into shared memory."""
-    chunk = plan.chunk_k
-    edge = plan.tile_m if a_side else plan.tile_n
-    # A: p varies fastest across threads (suits row-major A); B: j varies fastest (row-major B).
-    if a_side:
-        decode = f"let p = e % {chunk}u;\n            let r = e / {chunk}u;"
-        fetch = "if (live && row0 + r < M && k0 + p < K) { v = load_a(batch_index, row0 + r, k0 + p); }"
-    else:
-        decode = f"let r = e % {edge}u;\n            let p = e / {edge}u;"
-        fetch = "if (live && col0 + r < N && k0 + p < K) { v = load_b(batch_index, k0 + p, col0 + r); }"
-    name = "tile_a" if a_side else "tile_b"
-    return f"""        for (var e = lid; e < {edge * chunk}u; e += {threads}u) {{
-            {decode}
-            var v = 0.0;
-            {fetch}
-            {name}[p * {edge + SHARED_PAD}u + r] = v;
-        }}"""
+class _Staging:
+    """WGSL that fetches one K chunk of A (or B) from memory into registers and stores it into shared memory.
+
+    Each thread takes elements ``lid + t * threads``; ``fast`` names the operand's unit-stride axis, which
+    varies fastest across threads so that the fetch is coalesced."""
+
+    def __init__(self, plan: TiledPlan, a_side: bool, fast: str):
+        self.plan, self.a_side = plan, a_side
+        self.edge = plan.tile_m if a_side else plan.tile_n
+        self.total = self.edge * plan.chunk_k
+        self.count = -(-self.total // plan.threads)
+        self.name = "a" if a_side else "b"
+        self.along_k = fast == "p"  # p varies fastest across threads
+
+    def _decode(self, t: int) -> str:
+        chunk, e = self.plan.chunk_k, f"(lid + {t * self.plan.threads}u)"
+        if self.along_k:
+            return f"let p{t} = {e} % {chunk}u;\n        let r{t} = {e} / {chunk}u;"
+        return f"let r{t} = {e} % {self.edge}u;\n        let p{t} = {e} / {self.edge}u;"
+
+    def declare(self) -> str:
+        return "\n".join(f"    var stage_{self.name}{t} = 0.0;" for t in range(self.count))
+
+    def fetch(self, k0: str) -> str:
+        lines = []
+        for t in range(self.count):
+            reg = f"stage_{self.name}{t}"
+            guard = f"lid + {t * self.plan.threads}u < {self.total}u && " if (t + 1) * self.plan.threads > self.total else ""
+            if self.a_side:
+                cond, load = f"row0 + r{t} < M && {k0} + p{t} < K", f"load_a(batch_index, row0 + r{t}, {k0} + p{t})"
+            else:
+                cond, load = f"col0 + r{t} < N && {k0} + p{t} < K", f"load_b(batch_index, {k0} + p{t}, col0 + r{t})"
+            lines.append(f"""    {{
+        {self._decode(t)}
+        {reg} = 0.0;
+        if ({guard}live && {cond}) {{ {reg} = {load}; }}
+    }}""")
+        return "\n".join(lines)
+
+    def store(self) -> str:
+        row = self.edge // 4 + SHARED_PAD_VEC4
+        lines = []
+        for t in range(self.count):
+            guard = f"if (lid + {t * self.plan.threads}u < {self.total}u) " if (t + 1) * self.plan.threads > self.total else ""
+            lines.append(f"""    {guard}{{
+        {self._decode(t)}
+        tile_{self.name}[p{t} * {row}u + r{t} / 4u][r{t} % 4u] = stage_{self.name}{t};
+    }}""")
+        return "\n".join(lines)
 
 
-def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int,
-                  limits: dict) -> tuple[str, tuple[int, int, int]]:
-    plan = _choose_tiled_plan(batch, m, n, k, threads, limits["max-compute-workgroup-storage-size"])
-    side = plan.threads_side
-    rows_per_thread, cols_per_thread = plan.tile_m // side, plan.tile_n // side
+def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
+                  tile: tuple[int, int] | None) -> tuple[str, tuple[int, int, int]]:
+    max_threads = min(limits["max-compute-invocations-per-workgroup"],
+                      limits.get("max-compute-workgroup-size-x", THREADS_WANTED))
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], max_threads, tile)
+    tm, tn = plan.threads_m, plan.threads_n
+    row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     tiles_m, tiles_n = -(-m // plan.tile_m), -(-n // plan.tile_n)
     total = batch * tiles_m * tiles_n
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
-    a_stride, b_stride = plan.tile_m + SHARED_PAD, plan.tile_n + SHARED_PAD
-    rows, cols = range(rows_per_thread), range(cols_per_thread)
+    a_row, b_row = plan.tile_m // 4 + SHARED_PAD_VEC4, plan.tile_n // 4 + SHARED_PAD_VEC4
+    stage_a, stage_b = _Staging(plan, True, a_fast), _Staging(plan, False, b_fast)
+    rows = [(g, i) for g in range(row_groups) for i in range(4)]
 
-    # Thread (tx, ty) owns rows ty + side*r and columns tx + side*c: shared reads broadcast / stay
-    # conflict-free, and neighbouring threads store neighbouring columns.
-    acc_decl = "\n".join(f"    var acc_{r}_{c} = 0.0;" for r in rows for c in cols)
-    a_regs = "\n".join(f"            let a{r} = tile_a[p * {a_stride}u + ty + {side * r}u];" for r in rows)
-    b_regs = "\n".join(f"            let b{c} = tile_b[p * {b_stride}u + tx + {side * c}u];" for c in cols)
-    fmas = "\n".join(f"            acc_{r}_{c} = fma(a{r}, b{c}, acc_{r}_{c});" for r in rows for c in cols)
-    stores = "\n".join(
-        f"    if (live && row0 + ty + {side * r}u < M && col0 + tx + {side * c}u < N) "
-        f"{{ store_c(batch_index, row0 + ty + {side * r}u, col0 + tx + {side * c}u, acc_{r}_{c}); }}"
-        for r in rows for c in cols)
+    # Thread (tx, ty) owns rows 4 * (ty + tm * g) + i and columns 4 * (tx + tn * h) + j: one vec4 read of shared
+    # memory per group, the reads of neighbouring threads adjacent (B) or identical (A, a broadcast).
+    acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i in rows for h in range(col_groups))
+    a_regs = "\n".join(f"            let a{g} = tile_a[p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
+    b_regs = "\n".join(f"            let b{h} = tile_b[p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
+    fmas = "\n".join(f"            acc_{g}_{i}_{h} = fma(vec4<f32>(a{g}[{i}]), b{h}, acc_{g}_{i}_{h});"
+                     for g, i in rows for h in range(col_groups))
+    stores = []
+    for g, i in rows:
+        row = f"row0 + 4u * (ty + {tm * g}u) + {i}u"
+        for h in range(col_groups):
+            for j in range(4):
+                col = f"col0 + 4u * (tx + {tn * h}u) + {j}u"
+                stores.append(f"    if (live && {row} < M && {col} < N) "
+                              f"{{ store_c(batch_index, {row}, {col}, acc_{g}_{i}_{h}[{j}]); }}")
 
     kernel = f"""
-// ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {side}x{side} threads
+// ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
+{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}
 {_header(batch, m, n, k, grid, total)}const TILES_N: u32 = {tiles_n}u;
 const TILES_PER_BATCH: u32 = {tiles_m * tiles_n}u;
-var<workgroup> tile_a: array<f32, {plan.chunk_k * a_stride}>;
-var<workgroup> tile_b: array<f32, {plan.chunk_k * b_stride}>;
+var<workgroup> tile_a: array<vec4<f32>, {plan.chunk_k * a_row}>;
+var<workgroup> tile_b: array<vec4<f32>, {plan.chunk_k * b_row}>;
 
-@compute @workgroup_size({side * side})
+@compute @workgroup_size({plan.threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
 {LINEAR_WORKGROUP}    let batch_index = wg_linear / TILES_PER_BATCH;
     let tile_index = wg_linear % TILES_PER_BATCH;
     let row0 = (tile_index / TILES_N) * {plan.tile_m}u;
     let col0 = (tile_index % TILES_N) * {plan.tile_n}u;
-    let tx = lid % {side}u;
-    let ty = lid / {side}u;
+    let tx = lid % {tn}u;
+    let ty = lid / {tn}u;
 {acc_decl}
+{stage_a.declare()}
+{stage_b.declare()}
+{stage_a.fetch("0u")}
+{stage_b.fetch("0u")}
     for (var k0 = 0u; k0 < K; k0 += {plan.chunk_k}u) {{
-{_stage_tile(plan, side * side, a_side=True)}
-{_stage_tile(plan, side * side, a_side=False)}
         workgroupBarrier();
+{stage_a.store()}
+{stage_b.store()}
+        workgroupBarrier();
+        let k_next = k0 + {plan.chunk_k}u;  // fetched now, stored next round: the loads overlap the FMAs
+{stage_a.fetch("k_next")}
+{stage_b.fetch("k_next")}
         for (var p = 0u; p < {plan.chunk_k}u; p++) {{
 {a_regs}
 {b_regs}
 {fmas}
         }}
-        workgroupBarrier();
     }}
-{stores}
+{chr(10).join(stores)}
 }}
 """
     return prelude + kernel, grid
@@ -215,13 +301,13 @@ def _choose_gemv_plan(outputs: int, k: int, threads: int, out_fastest: bool) -> 
     return GemvPlan(columns, threads // columns, out_fastest)
 
 
-def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int,
-                 limits: dict) -> tuple[str, tuple[int, int, int]]:
+def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
+                 contiguous_k: bool) -> tuple[str, tuple[int, int, int]]:
     # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
     # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
     by_column = m == 1
     outputs = n if by_column else m
-    plan = _choose_gemv_plan(outputs, k, threads, out_fastest=by_column)
+    plan = _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k)
     if threads * 4 > limits["max-compute-workgroup-storage-size"]:
         raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")
     blocks = -(-outputs // plan.columns)
@@ -233,10 +319,10 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     else:
         product = "load_a(batch_index, out_index, p), load_b(batch_index, p, 0u)"
         store = "store_c(batch_index, out_index, 0u, partial[lid]);"
-    if plan.out_fastest:  # neighbouring threads read neighbouring outputs (row-major B)
+    if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
         decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
         partner_step = plan.columns
-    else:                 # neighbouring threads read neighbouring p (row-major A)
+    else:                 # neighbouring threads read neighbouring p (the matrix is contiguous along K)
         decode = f"let lane = lid % {plan.lanes}u;\n    let out_local = lid / {plan.lanes}u;"
         partner_step = 1
 

@@ -23,6 +23,17 @@ def linear_index(coords, shape) -> E.Expr:
     return index
 
 
+def unit_stride_coord(e: E.Expr, coords: tuple[int, ...]) -> int | None:
+    """The first of ``coords`` that steps the buffer reads of ``e`` by one element (the largest read decides)."""
+    reads = sorted((n for n in E.walk(e) if n.op == "read"), key=lambda n: -E.size(n))
+    for node in reads:
+        terms, _ = _affine(node.args[1])
+        for d in coords:
+            if terms.get(E.coord(d)) == 1:
+                return d
+    return None
+
+
 def simplify(e: E.Expr, bounds: dict[int, int]) -> E.Expr:
     """Simplify the i32 index math inside ``e``; ``bounds[d]`` is the size of coordinate ``d``."""
     memo: dict = {}

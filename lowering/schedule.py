@@ -16,7 +16,7 @@ from meganeura.kernels import wgsl
 from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
 
 from . import expr as E
-from .indexing import linear_index, simplify
+from .indexing import linear_index, simplify, unit_stride_coord
 from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value
 from .planner import Interval, place
 
@@ -144,9 +144,11 @@ def _kernel(node: Node, values: dict, limits: dict):
         src, groups = reduce_kernels.reduce_kernel(
             bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits)
     elif isinstance(node, Matmul):
+        a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
+        b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
         src, groups = matmul_kernels.matmul_kernel(
             _matmul_prelude(decl, exprs, name(out_slots[0]), node), batch=node.batch, m=node.m, n=node.n,
-            k=node.k, limits=limits)
+            k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast)
     elif isinstance(node, Attention):
         shape = attention_kernels.AttentionShape(node.batch, node.heads, node.kv_heads, node.lq, node.lk, node.d,
                                                  node.dv, node.scale, node.causal, node.bias is not None)

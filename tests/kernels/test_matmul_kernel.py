@@ -80,10 +80,13 @@ fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{
 """
 
 
+WORKGROUP_ARRAY = r"var<workgroup>\s+\w+\s*:\s*array<(f32|vec4<f32>),\s*(\d+)>"
+
+
 def workgroup_storage_bytes(source: str) -> int:
-    sizes = re.findall(r"var<workgroup>\s+\w+\s*:\s*array<f32,\s*(\d+)>", source)
-    assert "var<workgroup>" not in re.sub(r"var<workgroup>\s+\w+\s*:\s*array<f32,\s*\d+>", "", source)
-    return sum(4 * int(size) for size in sizes)
+    sizes = re.findall(WORKGROUP_ARRAY, source)
+    assert "var<workgroup>" not in re.sub(WORKGROUP_ARRAY, "", source)
+    return sum((16 if kind.startswith("vec4") else 4) * int(size) for kind, size in sizes)
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +100,14 @@ def device():
     return adapter.request_device_sync(required_limits={key: adapter.limits[key] for key in wanted})
 
 
-def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, limits=None):
+def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, limits=None, **layout):
     """Generate, check and run one kernel. Returns (c, visits, bad_index, source, workgroups)."""
     batch, m, k = a.shape
     assert b.shape == (batch, k, b.shape[2])
     n = b.shape[2]
     limits = dict(limits or device.limits)
     prelude = build_prelude(a, b, batch=batch, m=m, n=n, k=k, epilogue=epilogue)
-    source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits)
+    source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, **layout)
     assert source.startswith(prelude) and "fn main(" in source
     assert workgroup_storage_bytes(source) <= limits[STORAGE_LIMIT]
     assert all(1 <= count <= limits[GRID_LIMIT] for count in workgroups)
@@ -139,8 +142,8 @@ def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, lim
     return c, read(buffers[3]).reshape(batch, m, n), read(buffers[4])[0], source, workgroups
 
 
-def check(device, a: Operand, b: Operand, *, limits=None):
-    c, visits, bad_index, source, workgroups = run_matmul(device, a, b, limits=limits)
+def check(device, a: Operand, b: Operand, *, limits=None, **layout):
+    c, visits, bad_index, source, workgroups = run_matmul(device, a, b, limits=limits, **layout)
     expected = np.matmul(a.view().astype(np.float64), b.view().astype(np.float64))
     np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-5)
     assert bad_index == 0.0, "kernel passed an out-of-range index to load/store"
@@ -184,6 +187,16 @@ def test_broadcast_a_transposed_b_with_offsets(device, m, n, k):
 def test_transposed_a(device):
     rng = np.random.default_rng(2)
     check(device, make_operand(rng, 2, 45, 30, layout="transposed"), make_operand(rng, 2, 30, 50))
+
+
+@pytest.mark.parametrize("a_fast, b_fast, tile", [("i", "p", None), ("p", "p", (128, 128)), ("i", "j", (128, 64)),
+                                                  ("i", "p", (16, 128))])
+def test_layout_hints_and_forced_tiles(device, a_fast, b_fast, tile):
+    """Every thread order and tile is correct on any layout (here ragged edges and a batch of 2)."""
+    rng = np.random.default_rng(8)
+    a = make_operand(rng, 2, 131, 37, layout="transposed" if a_fast == "i" else "contiguous")
+    b = make_operand(rng, 2, 37, 70, layout="transposed" if b_fast == "p" else "contiguous")
+    check(device, a, b, a_fast=a_fast, b_fast=b_fast, tile=tile)
 
 
 @pytest.mark.parametrize("m, n, k", [(20, 36, 24), (1, 36, 24)])
@@ -244,20 +257,29 @@ def header(batch, m, n, k):
 
 
 def test_tile_choice_by_shape():
-    assert header(1, 4096, 4096, 4096).startswith("tiled 64x64, K chunk 16")
-    assert header(1, 1024, 1024, 64).startswith("tiled 64x64")      # 256 workgroups
-    assert header(1, 512, 512, 512).startswith("tiled 32x64")       # 64 tiles of 64x64 are too few
-    assert header(32, 128, 128, 64).startswith("tiled 64x64")      # batch counts towards workgroups
-    assert header(1, 20, 20, 20).startswith("tiled 16x16")
-    assert header(1, 50, 4096, 720).startswith("tiled 32x64")       # 2 row tiles: 128 workgroups
+    assert header(1, 4096, 4096, 4096).startswith("tiled 128x128, K chunk 8, 16x16 threads of 8x8")  # 16 KiB
+    assert header(1, 1024, 1024, 1024).startswith("tiled 64x128")   # 128 workgroups
+    assert header(1, 512, 512, 512).startswith("tiled 64x64")       # 16 tiles of 128x128 are too few
+    assert header(32, 128, 128, 64).startswith("tiled 64x64")       # batch counts towards workgroups
+    assert header(1, 128, 576, 1536).startswith("tiled 32x64")      # 18 tiles of 64x64 are too few
+    assert header(1, 20, 20, 20).startswith("tiled 16x16, K chunk 16, 4x4 threads of 4x4")
     assert header(1, 7, 9, 3).startswith("tiled 16x16, K chunk 4")
     assert header(1, 1, 4096, 4096).startswith("gemv over columns, 4 outputs x 64 K lanes")
     assert header(1, 4096, 1, 64).startswith("gemv over rows, 64 outputs x 4 K lanes")
     assert header(1, 1, 1, 10000).startswith("gemv over columns, 1 outputs x 256 K lanes")
 
 
+def test_layout_hints_pick_the_thread_order():
+    source, _ = matmul_kernel("", batch=1, m=64, n=64, k=64, limits=LIMITS, a_fast="i", b_fast="p")
+    assert "A along i, B along p" in source
+    gemv, _ = matmul_kernel("", batch=1, m=1, n=4096, k=4096, limits=LIMITS, b_fast="p")
+    assert re.search(r"let lane = lid % \d+u;", gemv)  # lanes (K) fastest: the matrix is contiguous along K
+    with pytest.raises(ValueError, match="a_fast"):
+        matmul_kernel("", batch=1, m=4, n=4, k=4, limits=LIMITS, a_fast="j")
+
+
 def test_storage_never_exceeds_limit():
-    for storage in (576, 1024, 2048, 4096, 16384, 49152):
+    for storage in (640, 1024, 2048, 4096, 16384, 49152):  # WebGPU guarantees 16384
         limits = dict(LIMITS, **{STORAGE_LIMIT: storage})
         for shape in [(1, 4096, 4096, 4096), (8, 64, 64, 64), (1, 33, 65, 17)]:
             source, _ = matmul_kernel("", batch=shape[0], m=shape[1], n=shape[2], k=shape[3], limits=limits)
