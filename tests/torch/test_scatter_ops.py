@@ -86,6 +86,11 @@ def _index_put_cases():
         "slice_between": (torch.randn(3, 4, 5), [t([2, 0]), None, t([[1, 4]])], torch.randn(2, 4), False),
         "int32_index_3d": (torch.randn(3, 4, 5), [t([1, 1], dtype=torch.int32)], torch.randn(2, 4, 5), True),
         "int64_self": (torch.randint(-5, 5, (5, 2)), [t([4, 4, 0])], torch.randint(-5, 5, (3, 2)), True),
+        # fewer entries than rows: the sparse path (representative per row, then per-target sums)
+        "sparse_accumulate": (torch.randn(50, 4), [t([[3, 7, 3, 49], [0, 3, -1, 7]])], torch.randn(2, 4, 4), True),
+        "sparse_overwrite_duplicates": (torch.randn(20, 3), [t([5, 2, 5, 19, 5])], torch.randn(5, 3), False),
+        "sparse_two_indices_slice": (torch.randn(6, 3, 7), [t([5, 0, 5]), None, t([6, 1, 6])], torch.randn(3, 3),
+                                     True),
     }
 
 

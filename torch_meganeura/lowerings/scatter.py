@@ -169,25 +169,66 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     after = [d for d in rest if d not in before]
     shape = [x.shape[d] for d in before] + list(idx_shape) + [x.shape[d] for d in after]  # shape of x[indices]
 
-    def match(k):
+    def target(k, d):
         kc = unravel(k, idx_shape)
-        conds = []
-        for d in positions:
-            t = indices[d]
-            off = len(idx_shape) - len(t.shape)
-            tc = [_i32(0) if s == 1 else kc[off + j] for j, s in enumerate(t.shape)]
-            target = _checked(ctx, b.load(t, tc), x.shape[d], "index_put", wrap_negative=True)
-            conds.append(E.binary("eq", target, E.coord(d)))
-        return _all(conds)
+        t = indices[d]
+        off = len(idx_shape) - len(t.shape)
+        tc = [_i32(0) if s == 1 else kc[off + j] for j, s in enumerate(t.shape)]
+        return _checked(ctx, b.load(t, tc), x.shape[d], "index_put", wrap_negative=True)
 
-    def value(k):
-        coords = [E.coord(d) for d in before] + unravel(k, idx_shape) + [E.coord(d) for d in after]
+    def value(k, at=E.coord):  # at(d): the coordinate of x's non-indexed dim d
+        coords = [at(d) for d in before] + unravel(k, idx_shape) + [at(d) for d in after]
         off = len(shape) - len(values.shape)
         vc = [_i32(0) if s == 1 else coords[off + j] for j, s in enumerate(values.shape)]
         return E.cast(b.load(values, vc), x.compute_dtype)
 
-    cand = Candidates(numel(idx_shape), match, value)
-    return _combine(ctx, x, cand, "sum" if accumulate else "overwrite", label="index_put")
+    reduce = "sum" if accumulate else "overwrite"
+    if numel(idx_shape) < numel([x.shape[d] for d in positions]):
+        return _index_put_sparse(ctx, x, positions, numel(idx_shape), target, value, reduce)
+    cand = Candidates(numel(idx_shape), lambda k: _all(E.binary("eq", target(k, d), E.coord(d)) for d in positions),
+                      value)
+    return _combine(ctx, x, cand, reduce, label="index_put")
+
+
+def _index_put_sparse(ctx, x: Value, positions: list[int], count: int, target, value, reduce: str) -> Value:
+    """index_put with fewer index entries (``count``) than indexed positions, in O(positions * count +
+    count^2 * rest + numel(x)) instead of O(numel(x) * count) (an embedding's backward: a few tokens, a large
+    table). Three race-free steps:
+      1. ``rep[r]`` per indexed position r: the entry that represents it (the first entry targeting r for a
+         sum, the last for an overwrite, as eager does), or none;
+      2. for a sum, ``total[k, rest]``: the sum of every entry with the same target as entry k;
+      3. the output: x where no entry lands, else x + total[rep] (sum) or the value of entry rep (overwrite).
+    """
+    b, rank = ctx.b, len(x.shape)
+    rest = [d for d in range(rank) if d not in positions]
+    pos_shape = [x.shape[d] for d in positions]
+    first = reduce == "sum"
+    none = count if first else -1
+
+    k = E.coord(len(positions))
+    lands = _all(E.binary("eq", target(k, d), E.coord(j)) for j, d in enumerate(positions))
+    (rep,) = b.reduce(tuple(pos_shape) + (count,), [len(positions)],
+                      [("min" if first else "max", E.where(lands, k, _i32(none)))],
+                      [RowOutput(False, E.acc(0, E.I32))], ["int32"], "index_put_rep")
+
+    here = [E.coord(d) for d in positions]
+    picked = b.load(rep, here)
+    hit = E.binary("lt", picked, _i32(count)) if first else E.binary("ge", picked, _i32(0))
+    old = b.load(x, [E.coord(d) for d in range(rank)])
+    if not first:
+        new = value(E.binary("maximum", picked, _i32(0)))
+        return b.pointwise(x.shape, x.dtype, E.where(hit, new, old), "index_put")
+
+    other = E.coord(1 + len(rest))
+    same = _all(E.binary("eq", target(other, d), target(E.coord(0), d)) for d in positions)
+    at_rest = {d: E.coord(1 + i) for i, d in enumerate(rest)}
+    contribution = E.where(same, value(other, at_rest.__getitem__), E.const(0, x.compute_dtype))
+    total_shape = (count,) + tuple(x.shape[d] for d in rest)
+    (total,) = b.reduce(total_shape + (count,), [len(total_shape)], [("sum", contribution)],
+                        [RowOutput(False, E.acc(0, x.compute_dtype))], [x.dtype], "index_put_sum")
+    row = E.binary("minimum", picked, _i32(count - 1))
+    added = E.add(old, b.load(total, [row] + [E.coord(d) for d in rest]))
+    return b.pointwise(x.shape, x.dtype, E.where(hit, added, old), "index_put")
 
 
 # ------------------------------------------------------------------------- slice/select/diagonal scatter
