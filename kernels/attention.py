@@ -46,10 +46,10 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
                      limits: dict) -> tuple[str, tuple[int, int, int]]:
     """WGSL and workgroup grid of pass ``kind`` ("forward", "grad_q" or "grad_kv"); ``outs`` names the output
     arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv."""
-    if kind == "forward":
-        plan = _block_plan(shape, limits)
-        if plan is not None:
-            return _blocked_forward(prelude, shape, outs, plan, limits)
+    plan = _block_plan(shape, kind, limits)
+    if plan is not None:
+        blocked = {"forward": _blocked_forward, "grad_q": _blocked_grad_q, "grad_kv": _blocked_grad_kv}[kind]
+        return blocked(prelude, shape, outs, plan, limits)
     rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
     grid = fold_grid(rows, limits.get("max-compute-workgroups-per-dimension", 65535))
     body = {"forward": _forward, "grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
@@ -249,40 +249,72 @@ def _grad_kv(s: AttentionShape, outs: list[str]) -> str:
 """
 
 
-# ---------------------------------------------------------------- forward over a block of query rows
+# ---------------------------------------------------------------- blocked passes: a block of rows per workgroup
 
 
 @dataclass(frozen=True)
 class BlockPlan:
-    rows: int  # query rows per workgroup, one per thread
-    keys: int  # keys per tile staged in workgroup memory
-
-    def shared_bytes(self, d4: int, dv4: int) -> int:
-        return 16 * self.keys * (d4 + dv4) + 4 * self.rows * (self.keys + 1)
+    rows: int  # rows of the pass (query rows; key rows for grad_kv) per workgroup, one per thread
+    tile: int  # rows of the other sequence per tile staged in workgroup memory
 
 
-def _block_plan(s: AttentionShape, limits: dict) -> BlockPlan | None:
-    """The query block and key tile of the blocked forward, or None where the per-row kernel is the one to use
-    (head sizes whose query row and accumulator would not fit in registers)."""
+def _shared_bytes(kind: str, plan: BlockPlan, d4: int, dv4: int) -> int:
+    if kind == "forward":  # key and value tiles, each thread's scores of a tile
+        return 16 * plan.tile * (d4 + dv4) + 4 * plan.rows * (plan.tile + 1)
+    if kind == "grad_q":  # key and value tiles, each thread's query row
+        return 16 * plan.tile * (d4 + dv4) + 16 * plan.rows * (d4 + 1)
+    # grad_kv: query, output-gradient, lse and delta tiles, each thread's key and value rows
+    return 16 * plan.tile * (d4 + dv4) + 8 * plan.tile + 16 * plan.rows * (d4 + dv4 + 2)
+
+
+def _block_plan(s: AttentionShape, kind: str, limits: dict) -> BlockPlan | None:
+    """Rows per workgroup and tile length of a blocked pass, or None where the per-row kernel is the one to use:
+    head sizes whose per-thread registers would not fit, or workgroup storage too small for the smallest tile."""
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     if d4 + dv4 > BLOCK_MAX_VEC4:
         return None
+    own, other = (s.kv_heads * s.lk, s.lq) if kind == "grad_kv" else (s.heads * s.lq, s.lk)
+    length = own // (s.kv_heads if kind == "grad_kv" else s.heads)
     rows = BLOCK_ROWS[0]
-    while rows > BLOCK_ROWS[-1] and s.batch * s.heads * -(-s.lq // rows) < BLOCK_MIN_WORKGROUPS:
+    while rows > BLOCK_ROWS[-1] and s.batch * (own // length) * -(-length // rows) < BLOCK_MIN_WORKGROUPS:
         rows //= 2
     rows = min(rows, limits.get("max-compute-invocations-per-workgroup", 256),
                limits.get("max-compute-workgroup-size-x", 256))
-    for keys in BLOCK_KEYS:
-        plan = BlockPlan(rows, min(keys, max(4, 1 << max(0, s.lk - 1).bit_length())))
-        if plan.shared_bytes(d4, dv4) <= limits.get("max-compute-workgroup-storage-size", 16384):
+    storage = limits.get("max-compute-workgroup-storage-size", 16384)
+    for tile in BLOCK_TILES:
+        plan = BlockPlan(rows, min(tile, max(4, 1 << max(0, other - 1).bit_length())))
+        if _shared_bytes(kind, plan, d4, dv4) <= storage:
             return plan
     return None
 
 
-BLOCK_ROWS = (64, 32, 16)  # query rows per workgroup: the largest that still gives BLOCK_MIN_WORKGROUPS
+BLOCK_ROWS = (64, 32, 16)  # rows per workgroup: the largest that still gives BLOCK_MIN_WORKGROUPS
 BLOCK_MIN_WORKGROUPS = 128
-BLOCK_KEYS = (32, 16, 8, 4)  # keys per tile, the largest that fits the workgroup storage
-BLOCK_MAX_VEC4 = 40  # query row + output accumulator per thread, in vec4 registers (d + dv <= 160)
+BLOCK_TILES = (32, 16, 8, 4)  # rows of the other sequence per tile, the largest that fits the workgroup storage
+BLOCK_MAX_VEC4 = 40  # per-thread vec4 registers of row state (d/4 + dv/4, so d + dv <= 160)
+
+
+def _vec4_loaders(s: AttentionShape, *operands: str) -> str:
+    """``load_<x>4(b, h, r, c4)``: components 4*c4 .. 4*c4+3 of ``load_<x>``, zero past the head size."""
+    sizes = {"q": s.d, "k": s.d, "v": s.dv, "dout": s.dv}
+    out = []
+    for x in operands:
+        size = sizes[x]
+        parts = ", ".join(f"select(0.0, load_{x}(b, h, r, min(c + {t}u, {size - 1}u)), c + {t}u < {size}u)"
+                          for t in range(4))
+        out.append(f"fn load_{x}4(b: u32, h: u32, r: u32, c4: u32) -> vec4<f32> {{\n  let c = 4u * c4;\n"
+                   f"  return vec4<f32>({parts});\n}}\n")
+    return "".join(out)
+
+
+def _stage(array: str, fn: str, rows: str, width: int, first: str, limit: str, b: str = "b", h: str = "h") -> str:
+    """WGSL: the workgroup copies ``rows`` rows from ``first`` on (zeros past ``limit``) into ``array``."""
+    return f"""    for (var e = tid; e < {rows} * {width}u; e = e + BLOCK) {{
+      let r = {first} + e / {width}u;
+      var v = vec4<f32>();
+      if (r < {limit}) {{ v = {fn}({b}, {h}, r, e % {width}u); }}
+      {array}[e] = v;
+    }}"""
 
 
 def _vec4_load(fn: str, args: str, c4: int, size: int) -> str:
@@ -300,7 +332,7 @@ def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     blocks = s.batch * s.heads * -(-s.lq // plan.rows)
     grid = fold_grid(blocks, limits.get("max-compute-workgroups-per-dimension", 65535))
-    stride = plan.keys + 1  # per-thread score row in workgroup memory, padded against bank conflicts
+    stride = plan.tile + 1  # per-thread score row in workgroup memory, padded against bank conflicts
     q_regs = "\n".join(f"  let q{c} = {_vec4_load('load_q', 'b, h, iq', c, s.d)};" for c in range(d4))
     o_regs = "\n".join(f"  var o{c} = vec4<f32>();" for c in range(dv4))
     dot = " + ".join(f"dot(q{c}, tile_k[base + {c}u])" for c in range(d4))
@@ -314,21 +346,22 @@ def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
     masked = "j > i" if s.causal else "false"
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     kernel = f"""
-// ---- attention forward: {plan.rows} query rows per workgroup, key tiles of {plan.keys}
+// ---- attention forward: {plan.rows} query rows per workgroup, key tiles of {plan.tile}
 const H: u32 = {s.heads}u;
 const LQ: u32 = {s.lq}u;
 const LK: u32 = {s.lk}u;
 const DV: u32 = {s.dv}u;
 const BQ: u32 = {plan.rows}u;
-const BK: u32 = {plan.keys}u;
+const BLOCK: u32 = BQ;
+const BK: u32 = {plan.tile}u;
 const QBLOCKS: u32 = {-(-s.lq // plan.rows)}u;
 const BLOCKS: u32 = {blocks}u;
 const GRID_X: u32 = {grid[0]}u;
 const GRID_XY: u32 = {grid[0] * grid[1]}u;
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};
-var<workgroup> tile_k: array<vec4<f32>, {plan.keys * d4}>;
-var<workgroup> tile_v: array<vec4<f32>, {plan.keys * dv4}>;
+var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
+var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> scores: array<f32, {plan.rows * stride}>;
 
 fn prob(s: f32, m: f32) -> f32 {{
@@ -352,18 +385,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let key_end = {key_end};
   for (var start = 0u; start < key_end; start = start + BK) {{
     workgroupBarrier();
-    for (var e = tid; e < BK * {d4}u; e = e + BQ) {{
-      let j = start + e / {d4}u;
-      var v = vec4<f32>();
-      if (j < LK) {{ v = load_k4(b, h, j, e % {d4}u); }}
-      tile_k[e] = v;
-    }}
-    for (var e = tid; e < BK * {dv4}u; e = e + BQ) {{
-      let j = start + e / {dv4}u;
-      var v = vec4<f32>();
-      if (j < LK) {{ v = load_v4(b, h, j, e % {dv4}u); }}
-      tile_v[e] = v;
-    }}
+{_stage("tile_k", "load_k4", "BK", d4, "start", "LK")}
+{_stage("tile_v", "load_v4", "BK", dv4, "start", "LK")}
     workgroupBarrier();
     let n = min(BK, LK - start);
     var tile_max = MASKED;
@@ -400,13 +423,185 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }}
 }}
 """
-    loads = (f"fn load_k4(b: u32, h: u32, j: u32, c4: u32) -> vec4<f32> {{\n"
-             f"  let c = 4u * c4;\n  return vec4<f32>("
-             + ", ".join(f"select(0.0, load_k(b, h, j, min(c + {t}u, {s.d - 1}u)), c + {t}u < {s.d}u)" for t in range(4))
-             + ");\n}\n"
-             f"fn load_v4(b: u32, h: u32, j: u32, c4: u32) -> vec4<f32> {{\n"
-             f"  let c = 4u * c4;\n  return vec4<f32>("
-             + ", ".join(f"select(0.0, load_v(b, h, j, min(c + {t}u, {s.dv - 1}u)), c + {t}u < {s.dv}u)"
-                         for t in range(4))
-             + ");\n}\n")
-    return prelude + "\n" + loads + kernel, grid
+    return prelude + "\n" + _vec4_loaders(s, "k", "v") + kernel, grid
+
+
+def _blocked_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, per_block: int) -> str:
+    return f"""const H: u32 = {s.heads}u;
+const HKV: u32 = {s.kv_heads}u;
+const GROUP: u32 = {s.heads // s.kv_heads}u;
+const LQ: u32 = {s.lq}u;
+const LK: u32 = {s.lk}u;
+const D: u32 = {s.d}u;
+const DV: u32 = {s.dv}u;
+const BLOCK: u32 = {plan.rows}u;
+const TILE: u32 = {plan.tile}u;
+const PER_BLOCK: u32 = {per_block}u;
+const BLOCKS: u32 = {blocks}u;
+const GRID_X: u32 = {grid[0]}u;
+const GRID_XY: u32 = {grid[0] * grid[1]}u;
+const SCALE: f32 = {s.scale!r};
+const MASKED: f32 = {MASKED!r};
+
+fn prob(s: f32, lse: f32) -> f32 {{
+  return select(exp(s - lse), 0.0, s <= MASKED || lse <= MASKED);
+}}
+"""
+
+
+def _blocked_entry() -> str:
+    return """@compute @workgroup_size(BLOCK)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let blk = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
+  if (blk >= BLOCKS) { return; }  // uniform: the whole workgroup leaves
+"""
+
+
+def _row_dot(own: str, row: str, tile: str, t: str, width: int) -> str:
+    return " + ".join(f"dot({own}[{row} + {c}u], {tile}[{t} * {width}u + {c}u])" for c in range(width))
+
+
+def _blocked_grad_q(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan,
+                    limits: dict) -> tuple[str, tuple[int, int, int]]:
+    """dQ for a block of query rows, one per thread: its output gradient and dQ in vec4 registers, its query row
+    in workgroup memory; key and value tiles staged once per block and read by broadcast."""
+    (dq,) = outs
+    d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
+    per_block = -(-s.lq // plan.rows)
+    blocks = s.batch * s.heads * per_block
+    grid = fold_grid(blocks, limits.get("max-compute-workgroups-per-dimension", 65535))
+    bias = "load_bias(b, h, iq, j)" if s.has_bias else "0.0"
+    dout_regs = "\n".join(f"  let o{c} = {_vec4_load('load_dout', 'b, h, iq', c, s.dv)};" for c in range(dv4))
+    acc_regs = "\n".join(f"  var g{c} = vec4<f32>();" for c in range(d4))
+    dp = " + ".join(f"dot(o{c}, tile_v[t * {dv4}u + {c}u])" for c in range(dv4))
+    update = "\n".join(f"          g{c} = fma(vec4<f32>(ds), tile_k[t * {d4}u + {c}u], g{c});" for c in range(d4))
+    stores = "\n".join(
+        f"    {{ let v = g{c} * SCALE;\n"
+        + "".join(f"      {dq}[row * D + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < s.d)
+        + "    }" for c in range(d4))
+    kernel = f"""
+// ---- attention grad_q: {plan.rows} query rows per workgroup, key tiles of {plan.tile}
+{_blocked_header(s, plan, blocks, grid, per_block)}
+var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
+var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
+var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
+
+{_blocked_entry()}  let bh = blk / PER_BLOCK;
+  let b = bh / H;
+  let h = bh % H;
+  let i0 = (blk % PER_BLOCK) * BLOCK;
+  let i = i0 + tid;
+  let iq = min(i, LQ - 1u);  // rows past the end compute on the last row and store nothing
+  let mine = tid * {d4 + 1}u;
+  for (var c = 0u; c < {d4}u; c = c + 1u) {{ own_q[mine + c] = load_q4(b, h, iq, c); }}
+{dout_regs}
+{acc_regs}
+  let lse = load_lse(b, h, iq);
+  let delta = load_delta(b, h, iq);
+  let key_end = {"min(LK, i0 + BLOCK)" if s.causal else "LK"};
+  for (var start = 0u; start < key_end; start = start + TILE) {{
+    workgroupBarrier();
+{_stage("tile_k", "load_k4", "TILE", d4, "start", "LK")}
+{_stage("tile_v", "load_v4", "TILE", dv4, "start", "LK")}
+    workgroupBarrier();
+    let n = min(TILE, LK - start);
+    for (var t = 0u; t < n; t = t + 1u) {{
+      let j = start + t;
+      if (!({"j > i" if s.causal else "false"})) {{
+        let p = prob(({_row_dot("own_q", "mine", "tile_k", "t", d4)}) * SCALE + {bias}, lse);
+        if (p > 0.0) {{
+          let ds = p * (({dp}) - delta);
+{update}
+        }}
+      }}
+    }}
+  }}
+  if (i < LQ) {{
+    let row = bh * LQ + i;
+{stores}
+  }}
+}}
+"""
+    return prelude + "\n" + _vec4_loaders(s, "q", "k", "v") + kernel, grid
+
+
+def _blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan,
+                     limits: dict) -> tuple[str, tuple[int, int, int]]:
+    """dK and dV for a block of key rows of one KV head, one per thread: dK and dV in vec4 registers, its key and
+    value rows in workgroup memory; for every query head of the group, tiles of queries, output gradients, lse
+    and delta staged once per block and read by broadcast."""
+    dk, dv = outs
+    d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
+    per_block = -(-s.lk // plan.rows)
+    blocks = s.batch * s.kv_heads * per_block
+    grid = fold_grid(blocks, limits.get("max-compute-workgroups-per-dimension", 65535))
+    bias = "load_bias(b, h, i, jk)" if s.has_bias else "0.0"
+    acc_regs = "\n".join([f"  var gk{c} = vec4<f32>();" for c in range(d4)]
+                         + [f"  var gv{c} = vec4<f32>();" for c in range(dv4)])
+    update_v = "\n".join(f"          gv{c} = fma(vec4<f32>(p), tile_do[t * {dv4}u + {c}u], gv{c});"
+                         for c in range(dv4))
+    update_k = "\n".join(f"          gk{c} = fma(vec4<f32>(ds), tile_q[t * {d4}u + {c}u], gk{c});"
+                         for c in range(d4))
+
+    def stores(out, name, count, size, scale):
+        return "\n".join(
+            f"    {{ let v = {name}{c}{scale};\n"
+            + "".join(f"      {out}[row * {size}u + {4 * c + t}u] = v[{t}];\n"
+                      for t in range(4) if 4 * c + t < size)
+            + "    }" for c in range(count))
+
+    kernel = f"""
+// ---- attention grad_kv: {plan.rows} key rows per workgroup, query tiles of {plan.tile}
+{_blocked_header(s, plan, blocks, grid, per_block)}
+var<workgroup> tile_q: array<vec4<f32>, {plan.tile * d4}>;
+var<workgroup> tile_do: array<vec4<f32>, {plan.tile * dv4}>;
+var<workgroup> tile_lse: array<f32, {plan.tile}>;
+var<workgroup> tile_delta: array<f32, {plan.tile}>;
+var<workgroup> own_k: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
+var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
+
+{_blocked_entry()}  let bg = blk / PER_BLOCK;
+  let b = bg / HKV;
+  let g = bg % HKV;
+  let j0 = (blk % PER_BLOCK) * BLOCK;
+  let j = j0 + tid;
+  let jk = min(j, LK - 1u);  // rows past the end compute on the last row and store nothing
+  let mine_k = tid * {d4 + 1}u;
+  let mine_v = tid * {dv4 + 1}u;
+  for (var c = 0u; c < {d4}u; c = c + 1u) {{ own_k[mine_k + c] = load_k4(b, g * GROUP, jk, c); }}
+  for (var c = 0u; c < {dv4}u; c = c + 1u) {{ own_v[mine_v + c] = load_v4(b, g * GROUP, jk, c); }}
+{acc_regs}
+  let query_start = {"(j0 / TILE) * TILE" if s.causal else "0u"};
+  for (var h = g * GROUP; h < (g + 1u) * GROUP; h = h + 1u) {{
+    for (var start = query_start; start < LQ; start = start + TILE) {{
+      workgroupBarrier();
+{_stage("tile_q", "load_q4", "TILE", d4, "start", "LQ")}
+{_stage("tile_do", "load_dout4", "TILE", dv4, "start", "LQ")}
+      for (var t = tid; t < TILE; t = t + BLOCK) {{
+        let r = min(start + t, LQ - 1u);
+        tile_lse[t] = load_lse(b, h, r);
+        tile_delta[t] = load_delta(b, h, r);
+      }}
+      workgroupBarrier();
+      let n = min(TILE, LQ - start);
+      for (var t = 0u; t < n; t = t + 1u) {{
+        let i = start + t;
+        if (!({"j > i" if s.causal else "false"})) {{
+          let p = prob(({_row_dot("own_k", "mine_k", "tile_q", "t", d4)}) * SCALE + {bias}, tile_lse[t]);
+          if (p > 0.0) {{
+{update_v}
+            let ds = p * (({_row_dot("own_v", "mine_v", "tile_do", "t", dv4)}) - tile_delta[t]);
+{update_k}
+          }}
+        }}
+      }}
+    }}
+  }}
+  if (j < LK) {{
+    let row = bg * LK + j;
+{stores(dk, "gk", d4, s.d, " * SCALE")}
+{stores(dv, "gv", dv4, s.dv, "")}
+  }}
+}}
+"""
+    return prelude + "\n" + _vec4_loaders(s, "q", "k", "v", "dout") + kernel, grid
