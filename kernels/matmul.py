@@ -28,6 +28,9 @@ SHARED_PAD_VEC4 = 1           # vec4s of padding per shared-tile row: transposed
 # Tile choice, from timings on an H200 (bench/results/h200-matmul-tiles.json): a 128 edge pays off from 128
 # workgroups on; below, 64x64-class tiles win down to about 32 workgroups; smaller problems shrink further.
 BIG_TILE_EDGE = 64
+SPLIT_TARGET_WORKGROUPS = 256  # split K until the workgroups reach this...
+SPLIT_MIN_K = 256             # ...while every slice keeps at least this much of K
+SPLIT_MAX = 64
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
 GEMV_SHORT_K = 256            # gemv: k up to this -> many columns, few lanes per column
@@ -72,12 +75,18 @@ class GemvPlan:
 
 
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
-                  b_fast: str = "j", tile: tuple[int, int] | None = None) -> tuple[str, tuple[int, int, int]]:
+                  b_fast: str = "j", tile: tuple[int, int] | None = None, split: int = 1,
+                  partial: str | None = None) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
     so that neighbouring threads read neighbouring addresses; any value is correct, the right one is faster.
-    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each from TILE_SIZES), e.g. for tuning."""
+    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each from TILE_SIZES), e.g. for tuning.
+    With ``split`` > 1 (see ``split_k``) the kernel sums one of ``split`` slices of K and writes its partial
+    sums into the array named ``partial`` (split * batch * m * n floats, slice-major) instead of calling
+    store_c; ``split_reduce_kernel`` then adds the slices up and stores."""
+    if split > 1 and (partial is None or m == 1 or n == 1):
+        raise ValueError("matmul_kernel: a split K needs the tiled kernel (m, n > 1) and a partial-sum array")
     if min(batch, m, n) < 1 or k < 0:
         raise ValueError(f"matmul_kernel: need batch, m, n >= 1 and k >= 0, got {batch=} {m=} {n=} {k=}")
     if a_fast not in ("p", "i") or b_fast not in ("p", "j"):
@@ -85,7 +94,52 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     if tile is None and (m == 1 or n == 1):
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p")
-    return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile)
+    return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
+                         split=split, partial=partial)
+
+
+def split_k(batch: int, m: int, n: int, k: int, limits: dict) -> int:
+    """Slices to cut K into: 1, or a power of two when the output tiles alone make too few workgroups for a long K
+    (a convolution's weight gradient, a narrow projection). The slices' partial sums go through workgroup-owned
+    scratch and a second, deterministic reduction pass."""
+    if m == 1 or n == 1 or k < 2 * SPLIT_MIN_K:
+        return 1
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
+    workgroups = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
+    split = 1
+    while (workgroups * split * 2 <= SPLIT_TARGET_WORKGROUPS and k // (split * 2) >= SPLIT_MIN_K
+           and split * 2 <= SPLIT_MAX):
+        split *= 2
+    return split
+
+
+def split_reduce_kernel(prelude: str, *, batch: int, m: int, n: int, split: int, partial: str,
+                        limits: dict) -> tuple[str, tuple[int, int, int]]:
+    """Return (wgsl_source, workgroups) that sums the ``split`` slices of ``partial`` and calls store_c once per
+    output element."""
+    total = batch * m * n
+    grid = fold_grid(-(-total // THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
+    kernel = f"""
+// ---- matmul: sum of {split} K slices
+const OUTPUTS: u32 = {total}u;
+const GRID_X: u32 = {grid[0]}u;
+const GRID_XY: u32 = {grid[0] * grid[1]}u;
+
+@compute @workgroup_size({THREADS_WANTED})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+    let e = (wg.x + wg.y * GRID_X + wg.z * GRID_XY) * {THREADS_WANTED}u + lid;
+    if (e >= OUTPUTS) {{ return; }}
+    var acc = 0.0;
+    for (var s = 0u; s < {split}u; s++) {{ acc += {partial}[s * OUTPUTS + e]; }}
+    store_c(e / {m * n}u, (e / {n}u) % {m}u, e % {n}u, acc);
+}}
+"""
+    return prelude + kernel, grid
+
+
+def _max_threads(limits: dict) -> int:
+    return min(limits["max-compute-invocations-per-workgroup"],
+               limits.get("max-compute-workgroup-size-x", THREADS_WANTED))
 
 
 def fold_grid(total: int, max_per_dim: int) -> tuple[int, int, int]:
@@ -146,11 +200,12 @@ def _choose_tiled_plan(batch: int, m: int, n: int, k: int, shared_limit: int, ma
     if tile is None:
         while max(tile_m, tile_n) > BIG_TILE_EDGE and workgroups(tile_m, tile_n) < MIN_WORKGROUPS_BIG:
             tile_m, tile_n = _halve_larger(tile_m, tile_n)
-        while workgroups(tile_m, tile_n) < MIN_WORKGROUPS and max(tile_m, tile_n) > smallest:
+        while (workgroups(tile_m, tile_n) < MIN_WORKGROUPS and max(tile_m, tile_n) > smallest
+               and k < 2 * SPLIT_MIN_K):  # a long K gets its workgroups from split_k instead
             tile_m, tile_n = _halve_larger(tile_m, tile_n)
     while TiledPlan(tile_m, tile_n, K_CHUNKS[-1]).threads > max_threads:
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
-    chunk_cap = max(K_CHUNKS[-1], _pow2_ceil(k))
+    chunk_cap = max(K_CHUNKS[-1], _pow2_ceil(k))  # (with a split K, slices are whole chunks of this size)
     while True:
         for chunk in K_CHUNKS:
             plan = TiledPlan(tile_m, tile_n, min(chunk, chunk_cap))
@@ -194,9 +249,9 @@ class _Staging:
             reg = f"stage_{self.name}{t}"
             guard = f"lid + {t * self.plan.threads}u < {self.total}u && " if (t + 1) * self.plan.threads > self.total else ""
             if self.a_side:
-                cond, load = f"row0 + r{t} < M && {k0} + p{t} < K", f"load_a(batch_index, row0 + r{t}, {k0} + p{t})"
+                cond, load = f"row0 + r{t} < M && {k0} + p{t} < k_end", f"load_a(batch_index, row0 + r{t}, {k0} + p{t})"
             else:
-                cond, load = f"col0 + r{t} < N && {k0} + p{t} < K", f"load_b(batch_index, {k0} + p{t}, col0 + r{t})"
+                cond, load = f"col0 + r{t} < N && {k0} + p{t} < k_end", f"load_b(batch_index, {k0} + p{t}, col0 + r{t})"
             lines.append(f"""    {{
         {self._decode(t)}
         {reg} = 0.0;
@@ -217,15 +272,15 @@ class _Staging:
 
 
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
-                  tile: tuple[int, int] | None) -> tuple[str, tuple[int, int, int]]:
-    max_threads = min(limits["max-compute-invocations-per-workgroup"],
-                      limits.get("max-compute-workgroup-size-x", THREADS_WANTED))
-    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], max_threads, tile)
+                  tile: tuple[int, int] | None, split: int, partial: str | None) -> tuple[str, tuple[int, int, int]]:
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile)
     tm, tn = plan.threads_m, plan.threads_n
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     tiles_m, tiles_n = -(-m // plan.tile_m), -(-n // plan.tile_n)
-    total = batch * tiles_m * tiles_n
+    total = split * batch * tiles_m * tiles_n
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
+    per_slice = -(-k // split)
+    k_slice = -(-per_slice // plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
     a_row, b_row = plan.tile_m // 4 + SHARED_PAD_VEC4, plan.tile_n // 4 + SHARED_PAD_VEC4
     stage_a, stage_b = _Staging(plan, True, a_fast), _Staging(plan, False, b_fast)
     rows = [(g, i) for g in range(row_groups) for i in range(4)]
@@ -243,31 +298,38 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         for h in range(col_groups):
             for j in range(4):
                 col = f"col0 + 4u * (tx + {tn * h}u) + {j}u"
-                stores.append(f"    if (live && {row} < M && {col} < N) "
-                              f"{{ store_c(batch_index, {row}, {col}, acc_{g}_{i}_{h}[{j}]); }}")
+                store = (f"{partial}[((slice * BATCH + batch_index) * M + {row}) * N + {col}] = "
+                         f"acc_{g}_{i}_{h}[{j}];" if split > 1 else
+                         f"store_c(batch_index, {row}, {col}, acc_{g}_{i}_{h}[{j}]);")
+                stores.append(f"    if (live && {row} < M && {col} < N) {{ {store} }}")
 
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
-{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}
+{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}
 {_header(batch, m, n, k, grid, total)}const TILES_N: u32 = {tiles_n}u;
 const TILES_PER_BATCH: u32 = {tiles_m * tiles_n}u;
+const TILES_ALL: u32 = {batch * tiles_m * tiles_n}u;
+const K_SLICE: u32 = {k_slice}u;
 var<workgroup> tile_a: array<vec4<f32>, {plan.chunk_k * a_row}>;
 var<workgroup> tile_b: array<vec4<f32>, {plan.chunk_k * b_row}>;
 
 @compute @workgroup_size({plan.threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-{LINEAR_WORKGROUP}    let batch_index = wg_linear / TILES_PER_BATCH;
+{LINEAR_WORKGROUP}    let slice = wg_linear / TILES_ALL;
+    let batch_index = (wg_linear % TILES_ALL) / TILES_PER_BATCH;
     let tile_index = wg_linear % TILES_PER_BATCH;
     let row0 = (tile_index / TILES_N) * {plan.tile_m}u;
     let col0 = (tile_index % TILES_N) * {plan.tile_n}u;
+    let k_begin = slice * K_SLICE;
+    let k_end = min(K, k_begin + K_SLICE);
     let tx = lid % {tn}u;
     let ty = lid / {tn}u;
 {acc_decl}
 {stage_a.declare()}
 {stage_b.declare()}
-{stage_a.fetch("0u")}
-{stage_b.fetch("0u")}
-    for (var k0 = 0u; k0 < K; k0 += {plan.chunk_k}u) {{
+{stage_a.fetch("k_begin")}
+{stage_b.fetch("k_begin")}
+    for (var k0 = k_begin; k0 < k_end; k0 += {plan.chunk_k}u) {{
         workgroupBarrier();
 {stage_a.store()}
 {stage_b.store()}

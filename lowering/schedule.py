@@ -1,7 +1,8 @@
 """Schedule: turn a fused Graph into a Plan (buffers, memory plan, WGSL per kernel, dispatch list).
 
-Every non-input node is one dispatch. Inputs, parameters and graph outputs get buffers of their own;
-intermediates share the arena placed by the planner. Loads become linear reads of contiguous tensors,
+Every non-input node is one dispatch, or two for a matmul whose K is split (partial sums in the arena, then their
+sum). Inputs, parameters and graph outputs get buffers of their own; intermediates share the arena placed by the
+planner. Loads become linear reads of contiguous tensors,
 with the index math simplified against the kernel's iteration bounds.
 """
 from __future__ import annotations
@@ -57,6 +58,14 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
         Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
     ]
+    scratch: dict[int, tuple[int, int]] = {}  # node id -> (K slices, arena key of its partial sums)
+    for step, node in enumerate(kernels):
+        if isinstance(node, Matmul):
+            split = matmul_kernels.split_k(node.batch, node.m, node.n, node.k, limits)
+            if split > 1:
+                scratch[id(node)] = (split, -1 - step)  # negative keys: no value id collides
+                intervals.append(Interval(-1 - step, 4 * split * node.batch * node.m * node.n, step, step))
+    sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
     offsets, arena_size = place(intervals, alignment)
     if intervals:
         buffers.append(BufferSpec("arena", arena_size, "arena"))
@@ -70,20 +79,21 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
     for node in kernels:
         if all(v.numel == 0 for v in node.outs):
             continue
-        source, groups, bound = _kernel(node, values, limits)
-        key = hashlib.sha1(source.encode()).hexdigest()[:16]
-        sources[key] = source
-        bindings = []
-        for vid in bound:
-            if vid == "status":
-                bindings.append(Binding("status", 0, 16))
-            else:
-                buf, off = placement[vid]
-                bindings.append(Binding(buf, off, tensor_bytes(values[vid])))
         label = getattr(node, "label", "") or type(node).__name__.lower()
         if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
             label += f" {node.batch}x{node.m}x{node.n}x{node.k}" if node.batch > 1 else f" {node.m}x{node.n}x{node.k}"
-        dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label))
+        passes = _kernel(node, values, limits, scratch.get(id(node)))
+        for i, (source, groups, bound) in enumerate(passes):
+            key = hashlib.sha1(source.encode()).hexdigest()[:16]
+            sources[key] = source
+            bindings = []
+            for vid in bound:
+                if vid == "status":
+                    bindings.append(Binding("status", 0, 16))
+                else:
+                    buf, off = placement[vid]
+                    bindings.append(Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid])))
+            dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label + (" (sum of slices)" if i else "")))
 
     unplanned = sum(iv.size for iv in intervals)
     plan_stats = dict(stats or {})
@@ -94,8 +104,9 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
     return plan
 
 
-def _kernel(node: Node, values: dict, limits: dict):
-    """WGSL, workgroups and the bound value ids (slot order) of one node."""
+def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None) -> list[tuple]:
+    """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a matmul
+    whose K is split (``scratch``: slices and the arena key of the partial sums)."""
     bound: list = []
 
     def slot_of(vid) -> int:
@@ -124,10 +135,14 @@ def _kernel(node: Node, values: dict, limits: dict):
     def name(slot):
         return wgsl.STATUS_VAR if bound[slot] == "status" else f"b{slot}"
 
+    if scratch is not None:
+        slot_of(scratch[1])
     decl = []
     for slot, vid in enumerate(bound):
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
+        elif scratch is not None and vid == scratch[1]:
+            decl.append((slot, name(slot), "f32"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[values[vid].compute_dtype]))
 
@@ -146,9 +161,16 @@ def _kernel(node: Node, values: dict, limits: dict):
     elif isinstance(node, Matmul):
         a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
         b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
-        src, groups = matmul_kernels.matmul_kernel(
-            _matmul_prelude(decl, exprs, name(out_slots[0]), node), batch=node.batch, m=node.m, n=node.n,
-            k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast)
+        prelude = _matmul_prelude(decl, exprs, name(out_slots[0]), node)
+        if scratch is not None:
+            split, partial = scratch[0], name(bound.index(scratch[1]))
+            dims = dict(batch=node.batch, m=node.m, n=node.n)
+            return [(*matmul_kernels.matmul_kernel(prelude, **dims, k=node.k, limits=limits, a_fast=a_fast,
+                                                   b_fast=b_fast, split=split, partial=partial), bound),
+                    (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial,
+                                                         limits=limits), bound)]
+        src, groups = matmul_kernels.matmul_kernel(prelude, batch=node.batch, m=node.m, n=node.n, k=node.k,
+                                                   limits=limits, a_fast=a_fast, b_fast=b_fast)
     elif isinstance(node, Attention):
         shape = attention_kernels.AttentionShape(node.batch, node.heads, node.kv_heads, node.lq, node.lk, node.d,
                                                  node.dv, node.scale, node.causal, node.bias is not None)
@@ -156,7 +178,7 @@ def _kernel(node: Node, values: dict, limits: dict):
             _attention_prelude(decl, exprs, node), node.kind, shape, [name(s) for s in out_slots], limits)
     else:
         raise TypeError(f"no kernel for node {type(node).__name__}")
-    return src, groups, bound
+    return [(src, groups, bound)]
 
 
 ATTENTION_ARGS = {"q": "bhic", "k": "bhjc", "v": "bhjc", "bias": "bhij", "dout": "bhic", "lse": "bhi", "delta": "bhi"}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from meganeura.kernels.matmul import fold_grid, matmul_kernel
+from meganeura.kernels.matmul import fold_grid, matmul_kernel, split_k, split_reduce_kernel
 
 wgpu = pytest.importorskip("wgpu")
 
@@ -58,6 +58,7 @@ def build_prelude(a: Operand, b: Operand, *, batch: int, m: int, n: int, k: int,
 @group(0) @binding(3) var<storage, read_write> visits: array<f32>;
 @group(0) @binding(4) var<storage, read_write> bad_index: array<f32>;
 @group(0) @binding(5) var<storage, read_write> bias: array<f32>;
+@group(0) @binding(6) var<storage, read_write> slices: array<f32>;
 
 fn check_index(ok: bool) {{ if (!ok) {{ bad_index[0] = 1.0; }} }}
 
@@ -107,31 +108,38 @@ def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, lim
     n = b.shape[2]
     limits = dict(limits or device.limits)
     prelude = build_prelude(a, b, batch=batch, m=m, n=n, k=k, epilogue=epilogue)
-    source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, **layout)
+    split = layout.get("split", 1)
+    source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, **layout,
+                                       **({"partial": "slices"} if split > 1 else {}))
     assert source.startswith(prelude) and "fn main(" in source
     assert workgroup_storage_bytes(source) <= limits[STORAGE_LIMIT]
     assert all(1 <= count <= limits[GRID_LIMIT] for count in workgroups)
+    kernels = [(source, workgroups)]
+    if split > 1:
+        kernels.append(split_reduce_kernel(prelude, batch=batch, m=m, n=n, split=split, partial="slices",
+                                           limits=limits))
 
     outputs = batch * m * n
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
     bias = np.zeros(4, np.float32) if bias is None else np.asarray(bias, np.float32)
     arrays = [a.flat, b.flat, np.full(outputs, np.nan, np.float32), np.zeros(outputs, np.float32),
-              np.zeros(4, np.float32), bias]
+              np.zeros(4, np.float32), bias, np.full(max(split * outputs, 4), np.nan, np.float32)]
     buffers = [device.create_buffer_with_data(data=array, usage=usage) for array in arrays]
     entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
                 "buffer": {"type": wgpu.BufferBindingType.storage}} for i in range(len(buffers))]
     group_layout = device.create_bind_group_layout(entries=entries)
-    pipeline = device.create_compute_pipeline(
-        layout=device.create_pipeline_layout(bind_group_layouts=[group_layout]),
-        compute={"module": device.create_shader_module(code=source), "entry_point": "main"})
     bind_group = device.create_bind_group(layout=group_layout, entries=[
         {"binding": i, "resource": {"buffer": buffer, "offset": 0, "size": buffer.size}}
         for i, buffer in enumerate(buffers)])
     encoder = device.create_command_encoder()
     compute_pass = encoder.begin_compute_pass()
-    compute_pass.set_pipeline(pipeline)
-    compute_pass.set_bind_group(0, bind_group)
-    compute_pass.dispatch_workgroups(*workgroups)
+    for kernel_source, grid in kernels:
+        pipeline = device.create_compute_pipeline(
+            layout=device.create_pipeline_layout(bind_group_layouts=[group_layout]),
+            compute={"module": device.create_shader_module(code=kernel_source), "entry_point": "main"})
+        compute_pass.set_pipeline(pipeline)
+        compute_pass.set_bind_group(0, bind_group)
+        compute_pass.dispatch_workgroups(*grid)
     compute_pass.end()
     device.queue.submit([encoder.finish()])
 
@@ -212,6 +220,26 @@ def test_epilogue_bias_relu(device, m, n, k):
     assert np.all(visits == 1.0) and bad_index == 0.0
 
 
+@pytest.mark.parametrize("batch, m, n, k, split, tile", [
+    (1, 20, 30, 1000, 4, None),       # slices of 256: the last one shorter
+    (2, 33, 65, 700, 8, (32, 64)),    # ragged tiles, batched, slices of 88 (whole chunks of 8)
+    (1, 16, 16, 37, 16, (16, 16)),    # more slices than chunks: trailing slices are empty
+])
+def test_split_k(device, batch, m, n, k, split, tile):
+    rng = np.random.default_rng(9)
+    a, b = make_operand(rng, batch, m, k), make_operand(rng, batch, k, n, layout="transposed")
+    source, _ = check(device, a, b, split=split, tile=tile, b_fast="p")
+    assert f"K in {split} slices" in source
+
+
+def test_split_k_choice():
+    assert split_k(1, 64, 147, 50176, LIMITS) == 64       # a convolution's weight gradient: 3 tiles, long K
+    assert split_k(1, 196, 1024, 2304, LIMITS) == 4       # 64 tiles
+    assert split_k(1, 4096, 4096, 4096, LIMITS) == 1      # enough tiles already
+    assert split_k(1, 64, 64, 300, LIMITS) == 1           # K too short to halve
+    assert split_k(1, 1, 4096, 4096, LIMITS) == 1         # gemv
+
+
 def test_grid_fold_large_batch(device):
     rng = np.random.default_rng(4)
     _, workgroups = check(device, make_operand(rng, 70000, 2, 2), make_operand(rng, 70000, 2, 2))
@@ -261,7 +289,8 @@ def test_tile_choice_by_shape():
     assert header(1, 1024, 1024, 1024).startswith("tiled 64x128")   # 128 workgroups
     assert header(1, 512, 512, 512).startswith("tiled 64x64")       # 16 tiles of 128x128 are too few
     assert header(32, 128, 128, 64).startswith("tiled 64x64")       # batch counts towards workgroups
-    assert header(1, 128, 576, 1536).startswith("tiled 32x64")      # 18 tiles of 64x64 are too few
+    assert header(1, 128, 576, 320).startswith("tiled 32x64")       # 18 tiles of 64x64 are too few
+    assert header(1, 128, 576, 1536).startswith("tiled 64x64")      # a long K: split_k makes the workgroups
     assert header(1, 20, 20, 20).startswith("tiled 16x16, K chunk 16, 4x4 threads of 4x4")
     assert header(1, 7, 9, 3).startswith("tiled 16x16, K chunk 4")
     assert header(1, 1, 4096, 4096).startswith("gemv over columns, 4 outputs x 64 K lanes")
