@@ -18,9 +18,7 @@ GRID = list(itertools.product((32, 64, 80, 128), (1, 7, 128, 300))) + [(256, 7),
 VARIANTS = ["plain", "causal", "bool_mask", "additive_mask", "gqa", "cross", "scale", "gqa_causal_cross"]
 
 
-def _case(index):
-    d, seq = GRID[index]
-    variant = VARIANTS[index % len(VARIANTS)]
+def _case(d, seq, variant):
     heads, kv_heads, lk = 2, 2, seq
     mask, causal, scale = None, False, None
     if "gqa" in variant:
@@ -41,7 +39,11 @@ def _case(index):
 
 @pytest.mark.parametrize("index", range(len(GRID)))
 def test_sdpa(index):
-    d, seq, heads, kv_heads, lk, mask, causal, scale, variant = _case(index)
+    _check_sdpa(*GRID[index], VARIANTS[index % len(VARIANTS)])
+
+
+def _check_sdpa(d, seq, variant):
+    d, seq, heads, kv_heads, lk, mask, causal, scale, variant = _case(d, seq, variant)
     q = torch.randn(2, heads, seq, d)
     k, v = torch.randn(2, kv_heads, lk, d), torch.randn(2, kv_heads, lk, d)
 
@@ -50,6 +52,16 @@ def test_sdpa(index):
                                               enable_gqa=heads != kv_heads)
 
     check_gradients_against_eager(fn, q, k, v, rtol=RTOL, atol=ATOL, rel=REL, names="qkv", what=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sdpa_blocked_kernels_at_any_length(variant, monkeypatch):
+    """The blocked kernels (a block of rows per workgroup) serve long sequences only; forced here onto a short,
+    ragged one through every variant of the grid (masks, causal, GQA, cross-attention, scale)."""
+    from meganeura.kernels import attention
+
+    monkeypatch.setattr(attention, "BLOCK_MIN_OTHER", {"forward": 0, "grad_q": 0, "grad_kv": 0})
+    _check_sdpa(36, 37, variant)
 
 
 def test_inference_attention_is_one_fused_kernel():
