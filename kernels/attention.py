@@ -6,8 +6,9 @@ head inside the load), optionally ``load_bias(b, h, i, j)`` (an additive mask), 
 ``load_dout(b, h, i, c)``, ``load_lse(b, h, i)`` and ``load_delta(b, h, i)`` (delta = rowsum(dout * out)).
 Outputs are written contiguously into the arrays named by the caller.
 
-Three passes, each in two forms. Blocked (``_blocked_*``, for head sizes up to d + dv = 160 and a long enough other
-sequence): a block of rows per workgroup, one row per thread, with tiles of the other sequence staged in workgroup
+Three passes, each in two forms. Blocked (``_blocked_*``, for head sizes up to d + dv = 160; on an H200 it was the
+faster form in the SD U-Net (seq 64-256), SmolLM2 (seq 128, rotary embeddings in the loads) and Whisper (seq 1500)
+workloads, though a bare seq-50 attention ran faster per row): a block of rows per workgroup, one row per thread, with tiles of the other sequence staged in workgroup
 memory and read by broadcast. Per row (otherwise): one workgroup per row, ``THREADS`` threads walking the other
 sequence in tiles of ``THREADS``:
   forward  per query row (b, h, i): scores of a key tile, online softmax (running max and sum), the output
@@ -272,7 +273,7 @@ def _block_plan(s: AttentionShape, kind: str, limits: dict) -> BlockPlan | None:
     """Rows per workgroup and tile length of a blocked pass, or None where the per-row kernel is the one to use:
     head sizes whose per-thread registers would not fit, or workgroup storage too small for the smallest tile."""
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
-    if d4 + dv4 > BLOCK_MAX_VEC4 or (s.lq if kind == "grad_kv" else s.lk) < BLOCK_MIN_OTHER[kind]:
+    if d4 + dv4 > BLOCK_MAX_VEC4:
         return None
     own, other = (s.kv_heads * s.lk, s.lq) if kind == "grad_kv" else (s.heads * s.lq, s.lk)
     length = own // (s.kv_heads if kind == "grad_kv" else s.heads)
@@ -293,9 +294,6 @@ BLOCK_ROWS = (64, 32, 16)  # rows per workgroup: the largest that still gives BL
 BLOCK_MIN_WORKGROUPS = 128
 BLOCK_TILES = (32, 16, 8, 4)  # rows of the other sequence per tile, the largest that fits the workgroup storage
 BLOCK_MAX_VEC4 = 40  # per-thread vec4 registers of row state (d/4 + dv/4, so d + dv <= 160)
-# Shorter other sequences run faster one row per workgroup (H200: seq 128 forward 0.08 vs 0.10 ms blocked, seq 256
-# 0.98 vs 0.34 ms; grad_kv already wins blocked at 128: 0.13 vs 0.38 ms).
-BLOCK_MIN_OTHER = {"forward": 256, "grad_q": 256, "grad_kv": 128}
 
 
 def _vec4_loaders(s: AttentionShape, *operands: str) -> str:

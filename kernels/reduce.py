@@ -3,8 +3,9 @@
 A row program has phases (sum, prod, max, min, argmax, argmin), each reducing an expression that may use
 the results of earlier phases; then it writes per-row results (by thread 0) and per-element results
 (strided over the row). Softmax, log-softmax, layer norm and variance are one dispatch each; plain
-sum/mean/amax are the one-phase case. Threads stride over the row and combine in workgroup memory: never
-one thread per row.
+sum/mean/amax are the one-phase case. Threads stride over the row and combine in workgroup memory.
+Rows of at most SERIAL_ROW_MAX elements (a pooling window, a few scatter candidates) are the exception: one
+thread walks each row on its own, with no workgroup memory and no barriers.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ ARG_BETTER = {
 }
 
 
+SERIAL_ROW_MAX = 16
+SERIAL_WORKGROUP = 64
+
+
 def workgroup_size(row_length: int, max_invocations: int) -> int:
     size = 32
     while size < row_length and size < 256:
@@ -51,8 +56,9 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[s
     red_shape = [domain[d] for d in axes]
     rows = _prod(row_shape)
     length = _prod(red_shape)
-    wg = workgroup_size(length, limits["max-compute-invocations-per-workgroup"])
-    groups = wgsl.grid(rows, limits["max-compute-workgroups-per-dimension"])
+    serial = length <= SERIAL_ROW_MAX
+    wg = SERIAL_WORKGROUP if serial else workgroup_size(length, limits["max-compute-invocations-per-workgroup"])
+    groups = wgsl.grid(-(-rows // wg) if serial else rows, limits["max-compute-workgroups-per-dimension"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
     body: list[str] = []
@@ -60,7 +66,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[s
     shared_types = set()
     has_arg = False
     for p, (op, expr) in enumerate(phases):
-        body += _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names[:p])
+        body += _phase(p, op, expr, names, axes, red_shape, length, 1 if serial else wg, acc_names[:p])
         shared_types.add(expr.dtype)
         has_arg = has_arg or op.startswith("arg")
     row_results = [r for r in results if not r[0]]
@@ -68,26 +74,29 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[s
     if row_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
         stores = [f"    {name}[row] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in row_results]
-        body += ["  if (lid == 0u) {"] + em.lines + stores + ["  }"]
+        body += ["  if (lid == 0u || SERIAL) {"] + em.lines + stores + ["  }"]
     if elem_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
         stores = [f"    {name}[flat] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in elem_results]
         strides = _strides(domain)
         flat = " + ".join([f"{names[d]} * {strides[d]}i" for d in range(len(domain))] or ["0i"])
-        body += [f"  for (var j: i32 = i32(lid); j < {length}i; j = j + {wg}i) {{"]
+        first, step = ("0i", "1i") if serial else ("i32(lid)", f"{wg}i")
+        body += [f"  for (var j: i32 = {first}; j < {length}i; j = j + {step}) {{"]
         body += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
         body += [f"    let flat: i32 = {flat};"] + em.lines + stores + ["  }"]
     text = "\n".join(body)
     shared = "\n".join(f"var<workgroup> red_{t}: array<{wgsl.VALUE_TYPE[t] if t != 'bool' else 'u32'}, {wg}>;"
-                       for t in sorted(shared_types))
-    if has_arg:  # indices get their own array: an i32 argmax keeps its values in red_i32
+                       for t in sorted(shared_types)) if not serial else ""
+    if has_arg and not serial:  # indices get their own array: an i32 argmax keeps its values in red_i32
         shared += f"\nvar<workgroup> red_idx: array<i32, {wg}>;"
+    row_index = f"{wgsl.flat_workgroup(groups[0])} * {wg}u + lid" if serial else wgsl.flat_workgroup(groups[0])
     source = f"""{wgsl.binding_decls(bindings)}
 {shared}
+const SERIAL: bool = {"true" if serial else "false"};
 {wgsl.helpers_for(text)}
 @compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-  let row_u = {wgsl.flat_workgroup(groups[0])};
+  let row_u = {row_index};
   if (row_u >= {rows}u) {{ return; }}
   let row = i32(row_u);
 {text}
@@ -97,7 +106,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 
 def _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names) -> list[str]:
-    """Lines computing acc{p}: a strided per-thread loop, then a tree over workgroup memory."""
+    """Lines computing acc{p}: a strided per-thread loop, then a tree over workgroup memory (``wg`` 1: one thread
+    walks the whole row and there is no tree)."""
     dt = expr.dtype
     em = wgsl.Emitter(names, acc_names, indent="    ")
     value = em.value(expr)
@@ -106,7 +116,7 @@ def _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names) -> list[s
     lines = [f"  var {a}: {wgsl.VALUE_TYPE[dt]} = {IDENTITY[(op, dt)]};"]
     if is_arg:
         lines.append(f"  var {ai}: i32 = 2147483647i;")
-    lines += [f"  for (var j: i32 = i32(lid); j < {length}i; j = j + {wg}i) {{"]
+    lines += [f"  for (var j: i32 = {'0i' if wg == 1 else 'i32(lid)'}; j < {length}i; j = j + {wg}i) {{"]
     lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
     lines += em.lines
     if is_arg:
@@ -115,6 +125,8 @@ def _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names) -> list[s
     else:
         lines += [f"    {a} = {_combine(op, dt, a, value)};"]
     lines += ["  }"]
+    if wg == 1:  # one thread per row: the loop saw the whole row
+        return lines + [f"  let acc{p} = {ai if is_arg else a};"]
     shared = f"red_{dt}"
     to_shared = (lambda x: f"select(0u, 1u, {x})") if dt == "bool" else (lambda x: x)
     from_shared = (lambda x: f"({x} != 0u)") if dt == "bool" else (lambda x: x)
