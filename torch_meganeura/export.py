@@ -59,8 +59,13 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments. The bundle is
     specialised to their shapes and dtypes. The model is traced as it is: call ``model.eval()`` first for
     inference behaviour. A ``torch.compile``d model is exported through its original module, with its current
-    (e.g. trained) weights. ``adapter`` picks the device whose limits the plan is generated for."""
-    module = getattr(model, "_orig_mod", model)
+    (e.g. trained) weights. A ``compile_train_step`` step exports its module (traced as it is: call
+    ``step.model.eval()`` first) with the weights it holds on the device, read directly: the module's own tensors
+    need not be synced and are not touched. ``adapter`` picks the device whose limits the plan is generated for."""
+    from .train_step import TrainStep
+
+    resident = model.device_weights() if isinstance(model, TrainStep) else {}
+    module = model.model if isinstance(model, TrainStep) else getattr(model, "_orig_mod", model)
     args, kwargs = _split_inputs(example_inputs)
     program = _trace(module, args, kwargs)
     gm = program.graph_module
@@ -70,7 +75,8 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     limits = compile_limits(get_device(adapter).limits, portable)
     plan, _ = compile_graph(lowered.graph, limits)
     state = _state(program)
-    weights = {name: _to_numpy(state[sources[name]]) for _, name in lowered.params}
+    weights = {name: resident[sources[name]] if sources[name] in resident else _to_numpy(state[sources[name]])
+               for _, name in lowered.params}
     specs = {t.name: t for t in plan.inputs + plan.outputs + plan.params}
     input_specs = program.graph_signature.input_specs
     outputs = zip(_output_names(program), lowered.outputs)

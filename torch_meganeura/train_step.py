@@ -117,6 +117,15 @@ class TrainStep:
             for n in self._buffers:
                 buffers[n].copy_(_download(self._arrays[f"buffer:{n}"], buffers[n]))
 
+    def device_weights(self) -> dict[str, np.ndarray]:
+        """Parameters and buffers by state-dict name, read from the device; the module is not touched."""
+        weights = {}
+        for role, array in self._arrays.items():
+            kind, _, name = role.partition(":")
+            if kind in ("param", "frozen", "buffer"):
+                weights[name] = array.numpy()
+        return weights
+
     def state_dict(self) -> dict:
         """The module's state dict, synced from the device first."""
         self.sync_to_module()

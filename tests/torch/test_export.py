@@ -3,6 +3,7 @@ eager; bad bundles are refused by name before any device object is built; what c
 a model trained with backend="meganeura" deploys with its trained weights."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from safetensors.numpy import load_file, save_file
 
 import torch_meganeura
@@ -351,6 +353,28 @@ def test_train_with_backend_then_deploy(tmp_path):
         for p, q in zip(model.parameters(), initial):
             p.copy_(q)
         assert np.abs(got - model(x).numpy()).max() > 1e-3  # not the untrained model
+
+
+def test_export_takes_a_train_steps_weights_from_the_device(tmp_path):
+    """A bundle exported from compile_train_step holds the trained weights without a sync: the module stays stale."""
+    from torch_meganeura import compile_train_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(5, 8), torch.randn(5, 3)
+    step = compile_train_step(model, lambda m, x, y: F.mse_loss(m(x), y), torch.optim.SGD(model.parameters(), lr=0.5))
+    for _ in range(3):
+        step(x, y)
+    stale = copy.deepcopy(model)
+    torch_meganeura.export(step, (x,), tmp_path / "bundle")
+    for (name, p), q in zip(model.named_parameters(), stale.parameters()):
+        assert torch.equal(p, q), f"export changed the module's {name}"
+    got = load(tmp_path / "bundle")(x.numpy())["output"]
+    step.sync_to_module()
+    with torch.no_grad():
+        trained, before = model(x).numpy(), stale(x).numpy()
+    np.testing.assert_allclose(got, trained, rtol=RTOL, atol=ATOL)
+    assert np.abs(trained - before).max() > 1e-2  # the three steps moved the output: the bundle is not stale
 
 
 def test_export_replaces_only_a_bundle(tmp_path):
