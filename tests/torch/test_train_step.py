@@ -1,7 +1,8 @@
 """Device-resident training (compile_train_step) against eager torch.optim, step by step.
 
-50 AdamW steps (weight decay, cosine LR schedule) on a small HF Llama and 50 SGD steps (momentum, nesterov, weight
-decay) on a small HF ResNet with BatchNorm: the loss of every step within 1e-4 relative, then the final weights,
+50 AdamW steps (weight decay, cosine LR schedule) and 50 SGD steps (momentum, weight decay) on a small HF Llama, and
+50 SGD steps (momentum, nesterov, weight decay) on a small HF ResNet with BatchNorm (a full ResNet-50 with AdamW is
+in test_train_step_resnet50.py, marked slow): the loss of every step within 1e-4 relative, then the final weights,
 BatchNorm statistics and optimizer state elementwise. A checkpoint saved at step 25 and loaded in a fresh process
 continues with the uninterrupted run's losses. Gradient clipping against clip_grad_norm_, gradient accumulation against
 the usual loop, gradients() against eager, a compiled optimizer.step, and refusals."""
@@ -149,6 +150,20 @@ def test_sgd_nesterov_resnet_with_batchnorm_50_steps():
         torch.testing.assert_close(state[name].to(want.dtype), want, rtol=1e-3, atol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
     assert int(state["resnet.embedder.embedder.normalization.num_batches_tracked"]) == 50
+
+
+def test_sgd_momentum_llama_50_steps():
+    torch.manual_seed(3)
+    model = _llama()
+
+    def make_optimizer(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+
+    step, ref, _, losses = _run_both(model, _llama_loss, make_optimizer, _ids, 50)
+    _assert_losses(losses)
+    state = step.state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(state[name], want, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_gradient_clipping_by_global_norm_matches_clip_grad_norm():
