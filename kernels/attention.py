@@ -28,6 +28,10 @@ from .matmul import fold_grid
 
 THREADS = 64
 MASKED = -1.0e38
+# The probability of a score against a row's log-sum-exp (or running max), zero where either is masked out.
+PROB = """fn prob(s: f32, lse: f32) -> f32 {
+  return select(exp(s - lse), 0.0, s <= MASKED || lse <= MASKED);
+}"""
 
 
 @dataclass(frozen=True)
@@ -95,17 +99,16 @@ fn score_k(b: u32, h: u32, i: u32, j: u32) -> f32 {{
   return dot * SCALE + {bias};
 }}
 
-fn prob(s: f32, lse: f32) -> f32 {{
-  return select(exp(s - lse), 0.0, s <= MASKED || lse <= MASKED);
-}}
+{PROB}
 """
 
 
-def _entry() -> str:
-    return """@compute @workgroup_size(T)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
-  let row = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
-  if (row >= ROWS) { return; }  // uniform: the whole workgroup leaves
+def _entry(size: str = "T", index: str = "row", count: str = "ROWS") -> str:
+    """The kernel's head: ``index``, the linear workgroup id (folded grids), and an exit for ids past ``count``."""
+    return f"""@compute @workgroup_size({size})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {{
+  let {index} = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
+  if ({index} >= {count}) {{ return; }}  // uniform: the whole workgroup leaves
 """
 
 
@@ -373,15 +376,9 @@ var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
 var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> scores: array<f32, {plan.rows * stride}>;
 
-fn prob(s: f32, m: f32) -> f32 {{
-  return select(exp(s - m), 0.0, s <= MASKED || m <= MASKED);
-}}
+{PROB}
 
-@compute @workgroup_size({plan.rows})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {{
-  let blk = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
-  if (blk >= BLOCKS) {{ return; }}  // uniform: the whole workgroup leaves
-  let bh = blk / QBLOCKS;
+{_entry("BQ", "blk", "BLOCKS")}  let bh = blk / QBLOCKS;
   let b = bh / H;
   let h = bh % H;
   let i0 = (blk % QBLOCKS) * BQ;
@@ -452,17 +449,7 @@ const GRID_XY: u32 = {grid[0] * grid[1]}u;
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};
 
-fn prob(s: f32, lse: f32) -> f32 {{
-  return select(exp(s - lse), 0.0, s <= MASKED || lse <= MASKED);
-}}
-"""
-
-
-def _blocked_entry() -> str:
-    return """@compute @workgroup_size(BLOCK)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
-  let blk = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
-  if (blk >= BLOCKS) { return; }  // uniform: the whole workgroup leaves
+{PROB}
 """
 
 
@@ -495,7 +482,7 @@ var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
 var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 
-{_blocked_entry()}  let bh = blk / PER_BLOCK;
+{_entry("BLOCK", "blk", "BLOCKS")}  let bh = blk / PER_BLOCK;
   let b = bh / H;
   let h = bh % H;
   let i0 = (blk % PER_BLOCK) * BLOCK;
@@ -569,7 +556,7 @@ var<workgroup> tile_delta: array<f32, {plan.tile}>;
 var<workgroup> own_k: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
 
-{_blocked_entry()}  let bg = blk / PER_BLOCK;
+{_entry("BLOCK", "blk", "BLOCKS")}  let bg = blk / PER_BLOCK;
   let b = bg / HKV;
   let g = bg % HKV;
   let j0 = (blk % PER_BLOCK) * BLOCK;
