@@ -58,6 +58,9 @@ class Profiler:
             self._sets.append(self.device.wgpu_device.create_query_set(
                 type=wgpu.QueryType.timestamp, count=QUERIES_PER_SET, label="meganeura profile"))
         if self._capacity < queries:
+            for buffer in (self._resolve, self._staging):
+                if buffer is not None:
+                    self.device.destroy_buffer(buffer)
             size = len(self._sets) * QUERIES_PER_SET * 8
             usage = wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
             self._resolve = self.device.create_buffer(size, usage, "meganeura profile resolve")

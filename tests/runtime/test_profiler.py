@@ -76,3 +76,18 @@ def test_profiler_needs_timestamp_queries():
 
     with pytest.raises(FeatureError, match="timestamp-query"):
         Profiler(NoTimestamps())
+
+
+def test_profiler_grows_its_query_sets_and_frees_the_old_buffers():
+    device = get_device()
+    if "timestamp-query" not in device.features:
+        pytest.skip(f"{device.describe()} has no timestamp-query feature")
+    prof = Profiler(device)
+    before = device.counters.bytes_allocated
+    prof.prepare(10)
+    one_set = device.counters.bytes_allocated - before
+    sets, resolve, staging = prof.prepare(3000)  # 6000 queries: a second query set of 4096
+    assert len(sets) == 2 and resolve.size == staging.size == 2 * 4096 * 8
+    assert device.counters.bytes_allocated - before == 2 * one_set  # the one-set buffers were destroyed
+    prof.prepare(5)
+    assert device.counters.bytes_allocated - before == 2 * one_set  # never shrinks, never reallocates
