@@ -6,15 +6,12 @@ normalises 2, and the forward is so ill-conditioned that eager float32 and float
 Marked slow: on lavapipe a step takes seconds, so the default run (CI) leaves it out; run it with
 ``pytest -m slow tests/torch/test_train_step_resnet50.py``. The small models of test_train_step cover the same
 paths in the default run."""
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from test_train_step import _assert_losses
+from test_train_step import _assert_losses, _run_both
 from test_vision_models import resnet50
-from torch_meganeura import compile_train_step
 
 pytestmark = pytest.mark.slow
 
@@ -31,27 +28,13 @@ def _batch(i):
 def test_adamw_cosine_resnet50_50_steps():
     torch.manual_seed(0)
     model = resnet50().train()
-    ref = copy.deepcopy(model)
 
     def make_optimizer(m):
         return torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.01)
 
-    opt, ref_opt = make_optimizer(model), make_optimizer(ref)
-    sched, ref_sched = (torch.optim.lr_scheduler.CosineAnnealingLR(o, 50) for o in (opt, ref_opt))
-    step = compile_train_step(model, _loss, opt)
-    losses = []
-    for i in range(50):
-        got = float(step(*_batch(i)))
-        sched.step()
-        ref_opt.zero_grad()
-        want = _loss(ref, *_batch(i))
-        want.backward()
-        ref_opt.step()
-        ref_sched.step()
-        losses.append((got, float(want.detach())))
+    step, ref, _, losses = _run_both(model, _loss, make_optimizer, _batch, 50)
     _assert_losses(losses)
-    step.sync_to_module()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
-    for (name, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
-        torch.testing.assert_close(b, c, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    state = step.state_dict()  # synced from the device: parameters and BatchNorm statistics
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(state[name].to(want.dtype), want, rtol=1e-3, atol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
