@@ -9,8 +9,10 @@ attached to the device (``meganeura.runtime.profiler``), each dispatch gets a ti
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
 fresh pool buffers and returned without a read-back, and ``run(..., device_inputs=...)`` binds such arrays as
 inputs without an upload. Inputs named in ``device_only_inputs`` are always bound that way: the program allocates
-no buffer of its own for them. Bind groups over those per-run buffers are cached by buffer, so a loop that recycles
-pool buffers builds no new ones.
+no buffer of its own for them. ``run(..., into=...)`` writes resident outputs into arrays the caller hands back
+(a training step alternating between two sets of weights). Bind groups and whole command lists over those per-run
+buffers are cached by buffer, so a loop that alternates between the same buffers builds nothing after its first
+runs.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .resident import DeviceArray
 OWNED_ROLES = ("input", "output", "arena", "status")
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
+SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
 
 _HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
 _INT32 = np.iinfo(np.int32)
@@ -107,12 +110,13 @@ class Program:
         check_limits(device, plan)
         self._released = False
         self._specs = {b.name: b for b in plan.buffers}
+        self._alone: set[str] | None = None  # inputs and outputs alone at offset 0 of their buffer
         self._resident = {t.name: t for t in plan.outputs if t.name in set(resident_outputs)}
         unknown = sorted(set(resident_outputs) - set(self._resident))
         if unknown:
             raise InputError(f"resident outputs {unknown} are not outputs of this plan")
         self._own_buffer_specs(self._resident.values(), "a resident output")
-        input_specs = {t.name: t for t in plan.inputs}
+        input_specs = self._input_specs = {t.name: t for t in plan.inputs}
         unknown = sorted(set(device_only_inputs) - set(input_specs))
         if unknown:
             raise InputError(f"device-only inputs {unknown} are not inputs of this plan")
@@ -127,6 +131,7 @@ class Program:
         self._swap_names = [tuple(dict.fromkeys(b.buffer for b in d.bindings if b.buffer in swappable))
                             for d in plan.dispatches]
         self._swapped_groups: dict[tuple, tuple] = {}
+        self._swapped_commands: dict[tuple, list] = {}
         self._params: dict[str, object] = {}
         self._uploaded_params: set[str] = set()  # param buffers created by upload_params, owned by this program
         self._pipelines = {
@@ -147,11 +152,14 @@ class Program:
 
     def _own_buffer_specs(self, specs, what: str) -> None:
         """Require each tensor of ``specs`` to be alone at offset 0 of its buffer (it is swapped per run)."""
-        counts: dict[str, int] = {}
-        for t in self.plan.inputs + self.plan.params + self.plan.outputs:
-            counts[t.buffer] = counts.get(t.buffer, 0) + 1
+        if self._alone is None:
+            counts: dict[str, int] = {}
+            for t in self.plan.inputs + self.plan.params + self.plan.outputs:
+                counts[t.buffer] = counts.get(t.buffer, 0) + 1
+            self._alone = {t.name for t in self.plan.inputs + self.plan.outputs
+                           if not t.offset and counts[t.buffer] == 1}
         for t in specs:
-            if t.offset or counts[t.buffer] > 1:
+            if t.name not in self._alone:
                 raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")
 
     def _n_bindings(self, kernel: str) -> int:
@@ -250,6 +258,7 @@ class Program:
             return
         for key in [k for k in self._bind_groups if any(b.buffer in changed for b in k)]:
             del self._bind_groups[key]
+        self._swapped_groups, self._swapped_commands = {}, {}  # built over the old buffers
         for name in changed & self._uploaded_params:
             self.device.destroy_buffer(self._params[name])
         self._uploaded_params -= changed
@@ -277,19 +286,23 @@ class Program:
 
     # ---- running
 
-    def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None) -> dict:
+    def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
+            into: dict[str, DeviceArray] | None = None) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan in one pass and one submit.
 
-        Returns the outputs by name: numpy arrays, and a new ``DeviceArray`` for each resident output."""
+        Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
+        gives for its name (overwritten), else a new one."""
         if self._released:
             raise MeganeuraError("this program was released")
         if not self._ready:
             raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
-        device_inputs = device_inputs or {}
+        device_inputs, into = device_inputs or {}, into or {}
         arrays = self._convert_inputs(inputs, device_inputs)
+        self._check_into(into, device_inputs)
         dev = self.device
         swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
-        kept = {name: DeviceArray(dev.pool, t.shape, t.dtype) for name, t in self._resident.items()}
+        kept = {name: into[name] if name in into else DeviceArray(dev.pool, t.shape, t.dtype)
+                for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         for name, offset, parts, block in self._writes:
             if name in swaps:
@@ -337,6 +350,17 @@ class Program:
         """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""
         if not swaps:
             return self._commands
+        key = tuple(id(buffer) for buffer in swaps.values())
+        cached = self._swapped_commands.get(key)
+        if cached is not None and all(a is b for a, b in zip(cached[1], swaps.values())):
+            return cached[0]
+        commands = self._build_swapped(swaps)
+        if len(self._swapped_commands) >= SWAPPED_COMMAND_LISTS:
+            self._swapped_commands.pop(next(iter(self._swapped_commands)))
+        self._swapped_commands[key] = (commands, list(swaps.values()))  # the buffers keep their ids unique
+        return commands
+
+    def _build_swapped(self, swaps: dict) -> list:
         commands = []
         for i, (pipeline, group, workgroups) in enumerate(self._commands):
             names = [n for n in self._swap_names[i] if n in swaps]
@@ -352,12 +376,31 @@ class Program:
             commands.append((pipeline, group, workgroups))
         return commands
 
+    def _check_into(self, into: dict, device_inputs: dict) -> None:
+        unknown = sorted(set(into) - set(self._resident))
+        if unknown:
+            raise InputError(f"into: {unknown} are not resident outputs of this program; those are "
+                             f"{sorted(self._resident)}")
+        bound = {id(array.buffer) for array in device_inputs.values()}
+        for name, array in into.items():
+            spec = self._resident[name]
+            if not isinstance(array, DeviceArray) or array.buffer is None or array.device is not self.device:
+                raise InputError(f"into[{name!r}] must be a live DeviceArray on {self.device.name}, got {array!r}")
+            if array.shape != spec.shape or array.dtype != spec.dtype:
+                raise InputError(f"into[{name!r}] must be {spec.dtype}{list(spec.shape)}, got "
+                                 f"{array.dtype}{list(array.shape)}")
+            if id(array.buffer) in bound:
+                raise InputError(f"into[{name!r}] is also bound as a device input of this run; an output cannot "
+                                 "overwrite an input the plan reads")
+        if len({id(array.buffer) for array in into.values()}) < len(into):
+            raise InputError("into: two resident outputs were given the same array")
+
     def _device_input_specs(self, device_inputs: dict):
-        specs = {t.name: t for t in self.plan.inputs}
+        specs = self._input_specs
         return [(name, specs[name]) for name in device_inputs]
 
     def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict) -> dict[str, np.ndarray]:
-        specs = {t.name: t for t in self.plan.inputs}
+        specs = self._input_specs
         given = set(inputs) | set(device_inputs)
         missing = sorted(set(specs) - given)
         extra = sorted(given - set(specs))
@@ -412,7 +455,7 @@ class Program:
         for buffer in owned:
             self.device.destroy_buffer(buffer)
         self._owned, self._bind_groups, self._commands, self._copies = {}, {}, [], []
-        self._swapped_groups = {}
+        self._swapped_groups, self._swapped_commands = {}, {}
         self._uploaded_params = set()
         self._released = True
         self._ready = False

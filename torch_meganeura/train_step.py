@@ -5,7 +5,8 @@ returns the scalar loss. The first call traces one functional step (``make_fx`` 
 and the optimizer's update from ``optimizers``, functionalized, with the backend's decompositions) and compiles it
 into a plan. Parameters, buffers (BatchNorm statistics) and optimizer state live on the device as ``DeviceArray``s:
 every call uploads the batch and a few hyperparameters, runs the plan once, reads back the loss only, and swaps
-the new parameter and state arrays in for the old ones (whose buffers the pool recycles).
+the new parameter and state arrays in for the old ones. The old ones receive the next step's results: each role
+alternates between two buffers, so the plan's bind groups are built once for each and then replayed.
 
 Checkpoints: ``save(path)`` writes parameters, buffers, optimizer state and the step count to one safetensors
 file (no pickle); ``load(path)`` restores them into a step built over the same model and optimizer types, so a run
@@ -80,6 +81,7 @@ class TrainStep:
 
     def load_from_module(self) -> None:
         """(Re)upload parameters, buffers and optimizer state from the torch module and optimizer."""
+        self._release_spares()
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         self._arrays = {f"param:{n}": _upload(self.device, params[n]) for n in self._trainable}
@@ -101,6 +103,11 @@ class TrainStep:
             self._arrays.update({f"acc:{n}": _upload(self.device, torch.zeros_like(params[n]))
                                  for n in self._trainable})
         self.micro_batches = 0
+
+    def _release_spares(self) -> None:
+        for array in getattr(self, "_spare", {}).values():
+            array.release()
+        self._spare: dict[str, DeviceArray] = {}  # by role: last step's array, which this step overwrites
 
     def sync_to_module(self) -> None:
         """Copy the device's parameters, buffers and optimizer state into the torch module and optimizer."""
@@ -160,6 +167,7 @@ class TrainStep:
             old = self._arrays[role]
             if tuple(value.shape) != old.shape:
                 raise ValueError(f"{path}: {role} has shape {tuple(value.shape)}, the model's is {old.shape}")
+        self._release_spares()
         for role, value in loaded.items():
             dtype = self._arrays[role].dtype
             self._arrays.pop(role).release()
@@ -197,12 +205,14 @@ class TrainStep:
         if mode != "accumulate":
             self.steps += 1
             self.micro_batches = 0
-        loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)))
+        loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)), self._spare)
         if mode != "accumulate":
             self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check
-        for name, array in updated.items():
-            self._arrays.pop(name).release()
-            self._arrays[name] = array
+        for role, array in updated.items():
+            # the replaced array takes the next step's output of this role: the plan then alternates between two
+            # buffers per role and replays cached bind groups
+            self._spare[role] = self._arrays[role]
+            self._arrays[role] = array
         return loss
 
 
@@ -238,7 +248,8 @@ class _CompiledStep:
         self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
         self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
 
-    def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor):
+    def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor, into: dict | None = None):
+        """Run the step on the state ``arrays``; outputs of the roles in ``into`` overwrite those arrays."""
         host, device_inputs = {}, {}
         for role, name in self.input_names.items():
             if role.startswith("batch:"):
@@ -251,7 +262,8 @@ class _CompiledStep:
                 device_inputs[name] = arrays[role]
         if self.lowered.rng_seed:
             host[self.lowered.rng_seed] = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int64).int().numpy()
-        results = self.program.run(host, device_inputs)
+        into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.state_outputs}
+        results = self.program.run(host, device_inputs, into)
         loss = torch.from_numpy(np.asarray(results[self.loss_name]).copy())
         return loss, {role: results[name] for role, name in self.state_outputs.items()}
 

@@ -110,3 +110,36 @@ def test_device_only_input_has_no_buffer_of_its_own_and_refuses_host_data():
         lean.run({"x": x})
     with pytest.raises(InputError, match="not inputs"):
         affine_program(1.0, 0.0, 8, device_only=["y"])
+
+
+def test_outputs_written_into_given_arrays_alternate_without_new_bind_groups():
+    program = affine_program(0.5, 1.0, 64, resident=["out0"], device_only=["x"])
+    dev = get_device()
+    x = RNG.standard_normal(64, dtype=np.float32)
+    current = DeviceArray.upload(dev, x, "float32")
+    spare = DeviceArray(dev.pool, (64,), "float32")
+    want = x.copy()
+
+    def step(current, spare):
+        out = program.run({}, device_inputs={"x": current}, into={"out0": spare})["out0"]
+        assert out is spare
+        return out, current
+
+    for _ in range(3):
+        current, spare = step(current, spare)
+        want = want * 0.5 + 1.0
+    before = dev.counters.snapshot()
+    for _ in range(6):
+        current, spare = step(current, spare)
+        want = want * 0.5 + 1.0
+    after = dev.counters.snapshot()
+    np.testing.assert_allclose(current.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert after["bind_groups_created"] == before["bind_groups_created"]
+    assert after["buffers_created"] == before["buffers_created"]
+    with pytest.raises(InputError, match="also bound as a device input"):
+        program.run({}, device_inputs={"x": current}, into={"out0": current})
+    with pytest.raises(InputError, match=r"must be float32\[64\], got float32\[8\]"):
+        program.run({}, device_inputs={"x": current}, into={"out0": DeviceArray(dev.pool, (8,), "float32")})
+    with pytest.raises(InputError, match="not resident outputs"):
+        program.run({}, device_inputs={"x": current}, into={"y": spare})
+    np.testing.assert_allclose(current.numpy(), want, rtol=1e-5, atol=1e-6)  # refused runs changed nothing

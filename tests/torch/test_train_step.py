@@ -5,7 +5,7 @@
 in test_train_step_resnet50.py, marked slow): the loss of every step within 1e-4 relative, then the final weights,
 BatchNorm statistics and optimizer state elementwise. A checkpoint saved at step 25 and loaded in a fresh process
 continues with the uninterrupted run's losses. Gradient clipping against clip_grad_norm_, gradient accumulation against
-the usual loop, gradients() against eager, a compiled optimizer.step, and refusals."""
+the usual loop, gradients() against eager, a compiled optimizer.step, refusals, and steady steps that allocate nothing."""
 import copy
 import json
 import subprocess
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meganeura.runtime.device import get_device
 from torch_meganeura import compile_train_step
 
 LLAMA = dict(vocab_size=64, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
@@ -164,6 +165,25 @@ def test_sgd_momentum_llama_50_steps():
     state = step.state_dict()
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(state[name], want, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_steady_steps_create_no_buffers_or_bind_groups():
+    """Each state role alternates between two buffers, so once both have been written the plan replays cached
+    bind groups: a step allocates nothing and uploads only the batch and the hyperparameters."""
+    torch.manual_seed(5)
+    model = _llama()
+    step = compile_train_step(model, _llama_loss, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for i in range(3):
+        step(*_ids(i))
+    counters = get_device().counters
+    before = counters.snapshot()
+    for i in range(3, 6):
+        step(*_ids(i))
+    after = counters.snapshot()
+    assert after["bind_groups_created"] == before["bind_groups_created"]
+    assert after["buffers_created"] == before["buffers_created"]
+    per_step = (after["bytes_uploaded"] - before["bytes_uploaded"]) / 3
+    assert per_step < 1024, f"{per_step} bytes uploaded per step"
 
 
 def test_gradient_clipping_by_global_norm_matches_clip_grad_norm():
