@@ -55,7 +55,7 @@ class Runner:
         self.competitor = competitor
         self.training = mode == "training"
         self.device = "cuda" if competitor.startswith("torch-cuda") else "cpu"
-        self.model = copy.deepcopy(base).to(self.device).train(self.training)
+        self.model = copy.deepcopy(base).to(self.device).train(self.training and workload.train_mode)
         self.batch = tuple(t.to(self.device) for t in batch)
         what = workload.loss if self.training else workload.output
         model = self.model
@@ -124,7 +124,7 @@ class Runner:
 
 def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple, dtype=torch.float32):
     """Eager PyTorch on the CPU in ``dtype``: the output, or (loss, gradients) of the first training step."""
-    model = copy.deepcopy(base).to(dtype).train(mode == "training")
+    model = copy.deepcopy(base).to(dtype).train(mode == "training" and workload.train_mode)
     batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
     if mode != "training":
         with torch.no_grad():
