@@ -5,7 +5,8 @@
 in test_train_step_resnet50.py, marked slow): the loss of every step within 1e-4 relative, then the final weights,
 BatchNorm statistics and optimizer state elementwise. A checkpoint saved at step 25 and loaded in a fresh process
 continues with the uninterrupted run's losses. Gradient clipping against clip_grad_norm_, gradient accumulation against
-the usual loop, gradients() against eager, a compiled optimizer.step, refusals, and steady steps that allocate nothing."""
+the usual loop, gradients() against eager, a compiled optimizer.step, refusals, and steady steps that allocate
+nothing."""
 import copy
 import json
 import subprocess
