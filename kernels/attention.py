@@ -8,9 +8,12 @@ Outputs are written contiguously into the arrays named by the caller.
 
 Three passes, each in two forms. Blocked (``_blocked_*``, for head sizes up to d + dv = 160; on an H200 it was the
 faster form in the SD U-Net (seq 64-256), SmolLM2 (seq 128, rotary embeddings in the loads) and Whisper (seq 1500)
-workloads, though a bare seq-50 attention ran faster per row): a block of rows per workgroup, one row per thread, with tiles of the other sequence staged in workgroup
-memory and read by broadcast. Per row (otherwise): one workgroup per row, ``THREADS`` threads walking the other
-sequence in tiles of ``THREADS``:
+workloads, though a bare seq-50 attention ran faster per row): a block of rows per workgroup, one row per thread,
+with tiles of the other sequence staged in workgroup memory and read by broadcast. Where the row blocks are too few
+to fill the GPU (Whisper: 144), the other sequence is also cut into slices, one workgroup per (block, slice); the
+slices' partial results (output with running max and sum, or gradient shares) go to scratch and a second dispatch
+merges them. Per row (otherwise): one workgroup per row, ``THREADS`` threads walking the other sequence in tiles of
+``THREADS``:
   forward  per query row (b, h, i): scores of a key tile, online softmax (running max and sum), the output
            accumulated over value rows; writes out (b, h, i, :) and the row's log-sum-exp;
   grad_q   per query row: recomputes the tile's probabilities from the saved log-sum-exp, dS = P (dO.V - delta),
@@ -48,19 +51,40 @@ class AttentionShape:
     has_bias: bool
 
 
-def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str],
-                     limits: dict) -> tuple[str, tuple[int, int, int]]:
-    """WGSL and workgroup grid of pass ``kind`` ("forward", "grad_q" or "grad_kv"); ``outs`` names the output
-    arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv."""
+def attention_splits(shape: AttentionShape, kind: str, limits: dict) -> int:
+    """How many slices of the other sequence pass ``kind`` is cut into (1: not cut). The slices' partial results
+    go to scratch of ``partial_floats`` floats, and a second dispatch merges them."""
+    plan = _block_plan(shape, kind, limits)
+    return 1 if plan is None else plan.splits
+
+
+def partial_floats(shape: AttentionShape, kind: str, splits: int) -> int:
+    """Floats of scratch that ``splits`` slices of pass ``kind`` write: per slice and row, the unnormalised
+    output with its running max and sum (forward), dQ (grad_q), or dK and dV (grad_kv)."""
+    rows, width = _partial_layout(shape, kind)
+    return splits * rows * width
+
+
+def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
+                     partial: str | None = None) -> list[tuple[str, tuple[int, int, int]]]:
+    """WGSL and workgroup grid of each dispatch of pass ``kind`` ("forward", "grad_q" or "grad_kv"); ``outs``
+    names the output arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv. Where
+    ``attention_splits`` is above 1, ``partial`` names the scratch array and there are two dispatches: the
+    slices, then their merge."""
     plan = _block_plan(shape, kind, limits)
     if plan is not None:
+        if plan.splits > 1 and partial is None:
+            raise ValueError(f"attention {kind} is cut into {plan.splits} slices and needs a partial array")
         blocked = {"forward": _blocked_forward, "grad_q": _blocked_grad_q, "grad_kv": _blocked_grad_kv}[kind]
-        return blocked(prelude, shape, outs, plan, limits)
+        passes = [blocked(prelude, shape, outs, plan, limits, partial)]
+        if plan.splits > 1:
+            passes.append(_merge(prelude, shape, kind, outs, plan.splits, partial, limits))
+        return passes
     rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
     grid = fold_grid(rows, limits.get("max-compute-workgroups-per-dimension", 65535))
     body = {"forward": _forward, "grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
     source = "\n".join([prelude, _constants(shape, rows, grid), _helpers(shape), body])
-    return source, grid
+    return [(source, grid)]
 
 
 def _constants(s: AttentionShape, rows: int, grid) -> str:
@@ -261,6 +285,8 @@ def _grad_kv(s: AttentionShape, outs: list[str]) -> str:
 class BlockPlan:
     rows: int  # rows of the pass (query rows; key rows for grad_kv) per workgroup, one per thread
     tile: int  # rows of the other sequence per tile staged in workgroup memory
+    splits: int = 1  # slices of the other sequence, each a workgroup of its own (merged by a second dispatch)
+    chunk: int = 0  # rows of the other sequence per slice, a multiple of ``tile`` (with splits > 1)
 
 
 def _shared_bytes(kind: str, plan: BlockPlan, d4: int, dv4: int) -> int:
@@ -286,17 +312,39 @@ def _block_plan(s: AttentionShape, kind: str, limits: dict) -> BlockPlan | None:
     rows = min(rows, limits.get("max-compute-invocations-per-workgroup", 256),
                limits.get("max-compute-workgroup-size-x", 256))
     storage = limits.get("max-compute-workgroup-storage-size", 16384)
-    for tile in BLOCK_TILES:
-        plan = BlockPlan(rows, min(tile, max(4, 1 << max(0, other - 1).bit_length())))
-        if _shared_bytes(kind, plan, d4, dv4) <= storage:
-            return plan
-    return None
+    fits = [BlockPlan(r, min(tile, max(4, 1 << max(0, other - 1).bit_length())))
+            for r in BLOCK_ROWS if r <= rows for tile in BLOCK_TILES]  # fewer rows, then shorter tiles
+    plan = next((p for p in fits if _shared_bytes(kind, p, d4, dv4) <= storage), None)
+    if plan is None:
+        return None
+    blocks = s.batch * (own // length) * -(-length // plan.rows)
+    tiles = -(-other // plan.tile)
+    splits = 1
+    while (blocks * splits < SPLIT_TARGET_WORKGROUPS and tiles // (splits * 2) >= SPLIT_MIN_TILES
+           and splits * 2 <= SPLIT_MAX):
+        splits *= 2
+    return BlockPlan(plan.rows, plan.tile, splits, -(-tiles // splits) * plan.tile if splits > 1 else 0)
+
+
+def _partial_layout(s: AttentionShape, kind: str) -> tuple[int, int]:
+    """Rows of a pass's output and floats per row in one slice of its scratch."""
+    if kind == "forward":
+        return s.batch * s.heads * s.lq, s.dv + 2
+    if kind == "grad_q":
+        return s.batch * s.heads * s.lq, s.d
+    return s.batch * s.kv_heads * s.lk, s.d + s.dv
 
 
 BLOCK_ROWS = (64, 32, 16)  # rows per workgroup: the largest that still gives BLOCK_MIN_WORKGROUPS
 BLOCK_MIN_WORKGROUPS = 128
 BLOCK_TILES = (32, 16, 8, 4)  # rows of the other sequence per tile, the largest that fits the workgroup storage
 BLOCK_MAX_VEC4 = 40  # per-thread vec4 registers of row state (d/4 + dv/4, so d + dv <= 160)
+# A long other sequence over too few blocks (Whisper's 1500 frames: 144 blocks) is cut into slices until the pass
+# has SPLIT_TARGET_WORKGROUPS workgroups, each slice at least SPLIT_MIN_TILES tiles long.
+SPLIT_TARGET_WORKGROUPS = 1024
+SPLIT_MIN_TILES = 2
+SPLIT_MAX = 16
+MERGE_THREADS = 256
 
 
 def _vec4_loaders(s: AttentionShape, *operands: str) -> str:
@@ -335,25 +383,31 @@ def _vec4_load(fn: str, args: str, c4: int, size: int) -> str:
     return f"vec4<f32>({', '.join(parts)})"
 
 
-def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan,
-                     limits: dict) -> tuple[str, tuple[int, int, int]]:
+def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan, limits: dict,
+                     partial: str | None) -> tuple[str, tuple[int, int, int]]:
     """Each thread owns one query row: its query and output accumulator live in vec4 registers, and the
     workgroup stages tiles of keys and values in workgroup memory that every thread reads by broadcast, so a
-    key is fetched once per block of rows instead of once per row. Softmax is online, rescaled per tile."""
+    key is fetched once per block of rows instead of once per row. Softmax is online, rescaled per tile. Cut
+    into slices of keys, each slice stores its unnormalised output, running max and sum into ``partial``."""
     out, lse = outs
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     blocks = s.batch * s.heads * -(-s.lq // plan.rows)
-    grid = fold_grid(blocks, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     stride = plan.tile + 1  # per-thread score row in workgroup memory, padded against bank conflicts
     q_regs = "\n".join(f"  let q{c} = {_vec4_load('load_q', 'b, h, iq', c, s.d)};" for c in range(d4))
     o_regs = "\n".join(f"  var o{c} = vec4<f32>();" for c in range(dv4))
     dot = " + ".join(f"dot(q{c}, tile_k[base + {c}u])" for c in range(d4))
     rescale = "\n".join(f"      o{c} = o{c} * alpha;" for c in range(dv4))
     accumulate = "\n".join(f"        o{c} = fma(vec4<f32>(p), tile_v[base + {c}u], o{c});" for c in range(dv4))
-    stores = "\n".join(
-        f"    {{ let v = select(o{c} / l, vec4<f32>(), l == 0.0);\n"
-        + "".join(f"      {out}[row * DV + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < s.dv)
-        + "    }" for c in range(dv4))
+    if plan.splits > 1:
+        stores = f"    let at = (split * ROWS + row) * (DV + 2u);\n" + "\n".join(
+            f"    {partial}[at + {4 * c + t}u] = o{c}[{t}];" for c in range(dv4) for t in range(4) if 4 * c + t < s.dv
+        ) + f"\n    {partial}[at + DV] = m;\n    {partial}[at + DV + 1u] = l;"
+    else:
+        stores = "\n".join(
+            f"    {{ let v = select(o{c} / l, vec4<f32>(), l == 0.0);\n"
+            + "".join(f"      {out}[row * DV + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < s.dv)
+            + "    }" for c in range(dv4)) + f"\n    {lse}[row] = select(m + log(l), MASKED, l == 0.0);"
     bias = "load_bias(b, h, iq, j)" if s.has_bias else "0.0"
     masked = "j > i" if s.causal else "false"
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
@@ -368,8 +422,7 @@ const BLOCK: u32 = BQ;
 const BK: u32 = {plan.tile}u;
 const QBLOCKS: u32 = {-(-s.lq // plan.rows)}u;
 const BLOCKS: u32 = {blocks}u;
-const GRID_X: u32 = {grid[0]}u;
-const GRID_XY: u32 = {grid[0] * grid[1]}u;
+{_split_constants(s, "forward", plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};
 var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
@@ -378,7 +431,9 @@ var<workgroup> scores: array<f32, {plan.rows * stride}>;
 
 {PROB}
 
-{_entry("BQ", "blk", "BLOCKS")}  let bh = blk / QBLOCKS;
+{_entry("BQ", "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
+  let split = wid % SPLITS;
+  let bh = blk / QBLOCKS;
   let b = bh / H;
   let h = bh % H;
   let i0 = (blk % QBLOCKS) * BQ;
@@ -388,13 +443,13 @@ var<workgroup> scores: array<f32, {plan.rows * stride}>;
 {o_regs}
   var m = MASKED;
   var l = 0.0;
-  let key_end = {key_end};
-  for (var start = 0u; start < key_end; start = start + BK) {{
+{_slice("key", key_end)}
+  for (var start = key_lo; start < key_end; start = start + BK) {{
     workgroupBarrier();
 {_stage("tile_k", "load_k4", plan, d4, "start", "LK")}
 {_stage("tile_v", "load_v4", plan, dv4, "start", "LK")}
     workgroupBarrier();
-    let n = min(BK, LK - start);
+    let n = min(BK, key_end - start);
     var tile_max = MASKED;
     for (var t = 0u; t < n; t = t + 1u) {{
       let j = start + t;
@@ -425,14 +480,13 @@ var<workgroup> scores: array<f32, {plan.rows * stride}>;
   if (i < LQ) {{
     let row = bh * LQ + i;
 {stores}
-    {lse}[row] = select(m + log(l), MASKED, l == 0.0);
   }}
 }}
 """
     return prelude + "\n" + _vec4_loaders(s, "k", "v") + kernel, grid
 
 
-def _blocked_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, per_block: int) -> str:
+def _blocked_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, per_block: int, kind: str) -> str:
     return f"""const H: u32 = {s.heads}u;
 const HKV: u32 = {s.kv_heads}u;
 const GROUP: u32 = {s.heads // s.kv_heads}u;
@@ -444,8 +498,7 @@ const BLOCK: u32 = {plan.rows}u;
 const TILE: u32 = {plan.tile}u;
 const PER_BLOCK: u32 = {per_block}u;
 const BLOCKS: u32 = {blocks}u;
-const GRID_X: u32 = {grid[0]}u;
-const GRID_XY: u32 = {grid[0] * grid[1]}u;
+{_split_constants(s, kind, plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};
 
@@ -453,36 +506,122 @@ const MASKED: f32 = {MASKED!r};
 """
 
 
+def _split_constants(s: AttentionShape, kind: str, plan: BlockPlan, grid) -> str:
+    rows, _ = _partial_layout(s, kind)
+    return (f"const SPLITS: u32 = {plan.splits}u;\nconst CHUNK: u32 = {plan.chunk}u;\nconst ROWS: u32 = {rows}u;\n"
+            f"const GRID_X: u32 = {grid[0]}u;\nconst GRID_XY: u32 = {grid[0] * grid[1]}u;")
+
+
+def _slice(what: str, end: str, start: str = "0u") -> str:
+    """WGSL: ``{what}_lo`` and ``{what}_end``, this workgroup's range of the other sequence: [start, end), cut to
+    slice ``split`` of CHUNK rows when the pass is cut into SPLITS slices (uniform across the workgroup)."""
+    return (f"  let {what}_lo = select({start}, max({start}, split * CHUNK), SPLITS > 1u);\n"
+            f"  let {what}_end = select({end}, min({end}, split * CHUNK + CHUNK), SPLITS > 1u);")
+
+
+def _row_stores(out: str, name: str, count: int, size: int, scale: str) -> str:
+    """WGSL: the vec4 registers ``name``0.. (times ``scale``) into row ``row`` of ``out``, ``size`` floats long."""
+    return "\n".join(
+        f"    {{ let v = {name}{c}{scale};\n"
+        + "".join(f"      {out}[row * {size}u + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < size)
+        + "    }" for c in range(count))
+
+
+def _partial_stores(partial: str, parts: list[tuple[str, int, int]]) -> str:
+    """WGSL: vec4 registers (name, count, size) one after another into this slice's row of ``partial``."""
+    width = sum(size for _, _, size in parts)
+    lines, offset = [f"    let at = (split * ROWS + row) * {width}u;"], 0
+    for name, count, size in parts:
+        lines += [f"    {partial}[at + {offset + 4 * c + t}u] = {name}{c}[{t}];"
+                  for c in range(count) for t in range(4) if 4 * c + t < size]
+        offset += size
+    return "\n".join(lines)
+
+
+def _merge(prelude: str, s: AttentionShape, kind: str, outs: list[str], splits: int, partial: str,
+           limits: dict) -> tuple[str, tuple[int, int, int]]:
+    """The second dispatch of a pass cut into slices: one thread per output element merges the slices' partial
+    results. Forward rescales each slice's output and sum to the overall max (and writes the log-sum-exp); the
+    gradients add up."""
+    rows, width = _partial_layout(s, kind)
+    total = rows * width if kind != "forward" else rows * s.dv
+    grid = fold_grid(-(-total // MERGE_THREADS), limits.get("max-compute-workgroups-per-dimension", 65535))
+    if kind == "forward":
+        out, lse = outs
+        body = f"""  let row = e / {s.dv}u;
+  let c = e % {s.dv}u;
+  var m = MASKED;
+  for (var s = 0u; s < {splits}u; s++) {{ m = max(m, {partial}[(s * {rows}u + row) * {width}u + {s.dv}u]); }}
+  var l = 0.0;
+  var o = 0.0;
+  for (var s = 0u; s < {splits}u; s++) {{
+    let at = (s * {rows}u + row) * {width}u;
+    let w = prob({partial}[at + {s.dv}u], m);
+    l = l + w * {partial}[at + {s.dv + 1}u];
+    o = o + w * {partial}[at + c];
+  }}
+  {out}[e] = select(o / l, 0.0, l == 0.0);
+  if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}"""
+    else:
+        sums = f"""  var acc = 0.0;
+  for (var s = 0u; s < {splits}u; s++) {{ acc = acc + {partial}[s * {rows * width}u + e]; }}"""
+        if kind == "grad_q":
+            body = sums + f"\n  {outs[0]}[e] = acc * {s.scale!r};"
+        else:
+            dk, dv = outs
+            body = sums + f"""
+  let row = e / {width}u;
+  let c = e % {width}u;
+  if (c < {s.d}u) {{ {dk}[row * {s.d}u + c] = acc * {s.scale!r}; }}
+  else {{ {dv}[row * {s.dv}u + c - {s.d}u] = acc; }}"""
+    kernel = f"""
+// ---- attention {kind}: merge of {splits} slices
+const MASKED: f32 = {MASKED!r};
+{PROB}
+
+@compute @workgroup_size({MERGE_THREADS})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let e = (wg.x + wg.y * {grid[0]}u + wg.z * {grid[0] * grid[1]}u) * {MERGE_THREADS}u + lid;
+  if (e >= {total}u) {{ return; }}
+{body}
+}}
+"""
+    return prelude + kernel, grid
+
+
 def _row_dot(own: str, row: str, tile: str, t: str, width: int) -> str:
     return " + ".join(f"dot({own}[{row} + {c}u], {tile}[{t} * {width}u + {c}u])" for c in range(width))
 
 
-def _blocked_grad_q(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan,
-                    limits: dict) -> tuple[str, tuple[int, int, int]]:
+def _blocked_grad_q(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan, limits: dict,
+                    partial: str | None) -> tuple[str, tuple[int, int, int]]:
     """dQ for a block of query rows, one per thread: its output gradient and dQ in vec4 registers, its query row
-    in workgroup memory; key and value tiles staged once per block and read by broadcast."""
+    in workgroup memory; key and value tiles staged once per block and read by broadcast. Cut into slices of
+    keys, each slice stores its unscaled share of dQ into ``partial``."""
     (dq,) = outs
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     per_block = -(-s.lq // plan.rows)
     blocks = s.batch * s.heads * per_block
-    grid = fold_grid(blocks, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     bias = "load_bias(b, h, iq, j)" if s.has_bias else "0.0"
     dout_regs = "\n".join(f"  let o{c} = {_vec4_load('load_dout', 'b, h, iq', c, s.dv)};" for c in range(dv4))
     acc_regs = "\n".join(f"  var g{c} = vec4<f32>();" for c in range(d4))
     dp = " + ".join(f"dot(o{c}, tile_v[t * {dv4}u + {c}u])" for c in range(dv4))
     update = "\n".join(f"          g{c} = fma(vec4<f32>(ds), tile_k[t * {d4}u + {c}u], g{c});" for c in range(d4))
-    stores = "\n".join(
-        f"    {{ let v = g{c} * SCALE;\n"
-        + "".join(f"      {dq}[row * D + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < s.d)
-        + "    }" for c in range(d4))
+    if plan.splits == 1:
+        stores = _row_stores(dq, "g", d4, s.d, " * SCALE")
+    else:
+        stores = _partial_stores(partial, [("g", d4, s.d)])
     kernel = f"""
 // ---- attention grad_q: {plan.rows} query rows per workgroup, key tiles of {plan.tile}
-{_blocked_header(s, plan, blocks, grid, per_block)}
+{_blocked_header(s, plan, blocks, grid, per_block, "grad_q")}
 var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
 var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 
-{_entry("BLOCK", "blk", "BLOCKS")}  let bh = blk / PER_BLOCK;
+{_entry("BLOCK", "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
+  let split = wid % SPLITS;
+  let bh = blk / PER_BLOCK;
   let b = bh / H;
   let h = bh % H;
   let i0 = (blk % PER_BLOCK) * BLOCK;
@@ -494,13 +633,13 @@ var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 {acc_regs}
   let lse = load_lse(b, h, iq);
   let delta = load_delta(b, h, iq);
-  let key_end = {"min(LK, i0 + BLOCK)" if s.causal else "LK"};
-  for (var start = 0u; start < key_end; start = start + TILE) {{
+{_slice("key", "min(LK, i0 + BLOCK)" if s.causal else "LK")}
+  for (var start = key_lo; start < key_end; start = start + TILE) {{
     workgroupBarrier();
 {_stage("tile_k", "load_k4", plan, d4, "start", "LK")}
 {_stage("tile_v", "load_v4", plan, dv4, "start", "LK")}
     workgroupBarrier();
-    let n = min(TILE, LK - start);
+    let n = min(TILE, key_end - start);
     for (var t = 0u; t < n; t = t + 1u) {{
       let j = start + t;
       if (!({"j > i" if s.causal else "false"})) {{
@@ -521,16 +660,17 @@ var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
     return prelude + "\n" + _vec4_loaders(s, "q", "k", "v") + kernel, grid
 
 
-def _blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan,
-                     limits: dict) -> tuple[str, tuple[int, int, int]]:
+def _blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan, limits: dict,
+                     partial: str | None) -> tuple[str, tuple[int, int, int]]:
     """dK and dV for a block of key rows of one KV head, one per thread: dK and dV in vec4 registers, its key and
     value rows in workgroup memory; for every query head of the group, tiles of queries, output gradients, lse
-    and delta staged once per block and read by broadcast."""
+    and delta staged once per block and read by broadcast. Cut into slices of queries, each slice stores its
+    unscaled share of dK and dV into ``partial``."""
     dk, dv = outs
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     per_block = -(-s.lk // plan.rows)
     blocks = s.batch * s.kv_heads * per_block
-    grid = fold_grid(blocks, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     bias = "load_bias(b, h, i, jk)" if s.has_bias else "0.0"
     acc_regs = "\n".join([f"  var gk{c} = vec4<f32>();" for c in range(d4)]
                          + [f"  var gv{c} = vec4<f32>();" for c in range(dv4)])
@@ -539,16 +679,13 @@ def _blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
     update_k = "\n".join(f"          gk{c} = fma(vec4<f32>(ds), tile_q[t * {d4}u + {c}u], gk{c});"
                          for c in range(d4))
 
-    def stores(out, name, count, size, scale):
-        return "\n".join(
-            f"    {{ let v = {name}{c}{scale};\n"
-            + "".join(f"      {out}[row * {size}u + {4 * c + t}u] = v[{t}];\n"
-                      for t in range(4) if 4 * c + t < size)
-            + "    }" for c in range(count))
-
+    if plan.splits == 1:
+        stores = _row_stores(dk, "gk", d4, s.d, " * SCALE") + "\n" + _row_stores(dv, "gv", dv4, s.dv, "")
+    else:
+        stores = _partial_stores(partial, [("gk", d4, s.d), ("gv", dv4, s.dv)])
     kernel = f"""
 // ---- attention grad_kv: {plan.rows} key rows per workgroup, query tiles of {plan.tile}
-{_blocked_header(s, plan, blocks, grid, per_block)}
+{_blocked_header(s, plan, blocks, grid, per_block, "grad_kv")}
 var<workgroup> tile_q: array<vec4<f32>, {plan.tile * d4}>;
 var<workgroup> tile_do: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> tile_lse: array<f32, {plan.tile}>;
@@ -556,7 +693,9 @@ var<workgroup> tile_delta: array<f32, {plan.tile}>;
 var<workgroup> own_k: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
 
-{_entry("BLOCK", "blk", "BLOCKS")}  let bg = blk / PER_BLOCK;
+{_entry("BLOCK", "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
+  let split = wid % SPLITS;
+  let bg = blk / PER_BLOCK;
   let b = bg / HKV;
   let g = bg % HKV;
   let j0 = (blk % PER_BLOCK) * BLOCK;
@@ -567,9 +706,9 @@ var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
   for (var c = 0u; c < {d4}u; c = c + 1u) {{ own_k[mine_k + c] = load_k4(b, g * GROUP, jk, c); }}
   for (var c = 0u; c < {dv4}u; c = c + 1u) {{ own_v[mine_v + c] = load_v4(b, g * GROUP, jk, c); }}
 {acc_regs}
-  let query_start = {"(j0 / TILE) * TILE" if s.causal else "0u"};
+{_slice("query", "LQ", "(j0 / TILE) * TILE" if s.causal else "0u")}
   for (var h = g * GROUP; h < (g + 1u) * GROUP; h = h + 1u) {{
-    for (var start = query_start; start < LQ; start = start + TILE) {{
+    for (var start = query_lo; start < query_end; start = start + TILE) {{
       workgroupBarrier();
 {_stage("tile_q", "load_q4", plan, d4, "start", "LQ")}
 {_stage("tile_do", "load_dout4", plan, dv4, "start", "LQ")}
@@ -579,7 +718,7 @@ var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
         tile_delta[t] = load_delta(b, h, r);
       }}
       workgroupBarrier();
-      let n = min(TILE, LQ - start);
+      let n = min(TILE, query_end - start);
       for (var t = 0u; t < n; t = t + 1u) {{
         let i = start + t;
         if (!({"j > i" if s.causal else "false"})) {{
@@ -595,8 +734,7 @@ var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
   }}
   if (j < LK) {{
     let row = bg * LK + j;
-{stores(dk, "gk", d4, s.d, " * SCALE")}
-{stores(dv, "gv", dv4, s.dv, "")}
+{stores}
   }}
 }}
 """

@@ -1,9 +1,9 @@
 """Schedule: turn a fused Graph into a Plan (buffers, memory plan, WGSL per kernel, dispatch list).
 
-Every non-input node is one dispatch, or two for a matmul whose K is split (partial sums in the arena, then their
-sum). Inputs, parameters and graph outputs get buffers of their own; intermediates share the arena placed by the
-planner. Loads become linear reads of contiguous tensors,
-with the index math simplified against the kernel's iteration bounds.
+Every non-input node is one dispatch, or two for a node cut into slices (a matmul's K, attention's other sequence):
+the slices' partial results go to the arena, then a second dispatch merges them. Inputs, parameters and graph
+outputs get buffers of their own; intermediates share the arena placed by the planner. Loads become linear reads of
+contiguous tensors, with the index math simplified against the kernel's iteration bounds.
 """
 from __future__ import annotations
 
@@ -58,13 +58,12 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
         Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
     ]
-    scratch: dict[int, tuple[int, int]] = {}  # node id -> (K slices, arena key of its partial sums)
+    scratch: dict[int, tuple[int, int]] = {}  # node id -> (slices, arena key of their partial results)
     for step, node in enumerate(kernels):
-        if isinstance(node, Matmul):
-            split = matmul_kernels.split_k(node.batch, node.m, node.n, node.k, limits)
-            if split > 1:
-                scratch[id(node)] = (split, -1 - step)  # negative keys: no value id collides
-                intervals.append(Interval(-1 - step, 4 * split * node.batch * node.m * node.n, step, step))
+        split, floats = _slices(node, limits)
+        if split > 1:
+            scratch[id(node)] = (split, -1 - step)  # negative keys: no value id collides
+            intervals.append(Interval(-1 - step, 4 * floats, step, step))
     sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
     offsets, arena_size = place(intervals, alignment)
     if intervals:
@@ -83,6 +82,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
         if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
             label += f" {node.batch}x{node.m}x{node.n}x{node.k}" if node.batch > 1 else f" {node.m}x{node.n}x{node.k}"
         passes = _kernel(node, values, limits, scratch.get(id(node)))
+        merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
             sources[key] = source
@@ -93,7 +93,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
                 else:
                     buf, off = placement[vid]
                     bindings.append(Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid])))
-            dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label + (" (sum of slices)" if i else "")))
+            dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label + (merge if i else "")))
 
     unplanned = sum(iv.size for iv in intervals)
     plan_stats = dict(stats or {})
@@ -104,9 +104,27 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
     return plan
 
 
+def _slices(node: Node, limits: dict) -> tuple[int, int]:
+    """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
+    second dispatch: a matmul's K, attention's other sequence; (1, 0) for the rest."""
+    if isinstance(node, Matmul):
+        split = matmul_kernels.split_k(node.batch, node.m, node.n, node.k, limits)
+        return split, split * node.batch * node.m * node.n
+    if isinstance(node, Attention):
+        shape = _attention_shape(node)
+        split = attention_kernels.attention_splits(shape, node.kind, limits)
+        return split, attention_kernels.partial_floats(shape, node.kind, split)
+    return 1, 0
+
+
+def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
+    return attention_kernels.AttentionShape(node.batch, node.heads, node.kv_heads, node.lq, node.lk, node.d,
+                                            node.dv, node.scale, node.causal, node.bias is not None)
+
+
 def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a matmul
-    whose K is split (``scratch``: slices and the arena key of the partial sums)."""
+    or attention pass cut into slices (``scratch``: slices and the arena key of their partial results)."""
     bound: list = []
 
     def slot_of(vid) -> int:
@@ -172,10 +190,10 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         src, groups = matmul_kernels.matmul_kernel(prelude, batch=node.batch, m=node.m, n=node.n, k=node.k,
                                                    limits=limits, a_fast=a_fast, b_fast=b_fast)
     elif isinstance(node, Attention):
-        shape = attention_kernels.AttentionShape(node.batch, node.heads, node.kv_heads, node.lq, node.lk, node.d,
-                                                 node.dv, node.scale, node.causal, node.bias is not None)
-        src, groups = attention_kernels.attention_kernel(
-            _attention_prelude(decl, exprs, node), node.kind, shape, [name(s) for s in out_slots], limits)
+        partial = name(bound.index(scratch[1])) if scratch is not None else None
+        return [(src, groups, bound) for src, groups in attention_kernels.attention_kernel(
+            _attention_prelude(decl, exprs, node), node.kind, _attention_shape(node), [name(s) for s in out_slots],
+            limits, partial)]
     else:
         raise TypeError(f"no kernel for node {type(node).__name__}")
     return [(src, groups, bound)]
