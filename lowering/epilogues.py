@@ -6,8 +6,9 @@ R's kernel instead of a dispatch of its own, when C reads R element for element:
     C's expression replaces R's result, evaluated at the producer's coordinates;
   * a per-row reduction result read at the row of each element, with C covering the reduction's domain
     (RMS norm: ``x * rsqrt(mean(x^2) + eps) * w``): C becomes a new element result of the reduction.
-C's other inputs must already exist when the producer runs, and the kernel must stay within the binding
-limit. Every refusal is recorded with its reason.
+Any other result of R that C reads (layer norm's rstd next to its mean) is substituted the same way: a kernel never
+loads its own output, which another thread may not have written yet. C's other inputs must already exist when the
+producer runs, and the kernel must stay within the binding limit. Every refusal is recorded with its reason.
 """
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def fuse_epilogues(graph: Graph, max_bindings: int, report: FusionReport) -> Non
 
 def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings) -> str | None:
     """Merge ``consumer`` into ``producer`` if it reads ``vid`` element for element; else say why not."""
-    value = next(v for v in producer.outs if v.id == vid)
     domain = producer.domain if isinstance(producer, Reduce) else (producer.batch, producer.m, producer.n)
     shape = consumer.out.shape
-    row_result = isinstance(producer, Reduce) and not producer.results[producer.outs.index(value)].per_element
+    index = next(i for i, v in enumerate(producer.outs) if v.id == vid)
+    row_result = _is_row_result(producer, index)
     if consumer.out.numel != _numel(domain):
         return "consumer does not cover the producer's iteration domain"
     # Consumer coordinates as functions of the producer's, through the shared linear index.
@@ -57,16 +58,23 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings
     domain_coords = [E.coord(d) for d in range(len(domain))]
     to_consumer = unravel(linear_index(domain_coords, domain), shape)
     moved = simplify(E.shift_coords(consumer.expr, dict(enumerate(to_consumer))), dbounds)
-    if row_result:
-        outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
-        want = simplify(linear_index(outer, value.shape), dbounds)
-    else:
-        want = simplify(linear_index(domain_coords, domain), dbounds)
-    loads = [ld for ld in E.loads_of(moved) if ld.args[0] == vid]
-    if any(simplify(linear_index(ld.args[1], value.shape), dbounds) != want for ld in loads):
-        return "consumer reads the result at other elements"
+    # Every result of the producer that C reads (not only ``vid``: layer norm's mean and rstd) becomes the result's
+    # expression inside the producer's kernel, so it must be read at the element (or row) the kernel is computing:
+    # a load from the kernel's own output would race with the thread that writes it.
+    own = {v.id: i for i, v in enumerate(producer.outs)}
+    for ld in E.loads_of(moved):
+        i = own.get(ld.args[0])
+        if i is None:
+            continue
+        if _is_row_result(producer, i):
+            outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
+            want = simplify(linear_index(outer, producer.outs[i].shape), dbounds)
+        else:
+            want = simplify(linear_index(domain_coords, domain), dbounds)
+        if simplify(linear_index(ld.args[1], producer.outs[i].shape), dbounds) != want:
+            return "consumer reads a result of the producer at other elements"
     start = position[vid]
-    others = {ld.args[0] for ld in E.loads_of(moved)} - {vid}
+    others = {ld.args[0] for ld in E.loads_of(moved)} - set(own)
     producers = graph.producers()
     if any(position[o] > start and not isinstance(producers[o], Input) for o in others):
         return "consumer reads a value computed after the producer"
@@ -74,15 +82,15 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings
     if len(existing | others) + len(producer.outs) + 2 > max_bindings:
         return f"more than {max_bindings} storage bindings"
 
-    index = producer.outs.index(value)
-    if isinstance(producer, Matmul):
-        result_expr = producer.epilogue
-    else:
-        result_expr = producer.results[index].expr
+    def result_expr(i):
+        return producer.epilogue if isinstance(producer, Matmul) else producer.results[i].expr
+
+    read_rows = {ld.args[0] for ld in E.loads_of(moved)
+                 if ld.args[0] in own and _is_row_result(producer, own[ld.args[0]])}
 
     def replace(node):
-        if node.op == "load" and node.args[0] == vid:
-            return result_expr
+        if node.op == "load" and node.args[0] in own:
+            return result_expr(own[node.args[0]])
         return None
 
     merged = simplify(E.substitute(moved, replace), dbounds)
@@ -96,10 +104,17 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings
         producer.results[index] = RowOutput(True, merged)
         producer.outs[index] = consumer.out
     graph.nodes.remove(consumer)
-    if row_result and not any(ld.args[0] == vid for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)):
-        producer.results.pop(index)
-        producer.outs.pop(index)
+    graph_outputs = {v.id for v in graph.outputs}
+    for u in read_rows - graph_outputs:  # row results nobody reads any more
+        if not any(ld.args[0] == u for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)):
+            i = next(i for i, v in enumerate(producer.outs) if v.id == u)
+            producer.results.pop(i)
+            producer.outs.pop(i)
     return None
+
+
+def _is_row_result(producer, index: int) -> bool:
+    return isinstance(producer, Reduce) and not producer.results[index].per_element
 
 
 def _numel(shape) -> int:

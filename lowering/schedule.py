@@ -144,6 +144,9 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
 
         return E.substitute(e, rewrite)
 
+    own = {v.id for v in node.outs} & {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
+    if own:  # other threads may not have written it yet: a race on GPUs that a serial CPU driver hides
+        raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
     exprs = [linearise(e, d) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
     has_status = any(n.op == "check" for e in exprs for n in E.walk(e))

@@ -2,15 +2,21 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
+from meganeura.lowering import compile_graph
 from meganeura.lowering import expr as E
 from meganeura.lowering.builder import GraphBuilder, reshape_coords
 from meganeura.lowering.epilogues import fuse_epilogues
 from meganeura.lowering.fusion import fuse
 from meganeura.lowering.indexing import linear_index, simplify
-from meganeura.lowering.ir import Matmul, Pointwise, Reduce
+from meganeura.lowering.ir import Matmul, Pointwise, Reduce, RowOutput
 from meganeura.lowering.planner import Interval, place
+from meganeura.runtime.device import get_device
+from meganeura.runtime.program import Program
+
+RNG = np.random.default_rng(11)
 
 
 def evaluate(e: E.Expr, coords) -> int:
@@ -83,3 +89,34 @@ def test_computed_value_with_two_consumers_is_materialised_once():
     report = fuse(b.graph, 8)
     assert sum(isinstance(n, Pointwise) for n in b.graph.nodes) == 3
     assert any("2 consumers" in reason for _, _, reason in report.refused)
+
+
+def test_epilogue_reading_two_row_results_takes_both_from_registers():
+    """Layer norm's shape: one reduction yields a mean and an rstd per row, and x_hat = (x - mean) * rstd reads
+    both. The consumer moves into the reduction, and both results become expressions there: a load of the
+    kernel's own rstd would race with the thread that writes it (wrong gradients on an H200, right on lavapipe)."""
+    b = GraphBuilder()
+    x = b.input("x", (4, 8), "float32")
+    row = [E.coord(0), E.coord(1)]
+    value = b.load(x, row)
+    centred = E.binary("sub", value, E.binary("div", E.acc(0), E.const(8.0, E.F32)))
+    mean, rstd = b.reduce(
+        (4, 8), (1,), [("sum", value), ("sum", E.mul(centred, centred))],
+        [RowOutput(False, E.binary("div", E.acc(0), E.const(8.0, E.F32))),
+         RowOutput(False, E.unary("rsqrt", E.binary("div", E.acc(1), E.const(8.0, E.F32))))],
+        ["float32", "float32"], "layer_norm")
+    b.output(rstd)  # rstd stays a result of its own; the mean is read by the consumer only
+    xhat = b.map(lambda a, m, r: E.mul(E.binary("sub", a, m), r), x, b.reshape(mean, (4, 1)), b.reshape(rstd, (4, 1)),
+                 dtype="float32")
+    b.output(xhat)
+    report = fuse(b.graph, 8)
+    fuse_epilogues(b.graph, 8, report)
+    (reduce_node,) = [n for n in b.graph.nodes if isinstance(n, Reduce)]
+    assert len(b.graph.nodes) == 2  # the input and the reduction
+    own = {v.id for v in reduce_node.outs}
+    assert not own & {ld.args[0] for e in reduce_node.exprs() for ld in E.loads_of(e)}
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    data = RNG.standard_normal((4, 8)).astype(np.float32)
+    out = Program(get_device(), plan).run({"x": data})
+    mu, sd = data.mean(1, keepdims=True), data.std(1, keepdims=True)
+    np.testing.assert_allclose(out[plan.outputs[1].name], (data - mu) / sd, rtol=1e-5, atol=1e-5)
