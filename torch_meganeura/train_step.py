@@ -99,6 +99,9 @@ class TrainStep:
         if len(steps) > 1:
             raise ValueError(f"optimizer state has different step counts {sorted(steps)} across parameters")
         self.steps = steps.pop() if steps else 0
+        if not self.steps and any(self.optimizer.state.get(params[n], {}).get("momentum_buffer") is not None
+                                  for n in self._trainable):
+            self.steps = 1  # SGD counts no steps; a momentum buffer means the next step is not its first
         if self.accumulation_steps > 1:
             self._arrays.update({f"acc:{n}": _upload(self.device, torch.zeros_like(params[n]))
                                  for n in self._trainable})

@@ -206,6 +206,29 @@ def test_module_is_stale_until_synced():
     assert not torch.equal(model.lm_head.weight, before)
 
 
+def test_sgd_momentum_continues_from_an_eager_step():
+    """SGD keeps no step count: a momentum buffer left by an eager step must make the device's next step a
+    momentum step (buf = momentum * buf + grad), not a first one (buf = grad)."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.3) for m in (model, ref))
+    loss_fn = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    x0, x1 = torch.randn(8, 6), torch.randn(8, 6)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        loss_fn(m, x0).backward()
+        o.step()
+    step = compile_train_step(model, loss_fn, opt)
+    step(x1)
+    ref_opt.zero_grad()
+    loss_fn(ref, x1).backward()
+    ref_opt.step()
+    step.sync_to_module()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_unsupported_optimizers_are_refused_by_name():
     model = _llama()
     with pytest.raises(NotImplementedError, match="RMSprop"):
