@@ -20,39 +20,71 @@ from .builder import unravel
 
 
 def fuse_epilogues(graph: Graph, max_bindings: int, report: FusionReport) -> None:
+    """Passes over the graph until no consumer moves. The value maps are kept up to date across merges, and a
+    refused (consumer, value) pair is not tried again: every refusal reason stays true as producers grow."""
     outputs = {v.id for v in graph.outputs}
+    users = graph.users()
+    producers = graph.producers()
+    position = {v.id: i for i, n in enumerate(graph.nodes) for v in n.outs}  # order only: removals keep it
+    refused: set[tuple[int, int]] = set()
+    merged: set[int] = set()
     changed = True
     while changed:
         changed = False
-        users = graph.users()
-        position = {v.id: i for i, n in enumerate(graph.nodes) for v in n.outs}
-        producers = graph.producers()
-        for consumer in graph.nodes:
-            if not isinstance(consumer, Pointwise):
+        for consumer in list(graph.nodes):
+            if not isinstance(consumer, Pointwise) or id(consumer) in merged:
                 continue
-            for ld in E.loads_of(consumer.expr):
-                vid = ld.args[0]
+            loaded = list(dict.fromkeys(ld.args[0] for ld in E.loads_of(consumer.expr)))
+            for vid in loaded:
                 producer = producers[vid]
-                if not isinstance(producer, (Reduce, Matmul)) or vid in outputs or len(users.get(vid, [])) != 1:
+                if (not isinstance(producer, (Reduce, Matmul)) or vid in outputs or len(users.get(vid, [])) != 1
+                        or (id(consumer), vid) in refused):
                     continue
-                reason = _try_merge(graph, consumer, producer, vid, position, max_bindings)
-                if reason is None:
-                    report.fused.append((_name(consumer), _name(producer)))
-                    changed = True
-                    break
-                report.refused.append((_name(consumer), _name(producer), reason))
-            if changed:
+                reason, read_rows = _try_merge(graph, consumer, producer, vid, position, producers, max_bindings)
+                if reason is not None:
+                    refused.add((id(consumer), vid))
+                    report.refused.append((_name(consumer), _name(producer), reason))
+                    continue
+                report.fused.append((_name(consumer), _name(producer)))
+                merged.add(id(consumer))
+                _update_maps(consumer, producer, loaded, users, producers, position, vid)
+                _drop_unread_rows(producer, read_rows - outputs, users)
+                changed = True
                 break
 
 
-def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings) -> str | None:
-    """Merge ``consumer`` into ``producer`` if it reads ``vid`` element for element; else say why not."""
+def _update_maps(consumer, producer, loaded, users, producers, position, vid) -> None:
+    """After ``consumer`` moved into ``producer``: who loads what, and who produces the consumer's value."""
+    for v in loaded:
+        users[v] = [n for n in users.get(v, []) if n is not consumer]
+    for e in producer.exprs():
+        for ld in E.loads_of(e):
+            readers = users.setdefault(ld.args[0], [])
+            if not any(n is producer for n in readers):
+                readers.append(producer)
+    producers[consumer.out.id] = producer
+    position[consumer.out.id] = position[vid]
+
+
+def _drop_unread_rows(producer, rows: set[int], users) -> None:
+    """Row results the moved consumer read that nobody loads any more (and that are not graph outputs)."""
+    for u in rows:
+        if not users.get(u):
+            i = next(i for i, v in enumerate(producer.outs) if v.id == u)
+            producer.results.pop(i)
+            producer.outs.pop(i)
+
+
+def _try_merge(graph, consumer: Pointwise, producer, vid, position, producers,
+               max_bindings) -> tuple[str | None, set[int]]:
+    """Merge ``consumer`` into ``producer`` if it reads ``vid`` element for element: (None, the producer's row
+    results the consumer read), else (why not, empty)."""
     domain = producer.domain if isinstance(producer, Reduce) else (producer.batch, producer.m, producer.n)
     shape = consumer.out.shape
     index = next(i for i, v in enumerate(producer.outs) if v.id == vid)
     row_result = _is_row_result(producer, index)
     if consumer.out.numel != _numel(domain):
-        return "consumer does not cover the producer's iteration domain"
+        return "consumer does not cover the producer's iteration domain", set()
     # Consumer coordinates as functions of the producer's, through the shared linear index.
     dbounds = dict(enumerate(domain))
     domain_coords = [E.coord(d) for d in range(len(domain))]
@@ -72,15 +104,14 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings
         else:
             want = simplify(linear_index(domain_coords, domain), dbounds)
         if simplify(linear_index(ld.args[1], producer.outs[i].shape), dbounds) != want:
-            return "consumer reads a result of the producer at other elements"
+            return "consumer reads a result of the producer at other elements", set()
     start = position[vid]
     others = {ld.args[0] for ld in E.loads_of(moved)} - set(own)
-    producers = graph.producers()
     if any(position[o] > start and not isinstance(producers[o], Input) for o in others):
-        return "consumer reads a value computed after the producer"
+        return "consumer reads a value computed after the producer", set()
     existing = {ld.args[0] for e in producer.exprs() for ld in E.loads_of(e)}
     if len(existing | others) + len(producer.outs) + 2 > max_bindings:
-        return f"more than {max_bindings} storage bindings"
+        return f"more than {max_bindings} storage bindings", set()
 
     def result_expr(i):
         return producer.epilogue if isinstance(producer, Matmul) else producer.results[i].expr
@@ -104,13 +135,7 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, max_bindings
         producer.results[index] = RowOutput(True, merged)
         producer.outs[index] = consumer.out
     graph.nodes.remove(consumer)
-    graph_outputs = {v.id for v in graph.outputs}
-    for u in read_rows - graph_outputs:  # row results nobody reads any more
-        if not any(ld.args[0] == u for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)):
-            i = next(i for i, v in enumerate(producer.outs) if v.id == u)
-            producer.results.pop(i)
-            producer.outs.pop(i)
-    return None
+    return None, read_rows
 
 
 def _is_row_result(producer, index: int) -> bool:
