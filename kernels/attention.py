@@ -400,9 +400,7 @@ def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
     rescale = "\n".join(f"      o{c} = o{c} * alpha;" for c in range(dv4))
     accumulate = "\n".join(f"        o{c} = fma(vec4<f32>(p), tile_v[base + {c}u], o{c});" for c in range(dv4))
     if plan.splits > 1:
-        stores = f"    let at = (split * ROWS + row) * (DV + 2u);\n" + "\n".join(
-            f"    {partial}[at + {4 * c + t}u] = o{c}[{t}];" for c in range(dv4) for t in range(4) if 4 * c + t < s.dv
-        ) + f"\n    {partial}[at + DV] = m;\n    {partial}[at + DV + 1u] = l;"
+        stores = _partial_stores(partial, [("o", dv4, s.dv)], tail=("m", "l"))
     else:
         stores = "\n".join(
             f"    {{ let v = select(o{c} / l, vec4<f32>(), l == 0.0);\n"
@@ -527,14 +525,16 @@ def _row_stores(out: str, name: str, count: int, size: int, scale: str) -> str:
         + "    }" for c in range(count))
 
 
-def _partial_stores(partial: str, parts: list[tuple[str, int, int]]) -> str:
-    """WGSL: vec4 registers (name, count, size) one after another into this slice's row of ``partial``."""
-    width = sum(size for _, _, size in parts)
+def _partial_stores(partial: str, parts: list[tuple[str, int, int]], tail: tuple[str, ...] = ()) -> str:
+    """WGSL: vec4 registers (name, count, size) one after another into this slice's row of ``partial``, then the
+    scalars named in ``tail`` (the forward's running max and sum)."""
+    width = sum(size for _, _, size in parts) + len(tail)
     lines, offset = [f"    let at = (split * ROWS + row) * {width}u;"], 0
     for name, count, size in parts:
         lines += [f"    {partial}[at + {offset + 4 * c + t}u] = {name}{c}[{t}];"
                   for c in range(count) for t in range(4) if 4 * c + t < size]
         offset += size
+    lines += [f"    {partial}[at + {offset + k}u] = {name};" for k, name in enumerate(tail)]
     return "\n".join(lines)
 
 

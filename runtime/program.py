@@ -110,7 +110,10 @@ class Program:
         check_limits(device, plan)
         self._released = False
         self._specs = {b.name: b for b in plan.buffers}
-        self._alone: set[str] | None = None  # inputs and outputs alone at offset 0 of their buffer
+        counts: dict[str, int] = {}
+        for t in plan.inputs + plan.params + plan.outputs:
+            counts[t.buffer] = counts.get(t.buffer, 0) + 1
+        self._alone = {t.name for t in plan.inputs + plan.outputs if not t.offset and counts[t.buffer] == 1}
         self._resident = {t.name: t for t in plan.outputs if t.name in set(resident_outputs)}
         unknown = sorted(set(resident_outputs) - set(self._resident))
         if unknown:
@@ -152,12 +155,6 @@ class Program:
 
     def _own_buffer_specs(self, specs, what: str) -> None:
         """Require each tensor of ``specs`` to be alone at offset 0 of its buffer (it is swapped per run)."""
-        if self._alone is None:
-            counts: dict[str, int] = {}
-            for t in self.plan.inputs + self.plan.params + self.plan.outputs:
-                counts[t.buffer] = counts.get(t.buffer, 0) + 1
-            self._alone = {t.name for t in self.plan.inputs + self.plan.outputs
-                           if not t.offset and counts[t.buffer] == 1}
         for t in specs:
             if t.name not in self._alone:
                 raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")

@@ -74,6 +74,7 @@ class TrainStep:
         self._frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         self._buffers = [n for n, _ in model.named_buffers()]
         self._plans: dict[tuple, _CompiledStep] = {}
+        self._spare: dict[str, DeviceArray] = {}  # by role: last step's array, which the next step overwrites
         self.steps = 0
         self.load_from_module()
 
@@ -108,9 +109,9 @@ class TrainStep:
         self.micro_batches = 0
 
     def _release_spares(self) -> None:
-        for array in getattr(self, "_spare", {}).values():
+        for array in self._spare.values():
             array.release()
-        self._spare: dict[str, DeviceArray] = {}  # by role: last step's array, which this step overwrites
+        self._spare = {}
 
     def sync_to_module(self) -> None:
         """Copy the device's parameters, buffers and optimizer state into the torch module and optimizer."""

@@ -63,6 +63,14 @@ def _expected_param(before, state, group):
     return before - lr * state["momentum_buffer"]  # SGD, momentum without nesterov (decay is in the buffer)
 
 
+def _step_eagerly(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = _loss(model, x, y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def _anchored_steps(kind, **options):
     torch.manual_seed(0)
     model = resnet50().train()
@@ -81,12 +89,8 @@ def _anchored_steps(kind, **options):
         exact_opt.load_state_dict(ref_opt.state_dict())
         x, y = _batch(i)
         got = float(step(x, y))
-        for m, o, inputs in ((ref, ref_opt, x), (exact, exact_opt, x.double())):
-            o.zero_grad()
-            loss = _loss(m, inputs, y)
-            loss.backward()
-            o.step()
-            want = loss if m is ref else want
+        want = _step_eagerly(ref, ref_opt, x, y)
+        _step_eagerly(exact, exact_opt, x.double(), y)
         sched.step()
         assert abs(got - float(want)) <= 1e-4 * abs(float(want)), f"step {i + 1}: loss {got} vs eager {float(want)}"
         step.sync_to_module()
