@@ -5,9 +5,9 @@ Every step starts both sides from eager's state (parameters, BatchNorm statistic
 loss must match eager's within 1e-4 relative; each optimizer state after it (the moments carry the gradients) must
 be within relative L2 1e-3 of the same step taken in float64, or within four times eager float32's own distance
 from it where float32 cannot reach 1e-3 (two float32 roundings of a sum that cancels differ at random: with twice,
-one BatchNorm weight's first moment at AdamW's step 2 failed, 6.3e-3 from float64 against eager's 2.2e-3); each parameter must be the optimizer's
-formula applied to the device's own states (elementwise, rtol 1e-5, atol 1e-7); the BatchNorm statistics must match
-eager's elementwise (rtol 1e-3, atol 1e-5). The float64 reference matters: with BatchNorm over 4 images many
+one BatchNorm weight's first moment at AdamW's step 2 failed, 6.3e-3 from float64 against eager's 2.2e-3); each
+parameter must be the optimizer's formula applied to the device's own states (elementwise, rtol 1e-5, atol 1e-7);
+the BatchNorm statistics must match eager's elementwise (rtol 1e-3, atol 1e-5). The float64 reference matters: with BatchNorm over 4 images many
 gradients are sums that mostly cancel, and eager float32 is 2% from float64 on some of them at step 1 (the device
 is closer).
 
