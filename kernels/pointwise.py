@@ -1,6 +1,6 @@
 """Pointwise archetype: one thread per output element evaluates a fused expression and stores it.
 
-The output is contiguous; inputs are read through arbitrary index expressions (strides, broadcasting,
+The outputs are contiguous (several of the same size share the thread's index and its common subexpressions); inputs are read through arbitrary index expressions (strides, broadcasting,
 gathers), so a whole chain of views and elementwise ops runs as one dispatch.
 """
 from __future__ import annotations
@@ -10,10 +10,11 @@ from . import wgsl
 WORKGROUP = 256
 
 
-def pointwise_kernel(*, bindings, out_name: str, out_dtype: str, expr, shape, limits) -> tuple[str, tuple]:
-    """Return (WGSL, workgroups) computing ``expr`` at every coordinate of ``shape`` into ``out_name``.
+def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
+    """Return (WGSL, workgroups) computing, at every coordinate of ``shape``, each (name, dtype, expr) of
+    ``outputs`` into buffer ``name`` at the coordinate's linear index.
 
-    ``bindings`` lists (slot, name, storage type) for every buffer the kernel uses (output included).
+    ``bindings`` lists (slot, name, storage type) for every buffer the kernel uses (outputs included).
     """
     total = 1
     for s in shape:
@@ -21,12 +22,8 @@ def pointwise_kernel(*, bindings, out_name: str, out_dtype: str, expr, shape, li
     groups = wgsl.grid(-(-total // WORKGROUP), limits["max-compute-workgroups-per-dimension"])
     coords = [f"c{d}" for d in range(len(shape))]
     em = wgsl.Emitter(coords)
-    result = em.value(expr)
-    body = "\n".join(
-        wgsl.unravel_lines("idx", coords, shape)
-        + em.lines
-        + [f"  {out_name}[idx] = {wgsl.store(result, out_dtype)};"]
-    )
+    stores = [f"  {name}[idx] = {wgsl.store(em.value(expr), dtype)};" for name, dtype, expr in outputs]
+    body = "\n".join(wgsl.unravel_lines("idx", coords, shape) + em.lines + stores)
     source = f"""{wgsl.binding_decls(bindings)}
 {wgsl.helpers_for(body)}
 @compute @workgroup_size({WORKGROUP})

@@ -1,13 +1,15 @@
 """Torch-free compiler middle: typed static IR, fusion into archetype kernels, memory planning, the plan.
 
 ``compile_graph(graph, limits)`` runs the passes in order: fuse (inline producers into consumers) ->
-fuse_epilogues (consumers into reductions and matmuls) -> schedule (memory plan + WGSL + dispatches).
+fuse_epilogues (consumers into reductions and matmuls) -> fuse_multi_output (a pointwise value with several
+readers stored by its first pointwise reader) -> schedule (memory plan + WGSL + dispatches).
 """
 from __future__ import annotations
 
 from .epilogues import fuse_epilogues
 from .fusion import FusionReport, fuse
 from .ir import Graph
+from .multi_output import fuse_multi_output
 from .schedule import schedule
 
 
@@ -16,5 +18,6 @@ def compile_graph(graph: Graph, limits: dict):
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     report = fuse(graph, max_bindings)
     fuse_epilogues(graph, max_bindings, report)
+    fuse_multi_output(graph, max_bindings, report)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused)})
     return plan, report

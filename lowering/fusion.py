@@ -3,7 +3,8 @@
 Walking the graph in order, every Pointwise node becomes a candidate for inlining. A consumer takes a
 candidate unless a rule refuses it, and every refusal is recorded with its reason:
   * a view (a single load) inlines into every consumer: it only changes index math;
-  * a computing producer inlines only into its single consumer (no recomputation);
+  * a computing producer inlines only into its single consumer, and only if it is not also a graph output (no
+    recomputation: multi-output fusion later lets its consumer store it);
   * matmul operands take views only (their loads repeat and must stay cheap);
   * attention operands take views and cheap prologues: a single-consumer producer of at most
     ``PROLOGUE_MAX_LOADS`` loads and plain arithmetic (no transcendentals, no RNG), recomputed on every load. This
@@ -58,11 +59,12 @@ def fuse(graph: Graph, max_bindings: int) -> FusionReport:
             node_users = users.get(vid, [])
             if node.is_view():
                 candidates[vid] = node
-            elif len(node_users) == 1:
+            elif len(node_users) == 1 and vid not in outputs:
                 candidates[vid] = node
             elif node_users:
+                reason = "a graph output" if vid in outputs else f"{len(node_users)} consumers"
                 for u in node_users:
-                    report.refused.append((_name(node), _name(u), f"{len(node_users)} consumers (no recomputation)"))
+                    report.refused.append((_name(node), _name(u), f"{reason} (no recomputation)"))
 
     _prune(graph, outputs)
     for producer, consumer in report.fused:

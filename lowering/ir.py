@@ -4,6 +4,7 @@ Node kinds (the archetypes):
   ``Input``     a graph input (role ``input``) or a long-lived parameter/buffer (role ``param``);
   ``Pointwise`` one output element per thread, ``expr`` over output coordinates and loads of other values;
                 views (permute, slice, expand, reshape...) are Pointwise nodes whose expr is a single load;
+                ``also`` holds expressions of further outputs of the same size, stored at the same linear index;
   ``Reduce``    a row program: for each row of ``domain`` (the non-reduced axes) it runs ``phases``, each
                 a reduction (sum/prod/max/min/argmax/argmin) of an expression that may use the results of
                 earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
@@ -76,18 +77,19 @@ class Input(Node):
 class Pointwise(Node):
     expr: E.Expr = None
     label: str = ""
+    also: list[E.Expr] = field(default_factory=list)  # outs[1:], over the coordinates of outs[0]
 
     def exprs(self):
-        return [self.expr]
+        return [self.expr, *self.also]
 
     def domains(self):
-        return [self.out.shape]
+        return [self.out.shape] * (1 + len(self.also))
 
     def set_exprs(self, exprs):
-        (self.expr,) = exprs
+        self.expr, *self.also = exprs
 
     def is_view(self) -> bool:
-        return self.expr.op == "load"
+        return self.expr.op == "load" and not self.also
 
 
 @dataclass

@@ -168,10 +168,9 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[values[vid].compute_dtype]))
 
     if isinstance(node, Pointwise):
-        v = node.out
-        src, groups = pointwise_kernels.pointwise_kernel(
-            bindings=decl, out_name=name(out_slots[0]), out_dtype=v.compute_dtype, expr=exprs[0],
-            shape=v.shape, limits=limits)
+        outputs = [(name(s), v.compute_dtype, e) for s, v, e in zip(out_slots, node.outs, exprs)]
+        src, groups = pointwise_kernels.pointwise_kernel(bindings=decl, outputs=outputs, shape=node.out.shape,
+                                                         limits=limits)
     elif isinstance(node, Reduce):
         n_phases = len(node.phases)
         phases = [(op, e) for (op, _), e in zip(node.phases, exprs[:n_phases])]

@@ -120,3 +120,31 @@ def test_epilogue_reading_two_row_results_takes_both_from_registers():
     out = Program(get_device(), plan).run({"x": data})
     mu, sd = data.mean(1, keepdims=True), data.std(1, keepdims=True)
     np.testing.assert_allclose(out[plan.outputs[1].name], (data - mu) / sd, rtol=1e-5, atol=1e-5)
+
+
+def test_value_read_by_a_later_kernel_is_stored_by_its_first_elementwise_reader():
+    """An optimizer's shape: the new moment is a graph output and an input of the new parameter. Its reader
+    computes it in registers and stores it too (one kernel, not two); a reader at other elements (a transpose)
+    cannot, and loads what that kernel stored."""
+    b = GraphBuilder()
+    g = b.input("g", (6, 4), "float32")
+    m = b.input("m", (24,), "float32")
+    p = b.input("p", (24,), "float32")
+    m_new = b.map(lambda a, c: E.add(E.mul(a, E.const(0.9, E.F32)), c), m, b.reshape(g, (24,)), dtype="float32")
+    p_new = b.map(lambda a, c: E.binary("sub", a, E.mul(c, E.const(0.1, E.F32))), p, m_new, dtype="float32")
+    flipped = b.map(lambda a: E.unary("exp", a), b.permute(b.reshape(m_new, (6, 4)), (1, 0)), dtype="float32")
+    for v in (p_new, m_new, flipped):
+        b.output(v)
+    plan, report = compile_graph(b.graph, get_device().limits)
+    kernels = [n for n in b.graph.nodes if isinstance(n, Pointwise)]
+    assert [len(k.outs) for k in kernels] == [2, 1]
+    assert kernels[0].outs[1] is m_new
+    assert any("at other elements" in reason for _, _, reason in report.refused)
+    data = {"g": RNG.standard_normal((6, 4)).astype(np.float32), "m": RNG.standard_normal(24).astype(np.float32),
+            "p": RNG.standard_normal(24).astype(np.float32)}
+    out = Program(get_device(), plan).run(data)
+    want_m = data["m"] * np.float32(0.9) + data["g"].reshape(24)
+    got = [out[spec.name] for spec in plan.outputs]
+    np.testing.assert_allclose(got[1], want_m, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[0], data["p"] - want_m * np.float32(0.1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[2], np.exp(want_m.reshape(6, 4).T), rtol=1e-6, atol=1e-6)
