@@ -2,14 +2,19 @@
 of AdamW (weight decay, cosine LR schedule) and 50 of SGD with momentum and weight decay.
 
 Every step starts both sides from eager's state (parameters, BatchNorm statistics, optimizer state, LR): the step's
-loss must match eager's within 1e-4 relative; each optimizer state after it (the moments carry the gradients) must
-be within relative L2 1e-3 of the same step taken in float64, or within four times eager float32's own distance
-from it where float32 cannot reach 1e-3 (two float32 roundings of a sum that cancels differ at random: with twice,
-one BatchNorm weight's first moment at AdamW's step 2 failed, 6.3e-3 from float64 against eager's 2.2e-3); each
-parameter must be the optimizer's formula applied to the device's own states (elementwise, rtol 1e-5, atol 1e-7);
-the BatchNorm statistics must match eager's elementwise (rtol 1e-3, atol 1e-5). The float64 reference matters: with BatchNorm over 4 images many
-gradients are sums that mostly cancel, and eager float32 is 2% from float64 on some of them at step 1 (the device
-is closer).
+loss must match eager's within 1e-4 relative; the optimizer states after it (the moments carry the gradients) are
+compared with the same step taken in float64, against eager float32's own distance from it:
+  * all moments of the step together (one relative L2 over every state tensor) within twice eager's distance;
+  * each state tensor within ten times eager's distance (or 1e-3 relative L2 where eager is closer than 1e-4).
+The per-tensor allowance is wide because one float32 rounding can flip a ReLU whose input lies within 1e-4 of zero:
+with 16 values per channel in the last stage, that moves a BatchNorm gradient there by far more than eager's
+rounding, and eager's own distance is a single draw (at step 6 the device flipped 1 such ReLU of 3, eager none; the
+device's forward there was closer to float64 than eager's). A wrong kernel moves many tensors by orders of
+magnitude and fails both checks.
+Each parameter must be the optimizer's formula applied to the device's own states (elementwise, rtol 1e-5, atol
+1e-7); the BatchNorm statistics must match eager's elementwise (rtol 1e-3, atol 1e-5). The float64 reference
+matters: with BatchNorm over 4 images many gradients are sums that mostly cancel, and eager float32 is 2% from
+float64 on some of them at step 1 (the device is closer).
 
 Not one free-running trajectory per side, because ResNet-50 trained from scratch on batches of 4 is chaotic in
 float32: on the CPU, eager float32 and eager float64 part by 2e-3 in the loss at AdamW's second step
@@ -97,15 +102,23 @@ def _anchored_steps(kind, **options):
         ours = dict(model.named_parameters())
         group = opt.param_groups[0]
         exact_params = dict(exact.named_parameters())
+        flat = {"device": [], "eager": [], "float64": []}
         for name, p in ref.named_parameters():
             state, exact_state = opt.state[ours[name]], exact_opt.state[exact_params[name]]
             for slot, value in ref_opt.state[p].items():
                 if slot != "step":
-                    allowed = max(1e-3, 4 * _rel(value, exact_state[slot]))
+                    eager = _rel(value, exact_state[slot])
+                    allowed = 10 * eager if eager > 1e-4 else 1e-3
                     rel = _rel(state[slot], exact_state[slot])
-                    assert rel < allowed, f"step {i + 1}: {slot} of {name} off float64 by {rel:.2e} (< {allowed:.2e})"
+                    assert rel < allowed, (f"step {i + 1}: {slot} of {name} off float64 by {rel:.2e}, eager by "
+                                           f"{eager:.2e}")
+                    for side, t in zip(flat, (state[slot], value, exact_state[slot])):
+                        flat[side].append(t.double().reshape(-1))
             torch.testing.assert_close(ours[name].detach(), _expected_param(before[name], state, group),
                                        rtol=1e-5, atol=1e-7, msg=lambda m: f"step {i + 1}: {name}: {m}")
+        exact_all = torch.cat(flat["float64"])
+        together = {side: _rel(torch.cat(flat[side]), exact_all) for side in ("device", "eager")}
+        assert together["device"] <= max(2 * together["eager"], 1e-6), f"step {i + 1}: all moments: {together}"
         buffers = dict(model.named_buffers())
         for name, b in ref.named_buffers():
             torch.testing.assert_close(buffers[name].to(b.dtype), b, rtol=1e-3, atol=1e-5,
