@@ -3,7 +3,7 @@ host cost per dispatch of plan replay.
 
 meganeura's side runs a plan directly: the function is traced to aten (``make_fx``), lowered and compiled like a
 backend graph, its operands uploaded once as parameters and its outputs kept on the device (``DeviceArray``s,
-recycled every call), so a timed call is one submit of the plan plus the 4-byte fence read that waits for it.
+recycled every call), so a timed call is one replay of the plan plus the 4-byte fence read that waits for it.
 PyTorch's side calls the same function on resident tensors (CPU, and CUDA where present, synchronised).
 """
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 ``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
 status buffers, compiles every kernel and prepares the read-back. Param buffers come from outside
-(``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records every dispatch into one compute
-pass, copies outputs and status into one staging buffer, submits once and reads back. While a profiler is
+(``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records the dispatches into compute
+passes, copies outputs and status into one staging buffer and reads back. A long plan is submitted in parts of
+``SUBMIT_EVERY`` dispatches, so the GPU runs the first part while the host records the next; the queue keeps
+their order, and the host waits once, at the read-back. While a profiler is
 attached to the device (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
@@ -28,6 +30,7 @@ OWNED_ROLES = ("input", "output", "arena", "status")
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
+SUBMIT_EVERY = 128  # dispatches per submitted part of a long plan
 
 _HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
 _INT32 = np.iinfo(np.int32)
@@ -285,7 +288,7 @@ class Program:
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
             into: dict[str, DeviceArray] | None = None) -> dict:
-        """Upload ``inputs``, bind ``device_inputs``, replay the plan in one pass and one submit.
+        """Upload ``inputs``, bind ``device_inputs``, replay the plan (in parts of ``SUBMIT_EVERY``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
         gives for its name (overwritten), else a new one."""
@@ -319,10 +322,14 @@ class Program:
             profiler = dev.profiler if commands else None
             if profiler is not None:
                 self._record_profiled(encoder, commands, profiler)
-            elif commands:
-                compute = encoder.begin_compute_pass()
-                record_dispatches(compute, commands)
-                compute.end()
+            else:
+                for start in range(0, len(commands), SUBMIT_EVERY):
+                    if start:
+                        dev.submit(encoder, "plan part")
+                        encoder = dev.wgpu_device.create_command_encoder()
+                    compute = encoder.begin_compute_pass()
+                    record_dispatches(compute, commands[start : start + SUBMIT_EVERY])
+                    compute.end()
             for source, src_offset, dst_offset, size in self._copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, self._staging, dst_offset, size)
         dev.submit(encoder, "plan")

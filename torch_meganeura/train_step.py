@@ -1,4 +1,4 @@
-"""Device-resident training: forward, backward and the optimizer update of a step in one plan and one submit.
+"""Device-resident training: forward, backward and the optimizer update of a step in one plan, no host round trip.
 
 ``step = compile_train_step(model, loss_fn, optimizer)`` then ``loss = step(*batch)``. ``loss_fn(model, *batch)``
 returns the scalar loss. The first call traces one functional step (``make_fx`` over ``torch.func.grad_and_value``

@@ -384,3 +384,29 @@ def test_plan_without_outputs_still_waits():
     assert program.run({"x": np.ones(16, np.float32)}) == {}
     assert device.counters.submits == before["submits"] + 1
     assert device.counters.bytes_downloaded == before["bytes_downloaded"] + 4
+
+
+def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
+    """A plan longer than SUBMIT_EVERY goes to the queue in parts; each part reads what the previous one wrote."""
+    import meganeura.runtime.program as program_module
+
+    n, steps = 100, 7
+    init = kernel([("a", "f32"), ("out", "f32")], "out[i] = a[i];")
+    double_add = kernel([("a", "f32"), ("out", "f32")], "out[i] = out[i] * 2.0 + a[i];")
+    bindings = (Binding("a", 0, 4 * n), Binding("out", 0, 4 * n))
+    plan = Plan(
+        buffers=[BufferSpec("a", 4 * n, "input"), BufferSpec("out", 4 * n, "output")],
+        inputs=[TensorSpec("a", "a", 0, (n,), "float32")], params=[],
+        outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
+        kernels={"init": init, "double_add": double_add},
+        dispatches=[Dispatch("init", bindings, groups(n), "init")]
+        + [Dispatch("double_add", bindings, groups(n), f"step {k}") for k in range(1, steps)],
+    )
+    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 2)
+    device = get_device()
+    program = Program(device, plan)
+    a = RNG.standard_normal(n, dtype=np.float32)
+    before = device.counters.submits
+    out = program.run({"a": a})
+    assert device.counters.submits - before == 4  # parts of 2, 2, 2 and 1 dispatches
+    np.testing.assert_allclose(out["out"], a * (2**steps - 1), rtol=1e-6)
