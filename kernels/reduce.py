@@ -6,6 +6,10 @@ the results of earlier phases; then it writes per-row results (by thread 0) and 
 sum/mean/amax are the one-phase case. Threads stride over the row and combine in workgroup memory.
 Rows of at most SERIAL_ROW_MAX elements (a pooling window, a few scatter candidates) are the exception: one
 thread walks each row on its own, with no workgroup memory and no barriers.
+Few long rows (a loss averaged over a whole tensor, BatchNorm's sums over batch and pixels per channel) would leave
+most of a GPU idle, so where the phases do not depend on each other (``reduce_splits``) each row is cut into
+slices: a first dispatch reduces every (row, slice) into partial results in scratch, a second combines a row's
+partials and writes its results, one workgroup per (row, slice) again when there are element results.
 """
 from __future__ import annotations
 
@@ -36,6 +40,10 @@ ARG_BETTER = {
 
 SERIAL_ROW_MAX = 16
 SERIAL_WORKGROUP = 64
+SPLIT_TARGET_WORKGROUPS = 1024  # cut rows into slices until the first pass has this many workgroups...
+SPLIT_MIN_SLICE = 2048          # ...while every slice keeps at least this many elements
+SPLIT_MAX = 64
+SPLIT_OPS = ("sum", "prod", "max", "min")
 
 
 def workgroup_size(row_length: int, max_invocations: int) -> int:
@@ -45,8 +53,30 @@ def workgroup_size(row_length: int, max_invocations: int) -> int:
     return min(size, max_invocations)
 
 
-def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[str, tuple]:
-    """Return (WGSL, workgroups) for a row program.
+def reduce_splits(domain, axes, phases, results) -> int:
+    """How many slices each row of a row program is cut into (1: not cut): only float phases of SPLIT_OPS that
+    read no earlier phase's result can be combined from partial results."""
+    rows = _prod([domain[d] for d in range(len(domain)) if d not in axes])
+    length = _prod([domain[d] for d in axes])
+    if (not phases or length <= SERIAL_ROW_MAX
+            or any(op not in SPLIT_OPS or e.dtype != "f32" or _reads_acc(e) for op, e in phases)):
+        return 1
+    splits = 1
+    while rows * splits < SPLIT_TARGET_WORKGROUPS and length // (splits * 2) >= SPLIT_MIN_SLICE \
+            and splits * 2 <= SPLIT_MAX:
+        splits *= 2
+    return splits
+
+
+def partial_floats(domain, axes, phases, splits: int) -> int:
+    """Floats of scratch for the partial results of ``splits`` slices: one per phase, slice and row."""
+    return len(phases) * splits * _prod([domain[d] for d in range(len(domain)) if d not in axes])
+
+
+def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int = 1,
+                  partial: str | None = None) -> list[tuple[str, tuple]]:
+    """(WGSL, workgroups) of each dispatch of a row program: one, or two where ``split`` (see ``reduce_splits``)
+    cuts the rows into slices whose partial results go to the scratch array ``partial``.
 
     ``phases``: list of (op, expr); ``results``: list of (per_element, expr, out_name, out_dtype).
     Coordinates in expressions are domain dimensions; ``acc(i)`` is phase i's result for the row.
@@ -57,55 +87,120 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits) -> tuple[s
     rows = _prod(row_shape)
     length = _prod(red_shape)
     serial = length <= SERIAL_ROW_MAX
-    wg = SERIAL_WORKGROUP if serial else workgroup_size(length, limits["max-compute-invocations-per-workgroup"])
-    groups = wgsl.grid(-(-rows // wg) if serial else rows, limits["max-compute-workgroups-per-dimension"])
+    chunk = -(-length // split)
+    wg = SERIAL_WORKGROUP if serial else workgroup_size(min(length, chunk), limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
-    body: list[str] = []
-    body += wgsl.unravel_lines("row", [names[d] for d in outer_dims], row_shape)
-    shared_types = set()
-    has_arg = False
+    head = wgsl.unravel_lines("row", [names[d] for d in outer_dims], row_shape)
+    span = (["  let lo = i32(slice) * CHUNK;", "  let hi = min(lo + CHUNK, LENGTH);"] if split > 1
+            else ["  let lo = 0i;", "  let hi = LENGTH;"])
+    if split == 1:
+        body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names)
+        body += _results(results, names, acc_names, domain, axes, red_shape, 1 if serial else wg)
+        passes = [(body, rows, -(-rows // wg) if serial else rows)]
+    else:
+        first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names)
+        first += ["  if (lid == 0u) {"] + [f"    {partial}[({p}u * PARTS + slice) * ROWS + row_u] = acc{p};"
+                                          for p in range(len(phases))] + ["  }"]
+        elem = any(r[0] for r in results)
+        second = head + span + _combine_partials(phases, partial)
+        second += _results(results, names, acc_names, domain, axes, red_shape, wg)
+        passes = [(first, rows * split, rows * split), (second, rows * (split if elem else 1),
+                                                        rows * (split if elem else 1))]
+    out = []
+    for i, (body, units, workgroups) in enumerate(passes):
+        slices = split if i == 0 or units > rows else 1
+        text = "\n".join(body)
+        groups = wgsl.grid(workgroups, limits["max-compute-workgroups-per-dimension"])
+        out.append((_source(bindings, text, phases, serial, wg, groups, units, slices, split, rows, length, chunk),
+                    groups))
+    return out
+
+
+def _source(bindings, text, phases, serial, wg, groups, units, slices, parts, rows, length, chunk) -> str:
+    """The kernel around a body: ``row`` and ``slice`` (of ``slices`` per row) from the workgroup (or thread, when
+    serial) index; ``parts`` is the number of partial results per row and phase."""
+    shared_types = {e.dtype for _, e in phases}
+    shared = "\n".join(f"var<workgroup> red_{t}: array<{wgsl.VALUE_TYPE[t] if t != 'bool' else 'u32'}, {wg}>;"
+                       for t in sorted(shared_types)) if not serial else ""
+    if any(op.startswith("arg") for op, _ in phases) and not serial:  # an i32 argmax keeps its values in red_i32
+        shared += f"\nvar<workgroup> red_idx: array<i32, {wg}>;"
+    unit = f"{wgsl.flat_workgroup(groups[0])} * {wg}u + lid" if serial else wgsl.flat_workgroup(groups[0])
+    return f"""{wgsl.binding_decls(bindings)}
+{shared}
+const SERIAL: bool = {"true" if serial else "false"};
+const SPLITS: u32 = {slices}u;
+const PARTS: u32 = {parts}u;
+const ROWS: u32 = {rows}u;
+const LENGTH: i32 = {length}i;
+const CHUNK: i32 = {chunk}i;
+{wgsl.helpers_for(text)}
+@compute @workgroup_size({wg})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let unit = {unit};
+  if (unit >= {units}u) {{ return; }}
+  let row_u = unit / SPLITS;
+  let slice = unit % SPLITS;
+  let row = i32(row_u);
+{text}
+}}
+"""
+
+
+def _phases(phases, names, axes, red_shape, wg, acc_names) -> list[str]:
+    lines = []
     for p, (op, expr) in enumerate(phases):
-        body += _phase(p, op, expr, names, axes, red_shape, length, 1 if serial else wg, acc_names[:p])
-        shared_types.add(expr.dtype)
-        has_arg = has_arg or op.startswith("arg")
+        lines += _phase(p, op, expr, names, axes, red_shape, wg, acc_names[:p])
+    return lines
+
+
+def _combine_partials(phases, partial) -> list[str]:
+    """acc{p} of every phase from the row's partial results (every thread reads them all)."""
+    lines = []
+    for p, (op, expr) in enumerate(phases):
+        a = f"a{p}"
+        lines += [f"  var {a}: f32 = {IDENTITY[(op, 'f32')]};",
+                  "  for (var s = 0u; s < PARTS; s = s + 1u) {",
+                  f"    {a} = {_combine(op, 'f32', a, f'{partial}[({p}u * PARTS + s) * ROWS + row_u]')};",
+                  "  }", f"  let acc{p} = {a};"]
+    return lines
+
+
+def _results(results, names, acc_names, domain, axes, red_shape, wg) -> list[str]:
+    """Row results (one thread of the row's first unit) and element results (over the unit's span)."""
+    lines = []
     row_results = [r for r in results if not r[0]]
     elem_results = [r for r in results if r[0]]
     if row_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
         stores = [f"    {name}[row] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in row_results]
-        body += ["  if (lid == 0u || SERIAL) {"] + em.lines + stores + ["  }"]
+        lines += ["  if ((lid == 0u || SERIAL) && slice == 0u) {"] + em.lines + stores + ["  }"]
     if elem_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
         stores = [f"    {name}[flat] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in elem_results]
         strides = _strides(domain)
         flat = " + ".join([f"{names[d]} * {strides[d]}i" for d in range(len(domain))] or ["0i"])
-        first, step = ("0i", "1i") if serial else ("i32(lid)", f"{wg}i")
-        body += [f"  for (var j: i32 = {first}; j < {length}i; j = j + {step}) {{"]
-        body += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
-        body += [f"    let flat: i32 = {flat};"] + em.lines + stores + ["  }"]
-    text = "\n".join(body)
-    shared = "\n".join(f"var<workgroup> red_{t}: array<{wgsl.VALUE_TYPE[t] if t != 'bool' else 'u32'}, {wg}>;"
-                       for t in sorted(shared_types)) if not serial else ""
-    if has_arg and not serial:  # indices get their own array: an i32 argmax keeps its values in red_i32
-        shared += f"\nvar<workgroup> red_idx: array<i32, {wg}>;"
-    row_index = f"{wgsl.flat_workgroup(groups[0])} * {wg}u + lid" if serial else wgsl.flat_workgroup(groups[0])
-    source = f"""{wgsl.binding_decls(bindings)}
-{shared}
-const SERIAL: bool = {"true" if serial else "false"};
-{wgsl.helpers_for(text)}
-@compute @workgroup_size({wg})
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-  let row_u = {row_index};
-  if (row_u >= {rows}u) {{ return; }}
-  let row = i32(row_u);
-{text}
-}}
-"""
-    return source, groups
+        first, step = ("lo", "1i") if wg == 1 else ("lo + i32(lid)", f"{wg}i")
+        lines += [f"  for (var j: i32 = {first}; j < hi; j = j + {step}) {{"]
+        lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
+        lines += [f"    let flat: i32 = {flat};"] + em.lines + stores + ["  }"]
+    return lines
 
 
-def _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names) -> list[str]:
+def _reads_acc(e) -> bool:
+    seen, stack = set(), [e]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op == "acc":
+            return True
+        stack.extend(a for a in n.args if hasattr(a, "op"))
+    return False
+
+
+def _phase(p, op, expr, names, axes, red_shape, wg, acc_names) -> list[str]:
     """Lines computing acc{p}: a strided per-thread loop, then a tree over workgroup memory (``wg`` 1: one thread
     walks the whole row and there is no tree)."""
     dt = expr.dtype
@@ -116,7 +211,7 @@ def _phase(p, op, expr, names, axes, red_shape, length, wg, acc_names) -> list[s
     lines = [f"  var {a}: {wgsl.VALUE_TYPE[dt]} = {IDENTITY[(op, dt)]};"]
     if is_arg:
         lines.append(f"  var {ai}: i32 = 2147483647i;")
-    lines += [f"  for (var j: i32 = {'0i' if wg == 1 else 'i32(lid)'}; j < {length}i; j = j + {wg}i) {{"]
+    lines += [f"  for (var j: i32 = {'lo' if wg == 1 else 'lo + i32(lid)'}; j < hi; j = j + {wg}i) {{"]
     lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
     lines += em.lines
     if is_arg:

@@ -1,6 +1,7 @@
 """Schedule: turn a fused Graph into a Plan (buffers, memory plan, WGSL per kernel, dispatch list).
 
-Every non-input node is one dispatch, or two for a node cut into slices (a matmul's K, attention's other sequence):
+Every non-input node is one dispatch, or two for a node cut into slices (a matmul's K, attention's other sequence,
+the rows of a reduction):
 the slices' partial results go to the arena, then a second dispatch merges them. Inputs, parameters and graph
 outputs get buffers of their own; intermediates share the arena placed by the planner. Loads become linear reads of
 contiguous tensors, with the index math simplified against the kernel's iteration bounds.
@@ -106,7 +107,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
 
 def _slices(node: Node, limits: dict) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
-    second dispatch: a matmul's K, attention's other sequence; (1, 0) for the rest."""
+    second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
     if isinstance(node, Matmul):
         split = matmul_kernels.split_k(node.batch, node.m, node.n, node.k, limits)
         return split, split * node.batch * node.m * node.n
@@ -114,6 +115,9 @@ def _slices(node: Node, limits: dict) -> tuple[int, int]:
         shape = _attention_shape(node)
         split = attention_kernels.attention_splits(shape, node.kind, limits)
         return split, attention_kernels.partial_floats(shape, node.kind, split)
+    if isinstance(node, Reduce):
+        split = reduce_kernels.reduce_splits(node.domain, node.axes, node.phases, node.results)
+        return split, reduce_kernels.partial_floats(node.domain, node.axes, node.phases, split)
     return 1, 0
 
 
@@ -176,8 +180,10 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         phases = [(op, e) for (op, _), e in zip(node.phases, exprs[:n_phases])]
         results = [(r.per_element, e, name(s), v.compute_dtype)
                    for r, e, s, v in zip(node.results, exprs[n_phases:], out_slots, node.outs)]
-        src, groups = reduce_kernels.reduce_kernel(
-            bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits)
+        split, partial = (scratch[0], name(bound.index(scratch[1]))) if scratch is not None else (1, None)
+        return [(src, groups, bound) for src, groups in reduce_kernels.reduce_kernel(
+            bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
+            split=split, partial=partial)]
     elif isinstance(node, Matmul):
         a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
         b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"

@@ -148,3 +148,28 @@ def test_value_read_by_a_later_kernel_is_stored_by_its_first_elementwise_reader(
     np.testing.assert_allclose(got[1], want_m, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got[0], data["p"] - want_m * np.float32(0.1), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got[2], np.exp(want_m.reshape(6, 4).T), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,axes", [((3, 10000), (1,)), ((10000, 2), (0,)), ((5, 1000, 9), (0, 1))])
+def test_few_long_rows_are_reduced_in_slices_then_combined(shape, axes):
+    """Two independent phases (a sum and a max) over few long rows: the rows are cut into slices whose partial
+    results a second dispatch combines, then writes a row result and an element result over every slice."""
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    value = b.load(x, [E.coord(d) for d in range(len(shape))])
+    length = int(np.prod([shape[a] for a in axes]))
+    mean, scaled = b.reduce(
+        shape, axes, [("sum", value), ("max", E.mul(value, value))],
+        [RowOutput(False, E.binary("div", E.acc(0), E.const(float(length), E.F32))),
+         RowOutput(True, E.binary("sub", E.mul(value, E.acc(1)), E.acc(0)))],
+        ["float32", "float32"], "two_phases")
+    b.output(mean)
+    b.output(scaled)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert [d.label for d in plan.dispatches] == ["two_phases", "two_phases (merge of slices)"]
+    data = RNG.standard_normal(shape).astype(np.float32)
+    out = Program(get_device(), plan).run({"x": data})
+    total = data.astype(np.float64).sum(axis=axes, keepdims=True)
+    biggest = (data.astype(np.float64) ** 2).max(axis=axes, keepdims=True)
+    np.testing.assert_allclose(out[plan.outputs[0].name], (total / length).squeeze(axes), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out[plan.outputs[1].name], data * biggest - total, rtol=1e-4, atol=1e-3)
