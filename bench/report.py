@@ -32,8 +32,8 @@ def _status(cell: dict | None) -> str:
     return f"{cell['median_ms']:.2f}" if cell["gate"]["passed"] else f"{cell['median_ms']:.2f} (gate failed)"
 
 
-def ratio(cells: dict, workload: str, mode: str, baseline: str) -> float | None:
-    ours, theirs = cells.get((workload, mode, "meganeura")), cells.get((workload, mode, baseline))
+def ratio(cells: dict, workload: str, mode: str, baseline: str, ours: str = "meganeura") -> float | None:
+    ours, theirs = cells.get((workload, mode, ours)), cells.get((workload, mode, baseline))
     if not (_ok(ours) and _ok(theirs)):
         return None
     return ours["median_ms"] / theirs["median_ms"]
@@ -189,7 +189,8 @@ def write(results: Path) -> None:
 
 
 def summary(data: dict, image: str) -> str:
-    """The compact table for the README: median ms per competitor and meganeura's ratio to each, and the plot."""
+    """The compact table for the README: median ms per competitor and meganeura's ratio to each, and the plot.
+    Training has a second row for the device-resident step (``meganeura-resident``) where it was measured."""
     cells = _cells(data)
     baselines = [b for b in BASELINES if any(k[2] == b for k in cells)]
     m = data["machine"]
@@ -200,14 +201,14 @@ def summary(data: dict, image: str) -> str:
              + (f" {data['settings']['note']}" if data["settings"].get("note") else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for w in dict.fromkeys(c["workload"] for c in data["cells"]):
-        for mode in MODES:
-            if (w, mode, "meganeura") not in cells:
+        for mode, ours in [(mode, "meganeura") for mode in MODES] + [("training", "meganeura-resident")]:
+            if (w, mode, ours) not in cells:
                 continue
-            row = [w, mode, _status(cells[(w, mode, "meganeura")])]
+            row = [w, mode if ours == "meganeura" else "training, resident", _status(cells[(w, mode, ours)])]
             for b in baselines:
-                r = ratio(cells, w, mode, b)
+                r = ratio(cells, w, mode, b, ours)
                 row += [_status(cells.get((w, mode, b))), "-" if r is None else f"{r:.2f}"]
-            present = [c for k, c in cells.items() if k[:2] == (w, mode)]
+            present = [c for k, c in cells.items() if k[:2] == (w, mode) and k[2] in (ours, *baselines)]
             row.append("pass" if all(_ok(c) for c in present) else "FAILED")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines + ["", f"![ratios]({image})"])
