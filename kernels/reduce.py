@@ -10,8 +10,13 @@ Few long rows (a loss averaged over a whole tensor, BatchNorm's sums over batch 
 most of a GPU idle, so where the phases do not depend on each other (``reduce_splits``) each row is cut into
 slices: a first dispatch reduces every (row, slice) into partial results in scratch, a second combines a row's
 partials and writes its results, one workgroup per (row, slice) again when there are element results.
+Where the device offers subgroup operations, sums combine each subgroup's values with ``subgroupAdd`` and then the
+subgroups' sums through workgroup memory: two barriers instead of a tree's one per halving. Nothing assumes a
+subgroup size; other reductions keep the tree (a subgroup maximum's NaN handling is not specified).
 """
 from __future__ import annotations
+
+from meganeura.runtime.requirements import SUBGROUP_OPS
 
 from . import wgsl
 
@@ -91,15 +96,16 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     wg = SERIAL_WORKGROUP if serial else workgroup_size(min(length, chunk), limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
+    subgroups = bool(limits.get(SUBGROUP_OPS)) and not serial
     head = wgsl.unravel_lines("row", [names[d] for d in outer_dims], row_shape)
     span = (["  let lo = i32(slice) * CHUNK;", "  let hi = min(lo + CHUNK, LENGTH);"] if split > 1
             else ["  let lo = 0i;", "  let hi = LENGTH;"])
     if split == 1:
-        body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names)
+        body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names, subgroups)
         body += _results(results, names, acc_names, domain, axes, red_shape, 1 if serial else wg)
         passes = [(body, rows, -(-rows // wg) if serial else rows)]
     else:
-        first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names)
+        first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names, subgroups)
         first += ["  if (lid == 0u) {"] + [f"    {partial}[({p}u * PARTS + slice) * ROWS + row_u] = acc{p};"
                                           for p in range(len(phases))] + ["  }"]
         elem = any(r[0] for r in results)
@@ -112,12 +118,13 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
         slices = split if i == 0 or units > rows else 1
         text = "\n".join(body)
         groups = wgsl.grid(workgroups, limits["max-compute-workgroups-per-dimension"])
-        out.append((_source(bindings, text, phases, serial, wg, groups, units, slices, split, rows, length, chunk),
-                    groups))
+        out.append((_source(bindings, text, phases, serial, wg, groups, units, slices, split, rows, length, chunk,
+                            subgroups), groups))
     return out
 
 
-def _source(bindings, text, phases, serial, wg, groups, units, slices, parts, rows, length, chunk) -> str:
+def _source(bindings, text, phases, serial, wg, groups, units, slices, parts, rows, length, chunk,
+            subgroups: bool) -> str:
     """The kernel around a body: ``row`` and ``slice`` (of ``slices`` per row) from the workgroup (or thread, when
     serial) index; ``parts`` is the number of partial results per row and phase."""
     shared_types = {e.dtype for _, e in phases}
@@ -126,6 +133,8 @@ def _source(bindings, text, phases, serial, wg, groups, units, slices, parts, ro
     if any(op.startswith("arg") for op, _ in phases) and not serial:  # an i32 argmax keeps its values in red_i32
         shared += f"\nvar<workgroup> red_idx: array<i32, {wg}>;"
     unit = f"{wgsl.flat_workgroup(groups[0])} * {wg}u + lid" if serial else wgsl.flat_workgroup(groups[0])
+    lanes = (", @builtin(subgroup_invocation_id) sg_lane: u32, @builtin(subgroup_id) sg_id: u32,"
+             " @builtin(num_subgroups) sg_count: u32") if subgroups else ""
     return f"""{wgsl.binding_decls(bindings)}
 {shared}
 const SERIAL: bool = {"true" if serial else "false"};
@@ -136,7 +145,7 @@ const LENGTH: i32 = {length}i;
 const CHUNK: i32 = {chunk}i;
 {wgsl.helpers_for(text)}
 @compute @workgroup_size({wg})
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32{lanes}) {{
   let unit = {unit};
   if (unit >= {units}u) {{ return; }}
   let row_u = unit / SPLITS;
@@ -147,10 +156,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """
 
 
-def _phases(phases, names, axes, red_shape, wg, acc_names) -> list[str]:
+def _phases(phases, names, axes, red_shape, wg, acc_names, subgroups: bool) -> list[str]:
     lines = []
     for p, (op, expr) in enumerate(phases):
-        lines += _phase(p, op, expr, names, axes, red_shape, wg, acc_names[:p])
+        lines += _phase(p, op, expr, names, axes, red_shape, wg, acc_names[:p], subgroups)
     return lines
 
 
@@ -200,9 +209,9 @@ def _reads_acc(e) -> bool:
     return False
 
 
-def _phase(p, op, expr, names, axes, red_shape, wg, acc_names) -> list[str]:
-    """Lines computing acc{p}: a strided per-thread loop, then a tree over workgroup memory (``wg`` 1: one thread
-    walks the whole row and there is no tree)."""
+def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool = False) -> list[str]:
+    """Lines computing acc{p}: a strided per-thread loop, then a tree over workgroup memory, or for a sum with
+    ``subgroups`` a subgroup sum and a pass over the subgroups' sums (``wg`` 1: one thread walks the whole row)."""
     dt = expr.dtype
     em = wgsl.Emitter(names, acc_names, indent="    ")
     value = em.value(expr)
@@ -223,6 +232,11 @@ def _phase(p, op, expr, names, axes, red_shape, wg, acc_names) -> list[str]:
     if wg == 1:  # one thread per row: the loop saw the whole row
         return lines + [f"  let acc{p} = {ai if is_arg else a};"]
     shared = f"red_{dt}"
+    if subgroups and op == "sum" and dt in ("f32", "i32"):  # every thread adds the subgroups' sums in one order
+        return lines + [f"  let s{p} = subgroupAdd({a});", f"  if (sg_lane == 0u) {{ {shared}[sg_id] = s{p}; }}",
+                        "  workgroupBarrier();", f"  var t{p}: {wgsl.VALUE_TYPE[dt]} = {IDENTITY[(op, dt)]};",
+                        f"  for (var s = 0u; s < sg_count; s = s + 1u) {{ t{p} = t{p} + {shared}[s]; }}",
+                        f"  let acc{p} = t{p};", "  workgroupBarrier();"]
     to_shared = (lambda x: f"select(0u, 1u, {x})") if dt == "bool" else (lambda x: x)
     from_shared = (lambda x: f"({x} != 0u)") if dt == "bool" else (lambda x: x)
     lines.append(f"  {shared}[lid] = {to_shared(a)};")

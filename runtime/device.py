@@ -17,6 +17,7 @@ import wgpu
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
 from .profiler import profiler_from_env
+from .requirements import SUBGROUP_OPS
 from .resident import BufferPool
 
 ADAPTER_ENV = "MEGANEURA_ADAPTER"
@@ -134,6 +135,8 @@ class Device:
         self.queue = self.wgpu_device.queue
         self.features = set(self.wgpu_device.features)
         self.limits = dict(self.wgpu_device.limits)
+        if "subgroup" in self.features:
+            self.limits[SUBGROUP_OPS] = 1
         self.offset_alignment = self.limits["min-storage-buffer-offset-alignment"]
         self.max_binding_size = self.limits["max-storage-buffer-binding-size"]
         self.max_buffer_size = self.limits["max-buffer-size"]

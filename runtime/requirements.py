@@ -33,6 +33,9 @@ GENERATION_LIMITS = (  # recorded as compiled for; the rest of PORTABLE_LIMITS i
     "max-compute-workgroup-storage-size",
     "min-storage-buffer-offset-alignment",
 )
+# Not a wgpu limit: set in a device's limits when its adapter has the "subgroup" feature, so that kernel generators
+# may use subgroup operations (whatever the subgroup size); portable generation leaves it out.
+SUBGROUP_OPS = "meganeura-subgroup-ops"
 # WGSL that needs a feature: a pattern in the kernel source -> the wgpu feature name.
 FEATURE_PATTERNS = {
     re.compile(r"\benable\s+f16\s*;"): "shader-f16",
@@ -45,9 +48,11 @@ def is_alignment(limit: str) -> bool:
 
 
 def compile_limits(device_limits: dict, portable: bool) -> dict:
-    """The limits to generate kernels for: the device's, or with ``portable`` no more than WebGPU's defaults."""
+    """The limits to generate kernels for: the device's, or with ``portable`` no more than WebGPU's defaults and
+    no optional features."""
     limits = dict(device_limits)
     if portable:
+        limits.pop(SUBGROUP_OPS, None)
         for name, value in PORTABLE_LIMITS.items():
             pick = max if is_alignment(name) else min
             limits[name] = pick(limits.get(name, value), value)

@@ -173,3 +173,22 @@ def test_few_long_rows_are_reduced_in_slices_then_combined(shape, axes):
     biggest = (data.astype(np.float64) ** 2).max(axis=axes, keepdims=True)
     np.testing.assert_allclose(out[plan.outputs[0].name], (total / length).squeeze(axes), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out[plan.outputs[1].name], data * biggest - total, rtol=1e-4, atol=1e-3)
+
+
+def test_sums_use_subgroup_operations_where_the_device_has_them_and_trees_otherwise():
+    """The same row sums generated with and without subgroup operations give numpy's result; only the first uses
+    them (and a portable export, generated for WebGPU's defaults, never does)."""
+    from meganeura.runtime.requirements import SUBGROUP_OPS, compile_limits
+
+    device = get_device()
+    if SUBGROUP_OPS not in device.limits:
+        pytest.skip(f"{device.name} has no subgroup operations")
+    data = RNG.standard_normal((37, 1000)).astype(np.float32)
+    for limits, uses in ((device.limits, True), (compile_limits(device.limits, portable=True), False)):
+        b = GraphBuilder()
+        x = b.input("x", data.shape, "float32")
+        b.output(b.reduce_simple(x, (1,), "sum", "float32"))
+        plan, _ = compile_graph(b.graph, limits)
+        assert any("subgroupAdd" in k for k in plan.kernels.values()) == uses
+        out = Program(device, plan).run({"x": data})
+        np.testing.assert_allclose(out[plan.outputs[0].name], data.astype(np.float64).sum(1), rtol=1e-5, atol=1e-4)
