@@ -5,7 +5,11 @@ R's kernel instead of a dispatch of its own, when C reads R element for element:
   * an element result of a reduction or a matmul output, read at C's own linear index (reshapes allowed):
     C's expression replaces R's result, evaluated at the producer's coordinates;
   * a per-row reduction result read at the row of each element, with C covering the reduction's domain
-    (RMS norm: ``x * rsqrt(mean(x^2) + eps) * w``): C becomes a new element result of the reduction.
+    (RMS norm: ``x * rsqrt(mean(x^2) + eps) * w``): C becomes a new element result of the reduction;
+  * per-row results read by a C of the rows' shape (BatchNorm's rsqrt(var + eps), its running statistics):
+    C becomes a new row result.
+A consumer that becomes a new result leaves the results it read in place, so those may have other readers; one
+that replaces a result must be its only reader.
 Any other result of R that C reads (layer norm's rstd next to its mean) is substituted the same way: a kernel never
 loads its own output, which another thread may not have written yet. C's other inputs must already exist when the
 producer runs, and the kernel must stay within the binding limit. Every refusal is recorded with its reason.
@@ -37,8 +41,10 @@ def fuse_epilogues(graph: Graph, max_bindings: int, report: FusionReport) -> Non
             loaded = list(dict.fromkeys(ld.args[0] for ld in E.loads_of(consumer.expr)))
             for vid in loaded:
                 producer = producers[vid]
-                if (not isinstance(producer, (Reduce, Matmul)) or vid in outputs or len(users.get(vid, [])) != 1
-                        or (id(consumer), vid) in refused):
+                if not isinstance(producer, (Reduce, Matmul)) or (id(consumer), vid) in refused:
+                    continue
+                index = next(i for i, v in enumerate(producer.outs) if v.id == vid)
+                if not _is_row_result(producer, index) and (vid in outputs or len(users.get(vid, [])) != 1):
                     continue
                 reason, read_rows = _try_merge(graph, consumer, producer, vid, position, producers, max_bindings)
                 if reason is not None:
@@ -83,12 +89,19 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, producers,
     shape = consumer.out.shape
     index = next(i for i, v in enumerate(producer.outs) if v.id == vid)
     row_result = _is_row_result(producer, index)
-    if consumer.out.numel != _numel(domain):
-        return "consumer does not cover the producer's iteration domain", set()
-    # Consumer coordinates as functions of the producer's, through the shared linear index.
+    per_row = (isinstance(producer, Reduce) and consumer.out.numel == _numel(producer.row_shape)
+               and consumer.out.numel != _numel(domain))
+    if consumer.out.numel != _numel(domain) and not per_row:
+        return "consumer covers neither the producer's iteration domain nor its rows", set()
+    # Consumer coordinates as functions of the producer's, through the shared linear index (of the rows' shape
+    # for a per-row consumer).
     dbounds = dict(enumerate(domain))
     domain_coords = [E.coord(d) for d in range(len(domain))]
-    to_consumer = unravel(linear_index(domain_coords, domain), shape)
+    if per_row:
+        outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
+        to_consumer = unravel(linear_index(outer, producer.row_shape), shape)
+    else:
+        to_consumer = unravel(linear_index(domain_coords, domain), shape)
     moved = simplify(E.shift_coords(consumer.expr, dict(enumerate(to_consumer))), dbounds)
     # Every result of the producer that C reads (not only ``vid``: layer norm's mean and rstd) becomes the result's
     # expression inside the producer's kernel, so it must be read at the element (or row) the kernel is computing:
@@ -98,6 +111,8 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, producers,
         i = own.get(ld.args[0])
         if i is None:
             continue
+        if per_row and not _is_row_result(producer, i):
+            return "a per-row consumer reads an element result", set()
         if _is_row_result(producer, i):
             outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
             want = simplify(linear_index(outer, producer.outs[i].shape), dbounds)
@@ -129,7 +144,7 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, producers,
         producer.epilogue = merged
         producer.outs = [consumer.out]
     elif row_result:
-        producer.results.append(RowOutput(True, merged))
+        producer.results.append(RowOutput(not per_row, merged))
         producer.outs.append(consumer.out)
     else:
         producer.results[index] = RowOutput(True, merged)

@@ -192,3 +192,41 @@ def test_sums_use_subgroup_operations_where_the_device_has_them_and_trees_otherw
         assert any("subgroupAdd" in k for k in plan.kernels.values()) == uses
         out = Program(device, plan).run({"x": data})
         np.testing.assert_allclose(out[plan.outputs[0].name], data.astype(np.float64).sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_batch_norm_shaped_reductions_share_one_kernel():
+    """BatchNorm's shape, over columns: a mean and a variance (which recomputes the mean), rsqrt(var + eps) and a
+    running-mean update over the rows' shape, and two gradient sums with a reader of the first in between. The
+    sibling reductions merge (the variance's mean computed once; the reader of the first sum moves after the merged
+    node) and the per-row consumers become row results: one kernel, every result as numpy's."""
+    b = GraphBuilder()
+    x = b.input("x", (8, 300), "float32")
+    dy = b.input("dy", (8, 300), "float32")
+    running = b.input("running", (300,), "float32")
+    xs, dys = (b.load(v, [E.coord(0), E.coord(1)]) for v in (x, dy))
+    n = E.const(8.0, E.F32)
+    mean = b.reduce_simple(x, (0,), "sum", "float32", finish=lambda a: E.binary("div", a, n), label="mean")
+    (var,) = b.reduce((8, 300), (0,), [("sum", xs), ("sum", E.mul(E.binary("sub", xs, E.binary("div", E.acc(0), n)),
+                                                                 E.binary("sub", xs, E.binary("div", E.acc(0), n))))],
+                      [RowOutput(False, E.binary("div", E.acc(1), n))], ["float32"], "var")
+    rstd = b.map(lambda v: E.unary("rsqrt", E.add(v, E.const(1e-5, E.F32))), var, dtype="float32")
+    new_running = b.map(lambda r, m: E.add(E.mul(r, E.const(0.9, E.F32)), E.mul(m, E.const(0.1, E.F32))),
+                        running, mean, dtype="float32")
+    grad_bias = b.reduce_simple(dy, (0,), "sum", "float32", label="sum")
+    scaled = b.map(lambda g: E.mul(g, E.const(3.0, E.F32)), grad_bias, dtype="float32")
+    (grad_weight,) = b.reduce((8, 300), (0,), [("sum", E.mul(dys, xs))], [RowOutput(False, E.acc(0))], ["float32"],
+                              "sum")
+    for v in (rstd, new_running, scaled, grad_weight):
+        b.output(v)
+    plan, report = compile_graph(b.graph, get_device().limits)
+    (merged,) = [node for node in b.graph.nodes if isinstance(node, Reduce)]
+    assert len(merged.phases) == 4  # the variance's sum(x) is the mean's
+    assert len(plan.dispatches) == 1
+    data = {k: RNG.standard_normal(s).astype(np.float32) for k, s in (("x", (8, 300)), ("dy", (8, 300)),
+                                                                        ("running", (300,)))}
+    out = [Program(get_device(), plan).run(data)[t.name] for t in plan.outputs]
+    x64 = data["x"].astype(np.float64)
+    want = [1 / np.sqrt(x64.var(0) + 1e-5), 0.9 * data["running"] + 0.1 * x64.mean(0), 3 * data["dy"].sum(0),
+            (data["dy"].astype(np.float64) * x64).sum(0)]
+    for got, expected in zip(out, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
