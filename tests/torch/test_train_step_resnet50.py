@@ -26,6 +26,14 @@ implementations that round differently part the same way, so a free-running comp
 not the implementation. Anchored, the same 50 steps are checked (optimizer state, step counts and statistics
 evolving as in training) without that amplification.
 
+Where "k times eager's distance" is fragile even anchored: the backward of this network amplifies the error of the
+loss gradient hundreds of times. At AdamW's step 10 (from eager's state) the device's logits are 3.7e-5 from
+float64 against eager's 2.8e-5, the loss gradient 2.3e-5 against 1.2e-5, and then every convolution's first moment
+7.0e-3 against 3.3e-3: the same ratio of about 2 in all of them, one rounding draw of the forward carried through
+the whole backward (found by comparing the logits and softmax - onehot with float64 at that step). Both tests have
+failed on this so far, at AdamW's step 10 and SGD's step 8, on the check of all moments together (3.4 and 2.02
+times eager's distance).
+
 Why the update is checked against the device's own moments rather than eager's update: AdamW moves a weight by
 about lr times the sign of its gradient at first, and a gradient made mostly of rounding (a convolution before
 BatchNorm sums terms that cancel) may flip sign between two correct float32 implementations: at step 1, 0.7% of
