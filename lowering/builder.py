@@ -39,6 +39,7 @@ class GraphBuilder:
         self._next_id = 0
         self._seed: Value | None = None
         self._streams = 0
+        self._input_ids: set[int] = set()  # values produced by Input nodes
 
     # ------------------------------------------------------------------------------- nodes
     def _value(self, shape, dtype) -> Value:
@@ -51,7 +52,9 @@ class GraphBuilder:
         return node
 
     def input(self, name: str, shape, dtype: str, role: str = "input") -> Value:
-        return self._add(Input([self._value(shape, dtype)], name=name, role=role)).out
+        v = self._add(Input([self._value(shape, dtype)], name=name, role=role)).out
+        self._input_ids.add(v.id)
+        return v
 
     def pointwise(self, shape, dtype: str, expr: E.Expr, label: str = "") -> Value:
         v = self._value(shape, dtype)
@@ -77,7 +80,7 @@ class GraphBuilder:
 
     def output(self, v: Value) -> None:
         """Mark ``v`` as a graph output (inputs returned as outputs are copied, so outputs own buffers)."""
-        if isinstance(self.graph.producers()[v.id], Input):
+        if v.id in self._input_ids:
             v = self.view(v, v.shape, [E.coord(d) for d in range(len(v.shape))], "copy")
         self.graph.outputs.append(v)
 

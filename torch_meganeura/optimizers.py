@@ -72,13 +72,20 @@ def hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def update(opts: dict, param, grad, state: list, h) -> tuple[torch.Tensor, list]:
-    """One parameter's update; ``h`` is its group's row of ``hyperparameters``. Returns (param, state)."""
+def group_fields(opts: dict, hyper: torch.Tensor) -> list[dict]:
+    """Each param group's row of ``hyperparameters`` as named scalars, taken apart once per group (traced once, not
+    once per parameter)."""
+    names = SGD_FIELDS if opts["kind"] == "sgd" else ADAM_FIELDS
+    return [dict(zip(names, row.unbind(0))) for row in hyper.unbind(0)]
+
+
+def update(opts: dict, param, grad, state: list, h: dict) -> tuple[torch.Tensor, list]:
+    """One parameter's update; ``h`` is its group's entry of ``group_fields``. Returns (param, state)."""
     if opts["maximize"]:
         grad = -grad
     if opts["kind"] == "sgd":
-        return _sgd(opts, param, grad, state, dict(zip(SGD_FIELDS, h.unbind(0))))
-    return _adam(opts, param, grad, state, dict(zip(ADAM_FIELDS, h.unbind(0))))
+        return _sgd(opts, param, grad, state, h)
+    return _adam(opts, param, grad, state, h)
 
 
 def _sgd(opts, param, grad, state, h):

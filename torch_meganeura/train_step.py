@@ -346,9 +346,10 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
         if mode == "grads":
             return loss, list(grads)
         new_params, new_state = [], []
+        fields = optimizers.group_fields(opts, hyper)
         for i, (p, g) in enumerate(zip(train, grads)):
             per_param = [state[s * n_train + i] for s in range(len(slots))]
-            p, per_param = optimizers.update(opts, p, g, per_param, hyper[owner._groups[i]])
+            p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
             new_params.append(p)
             new_state.append(per_param)
         flat_state = [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
