@@ -30,13 +30,14 @@ INDEX_OPS = {"idiv", "imod"}  # i32 division and remainder of non-negative index
 class Expr:
     """An immutable expression node. Build with the helpers below, never mutate."""
 
-    __slots__ = ("op", "args", "dtype", "_hash")
+    __slots__ = ("op", "args", "dtype", "_hash", "_loads", "_size")  # _loads, _size: caches of loads_of and size
 
     def __init__(self, op: str, args: tuple, dtype: str):
         self.op = op
         self.args = args
         self.dtype = dtype
         self._hash = hash((op, dtype, args))
+        self._loads = self._size = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -255,11 +256,16 @@ def walk(e: Expr) -> list[Expr]:
 
 
 def loads_of(e: Expr) -> list[Expr]:
-    return [n for n in walk(e) if n.op == "load"]
+    """The distinct load nodes of ``e`` (computed once per expression: fusion passes ask again and again)."""
+    if e._loads is None:
+        e._loads = tuple(n for n in walk(e) if n.op == "load")
+    return list(e._loads)
 
 
 def size(e: Expr) -> int:
-    return len(walk(e))
+    if e._size is None:
+        e._size = len(walk(e))
+    return e._size
 
 
 def shift_coords(e: Expr, mapping: dict[int, Expr]) -> Expr:
