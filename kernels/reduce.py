@@ -93,7 +93,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     length = _prod(red_shape)
     serial = length <= SERIAL_ROW_MAX
     chunk = -(-length // split)
-    wg = SERIAL_WORKGROUP if serial else workgroup_size(min(length, chunk), limits["max-compute-invocations-per-workgroup"])
+    wg = SERIAL_WORKGROUP if serial else workgroup_size(chunk, limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
     subgroups = bool(limits.get(SUBGROUP_OPS)) and not serial
