@@ -1,7 +1,8 @@
 """Pointwise archetype: one thread per output element evaluates a fused expression and stores it.
 
-The outputs are contiguous (several of the same size share the thread's index and its common subexpressions); inputs are read through arbitrary index expressions (strides, broadcasting,
-gathers), so a whole chain of views and elementwise ops runs as one dispatch.
+The outputs are contiguous (several of the same size share the thread's index and its common subexpressions);
+inputs are read through arbitrary index expressions (strides, broadcasting, gathers), so a whole chain of views
+and elementwise ops runs as one dispatch.
 """
 from __future__ import annotations
 
