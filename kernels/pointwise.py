@@ -1,14 +1,21 @@
-"""Pointwise archetype: one thread per output element evaluates a fused expression and stores it.
+"""Pointwise archetype: each thread evaluates a fused expression at a few output elements and stores them.
 
 The outputs are contiguous (several of the same size share the thread's index and its common subexpressions);
 inputs are read through arbitrary index expressions (strides, broadcasting, gathers), so a whole chain of views
 and elementwise ops runs as one dispatch.
+
+A large output gives each thread ``ELEMENTS_PER_THREAD`` elements, one workgroup width apart (so every load of a
+subgroup stays coalesced). All of a thread's values are computed before any is stored: the loads of the copies are
+independent, so more of them are in flight per thread (the buffers may alias as far as the shader compiler knows,
+so a store in between would order them).
 """
 from __future__ import annotations
 
 from . import wgsl
 
 WORKGROUP = 256
+ELEMENTS_PER_THREAD = 4      # for outputs of at least...
+MANY_ELEMENTS = 1 << 20      # ...this many elements: smaller ones keep one element per thread and more workgroups
 
 
 def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
@@ -20,18 +27,27 @@ def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
     total = 1
     for s in shape:
         total *= s
-    groups = wgsl.grid(-(-total // WORKGROUP), limits["max-compute-workgroups-per-dimension"])
+    copies = ELEMENTS_PER_THREAD if total >= MANY_ELEMENTS else 1
+    groups = wgsl.grid(-(-total // (WORKGROUP * copies)), limits["max-compute-workgroups-per-dimension"])
     coords = [f"c{d}" for d in range(len(shape))]
-    em = wgsl.Emitter(coords)
-    stores = [f"  {name}[idx] = {wgsl.store(em.value(expr), dtype)};" for name, dtype, expr in outputs]
-    body = "\n".join(wgsl.unravel_lines("idx", coords, shape) + em.lines + stores)
+    declared, computed, stored = [], [], []
+    for copy in range(copies):
+        linear = f"first + {copy * WORKGROUP}u" if copy else "first"
+        em = wgsl.Emitter(coords, indent="    ")
+        values = [wgsl.store(em.value(expr), dtype) for _, dtype, expr in outputs]
+        results = [f"r{k}_{copy}" for k in range(len(outputs))]
+        declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};" for r, (_, dtype, _) in zip(results, outputs)]
+        lines = (wgsl.unravel_lines("idx", coords, shape, indent="    ") + em.lines
+                 + [f"    {r} = {v};" for r, v in zip(results, values)])
+        computed.append(f"  if ({linear} < {total}u) {{\n    let idx = i32({linear});\n" + "\n".join(lines) + "\n  }")
+        stored += [f"  if ({linear} < {total}u) {{ {name}[{linear}] = {r}; }}"
+                   for r, (name, _, _) in zip(results, outputs)]
+    body = "\n".join(declared + computed + stored)
     source = f"""{wgsl.binding_decls(bindings)}
 {wgsl.helpers_for(body)}
 @compute @workgroup_size({WORKGROUP})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-  let linear = {wgsl.flat_workgroup(groups[0])} * {WORKGROUP}u + lid;
-  if (linear >= {total}u) {{ return; }}
-  let idx = i32(linear);
+  let first = {wgsl.flat_workgroup(groups[0])} * {WORKGROUP * copies}u + lid;
 {body}
 }}
 """

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import wgpu
 
+from . import native
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
 from .profiler import profiler_from_env
@@ -258,10 +259,15 @@ class Device:
     def read_staging(self, buffer, size: int) -> memoryview:
         """Wait for the queue, then return a host copy of the first ``size`` bytes of a staging buffer."""
         with self.checked(f"read back {buffer.label!r}"):
-            buffer.map_sync(wgpu.MapMode.READ, 0, size)
             try:
-                data = buffer.read_mapped(0, size, copy=True)
-            finally:
-                buffer.unmap()
+                data = native.read_back(self.wgpu_device, buffer, size)
+            except RuntimeError as e:
+                raise MeganeuraError(f"read back {buffer.label!r}: {e}") from e
+            if data is None:
+                buffer.map_sync(wgpu.MapMode.READ, 0, size)
+                try:
+                    data = buffer.read_mapped(0, size, copy=True)
+                finally:
+                    buffer.unmap()
         self.counters.bytes_downloaded += size
         return data

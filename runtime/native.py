@@ -1,10 +1,15 @@
-"""Direct calls into wgpu-native for the replay loop and the timestamp period, with the wgpu-py API as fallback.
+"""Direct calls into wgpu-native for the replay loop, the read-back and the timestamp period, with the wgpu-py API
+as fallback.
 
 wgpu-py wraps every native call in Python error capture, a few microseconds each, and a plan replay makes up to
 three calls per dispatch. Recording a compute pass cannot fail at the call: wgpu stores a recording error in the
 pass and reports it when the pass ends and the encoder finishes, and both of those still go through the checked
 API (``Device.submit``). So the dispatches are recorded with the raw functions when wgpu-py's native backend is the
 one in use, and with the public methods otherwise.
+
+wgpu-py's ``map_sync`` submits an empty command buffer first (a workaround for buffers written through a mapping,
+which ours never are) and waits for a poll thread to resolve a promise: two thread hand-offs per call. The native
+read-back maps and then polls the device on the calling thread, which returns once the queue is idle.
 """
 from __future__ import annotations
 
@@ -13,6 +18,14 @@ try:
     from wgpu.backends.wgpu_native import lib as _lib
 except ImportError:  # another wgpu-py backend: the public API only
     _ffi = _lib = None
+
+MAP_POLLS = 3  # a wait for the idle queue runs the map callback; more than one is a safety margin
+_map_results: list[int] = []  # statuses the map callback reported, consumed by read_back
+
+if _ffi is not None:
+    @_ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
+    def _on_mapped(status, _message, _userdata1, _userdata2):
+        _map_results.append(int(status))
 
 
 def record_dispatches(compute_pass, commands) -> None:
@@ -56,3 +69,30 @@ def timestamp_period_ns(queue) -> float:
         return 1.0
     period = float(getter(handle))
     return period if period > 0 else 1.0
+
+
+def read_back(device, buffer, size: int) -> bytearray | None:
+    """Wait for ``device``'s queue and copy the first ``size`` bytes of the MAP_READ ``buffer``; None where the
+    native path is unavailable (the caller then maps through the API). Raises RuntimeError if mapping fails."""
+    buffer_handle, device_handle = getattr(buffer, "_internal", None), getattr(device, "_internal", None)
+    if _lib is None or buffer_handle is None or device_handle is None:
+        return None
+    info = _ffi.new("WGPUBufferMapCallbackInfo *")
+    info.mode = _lib.WGPUCallbackMode_AllowProcessEvents
+    info.callback = _on_mapped
+    _map_results.clear()
+    _lib.wgpuBufferMapAsync(buffer_handle, _lib.WGPUMapMode_Read, 0, size, info[0])
+    for _ in range(MAP_POLLS):
+        _lib.wgpuDevicePoll(device_handle, True, _ffi.NULL)  # returns when the queue is idle
+        if _map_results:
+            break
+    else:
+        raise RuntimeError(f"the read-back buffer was not mapped after {MAP_POLLS} waits for an idle queue")
+    if _map_results[0] != _lib.WGPUMapAsyncStatus_Success:
+        raise RuntimeError(f"mapping the read-back buffer failed (status {_map_results[0]})")
+    try:
+        data = bytearray(size)
+        _ffi.memmove(data, _lib.wgpuBufferGetConstMappedRange(buffer_handle, 0, size), size)
+    finally:
+        _lib.wgpuBufferUnmap(buffer_handle)
+    return data

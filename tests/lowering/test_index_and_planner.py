@@ -150,6 +150,33 @@ def test_value_read_by_a_later_kernel_is_stored_by_its_first_elementwise_reader(
     np.testing.assert_allclose(got[2], np.exp(want_m.reshape(6, 4).T), rtol=1e-6, atol=1e-6)
 
 
+def test_large_pointwise_outputs_take_several_elements_per_thread():
+    """Above MANY_ELEMENTS each thread computes ELEMENTS_PER_THREAD elements (then stores them all); a size that is
+    no multiple of the workgroup's elements leaves a partial last workgroup. A transposed read and a broadcast row
+    check that every copy decodes its own coordinates."""
+    from meganeura.kernels import pointwise
+
+    rows, cols = 1031, pointwise.MANY_ELEMENTS // 1000
+    b = GraphBuilder()
+    x = b.input("x", (cols, rows), "float32")
+    bias = b.input("bias", (cols,), "float32")
+    flipped = b.permute(x, (1, 0))
+    shifted = b.map(lambda a, c: E.add(E.unary("exp", a), c), flipped, b.expand(b.reshape(bias, (1, cols)), (rows, cols)),
+                    dtype="float32")
+    doubled = b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), shifted, dtype="float32")
+    b.output(shifted)
+    b.output(doubled)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert len(plan.dispatches) == 1
+    source = plan.kernels[plan.dispatches[0].kernel]
+    assert f"r1_{pointwise.ELEMENTS_PER_THREAD - 1}" in source
+    data = {"x": RNG.standard_normal((cols, rows)).astype(np.float32), "bias": RNG.standard_normal(cols).astype(np.float32)}
+    out = Program(get_device(), plan).run(data)
+    want = np.exp(data["x"].T) + data["bias"]
+    np.testing.assert_allclose(out[plan.outputs[0].name], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[plan.outputs[1].name], 2 * want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape,axes", [((3, 10000), (1,)), ((10000, 2), (0,)), ((5, 1000, 9), (0, 1))])
 def test_few_long_rows_are_reduced_in_slices_then_combined(shape, axes):
     """Two independent phases (a sum and a max) over few long rows: the rows are cut into slices whose partial
