@@ -13,7 +13,8 @@ Two kernel families, chosen by shape:
   (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does not fit the workgroup
   storage or invocation limit.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
-  threads ("lanes"), then reduces the partial sums with a workgroup tree reduction.
+  threads ("lanes"), then reduces the partial sums with a workgroup tree reduction. A lane loads GEMV_UNROLL
+  products before adding them (in the order of a plain loop): loads in flight, not one memory latency each.
 
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
 and the kernel recovers the linear workgroup index. No atomics: results are deterministic.
@@ -35,6 +36,7 @@ MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many 
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
 GEMV_SHORT_K = 256            # gemv: k up to this -> many columns, few lanes per column
 GEMV_LONG_K = 4096            # gemv: k from this on -> few columns, many lanes per column
+GEMV_UNROLL = 8               # gemv: products a lane loads before adding them up
 
 
 @dataclass(frozen=True)
@@ -376,11 +378,17 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     total = batch * blocks
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     if by_column:
-        product = "load_a(batch_index, 0u, p), load_b(batch_index, p, out_index)"
+        operands = "load_a(batch_index, 0u, {p})", "load_b(batch_index, {p}, out_index)"
         store = "store_c(batch_index, 0u, out_index, partial[lid]);"
     else:
-        product = "load_a(batch_index, out_index, p), load_b(batch_index, p, 0u)"
+        operands = "load_a(batch_index, out_index, {p})", "load_b(batch_index, {p}, 0u)"
         store = "store_c(batch_index, out_index, 0u, partial[lid]);"
+    # GEMV_UNROLL of the lane's products loaded first (in flight together), then added in the plain loop's order
+    steps = [f"p + {u * plan.lanes}u" if u else "p" for u in range(GEMV_UNROLL)]
+    loads = "\n".join(f"            let x{u} = {operands[0].format(p=q)};\n            let y{u} = {operands[1].format(p=q)};"
+                      for u, q in enumerate(steps))
+    fmas = "\n".join(f"            acc = fma(x{u}, y{u}, acc);" for u in range(GEMV_UNROLL))
+    single = ", ".join(o.format(p="p") for o in operands)
     if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
         decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
         partner_step = plan.columns
@@ -402,8 +410,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let has_output = live && out_index < OUTPUTS;
     var acc = 0.0;
     if (has_output) {{
-        for (var p = lane; p < K; p += {plan.lanes}u) {{
-            acc = fma({product}, acc);
+        var p = lane;
+        for (; p + {(GEMV_UNROLL - 1) * plan.lanes}u < K; p += {GEMV_UNROLL * plan.lanes}u) {{
+{loads}
+{fmas}
+        }}
+        for (; p < K; p += {plan.lanes}u) {{
+            acc = fma({single}, acc);
         }}
     }}
     partial[lid] = acc;
