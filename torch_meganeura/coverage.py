@@ -1,0 +1,470 @@
+"""OpInfo coverage: run torch's operator database through ``backend="meganeura"`` and classify every sample.
+
+``python -m torch_meganeura.coverage`` takes each OpInfo of ``op_db`` (or those named by ``--ops``), a few of its
+CPU sample inputs (float32; int64 or bool where the op has no float32), compiles a fresh function calling the op
+with ``torch.compile(backend="meganeura")``, runs it forward and, for differentiable ops, backward (gradients of
+``(out * cotangent).sum()`` for a fixed random cotangent, with respect to every float input that requires grad),
+and compares with eager PyTorch. Each sample is one of:
+
+- ``lowered``: every aten op of every graph ran on the device, outputs and gradients are correct;
+- ``fell-back``: correct, but some op ran in eager PyTorch (the backend's own fallback records, or a graph
+  break / no graph from dynamo), with the ops and reasons;
+- ``wrong``: an output or gradient differs from eager beyond tolerance, or its shape or dtype does;
+- ``error``: the compiled run raised (type and first line recorded), hung or crashed the worker;
+- ``skipped``: eager PyTorch itself raises on the sample (an error-input sample), torch.compile fails the same
+  way with the ``aot_eager`` backend, or the op has no sample in the dtypes tried.
+
+Correctness: an element passes if it is within atol 1e-5 + rtol 1e-5 of eager float32, or, where the op runs
+in float64, within the same tolerance plus 4x eager float32's largest error of the eager float64 result.
+Random and uninitialised ops (``NONDETERMINISTIC``) are compared on shape and dtype only. Samples run in a
+worker process, so a hang or crash costs one op, not the sweep. The JSON report has every sample; the markdown
+report (``coverage/opinfo.md``) has one row per op.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import coverage_report
+
+STATUSES = coverage_report.STATUSES
+ATOL, RTOL, EAGER_ERROR_FACTOR = 1e-5, 1e-5, 4.0
+NONDETERMINISTIC = frozenset({
+    "bernoulli", "cauchy", "empty", "empty_like", "empty_permuted", "empty_strided", "exponential", "geometric",
+    "log_normal", "multinomial", "new_empty", "new_empty_strided", "normal", "rand_like", "randint",
+    "randint_like", "randn", "randn_like", "uniform", "nn.functional.alpha_dropout", "nn.functional.dropout",
+    "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.feature_alpha_dropout",
+    "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d", "nn.functional.rrelu",
+})  # OpInfo names (without the variant) whose values are random or uninitialised
+RANDOM_WHEN = {  # ops with random values for some samples only: dropout inside attention
+    "nn.functional.scaled_dot_product_attention": lambda sample: sample.kwargs.get("dropout_p", 0.0) > 0.0,
+    "nn.functional.multi_head_attention_forward": lambda sample: bool(sample.kwargs.get("training", False)),
+}
+
+
+class EagerFailure(Exception):
+    """Eager PyTorch (or torch.compile with aot_eager) raised on a sample: the sample is skipped."""
+
+
+def full_name(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def _call_unseeded(op, *args, **kwargs):
+    return op(*args, **kwargs)
+
+
+def select_ops(names: list[str] | None) -> list:
+    """OpInfos of ``op_db``, or those whose full name or base name is in ``names`` (all variants).
+
+    Random ops of op_db call their op through ``wrapper_set_seed``, which saves and restores torch's RNG state
+    (dynamo breaks the graph there, so nothing would reach the backend); it is replaced by a plain call, and
+    ``run_sample`` seeds torch before each run instead."""
+    from torch.testing._internal import common_methods_invocations
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    common_methods_invocations.wrapper_set_seed = _call_unseeded
+
+    if not names:
+        return list(op_db)
+    chosen = [op for op in op_db if full_name(op) in names or op.name in names]
+    unknown = set(names) - {full_name(op) for op in chosen} - {op.name for op in chosen}
+    if unknown:
+        raise SystemExit(f"unknown OpInfo name(s): {', '.join(sorted(unknown))}")
+    return chosen
+
+
+def sample_dtype(op) -> torch.dtype | None:
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        if dtype in op.dtypes:
+            return dtype
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- one sample
+
+@dataclass
+class Call:
+    """One sample as a function of its tensors: ``fn(*tensors)`` calls the op with everything else fixed."""
+
+    fn: object
+    tensors: list
+    process: object  # the sample's output_process_fn_grad
+
+    @classmethod
+    def of(cls, op, sample) -> "Call":
+        leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        target = op.op
+
+        def fn(*tensors):
+            filled = list(leaves)
+            for i, t in zip(slots, tensors):
+                filled[i] = t
+            inp, args, kwargs = pytree.tree_unflatten(filled, spec)
+            return target(inp, *args, **kwargs)
+
+        return cls(fn, [leaves[i] for i in slots], sample.output_process_fn_grad)
+
+    def inputs(self, to64: bool = False) -> list:
+        """Fresh copies of the tensors (float32 ones as float64 with ``to64``), requires_grad as sampled."""
+        out = []
+        for t in self.tensors:
+            copy = t.detach().clone()
+            if to64 and copy.dtype == torch.float32:
+                copy = copy.double()
+            out.append(copy.requires_grad_(t.requires_grad))
+        return out
+
+
+@dataclass
+class Result:
+    """Outputs and gradients of one run (leaves of the output structure after output_process_fn_grad)."""
+
+    outputs: list
+    spec: object
+    grads: list
+
+
+def run_call(call: Call, fn, inputs: list, cotangents: list | None, backward: bool) -> tuple[Result, list | None]:
+    """Call ``fn`` and, with ``backward``, differentiate (outputs * cotangents).sum(); new cotangents if None."""
+    out = call.process(fn(*inputs))
+    leaves, spec = pytree.tree_flatten(out)
+    grads = []
+    wrt = [t for t in inputs if t.requires_grad]
+    diff = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    if backward and wrt and diff:
+        diff = [torch.view_as_real(x) if x.is_complex() else x for x in diff]  # a real loss of complex outputs
+        cots = cotangents or [torch.randn(x.shape, dtype=x.dtype) for x in diff]
+        loss = sum((x * c.to(x.dtype)).sum() for x, c in zip(diff, cots))
+        grads = [torch.zeros_like(t) if g is None else g
+                 for t, g in zip(wrt, torch.autograd.grad(loss, wrt, allow_unused=True))]
+        cotangents = cots
+    return Result([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, grads), cotangents
+
+
+def eager_references(call: Call, op, backward: bool):
+    """Eager float32 results, the cotangents used, and float64 results where the op runs in float64."""
+    torch.manual_seed(0)
+    try:
+        ref32, cots = run_call(call, call.fn, call.inputs(), None, backward)
+    except Exception as err:  # noqa: BLE001 - an error-input sample
+        raise EagerFailure(f"eager raises {type(err).__name__}: {first_line(err)}") from err
+    ref64 = None
+    if torch.float64 in op.dtypes and any(t.dtype == torch.float32 for t in call.tensors):
+        try:
+            ref64, _ = run_call(call, call.fn, call.inputs(to64=True), cots, backward)
+        except Exception:  # noqa: BLE001 - some samples mix dtypes that float64 breaks; float32 alone then
+            ref64 = None
+    return ref32, cots, ref64
+
+
+def first_line(err) -> str:
+    """The first line of an exception's message (or of a string), at most 300 characters."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The backend's own exception inside dynamo's wrappers."""
+    inner = getattr(err, "inner_exception", None)
+    return root_cause(inner) if inner is not None else err
+
+
+def compiled_run(call: Call, backward: bool, cots):
+    """Run the sample compiled with meganeura; return the result and what ran in eager PyTorch."""
+    from .backend import BackendContext
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    records: list = []
+    BackendContext.recorders.append(records)
+    try:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result, _ = run_call(call, torch.compile(call.fn, backend="meganeura"), call.inputs(), cots, backward)
+    finally:
+        BackendContext.recorders.remove(records)
+    return result, eager_ops(records)
+
+
+def eager_ops(records: list) -> dict[str, str]:
+    """aten op -> why it ran in eager PyTorch, from the backend's records and dynamo's graph-break counters."""
+    out: dict[str, str] = {}
+    graphs = 0
+    for rec in records:
+        if isinstance(rec, dict) and rec["kind"] == "failed":
+            out["<partition>"] = f"compiling a device partition failed: {rec['error']}"[:300]
+        elif isinstance(rec, dict):
+            graphs += 1
+            out.update(rec["fallback_ops"])
+    for reason, count in torch._dynamo.utils.counters["graph_break"].items():
+        out[f"<graph break> {first_line(reason)}"[:200]] = f"dynamo graph break ({count}x)"
+    if graphs == 0:
+        out["<no graph>"] = "dynamo compiled no graph: the call ran in Python/eager"
+    return out
+
+
+def aot_eager_fails(call: Call, backward: bool, cots) -> str | None:
+    """torch.compile's own failure on this sample (aot_eager, no meganeura), or None if it runs."""
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_call(call, torch.compile(call.fn, backend="aot_eager"), call.inputs(), cots, backward)
+    except Exception as err:  # noqa: BLE001
+        cause = root_cause(err)
+        return f"torch.compile with aot_eager raises {type(cause).__name__}: {first_line(cause)}"
+    return None
+
+
+def run_sample(op, sample, backward: bool) -> dict:
+    start = time.perf_counter()
+    call = Call.of(op, sample)
+    backward = backward and op.supports_autograd and any(t.requires_grad for t in call.tensors)
+    random = op.name in NONDETERMINISTIC or RANDOM_WHEN.get(op.name, lambda _: False)(sample)
+    entry = {"backward": backward, "values": not random}
+    try:
+        ref32, cots, ref64 = eager_references(call, op, backward)
+        try:
+            got, fallbacks = compiled_run(call, backward, cots)
+        except Exception as err:  # noqa: BLE001 - one sample's failure must not stop the sweep
+            torch_failure = aot_eager_fails(call, backward, cots)
+            if torch_failure:
+                raise EagerFailure(torch_failure) from err
+            cause = root_cause(err)
+            entry.update(status="error", error=f"{type(cause).__name__}: {first_line(cause)}",
+                         where=traceback.format_exception(cause)[-2].strip()[:300] if cause.__traceback__ else "")
+        else:
+            entry.update(compare(got, ref32, ref64, entry["values"]))
+            entry["fallback_ops"] = fallbacks
+            if entry["status"] == "ok":
+                entry["status"] = "fell-back" if fallbacks else "lowered"
+    except EagerFailure as err:
+        entry.update(status="skipped", reason=str(err))
+    except Exception as err:  # noqa: BLE001 - a sample the harness cannot handle is reported, not fatal
+        entry.update(status="error", error=f"coverage harness: {type(err).__name__}: {first_line(err)}")
+    entry["seconds"] = round(time.perf_counter() - start, 3)
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------------- comparison
+
+def compare(got: Result, ref32: Result, ref64: Result | None, values: bool) -> dict:
+    """status "ok" or "wrong" (with the first mismatch), and the worst errors over all outputs and gradients."""
+    if got.spec != ref32.spec or len(got.grads) != len(ref32.grads):
+        return {"status": "wrong", "mismatch": f"output structure {got.spec} vs eager {ref32.spec}"}
+    pairs = [(f"output {i}", g, w, None if ref64 is None else ref64.outputs[i])
+             for i, (g, w) in enumerate(zip(got.outputs, ref32.outputs))]
+    pairs += [(f"grad {i}", g, w, None if ref64 is None else ref64.grads[i])
+              for i, (g, w) in enumerate(zip(got.grads, ref32.grads))]
+    worst = {"max_abs_error": 0.0, "rel_l2": 0.0}
+    for what, g, w, w64 in pairs:
+        problem = compare_leaf(g, w, w64, values, worst)
+        if problem:
+            return {"status": "wrong", "mismatch": f"{what}: {problem}", **worst}
+    return {"status": "ok", **worst}
+
+
+def compare_leaf(got, want, want64, values: bool, worst: dict) -> str | None:
+    if not isinstance(want, torch.Tensor):
+        return None if got == want or not values else f"{got!r} != eager {want!r}"
+    if not isinstance(got, torch.Tensor):
+        return f"got {type(got).__name__}, eager gives a tensor"
+    if got.shape != want.shape or got.dtype != want.dtype or got.layout != want.layout:
+        return f"{got.dtype}{list(got.shape)} {got.layout} vs eager {want.dtype}{list(want.shape)} {want.layout}"
+    if want.layout != torch.strided:
+        got, want, want64 = got.to_dense(), want.to_dense(), None if want64 is None else want64.to_dense()
+    if not values or got.numel() == 0:
+        return None
+    if not (want.is_floating_point() or want.is_complex()):
+        return None if torch.equal(got, want) else f"{int((got != want).sum())} of {got.numel()} elements differ"
+    return compare_floats(got, want, want64, worst)
+
+
+def compare_floats(got, want, want64, worst: dict) -> str | None:
+    wide = torch.complex128 if got.is_complex() else torch.float64
+    got, want = got.to(wide), want.to(wide)
+    exact = want if want64 is None or want64.shape != want.shape else want64.to(wide)
+    same_special = (torch.isnan(got) & torch.isnan(want)) | (got == want)
+    finite = torch.isfinite(exact) & torch.isfinite(want)
+    err = (got - exact).abs()
+    eager_err = (want - exact).abs()[finite]
+    slack = EAGER_ERROR_FACTOR * eager_err.max().item() if eager_err.numel() else 0.0
+    near32 = (got - want).abs() <= ATOL + RTOL * want.abs()
+    near64 = err <= ATOL + RTOL * exact.abs() + slack
+    ok = same_special | near32 | near64
+    finite_err = err[finite & torch.isfinite(got)]
+    worst["max_abs_error"] = max(worst["max_abs_error"], finite_err.max().item() if finite_err.numel() else 0.0)
+    norm = exact[finite].abs().norm().item()
+    diff = (got - exact)[finite].abs().norm().item()
+    if diff == diff:  # not NaN
+        worst["rel_l2"] = max(worst["rel_l2"], diff / norm if norm else diff)
+    if bool(ok.all()):
+        return None
+    bad = (~ok).nonzero()[0].tolist()
+    return (f"{int((~ok).sum())} of {ok.numel()} elements off (first at {bad}: {got[tuple(bad)].item():.6g} vs "
+            f"eager {want[tuple(bad)].item():.6g}); max abs error {worst['max_abs_error']:.3g}")
+
+
+# ---------------------------------------------------------------------------------------------------- one op
+
+def run_op(op, max_samples: int, backward: bool) -> dict:
+    dtype = sample_dtype(op)
+    if dtype is None:
+        return {"dtype": None, "samples": [{"status": "skipped", "reason": "no float32, int64 or bool dtype"}]}
+    grad = backward and op.supports_autograd and dtype == torch.float32
+    try:
+        samples = list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=grad), max_samples))
+    except Exception as err:  # noqa: BLE001
+        samples, reason = [], f"sample_inputs raises {type(err).__name__}: {first_line(err)}"
+    else:
+        reason = "no sample inputs"
+    results = [run_sample(op, s, backward) for s in samples]
+    return {"dtype": str(dtype).removeprefix("torch."),
+            "samples": results or [{"status": "skipped", "reason": reason}]}
+
+
+def op_status(samples: list[dict]) -> str:
+    """The worst sample's status (skipped samples count only when all are skipped)."""
+    order = ("wrong", "error", "fell-back", "lowered", "skipped")
+    return min((s["status"] for s in samples), key=order.index)
+
+
+# ---------------------------------------------------------------------------------------------------- the worker
+
+def _worker(conn, max_samples: int, backward: bool) -> None:
+    """Runs ops by name as the parent sends them; answers each with its report entry."""
+    import logging
+
+    logging.getLogger("torch_meganeura").setLevel(logging.ERROR)
+    by_name = {full_name(op): op for op in select_ops(None)}
+    from meganeura.runtime.device import get_device
+
+    conn.send({"adapter": get_device().describe()})
+    while (name := conn.recv()) is not None:
+        conn.send(run_op(by_name[name], max_samples, backward))
+
+
+class Worker:
+    """A child process running ops (spawned, so a crash or hang in one op is contained)."""
+
+    def __init__(self, max_samples: int, backward: bool):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker, args=(child, max_samples, backward), daemon=True)
+        self.process.start()
+        self.adapter = self._receive(600)["adapter"]
+        self.done = 0
+
+    def _receive(self, timeout: float) -> dict:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"no answer after {timeout:.0f} s")
+        return self.conn.recv()
+
+    def run(self, name: str, timeout: float) -> dict:
+        self.conn.send(name)
+        self.done += 1
+        return self._receive(timeout)
+
+    def failure(self, err: Exception) -> str:
+        """Stop a worker that hung or died while running an op; say which."""
+        if isinstance(err, TimeoutError):
+            self.stop()
+            return f"hang: {err} (worker killed)"
+        self.process.join(30)
+        code = self.process.exitcode
+        self.stop()
+        return f"worker crashed (exit code {code})"
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+
+
+def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, restart_every: int,
+          progress=print) -> tuple[dict, str]:
+    """Run every op in a worker; restart it after a crash, a timeout or ``restart_every`` ops."""
+    ops, worker, adapter = {}, None, ""
+    for k, name in enumerate(names):
+        if worker is None or worker.done >= restart_every:
+            if worker is not None:
+                worker.stop()
+            worker = Worker(max_samples, backward)
+            adapter = worker.adapter
+        start = time.perf_counter()
+        try:
+            entry = worker.run(name, timeout)
+        except (TimeoutError, EOFError, OSError) as err:
+            why = worker.failure(err)
+            worker = None
+            entry = {"dtype": None, "samples": [{"status": "error", "error": why}]}
+        entry["status"] = op_status(entry["samples"])
+        ops[name] = entry
+        progress(f"[{k + 1}/{len(names)}] {name}: {entry['status']} ({time.perf_counter() - start:.1f} s)")
+    if worker is not None:
+        worker.stop()
+    return ops, adapter
+
+
+def build_report(ops: dict, adapter: str, args, seconds: float) -> dict:
+    import wgpu
+
+    samples = [s for entry in ops.values() for s in entry["samples"]]
+    return {
+        "command": "python -m torch_meganeura.coverage " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__, "wgpu": wgpu.__version__, "adapter": adapter,
+        "max_samples": args.max_samples, "backward": not args.no_backward, "seconds": round(seconds, 1),
+        "counts": {"ops": {s: sum(e["status"] == s for e in ops.values()) for s in STATUSES},
+                   "samples": {s: sum(x["status"] == s for x in samples) for s in STATUSES}},
+        "ops": ops,
+    }
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_meganeura.coverage",
+        description="Run torch's OpInfo database (op_db) through backend='meganeura' and report, per op and "
+                    "sample, whether it was lowered to the device, fell back to eager PyTorch, computed a "
+                    "wrong result or raised. Samples run in a worker process; a crash or hang costs one op.")
+    parser.add_argument("--ops", nargs="+", metavar="NAME",
+                        help="OpInfo names (with .variant, or the base name for all variants); default: all")
+    parser.add_argument("--max-samples", type=int, default=2, metavar="N", help="samples per op (default 2)")
+    parser.add_argument("--json", default="coverage/opinfo.json", metavar="PATH",
+                        help="JSON report with every sample (default coverage/opinfo.json)")
+    parser.add_argument("--markdown", default="coverage/opinfo.md", metavar="PATH",
+                        help="markdown table, one row per op (default coverage/opinfo.md)")
+    parser.add_argument("--no-backward", action="store_true", help="forward only (no gradients)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds per op before its worker counts as hung and is restarted (default 300)")
+    parser.add_argument("--restart-every", type=int, default=40, metavar="K",
+                        help="start a fresh worker after K ops, bounding memory growth (default 40)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = [full_name(op) for op in select_ops(args.ops)]
+    start = time.perf_counter()
+    ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout, args.restart_every,
+                         progress=lambda line: print(line, flush=True))
+    report = build_report(ops, adapter, args, time.perf_counter() - start)
+    coverage_report.write(report, args.json, args.markdown)
+    print(coverage_report.summary(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
