@@ -71,6 +71,9 @@ HELPERS = {
     "mg_log1p": """fn mg_log1p(x: f32) -> f32 {
   return select(log(1.0 + x), x * (1.0 - x * (0.5 - x * (1.0 / 3.0))), abs(x) < 1e-3);
 }""",
+    # asin and acos through atan2: lavapipe's builtins are off by up to 4e-4 (WGSL allows atan2's error only).
+    "mg_asin": "fn mg_asin(x: f32) -> f32 { return atan2(x, sqrt((1.0 - x) * (1.0 + x))); }",
+    "mg_acos": "fn mg_acos(x: f32) -> f32 { return atan2(sqrt((1.0 - x) * (1.0 + x)), x); }",
     "mg_sign": "fn mg_sign(x: f32) -> f32 { return select(sign(x), x, x != x); }",
     "mg_tanh": "fn mg_tanh(x: f32) -> f32 { return select(tanh(clamp(x, -20.0, 20.0)), x, mg_isnan(x)); }",
     "mg_sigmoid": "fn mg_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }",
@@ -94,7 +97,7 @@ FLOAT_OPS = {
     "neg": "(-{0})", "abs": "abs({0})", "exp": "exp({0})", "exp2": "exp2({0})", "expm1": "mg_expm1({0})",
     "log": "log({0})", "log2": "log2({0})", "log10": "(log2({0}) * 0.30102999566398120)",
     "log1p": "mg_log1p({0})", "sqrt": "sqrt({0})", "rsqrt": "inverseSqrt({0})", "sin": "sin({0})",
-    "cos": "cos({0})", "tan": "tan({0})", "asin": "asin({0})", "acos": "acos({0})", "atan": "atan({0})",
+    "cos": "cos({0})", "tan": "tan({0})", "asin": "mg_asin({0})", "acos": "mg_acos({0})", "atan": "atan({0})",
     "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
     "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "sigmoid": "mg_sigmoid({0})",
     "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",

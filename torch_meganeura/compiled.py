@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from meganeura.lowering import compile_graph
 from meganeura.runtime.program import Program
+from meganeura.runtime.resident import DeviceArray
 
 from .fx_lowering import LoweredGraph, lower_graph
 from .params import ParamStore
@@ -134,8 +135,8 @@ class DevicePartition(torch.nn.Module):
         for kind, item in lowered.outputs:
             if kind == "const":
                 outs.append(item)
-            elif isinstance(results[item], np.ndarray):
-                outs.append(torch.from_numpy(results[item]))
-            else:
+            elif isinstance(results[item], DeviceArray):
                 outs.append(ResidentTensor(results[item]))
+            else:  # a numpy array, or a numpy scalar for a 0-d bool (``words != 0`` of a 0-d array)
+                outs.append(torch.from_numpy(np.asarray(results[item])))
         return tuple(outs) if lowered.returns_tuple else outs[0]
