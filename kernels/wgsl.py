@@ -103,6 +103,7 @@ FLOAT_OPS = {
     "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
     "sign": "mg_sign({0})", "reciprocal": "(1.0 / {0})", "frac": "({0} - trunc({0}))",
     "isnan": "mg_isnan({0})", "isinf": "mg_isinf({0})", "isfinite": "(!mg_isnan({0}) && !mg_isinf({0}))",
+    "signbit": "((bitcast<u32>({0}) & 0x80000000u) != 0u)",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "pow": "mg_pow({0}, {1})", "maximum": "mg_max({0}, {1})", "minimum": "mg_min({0}, {1})",
     "fmod": "({0} % {1})", "remainder": "mg_remainder({0}, {1})", "floordiv": "mg_floordiv({0}, {1})",
@@ -113,11 +114,13 @@ INT_OPS = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "idiv": "({0} / {1})", "imod": "({0} % {1})",
     "floordiv": "mg_ifloordiv({0}, {1})", "remainder": "mg_iremainder({0}, {1})", "fmod": "mg_ifmod({0}, {1})",
     "maximum": "max({0}, {1})", "minimum": "min({0}, {1})", "uniform": "mg_uniform({0}, {1}, {2}, {3})",
-    "fma": "({0} * {1} + {2})",
+    "fma": "({0} * {1} + {2})", "bitand": "({0} & {1})", "bitor": "({0} | {1})", "bitxor": "({0} ^ {1})",
+    "bitnot": "(~{0})", "signbit": "({0} < 0i)",
 }
 COMPARE_OPS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 BOOL_OPS = {"and": "({0} && {1})", "or": "({0} || {1})", "xor": "({0} != {1})", "not": "(!{0})",
-            "eq": "({0} == {1})", "ne": "({0} != {1})", "maximum": "({0} || {1})", "minimum": "({0} && {1})"}
+            "eq": "({0} == {1})", "ne": "({0} != {1})", "maximum": "({0} || {1})", "minimum": "({0} && {1})",
+            "mul": "({0} && {1})", "add": "({0} || {1})"}  # torch's bool * and + (isfinite's decomposition)
 
 
 def literal(value, dtype: str) -> str:

@@ -18,9 +18,10 @@ F32, I32, BOOL = "f32", "i32", "bool"
 UNARY_FLOAT = {
     "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
     "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "sigmoid",
-    "floor", "ceil", "round", "trunc", "sign", "reciprocal", "isnan", "isinf", "isfinite", "frac",
+    "floor", "ceil", "round", "trunc", "sign", "reciprocal", "isnan", "isinf", "isfinite", "frac", "signbit",
 }
-UNARY_BOOL_RESULT = {"isnan", "isinf", "isfinite"}
+UNARY_BOOL_RESULT = {"isnan", "isinf", "isfinite", "signbit"}
+BITWISE = {"bitand", "bitor", "bitxor", "bitnot"}  # on i32 (int64 values that fit, sign-extended: exact)
 BINARY_ARITH = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "fmod", "remainder", "floordiv", "atan2"}
 BINARY_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 BINARY_LOGIC = {"and", "or", "xor"}
@@ -131,6 +132,8 @@ def binary(op: str, x: Expr, y: Expr) -> Expr:
         raise TypeError(f"{op} is index arithmetic on i32 only")
     if op in BINARY_LOGIC:
         return Expr(op, (cast(x, BOOL), cast(y, BOOL)), BOOL)
+    if op in BITWISE and (x.dtype != I32 or y.dtype != I32):
+        raise TypeError(f"{op} is on i32 only")
     if x.dtype != y.dtype:
         raise TypeError(f"binary {op} on mixed dtypes {x.dtype} and {y.dtype}: cast first")
     if x.dtype == I32:

@@ -31,6 +31,11 @@ ADDED = {
     aten._native_batch_norm_legit_functional.default: "batch norm in training, with running-stat outputs",
     aten._native_batch_norm_legit.no_stats: "batch norm without running stats",
     aten.native_batch_norm.default: "batch norm as make_fx + functionalize trace it (compile_train_step)",
+    aten.addmv.default: "mv, scaled and added",
+    aten.dist.default: "the norm of a difference",
+    aten.view_copy.default: "a view (a copy only in eager)",
+    aten.permute_copy.default: "a view (a copy only in eager)",
+    aten.unbind_copy.int: "views (copies only in eager)",
 }
 
 

@@ -142,6 +142,29 @@ def test_integer_arithmetic():
     check_against_eager(arith, idx, torch.randn(4, 6))
 
 
+def test_bitwise_and_sign_ops():
+    """Bitwise ops on int64 (computed in i32, exact for values in range), signbit/copysign on signed zeros and NaN,
+    fmax/fmin ignoring NaN, rounding to decimals, isfinite (bool * bool in its decomposition)."""
+    def ops(i, j, x, y):
+        return (i & j, i | 5, i ^ j, ~i, torch.signbit(x), torch.copysign(x, y), torch.fmax(x, y), torch.fmin(x, y),
+                torch.round(x * 100, decimals=1), torch.round(x * 1000, decimals=-2), torch.isfinite(x / y))
+
+    i, j = torch.randint(-1000, 1000, (4, 6)), torch.randint(-1000, 1000, (4, 6))
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    x[0, :3] = torch.tensor([0.0, -0.0, float("nan")])
+    y[0, :3] = torch.tensor([-0.0, float("nan"), 1.0])
+    y[1, 0] = 0.0
+    check_against_eager(ops, i, j, x, y)
+
+
+def test_diagonal_views():
+    def diagonals(x):
+        return (torch.diagonal(x), torch.diagonal(x, 2), torch.diagonal(x, -1, 1, 2), x.diagonal(0, -1, 0),
+                torch.trace(x[0]), torch.diag_embed(x[0, 0]))
+
+    check_against_eager(diagonals, torch.randn(3, 4, 5))
+
+
 LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, use_cache=False)
 

@@ -52,6 +52,8 @@ CASES = {
     "slice_select_pad": (lambda x: F.pad(x[:, 1:, ::2], (1, 2, 0, 1), value=0.5)[..., 0] + x.select(2, 2), [(2, 4, 5)]),
     "gather_index_select": (lambda x: x.gather(1, IDX.view(1, 4).expand(3, 4) % 3) + x.index_select(1, IDX).flip(0) + x[IDX % 3].T,
                             [(3, 3)]),
+    "diagonal_trace": (lambda x: torch.diagonal(x, 1) * 2 + torch.diagonal(x, -1, 1, 0).sum() + torch.trace(x[:, :4]),
+                       [(4, 5)]),
     "expand_broadcast_sum": (lambda x, y: (x.expand(3, 4, 5) * y).sum((0, 2)), [(4, 1), (3, 1, 5)]),
     "losses": (lambda x, t: F.mse_loss(x, t) + F.l1_loss(x, t) + F.smooth_l1_loss(x, t) + F.binary_cross_entropy_with_logits(x, t.sigmoid()),
                [(4, 5), (4, 5)]),

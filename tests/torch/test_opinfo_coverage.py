@@ -13,24 +13,25 @@ from torch_meganeura import coverage
 
 LOWERED = [
     # pointwise
-    "abs", "acos", "acosh", "add", "addcdiv", "addcmul", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "clamp",
-    "cos", "cosh", "div.no_rounding_mode", "div.floor_rounding", "div.trunc_rounding", "eq", "erf", "exp", "exp2",
-    "expm1", "floor", "fmod", "frac", "ge", "heaviside", "isnan", "lerp", "log", "log10", "log1p", "log2",
-    "logical_and", "logical_not", "logit", "lt", "maximum", "minimum", "mul", "ne", "neg", "pow", "reciprocal",
-    "remainder", "round", "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "trunc",
-    "where", "xlogy", "nn.functional.elu", "nn.functional.gelu", "nn.functional.hardswish", "nn.functional.hardtanh",
+    "abs", "acos", "acosh", "add", "addcdiv", "addcmul", "asin", "asinh", "atan", "atan2", "atanh", "bitwise_and",
+    "bitwise_not", "ceil", "clamp", "copysign", "cos", "cosh", "div.no_rounding_mode", "div.floor_rounding",
+    "div.trunc_rounding", "eq", "erf", "exp", "exp2", "expm1", "floor", "fmax", "fmod", "frac", "ge", "heaviside",
+    "isfinite", "isnan", "lerp", "log", "log10", "log1p", "log2", "logical_and", "logical_not", "logit", "lt",
+    "maximum", "minimum", "mul", "ne", "neg", "pow", "reciprocal", "remainder", "round", "round.decimals_3", "rsqrt",
+    "sigmoid", "sign", "signbit", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "trunc", "where", "xlogy",
+    "nn.functional.elu", "nn.functional.gelu", "nn.functional.hardswish", "nn.functional.hardtanh",
     "nn.functional.leaky_relu", "nn.functional.logsigmoid", "nn.functional.mish", "nn.functional.relu",
     "nn.functional.silu", "nn.functional.softplus",
     # reductions and scans
     "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "count_nonzero", "cumprod", "cumsum",
-    "linalg.vector_norm", "logsumexp", "max.reduction_with_dim", "mean", "nansum", "norm", "prod", "std", "sum",
-    "var", "var_mean",
+    "linalg.vector_norm", "logsumexp", "max.reduction_with_dim", "mean", "nansum", "norm", "prod", "std", "sum", "var",
+    "var_mean",
     # views and layout
-    "cat", "chunk", "expand", "flatten", "flip", "movedim", "permute", "repeat", "reshape", "roll", "select", "slice",
-    "split", "squeeze", "stack", "t", "tile", "transpose", "unbind", "unsqueeze", "view",
+    "cat", "chunk", "diagonal", "expand", "flatten", "flip", "movedim", "permute", "repeat", "reshape", "roll",
+    "select", "slice", "split", "squeeze", "stack", "t", "tile", "transpose", "unbind", "unsqueeze", "view",
     # matmul-like
-    "addmm", "baddbmm", "bmm", "dot", "einsum", "linalg.multi_dot", "matmul", "mm", "mv", "nn.functional.linear",
-    "outer", "tensordot",
+    "addmm", "addmv", "baddbmm", "bmm", "dot", "einsum", "linalg.multi_dot", "matmul", "mm", "mv",
+    "nn.functional.linear", "outer", "tensordot",
     # norms and softmax
     "log_softmax", "nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.instance_norm",
     "nn.functional.layer_norm", "nn.functional.normalize", "nn.functional.rms_norm", "softmax",
@@ -40,14 +41,13 @@ LOWERED = [
     # convolution, pooling, losses, creation
     "nn.functional.adaptive_avg_pool2d", "nn.functional.avg_pool2d", "nn.functional.conv2d",
     "nn.functional.conv_transpose1d", "nn.functional.max_pool2d", "nn.functional.binary_cross_entropy_with_logits",
-    "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.nll_loss",
-    "nn.functional.smooth_l1_loss", "arange", "full", "linspace", "tril", "triu", "zeros_like",
+    "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.nll_loss", "nn.functional.smooth_l1_loss",
+    "arange", "full", "linspace", "tril", "triu", "zeros_like",
 ]
 MAY_FALL_BACK = [
-    "bitwise_and", "cummax", "digamma", "erfinv", "isin", "linalg.det", "median", "nn.functional.conv3d",
+    "cummax", "digamma", "erfinv", "isin", "linalg.det", "median", "nn.functional.conv3d",
     "nn.functional.pad.replicate", "searchsorted", "sort", "topk",
 ]
-
 
 @pytest.fixture(scope="module")
 def op_infos():

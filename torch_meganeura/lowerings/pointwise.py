@@ -66,11 +66,21 @@ def _isnan(ctx, x):
     return ctx.b.map(lambda a: E.unary(op, a), x, dtype="bool", compute=E.F32)
 
 
-@lowering(aten.logical_not.default, aten.bitwise_not.default)
+@lowering(aten.logical_not.default)
 def _not(ctx, x):
-    if x.dtype != "bool" and ctx.node.target is aten.bitwise_not.default:
-        raise NotImplementedError("bitwise_not on integers")
     return ctx.b.map(lambda a: E.unary("not", a), x, dtype="bool", compute=E.BOOL)
+
+
+@lowering(aten.bitwise_not.default)
+def _bitwise_not(ctx, x):
+    if ctx.out_dtype == "bool":
+        return _not(ctx, x)
+    return elementwise(ctx, lambda a: E.unary("bitnot", a), x)
+
+
+@lowering(aten.signbit.default)
+def _signbit(ctx, x):
+    return ctx.b.map(lambda a: E.unary("signbit", a), x, dtype="bool", compute=COMPUTE[x.dtype])
 
 
 def _binary(op):
@@ -137,21 +147,49 @@ for _op, _name in {"logical_and": "and", "logical_or": "or", "logical_xor": "xor
                                              compute=promoted(x, y)))
 
 
-def _bitwise_bool(op):
+def _bitwise(op):
+    """Logical on bools; on integers bitwise in i32 (int64 values there are sign-extended, so exact)."""
     def lower(ctx, x, y):
-        if ctx.out_dtype != "bool":
-            raise NotImplementedError("bitwise ops on integers")
-        return elementwise(ctx, lambda a, b: E.binary(op, a, b), x, y, compute=E.BOOL)
+        if ctx.out_dtype == "bool":
+            return elementwise(ctx, lambda a, b: E.binary(op, a, b), x, y, compute=E.BOOL)
+        return elementwise(ctx, lambda a, b: E.binary("bit" + op, a, b), x, y)
     return lower
 
 
-lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, supports=lambda n: _bool_only(n))(_bitwise_bool("and"))
-lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, supports=lambda n: _bool_only(n))(_bitwise_bool("or"))
-lowering(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, supports=lambda n: _bool_only(n))(_bitwise_bool("xor"))
+for _name in ("and", "or", "xor"):
+    _op = getattr(aten, f"bitwise_{_name}")
+    lowering(_op.Tensor, _op.Scalar)(_bitwise(_name))
 
 
-def _bool_only(node) -> str | None:
-    return None if node.meta["val"].dtype == torch.bool else "bitwise ops on integers are not lowered"
+@lowering(aten.copysign.Tensor, aten.copysign.Scalar)
+def _copysign(ctx, x, y):
+    def fn(a, b):
+        magnitude = E.unary("abs", a)
+        return E.where(E.unary("signbit", b), E.unary("neg", magnitude), magnitude)
+    return elementwise(ctx, fn, x, y, compute=E.F32)
+
+
+def _nan_ignoring(op):
+    """fmax / fmin: like maximum / minimum, but a NaN loses to a number."""
+    def lower(ctx, x, y):
+        def fn(a, b):
+            if a.dtype != E.F32:
+                return E.binary(op, a, b)
+            return E.where(E.unary("isnan", a), b, E.where(E.unary("isnan", b), a, E.binary(op, a, b)))
+        return elementwise(ctx, fn, x, y)
+    return lower
+
+
+lowering(aten.fmax.default)(_nan_ignoring("maximum"))
+lowering(aten.fmin.default)(_nan_ignoring("minimum"))
+
+
+@lowering(aten.round.decimals)
+def _round_decimals(ctx, x, decimals=0):
+    """As eager's kernel: round(x * 10^d) / 10^d, or round(x / 10^-d) * 10^-d for negative d."""
+    scale = E.const(10.0 ** abs(decimals), E.F32)
+    inner, outer = ("mul", "div") if decimals >= 0 else ("div", "mul")
+    return elementwise(ctx, lambda a: E.binary(outer, E.unary("round", E.binary(inner, a, scale)), scale), x)
 
 
 @lowering(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)

@@ -71,6 +71,23 @@ def _select(ctx, x, dim, index):
     return ctx.b.select(x, dim, index)
 
 
+@lowering(aten.diagonal.default)
+def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    """The other dims in order, then the diagonal, whose element i is x[..., i + max(-offset, 0), ...,
+    i + max(offset, 0), ...] (at dim1 and dim2)."""
+    rank = len(x.shape)
+    d1, d2 = dim1 % rank, dim2 % rank
+    rest = [d for d in range(rank) if d not in (d1, d2)]
+    length = max(0, min(x.shape[d1] + min(offset, 0), x.shape[d2] - max(offset, 0)))
+    coords = [None] * rank
+    for k, d in enumerate(rest):
+        coords[d] = E.coord(k)
+    i = E.coord(len(rest))
+    coords[d1] = E.add(i, E.const(max(-offset, 0), E.I32))
+    coords[d2] = E.add(i, E.const(max(offset, 0), E.I32))
+    return ctx.b.view(x, [x.shape[d] for d in rest] + [length], coords, "diagonal")
+
+
 @lowering(aten.split_with_sizes.default, aten.split.Tensor)
 def _split(ctx, x, sizes, dim=0):
     total = x.shape[dim]
