@@ -4,6 +4,8 @@ host cost per dispatch of plan replay.
 meganeura's side runs a plan directly: the function is traced to aten (``make_fx``), lowered and compiled like a
 backend graph, its operands uploaded once as parameters and its outputs kept on the device (``DeviceArray``s,
 recycled every call), so a timed call is one replay of the plan plus the 4-byte fence read that waits for it.
+The dispatch chain reports the wall time per dispatch (host and GPU: a chain of dependent dispatches is bound by
+whichever is slower) and, for meganeura, the host's share alone: recording and submitting, before the wait.
 PyTorch's side calls the same function on resident tensors (CPU, and CUDA where present, synchronised).
 """
 from __future__ import annotations
@@ -27,6 +29,8 @@ class MicroResult:
     median_ms: float | None = None
     rate: float | None = None
     per_dispatch_us: float | None = None  # the dispatch chain: time per dispatch (per eager op for PyTorch)
+    host_per_dispatch_us: float | None = None  # meganeura's chain: host time (record + submit) per dispatch
+    host_ms: list[float] = field(default_factory=list)  # meganeura: host share of each timed call
     dispatches: int | None = None  # meganeura: dispatches of the plan
     correct: bool | None = None  # the result against PyTorch on the CPU (relative L2 < 1e-3)
     error: str | None = None
@@ -58,7 +62,7 @@ def _device_call(fn, args):
             array.release()
         return torch.from_numpy(values[0])
 
-    return run, result, len(plan.dispatches)
+    return run, result, len(plan.dispatches), lambda: program.host_seconds * 1e3
 
 
 def _timed(call, sync) -> float:
@@ -79,32 +83,34 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
         res = MicroResult(name, competitor, work)
         results.append(res)
         try:
-            call, sync, result, res.dispatches = _prepare(competitor, fn, args)
+            call, sync, result, res.dispatches, host_ms = _prepare(competitor, fn, args)
             res.correct = rel_l2(result(), want) < 1e-3
-            timed.append((res, call, sync))
+            timed.append((res, call, sync, host_ms))
         except Exception as err:  # noqa: BLE001 - reported per competitor
             res.error = f"{type(err).__name__}: {err}"[:2000]
     for _ in range(warmup):
-        for _res, call, sync in timed:
+        for _res, call, sync, _host_ms in timed:
             _timed(call, sync)
     for _ in range(repeats):
-        for res, call, sync in timed:
+        for res, call, sync, host_ms in timed:
             res.samples_ms.append(_timed(call, sync))
-    for res, _call, _sync in timed:
+            if host_ms is not None:
+                res.host_ms.append(host_ms())
+    for res, _call, _sync, _host_ms in timed:
         res.median_ms = statistics.median(res.samples_ms)
         res.rate = amount / (res.median_ms * 1e-3) / 1e9
     return results
 
 
 def _prepare(competitor: str, fn, args):
-    """(call, sync, result, dispatches per call or None) of one competitor."""
+    """(call, sync, result, dispatches per call or None, host ms of the last call or None) of one competitor."""
     if competitor == "meganeura":
-        run, result, dispatches = _device_call(fn, args)
-        return run, lambda: None, result, dispatches
+        run, result, dispatches, host_ms = _device_call(fn, args)
+        return run, lambda: None, result, dispatches, host_ms
     device = "cuda" if competitor == "torch-cuda-eager" else "cpu"
     on = [a.to(device) for a in args]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    return (lambda: fn(*on)), sync, (lambda: fn(*on).cpu()), None
+    return (lambda: fn(*on)), sync, (lambda: fn(*on).cpu()), None, None
 
 
 def _matmul(a, b):
@@ -149,4 +155,6 @@ def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: in
     for res in chain:  # one dispatch (one eager op) per matmul on every side
         if res.median_ms is not None:
             res.per_dispatch_us = res.median_ms * 1e3 / DISPATCH_CHAIN
+        if res.host_ms:
+            res.host_per_dispatch_us = statistics.median(res.host_ms) * 1e3 / DISPATCH_CHAIN
     return results + chain

@@ -99,14 +99,15 @@ def markdown(data: dict) -> str:
         lines += [f"- {r['workload']} {r['competitor']}: {r['seconds']:.1f} s" for r in data["recompile"]]
     if data.get("micro"):
         lines += ["", "## Micro benchmarks", "", "| benchmark | competitor | median ms | rate | µs per dispatch/op "
-                  "| dispatches | correct |", "|---|---|---|---|---|---|---|"]
+                  "| host µs per dispatch | dispatches | correct |", "|---|---|---|---|---|---|---|---|"]
         for r in data["micro"]:
             if r["error"]:
-                lines.append(f"| {r['name']} | {r['competitor']} | error: {r['error'][:120]} | | | | |")
+                lines.append(f"| {r['name']} | {r['competitor']} | error: {r['error'][:120]} | | | | | |")
                 continue
             per = "-" if r["per_dispatch_us"] is None else f"{r['per_dispatch_us']:.1f}"
+            host = "-" if r.get("host_per_dispatch_us") is None else f"{r['host_per_dispatch_us']:.1f}"
             lines.append(f"| {r['name']} | {r['competitor']} | {r['median_ms']:.3f} | {r['rate']:.1f} {r['work']} "
-                         f"| {per} | {r['dispatches'] or '-'} | {'yes' if r['correct'] else 'NO'} |")
+                         f"| {per} | {host} | {r['dispatches'] or '-'} | {'yes' if r['correct'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

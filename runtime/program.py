@@ -18,6 +18,8 @@ runs.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .device import Device
@@ -112,6 +114,7 @@ class Program:
         self.plan = plan
         check_limits(device, plan)
         self._released = False
+        self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
         counts: dict[str, int] = {}
         for t in plan.inputs + plan.params + plan.outputs:
@@ -291,7 +294,9 @@ class Program:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in parts of ``SUBMIT_EVERY``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
-        gives for its name (overwritten), else a new one."""
+        gives for its name (overwritten), else a new one. ``host_seconds`` is then the host's share of the call:
+        from its start until the plan is submitted, before waiting for the GPU."""
+        began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")
         if not self._ready:
@@ -333,6 +338,7 @@ class Program:
             for source, src_offset, dst_offset, size in self._copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, self._staging, dst_offset, size)
         dev.submit(encoder, "plan")
+        self.host_seconds = time.perf_counter() - began
         data = dev.read_staging(self._staging, self._staging_size)
         if profiler is not None:
             profiler.collect(self.plan.dispatches)

@@ -1,5 +1,6 @@
 """Program: hand-built plans run on the default adapter (lavapipe on CPU machines), checked against numpy."""
 import json
+import time
 
 import numpy as np
 import pytest
@@ -60,6 +61,15 @@ def test_add_matches_numpy():
     out = program.run({"a": a, "b": b})
     np.testing.assert_allclose(out["sum"], a + b, rtol=1e-6)
     assert out["sum"].dtype == np.float32
+
+
+def test_host_seconds_is_the_part_of_a_run_before_the_wait():
+    program = Program(get_device(), add_plan())
+    a, b = RNG.standard_normal(100, dtype=np.float32), RNG.standard_normal(100, dtype=np.float32)
+    start = time.perf_counter()
+    program.run({"a": a, "b": b})
+    wall = time.perf_counter() - start
+    assert 0.0 < program.host_seconds < wall
 
 
 def test_second_run_creates_nothing():
