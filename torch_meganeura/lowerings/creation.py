@@ -1,4 +1,4 @@
-"""Tensor factories: full, scalar_tensor, arange, empty (zero-filled: torch leaves it uninitialised)."""
+"""Tensor factories: full, scalar_tensor, arange, the empty family (zero-filled: torch leaves it uninitialised)."""
 from __future__ import annotations
 
 import torch
@@ -11,12 +11,12 @@ aten = torch.ops.aten
 
 
 @lowering(aten.full.default, aten.empty.memory_format, aten.empty_permuted.default, aten.full_like.default,
-          aten.empty_like.default, aten.scalar_tensor.default, aten.zeros_like.default, aten.ones_like.default)
+          aten.empty_like.default, aten.scalar_tensor.default, aten.zeros_like.default, aten.ones_like.default,
+          aten.empty_strided.default, aten._efficientzerotensor.default)
 def _full(ctx, first, value=0, **kwargs):
     target = ctx.node.target
-    if target is aten.empty_permuted.default:  # (size, physical_layout): the layout is not observable here
-        shape, value = first, 0
-    elif target is aten.empty.memory_format:
+    if target in (aten.empty.memory_format, aten.empty_permuted.default, aten.empty_strided.default,
+                  aten._efficientzerotensor.default):  # (size, ...): a layout or strides are not observable here
         shape, value = first, 0
     elif target in (aten.full_like.default,):
         shape = first.shape
@@ -29,6 +29,11 @@ def _full(ctx, first, value=0, **kwargs):
     else:
         shape = first
     return ctx.b.full(tuple(shape), value, ctx.out_dtype)
+
+
+@lowering(aten.new_empty_strided.default)
+def _new_empty_strided(ctx, x, size, stride, **kwargs):
+    return ctx.b.full(tuple(size), 0, ctx.out_dtype)
 
 
 @lowering(aten.arange.start_step, aten.arange.default, aten.arange.start)
