@@ -10,7 +10,8 @@ and compares with eager PyTorch. Each sample is one of:
 - ``fell-back``: correct, but some op ran in eager PyTorch (the backend's own fallback records, or a graph
   break / no graph from dynamo), with the ops and reasons;
 - ``wrong``: an output or gradient differs from eager beyond tolerance, or its shape or dtype does;
-- ``error``: the compiled run raised (type and first line recorded), hung or crashed the worker;
+- ``error``: the compiled run raised (type and first line recorded), hung or crashed the worker, or the
+  harness itself could not handle the sample (``coverage harness: ...``);
 - ``skipped``: eager PyTorch itself raises on the sample (an error-input sample), torch.compile fails the same
   way with the ``aot_eager`` backend, or the op has no sample in the dtypes tried.
 
@@ -395,7 +396,8 @@ class Worker:
 
 def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, restart_every: int,
           progress=print) -> tuple[dict, str]:
-    """Run every op in a worker; restart it after a crash, a timeout or ``restart_every`` ops."""
+    """Run every op in a worker (``timeout`` seconds each); restart it after a crash, a timeout or
+    ``restart_every`` ops."""
     ops, worker, adapter = {}, None, ""
     for k, name in enumerate(names):
         if worker is None or worker.done >= restart_every:
@@ -447,8 +449,9 @@ def parse_args(argv=None):
     parser.add_argument("--markdown", default="coverage/opinfo.md", metavar="PATH",
                         help="markdown table, one row per op (default coverage/opinfo.md)")
     parser.add_argument("--no-backward", action="store_true", help="forward only (no gradients)")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                        help="seconds per op before its worker counts as hung and is restarted (default 300)")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                        help="seconds per sample (an op gets S x N) before its worker counts as hung and is "
+                             "restarted (default 120)")
     parser.add_argument("--restart-every", type=int, default=40, metavar="K",
                         help="start a fresh worker after K ops, bounding memory growth (default 40)")
     return parser.parse_args(argv)
@@ -458,8 +461,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [full_name(op) for op in select_ops(args.ops)]
     start = time.perf_counter()
-    ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout, args.restart_every,
-                         progress=lambda line: print(line, flush=True))
+    ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout * args.max_samples,
+                         args.restart_every, progress=lambda line: print(line, flush=True))
     report = build_report(ops, adapter, args, time.perf_counter() - start)
     coverage_report.write(report, args.json, args.markdown)
     print(coverage_report.summary(report))
