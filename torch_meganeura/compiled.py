@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,21 +49,40 @@ class PlanRecord:
 class _Entry:
     lowered: LoweredGraph
     program: Program
+    bound: list = field(default_factory=list)  # (weakref, _version) of each parameter as the last call bound it
+
+    def params_unchanged(self, args) -> bool:
+        """Whether every parameter argument is the tensor the last call bound, at the same version: then its
+        buffer is bound and current, and binding again (hundreds of dictionary and buffer checks) is skipped."""
+        if len(self.bound) != len(self.lowered.params):
+            return False
+        for (i, _), (ref, version) in zip(self.lowered.params, self.bound):
+            a = args[i]
+            if ref() is not a or a._version != version:
+                return False
+        return True
 
 
-def arg_kind(a) -> str:
+def arg_kind(a) -> str | None:
+    """"resident", "param" or "tensor"; None for a non-tensor. Exact types are tested first: ``isinstance`` against
+    ``Parameter`` runs its metaclass's Python check, and a call tests every argument."""
+    cls = type(a)
+    if cls is torch.nn.Parameter:
+        return "param"
+    if cls is torch.Tensor:
+        return "param" if getattr(a, "_is_param", False) else "tensor"  # (what Parameter's isinstance accepts too)
     if isinstance(a, ResidentTensor):
         return "resident"
-    return "param" if isinstance(a, torch.nn.Parameter) else "tensor"
+    if isinstance(a, torch.Tensor):
+        return "param" if isinstance(a, torch.nn.Parameter) else "tensor"
+    return None
 
 
 def signature(args) -> tuple:
     sig = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.dtype, arg_kind(a)))
-        else:
-            sig.append(a)
+        kind = arg_kind(a)
+        sig.append(a if kind is None else (a.shape, a.dtype, kind))
     return tuple(sig)
 
 
@@ -118,8 +138,11 @@ class DevicePartition(torch.nn.Module):
 
     def _run(self, entry: _Entry, args):
         lowered, program = entry.lowered, entry.program
-        store: ParamStore = self.context.params()
-        program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}") for i, name in lowered.params})
+        if not entry.params_unchanged(args):
+            store: ParamStore = self.context.params()
+            program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}")
+                                 for i, name in lowered.params})
+            entry.bound = [(weakref.ref(args[i]), args[i]._version) for i, _ in lowered.params]
         inputs, device_inputs = {}, {}
         for i, name in lowered.inputs:
             a = args[i]
