@@ -65,6 +65,26 @@ def test_fallback_error_names_the_op():
     assert "aten.sort" in str(info.value)
 
 
+def test_tensor_over_the_binding_limit_gives_eager_result_and_names_the_limit():
+    """A 300 MiB tensor: on an adapter whose storage bindings are smaller (lavapipe's are 128 MiB) the partition
+    runs in eager PyTorch with a warning naming the limit; where it fits, it runs on the device. Either way the
+    results are eager's."""
+    from meganeura.runtime.device import get_device
+
+    x = torch.randn(300 * (1 << 20) // 4)
+
+    def fn(t):
+        return t * 2.0 + 1.0, t.sum()
+
+    (doubled, total), caught = _compile_and_call_twice(fn, x)
+    assert torch.equal(doubled, x * 2.0 + 1.0)
+    torch.testing.assert_close(total, x.double().sum().float(), rtol=1e-5, atol=1e-2)
+    if x.numel() * 4 > get_device().max_binding_size:
+        assert len(caught) == 1 and "max-storage-buffer-binding-size" in caught[0], caught
+    else:
+        assert caught == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_other_float_dtypes_fall_back_visibly(dtype):
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3)).to(dtype).eval()
