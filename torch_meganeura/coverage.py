@@ -209,16 +209,37 @@ def eager_ops(records: list) -> dict[str, str]:
         elif isinstance(rec, dict):
             graphs += 1
             out.update(rec["fallback_ops"])
-    for reason, count in torch._dynamo.utils.counters["graph_break"].items():
-        out[f"<graph break> {first_line(reason)}"[:200]] = f"dynamo graph break ({count}x)"
-    if graphs == 0:
+    out.update(dynamo_fallbacks())
+    if graphs == 0 and not any(key.startswith(BACKEND_EXCEPTION) for key in out):
         out["<no graph>"] = "dynamo compiled no graph: the call ran in Python/eager"
     return out
 
 
+BACKEND_EXCEPTION = "<backend exception>"
+
+
+def dynamo_fallbacks() -> dict[str, str]:
+    """Graph breaks, and backend exceptions that dynamo turned into graph breaks (the frame then runs in eager
+    PyTorch), from dynamo's counters: key -> what happened."""
+    counters = torch._dynamo.utils.counters
+    out = {f"<graph break> {first_line(reason)}"[:200]: f"dynamo graph break ({n}x)"
+           for reason, n in counters["graph_break"].items()}
+    for reason, n in counters["unimplemented"].items():
+        lines = [line.strip() for line in reason.splitlines()]
+        explanation = next((line for line in lines if line.startswith("Explanation:")), lines[0])
+        if lines[0] == "Backend compiler exception":
+            failed = explanation.split(" failed with ", 1)[-1].split(". Adding")[0]
+            out[f"{BACKEND_EXCEPTION} {failed}"[:200]] = "the backend raised; dynamo ran the frame in eager PyTorch"
+        else:
+            out[f"<dynamo> {lines[0]}"[:200]] = f"{explanation} ({n}x)"[:300]
+    return out
+
+
 def aot_eager_fails(call: Call, backward: bool, cots) -> str | None:
-    """torch.compile's own failure on this sample (aot_eager, no meganeura), or None if it runs."""
+    """torch.compile's own failure on this sample (aot_eager, no meganeura: it raises, or dynamo reports a
+    backend exception), or None if it runs."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -226,7 +247,8 @@ def aot_eager_fails(call: Call, backward: bool, cots) -> str | None:
     except Exception as err:  # noqa: BLE001
         cause = root_cause(err)
         return f"torch.compile with aot_eager raises {type(cause).__name__}: {first_line(cause)}"
-    return None
+    failed = [key for key in dynamo_fallbacks() if key.startswith(BACKEND_EXCEPTION)]
+    return "torch.compile with aot_eager fails the same way" if failed else None
 
 
 def run_sample(op, sample, backward: bool) -> dict:
@@ -247,16 +269,29 @@ def run_sample(op, sample, backward: bool) -> dict:
             entry.update(status="error", error=f"{type(cause).__name__}: {first_line(cause)}",
                          where=traceback.format_exception(cause)[-2].strip()[:300] if cause.__traceback__ else "")
         else:
-            entry.update(compare(got, ref32, ref64, entry["values"]))
-            entry["fallback_ops"] = fallbacks
+            entry.update(compare(got, ref32, ref64, entry["values"]), fallback_ops=fallbacks)
             if entry["status"] == "ok":
-                entry["status"] = "fell-back" if fallbacks else "lowered"
+                entry.update(status_when_correct(fallbacks, call, backward, cots))
     except EagerFailure as err:
         entry.update(status="skipped", reason=str(err))
     except Exception as err:  # noqa: BLE001 - a sample the harness cannot handle is reported, not fatal
         entry.update(status="error", error=f"coverage harness: {type(err).__name__}: {first_line(err)}")
     entry["seconds"] = round(time.perf_counter() - start, 3)
     return entry
+
+
+def status_when_correct(fallbacks: dict, call: Call, backward: bool, cots) -> dict:
+    """lowered or fell-back; error where the backend raised and dynamo hid it behind a graph break, unless
+    torch.compile fails the same way with aot_eager (then it is torch's limitation: fell-back)."""
+    hidden = [key for key in fallbacks if key.startswith(BACKEND_EXCEPTION)]
+    if hidden:
+        torch_failure = aot_eager_fails(call, backward, cots)
+        if torch_failure is None:
+            return {"status": "error", "error": f"the backend raised (dynamo ran the frame in eager PyTorch): "
+                                                f"{hidden[0].removeprefix(BACKEND_EXCEPTION).strip()}"}
+        del fallbacks[hidden[0]]
+        fallbacks[f"<torch.compile fails> {hidden[0].removeprefix(BACKEND_EXCEPTION).strip()}"] = f"{torch_failure}; dynamo runs the frame in eager PyTorch"
+    return {"status": "fell-back" if fallbacks else "lowered"}
 
 
 # ---------------------------------------------------------------------------------------------------- comparison

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import check_against_eager
-from torch_meganeura import coverage
+from torch_meganeura import backend, coverage, registry
 
 LOWERED = [
     # pointwise
@@ -66,6 +66,23 @@ def test_opinfo_sample(name, op_infos):
     entry = coverage.run_op(op_infos[name], max_samples=1, backward=True)
     for sample in entry["samples"]:
         assert sample["status"] in allowed, describe(name, sample)
+
+
+def test_a_wrong_lowering_is_reported_wrong(monkeypatch, op_infos):
+    aten = torch.ops.aten
+    monkeypatch.setitem(registry.LOWERINGS, aten.abs.default, registry.LOWERINGS[aten.neg.default])
+    sample = coverage.run_op(op_infos["abs"], max_samples=1, backward=True)["samples"][0]
+    assert sample["status"] == "wrong" and "elements off" in sample["mismatch"], sample
+
+
+def test_a_backend_exception_hidden_by_dynamo_is_an_error(monkeypatch, op_infos):
+    """dynamo turns an exception of the backend into a graph break and runs the frame eagerly: still an error."""
+    def broken(gm):
+        raise RuntimeError("partitioner broken on purpose")
+
+    monkeypatch.setattr(backend, "partition", broken)
+    sample = coverage.run_op(op_infos["abs"], max_samples=1, backward=False)["samples"][0]
+    assert sample["status"] == "error" and "partitioner broken on purpose" in sample["error"], sample
 
 
 # ---------------------------------------------------------------------------------------- regressions of the sweep
