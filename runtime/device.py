@@ -107,11 +107,12 @@ def _choose_adapter(adapters: list, choice: str | int | None) -> int:
 
 
 def get_device(adapter: str | int | None = None) -> "Device":
-    """The process-wide device of the chosen adapter (see the module docstring for the choice)."""
+    """The process-wide device of the chosen adapter (see the module docstring for the choice); a new one once the
+    last was lost (what lived on the lost one is gone: programs built on it keep raising DeviceLostError)."""
     adapters = _enumerate_adapters()
     choice = adapter if adapter is not None else (os.environ.get(ADAPTER_ENV) or None)
     index = _choose_adapter(adapters, choice)
-    if index not in _devices:
+    if index not in _devices or _devices[index].lost:
         _devices[index] = Device(adapters[index])
     return _devices[index]
 

@@ -49,8 +49,9 @@ class BackendContext:
         return device
 
     def params(self) -> ParamStore:
-        if self._params is None:
-            self._params = _param_store(self.device())
+        device = self.device()
+        if self._params is None or self._params.device is not device:  # first use, or the last device was lost
+            self._params = _param_store(device)
         return self._params
 
     def record(self, item) -> None:

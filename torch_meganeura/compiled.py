@@ -99,8 +99,8 @@ class DevicePartition(torch.nn.Module):
 
     def forward(self, *args):
         key = signature(args)
-        if key not in self._plans:
-            self._plans[key] = self._compile_or_fall_back(key, args)
+        if key not in self._plans or self._plans[key] is not None and self._plans[key].program.device.lost:
+            self._plans[key] = self._compile_or_fall_back(key, args)  # (again on a new device after a loss)
         entry = self._plans[key]
         if entry is None:
             return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])

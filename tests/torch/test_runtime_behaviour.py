@@ -1,5 +1,9 @@
 """What a compiled model does on the device across calls: replay without rebuilding, parameter updates,
-one plan per input shape, and the memory plan."""
+one plan per input shape, the memory plan, and a lost device."""
+import os
+import subprocess
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -136,3 +140,49 @@ def test_profile_times_each_dispatch_of_a_compiled_model(tmp_path):
     assert prof.runs == 1 and len(names) >= 2
     assert any(n.startswith("addmm 5x16x8") for n in names), names
     assert device.profiler is None
+
+
+DEVICE_LOSS = """
+import warnings, torch, torch.nn as nn
+import torch_meganeura
+from meganeura.runtime import native, program as program_module
+from meganeura.runtime.device import get_device
+from meganeura.runtime.errors import DeviceLostError
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+weights = {k: v.clone() for k, v in model.state_dict().items()}
+x = torch.randn(3, 8)
+x_before = x.clone()
+compiled = torch.compile(model, backend="meganeura")
+with torch.no_grad():
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    first = get_device()
+    original = program_module.record_dispatches
+    def record_then_lose(compute_pass, commands):  # the device goes away while the plan is being recorded
+        original(compute_pass, commands)
+        first.wgpu_device.destroy()
+    program_module.record_dispatches = record_then_lose
+    try:
+        compiled(x)
+        raise SystemExit("no error after the device was destroyed")
+    except DeviceLostError as err:
+        print("LOST:", str(err).splitlines()[0])
+    program_module.record_dispatches = original
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()), "weights changed"
+    assert torch.equal(x, x_before), "input changed"
+    again = compiled(x)
+    assert get_device() is not first and not get_device().lost
+    torch.testing.assert_close(again, model(x), rtol=1e-4, atol=1e-5)
+    print("RECOVERED")
+"""
+
+
+def test_device_lost_mid_plan_raises_clearly_then_the_model_runs_on_a_new_device():
+    """In a fresh process (the loss must not reach other tests' device): the device is destroyed while a call
+    records its plan. That call raises DeviceLostError; the weights and the input are untouched; the next call
+    compiles for a new device and matches eager."""
+    env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
+    done = subprocess.run([sys.executable, "-c", DEVICE_LOSS], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LOST:" in done.stdout and "was lost" in done.stdout, done.stdout
+    assert done.stdout.strip().endswith("RECOVERED"), done.stdout
