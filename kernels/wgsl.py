@@ -15,14 +15,19 @@ STATUS_VAR = "mg_status"
 
 # Helper functions referenced by the op table; only those used are emitted.
 HELPERS = {
-    "mg_erf": """fn mg_erf(x: f32) -> f32 {
-  // erfc via a Chebyshev-fitted exponent (|relative error| < 1.2e-7), sign restored.
-  let z = abs(x);
+    "mg_erfc_abs": """fn mg_erfc_abs(z: f32) -> f32 {
+  // erfc(z) for z >= 0 via a Chebyshev-fitted exponent (|relative error| < 1.2e-7).
   let t = 1.0 / (1.0 + 0.5 * z);
-  let r = t * exp(-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806
+  return t * exp(-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806
         + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))));
-  let e = 1.0 - r;
+}""",
+    "mg_erf": """fn mg_erf(x: f32) -> f32 {
+  let e = 1.0 - mg_erfc_abs(abs(x));
   return select(select(e, -e, x < 0.0), x, x != x);
+}""",
+    "mg_erfc": """fn mg_erfc(x: f32) -> f32 {
+  let r = mg_erfc_abs(abs(x));
+  return select(select(r, 2.0 - r, x < 0.0), x, x != x);
 }""",
     "mg_isnan": "fn mg_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }",
     "mg_isinf": "fn mg_isinf(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u; }",
@@ -90,7 +95,8 @@ HELPERS = {
   return f32(h >> 8u) * (1.0 / 16777216.0);
 }""",
 }
-HELPER_DEPS = {"mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
+HELPER_DEPS = {"mg_erf": ["mg_erfc_abs"], "mg_erfc": ["mg_erfc_abs"], "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"],
+               "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
 
 # op -> format string over arguments {0}, {1}, {2}; helpers named in the string are emitted on demand.
 FLOAT_OPS = {
@@ -99,8 +105,8 @@ FLOAT_OPS = {
     "log1p": "mg_log1p({0})", "sqrt": "sqrt({0})", "rsqrt": "inverseSqrt({0})", "sin": "sin({0})",
     "cos": "cos({0})", "tan": "tan({0})", "asin": "mg_asin({0})", "acos": "mg_acos({0})", "atan": "atan({0})",
     "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
-    "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "sigmoid": "mg_sigmoid({0})",
-    "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
+    "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "erfc": "mg_erfc({0})",
+    "sigmoid": "mg_sigmoid({0})", "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
     "sign": "mg_sign({0})", "reciprocal": "(1.0 / {0})", "frac": "({0} - trunc({0}))",
     "isnan": "mg_isnan({0})", "isinf": "mg_isinf({0})", "isfinite": "(!mg_isnan({0}) && !mg_isinf({0}))",
     "signbit": "((bitcast<u32>({0}) & 0x80000000u) != 0u)",

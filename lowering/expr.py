@@ -17,7 +17,7 @@ F32, I32, BOOL = "f32", "i32", "bool"
 
 UNARY_FLOAT = {
     "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
-    "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "sigmoid",
+    "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc", "sigmoid",
     "floor", "ceil", "round", "trunc", "sign", "reciprocal", "isnan", "isinf", "isfinite", "frac", "signbit",
 }
 UNARY_BOOL_RESULT = {"isnan", "isinf", "isfinite", "signbit"}

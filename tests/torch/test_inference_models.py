@@ -157,6 +157,12 @@ def test_bitwise_and_sign_ops():
     check_against_eager(ops, i, j, x, y)
 
 
+def test_erfc_keeps_relative_precision_in_the_tail():
+    """erfc(x) for large x is not 1 - erf(x) (which is 0 in float32 beyond x ~ 4)."""
+    x = torch.cat([torch.linspace(-4, 9, 200), torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    check_against_eager(torch.special.erfc, x, rtol=2e-5, atol=0.0)
+
+
 def test_diagonal_views():
     def diagonals(x):
         return (torch.diagonal(x), torch.diagonal(x, 2), torch.diagonal(x, -1, 1, 2), x.diagonal(0, -1, 0),

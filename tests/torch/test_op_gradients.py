@@ -54,6 +54,7 @@ CASES = {
                             [(3, 3)]),
     "diagonal_trace": (lambda x: torch.diagonal(x, 1) * 2 + torch.diagonal(x, -1, 1, 0).sum() + torch.trace(x[:, :4]),
                        [(4, 5)]),
+    "unfold_erfc": (lambda x: x.unfold(1, 3, 2).sum(-1) * torch.special.erfc(x[:, 1::2]), [(2, 7)]),
     "sgn_circular_pad": (lambda x: torch.sgn(x) * x + F.pad(x, (2, 1), mode="circular")[..., 1:-2], [(2, 3, 5)]),
     "expand_broadcast_sum": (lambda x, y: (x.expand(3, 4, 5) * y).sum((0, 2)), [(4, 1), (3, 1, 5)]),
     "losses": (lambda x, t: F.mse_loss(x, t) + F.l1_loss(x, t) + F.smooth_l1_loss(x, t) + F.binary_cross_entropy_with_logits(x, t.sigmoid()),

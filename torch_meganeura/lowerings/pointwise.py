@@ -51,8 +51,8 @@ UNARY = {
     aten.log2: "log2", aten.log10: "log10", aten.log1p: "log1p", aten.sqrt: "sqrt", aten.rsqrt: "rsqrt",
     aten.sin: "sin", aten.cos: "cos", aten.tan: "tan", aten.asin: "asin", aten.acos: "acos", aten.atan: "atan",
     aten.sinh: "sinh", aten.cosh: "cosh", aten.tanh: "tanh", aten.asinh: "asinh", aten.acosh: "acosh",
-    aten.atanh: "atanh", aten.erf: "erf", aten.sigmoid: "sigmoid", aten.floor: "floor", aten.ceil: "ceil",
-    aten.round: "round", aten.trunc: "trunc", aten.sign: "sign", aten.reciprocal: "reciprocal",
+    aten.atanh: "atanh", aten.erf: "erf", aten.erfc: "erfc", aten.sigmoid: "sigmoid", aten.floor: "floor",
+    aten.ceil: "ceil", aten.round: "round", aten.trunc: "trunc", aten.sign: "sign", aten.reciprocal: "reciprocal",
 }
 for _op, _name in UNARY.items():
     lowering(_op.default)(_unary(_name))

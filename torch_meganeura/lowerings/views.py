@@ -88,6 +88,21 @@ def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     return ctx.b.view(x, [x.shape[d] for d in rest] + [length], coords, "diagonal")
 
 
+@lowering(aten.unfold.default)
+def _unfold(ctx, x, dim, size, step):
+    """Windows of ``size`` every ``step`` along ``dim`` (which becomes the window count), a new last dim inside
+    each window: x[..., w * step + k, ...]."""
+    rank = len(x.shape)
+    if rank == 0:  # one window of size 1, or an empty one
+        return ctx.b.reshape(x, [1]) if size else ctx.b.full((0,), 0, x.dtype)
+    dim %= rank
+    shape = list(x.shape) + [size]
+    shape[dim] = (x.shape[dim] - size) // step + 1
+    coords = [E.coord(d) for d in range(rank)]
+    coords[dim] = E.add(E.mul(E.coord(dim), E.const(step, E.I32)), E.coord(rank))
+    return ctx.b.view(x, shape, coords, "unfold")
+
+
 @lowering(aten.split_with_sizes.default, aten.split.Tensor)
 def _split(ctx, x, sizes, dim=0):
     total = x.shape[dim]
