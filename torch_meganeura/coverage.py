@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import multiprocessing
+import signal
 import sys
 import time
 import traceback
@@ -434,24 +435,26 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
     """Run every op in a worker (``timeout`` seconds each); restart it after a crash, a timeout or
     ``restart_every`` ops."""
     ops, worker, adapter = {}, None, ""
-    for k, name in enumerate(names):
-        if worker is None or worker.done >= restart_every:
-            if worker is not None:
-                worker.stop()
-            worker = Worker(max_samples, backward)
-            adapter = worker.adapter
-        start = time.perf_counter()
-        try:
-            entry = worker.run(name, timeout)
-        except (TimeoutError, EOFError, OSError) as err:
-            why = worker.failure(err)
-            worker = None
-            entry = {"dtype": None, "samples": [{"status": "error", "error": why}]}
-        entry["status"] = op_status(entry["samples"])
-        ops[name] = entry
-        progress(f"[{k + 1}/{len(names)}] {name}: {entry['status']} ({time.perf_counter() - start:.1f} s)")
-    if worker is not None:
-        worker.stop()
+    try:
+        for k, name in enumerate(names):
+            if worker is None or worker.done >= restart_every:
+                if worker is not None:
+                    worker.stop()
+                worker = Worker(max_samples, backward)
+                adapter = worker.adapter
+            start = time.perf_counter()
+            try:
+                entry = worker.run(name, timeout)
+            except (TimeoutError, EOFError, OSError) as err:
+                why = worker.failure(err)
+                worker = None
+                entry = {"dtype": None, "samples": [{"status": "error", "error": why}]}
+            entry["status"] = op_status(entry["samples"])
+            ops[name] = entry
+            progress(f"[{k + 1}/{len(names)}] {name}: {entry['status']} ({time.perf_counter() - start:.1f} s)")
+    finally:  # also on Ctrl-C or SIGTERM (main turns it into SystemExit): no orphaned worker
+        if worker is not None:
+            worker.stop()
     return ops, adapter
 
 
@@ -494,6 +497,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [full_name(op) for op in select_ops(args.ops)]
     start = time.perf_counter()
     ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout * args.max_samples,
