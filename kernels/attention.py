@@ -345,6 +345,8 @@ SPLIT_TARGET_WORKGROUPS = 1024
 SPLIT_MIN_TILES = 2
 SPLIT_MAX = 16
 MERGE_THREADS = 256
+UNROLL = 4           # forward: keys whose scores a thread computes together (independent dot products in flight)
+BACKWARD_UNROLL = 2  # gradients: keys (queries) whose probabilities and dO.V products are computed together
 
 
 def _vec4_loaders(s: AttentionShape, *operands: str) -> str:
@@ -396,7 +398,14 @@ def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
     stride = plan.tile + 1  # per-thread score row in workgroup memory, padded against bank conflicts
     q_regs = "\n".join(f"  let q{c} = {_vec4_load('load_q', 'b, h, iq', c, s.d)};" for c in range(d4))
     o_regs = "\n".join(f"  var o{c} = vec4<f32>();" for c in range(dv4))
-    dot = " + ".join(f"dot(q{c}, tile_k[base + {c}u])" for c in range(d4))
+    bias = "load_bias(b, h, iq, j)" if s.has_bias else "0.0"
+    masked = "j > i" if s.causal else "false"
+
+    def score(u: int) -> str:  # the score of key t + u into sc{u}
+        dot = " + ".join(f"dot(q{c}, tile_k[(t + {u}u) * {d4}u + {c}u])" for c in range(d4))
+        return (f"      var sc{u} = MASKED;\n      {{\n        let j = start + t + {u}u;\n"
+                f"        if (!({masked})) {{ sc{u} = ({dot}) * SCALE + {bias}; }}\n      }}")
+
     rescale = "\n".join(f"      o{c} = o{c} * alpha;" for c in range(dv4))
     accumulate = "\n".join(f"        o{c} = fma(vec4<f32>(p), tile_v[base + {c}u], o{c});" for c in range(dv4))
     if plan.splits > 1:
@@ -406,8 +415,6 @@ def _blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
             f"    {{ let v = select(o{c} / l, vec4<f32>(), l == 0.0);\n"
             + "".join(f"      {out}[row * DV + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < s.dv)
             + "    }" for c in range(dv4)) + f"\n    {lse}[row] = select(m + log(l), MASKED, l == 0.0);"
-    bias = "load_bias(b, h, iq, j)" if s.has_bias else "0.0"
-    masked = "j > i" if s.causal else "false"
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     kernel = f"""
 // ---- attention forward: {plan.rows} query rows per workgroup, key tiles of {plan.tile}
@@ -449,15 +456,15 @@ var<workgroup> scores: array<f32, {plan.rows * stride}>;
     workgroupBarrier();
     let n = min(BK, key_end - start);
     var tile_max = MASKED;
-    for (var t = 0u; t < n; t = t + 1u) {{
-      let j = start + t;
-      var sc = MASKED;
-      if (!({masked})) {{
-        let base = t * {d4}u;
-        sc = ({dot}) * SCALE + {bias};
-      }}
-      scores[tid * {stride}u + t] = sc;
-      tile_max = max(tile_max, sc);
+    var t = 0u;
+    for (; t + {UNROLL - 1}u < n; t = t + {UNROLL}u) {{  // independent dot products in flight together
+{chr(10).join(score(u) for u in range(UNROLL))}
+{chr(10).join(f"      scores[tid * {stride}u + t + {u}u] = sc{u};{chr(10)}      tile_max = max(tile_max, sc{u});" for u in range(UNROLL))}
+    }}
+    for (; t < n; t = t + 1u) {{
+{score(0)}
+      scores[tid * {stride}u + t] = sc0;
+      tile_max = max(tile_max, sc0);
     }}
     let m_new = max(m, tile_max);
     if (m_new > m) {{
@@ -606,8 +613,21 @@ def _blocked_grad_q(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     bias = "load_bias(b, h, iq, j)" if s.has_bias else "0.0"
     dout_regs = "\n".join(f"  let o{c} = {_vec4_load('load_dout', 'b, h, iq', c, s.dv)};" for c in range(dv4))
     acc_regs = "\n".join(f"  var g{c} = vec4<f32>();" for c in range(d4))
-    dp = " + ".join(f"dot(o{c}, tile_v[t * {dv4}u + {c}u])" for c in range(dv4))
-    update = "\n".join(f"          g{c} = fma(vec4<f32>(ds), tile_k[t * {d4}u + {c}u], g{c});" for c in range(d4))
+    masked = "j > i" if s.causal else "false"
+
+    def probs(u: int) -> str:  # probability p{u} of key t + u and dp{u} = dO . V of that key
+        tu = f"(t + {u}u)"
+        dp = " + ".join(f"dot(o{c}, tile_v[{tu} * {dv4}u + {c}u])" for c in range(dv4))
+        return (f"      var p{u} = 0.0;\n      var dp{u} = 0.0;\n      {{\n        let j = start + {tu};\n"
+                f"        if (!({masked})) {{\n"
+                f"          p{u} = prob(({_row_dot('own_q', 'mine', 'tile_k', tu, d4)}) * SCALE + {bias}, lse);\n"
+                f"          dp{u} = {dp};\n        }}\n      }}")
+
+    def update(u: int) -> str:
+        fmas = "\n".join(f"        g{c} = fma(vec4<f32>(ds), tile_k[(t + {u}u) * {d4}u + {c}u], g{c});"
+                          for c in range(d4))
+        return f"      if (p{u} > 0.0) {{\n        let ds = p{u} * (dp{u} - delta);\n{fmas}\n      }}"
+
     if plan.splits == 1:
         stores = _row_stores(dq, "g", d4, s.d, " * SCALE")
     else:
@@ -640,15 +660,14 @@ var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 {_stage("tile_v", "load_v4", plan, dv4, "start", "LK")}
     workgroupBarrier();
     let n = min(TILE, key_end - start);
-    for (var t = 0u; t < n; t = t + 1u) {{
-      let j = start + t;
-      if (!({"j > i" if s.causal else "false"})) {{
-        let p = prob(({_row_dot("own_q", "mine", "tile_k", "t", d4)}) * SCALE + {bias}, lse);
-        if (p > 0.0) {{
-          let ds = p * (({dp}) - delta);
-{update}
-        }}
-      }}
+    var t = 0u;
+    for (; t + {BACKWARD_UNROLL - 1}u < n; t = t + {BACKWARD_UNROLL}u) {{  // the keys' dot products in flight together
+{chr(10).join(probs(u) for u in range(BACKWARD_UNROLL))}
+{chr(10).join(update(u) for u in range(BACKWARD_UNROLL))}
+    }}
+    for (; t < n; t = t + 1u) {{
+{probs(0)}
+{update(0)}
     }}
   }}
   if (i < LQ) {{
@@ -674,10 +693,25 @@ def _blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: Blo
     bias = "load_bias(b, h, i, jk)" if s.has_bias else "0.0"
     acc_regs = "\n".join([f"  var gk{c} = vec4<f32>();" for c in range(d4)]
                          + [f"  var gv{c} = vec4<f32>();" for c in range(dv4)])
-    update_v = "\n".join(f"          gv{c} = fma(vec4<f32>(p), tile_do[t * {dv4}u + {c}u], gv{c});"
-                         for c in range(dv4))
-    update_k = "\n".join(f"          gk{c} = fma(vec4<f32>(ds), tile_q[t * {d4}u + {c}u], gk{c});"
-                         for c in range(d4))
+    masked = "j > i" if s.causal else "false"
+
+    def probs(u: int) -> str:  # probability p{u} of query t + u and dp{u} = dO . V of that query
+        tu = f"(t + {u}u)"
+        return (f"        var p{u} = 0.0;\n        var dp{u} = 0.0;\n        {{\n          let i = start + {tu};\n"
+                f"          if (!({masked})) {{\n"
+                f"            p{u} = prob(({_row_dot('own_k', 'mine_k', 'tile_q', tu, d4)}) * SCALE + {bias}, "
+                f"tile_lse[{tu}]);\n"
+                f"            dp{u} = {_row_dot('own_v', 'mine_v', 'tile_do', tu, dv4)};\n          }}\n        }}")
+
+    def update(u: int) -> str:
+        tu = f"(t + {u}u)"
+        fmas_v = "\n".join(f"          gv{c} = fma(vec4<f32>(p{u}), tile_do[{tu} * {dv4}u + {c}u], gv{c});"
+                            for c in range(dv4))
+        fmas_k = "\n".join(f"          gk{c} = fma(vec4<f32>(ds), tile_q[{tu} * {d4}u + {c}u], gk{c});"
+                            for c in range(d4))
+        return (f"        if (p{u} > 0.0) {{\n{fmas_v}\n          let ds = p{u} * (dp{u} - tile_delta[{tu}]);\n"
+                f"{fmas_k}\n        }}")
+
 
     if plan.splits == 1:
         stores = _row_stores(dk, "gk", d4, s.d, " * SCALE") + "\n" + _row_stores(dv, "gv", dv4, s.dv, "")
@@ -719,16 +753,14 @@ var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
       }}
       workgroupBarrier();
       let n = min(TILE, query_end - start);
-      for (var t = 0u; t < n; t = t + 1u) {{
-        let i = start + t;
-        if (!({"j > i" if s.causal else "false"})) {{
-          let p = prob(({_row_dot("own_k", "mine_k", "tile_q", "t", d4)}) * SCALE + {bias}, tile_lse[t]);
-          if (p > 0.0) {{
-{update_v}
-            let ds = p * (({_row_dot("own_v", "mine_v", "tile_do", "t", dv4)}) - tile_delta[t]);
-{update_k}
-          }}
-        }}
+      var t = 0u;
+      for (; t + {BACKWARD_UNROLL - 1}u < n; t = t + {BACKWARD_UNROLL}u) {{  // the queries' dot products together
+{chr(10).join(probs(u) for u in range(BACKWARD_UNROLL))}
+{chr(10).join(update(u) for u in range(BACKWARD_UNROLL))}
+      }}
+      for (; t < n; t = t + 1u) {{
+{probs(0)}
+{update(0)}
       }}
     }}
   }}
