@@ -18,6 +18,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 DISPATCH_CHAIN = 500  # dispatches in the host-cost plan
+COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager")  # (a plan replay has no resident/compiled form)
 
 
 @dataclass

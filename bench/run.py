@@ -141,7 +141,7 @@ def main(argv=None) -> int:
             _write(path, result)
     if args.micro:
         sizes = [int(n) for n in args.matmul_sizes.split(",") if n]
-        micro_competitors = [c for c in competitors if c != "torch-cuda-inductor"]
+        micro_competitors = [c for c in competitors if c in micro.COMPETITORS]
         done = micro.run_all(micro_competitors, sizes, args.stream_mib, args.warmup, args.repeats)
         result["micro"] = [dataclasses.asdict(m) for m in done]
         for m in done:
