@@ -145,7 +145,7 @@ def run_call(call: Call, fn, inputs: list, cotangents: list | None, backward: bo
     wrt = [t for t in inputs if t.requires_grad]
     diff = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
     if backward and wrt and diff:
-        diff = [torch.view_as_real(x) if x.is_complex() else x for x in diff]  # a real loss of complex outputs
+        diff = [torch.view_as_real(x.resolve_conj()) if x.is_complex() else x for x in diff]  # a real loss
         cots = cotangents or [torch.randn(x.shape, dtype=x.dtype) for x in diff]
         loss = sum((x * c.to(x.dtype)).sum() for x, c in zip(diff, cots))
         grads = [torch.zeros_like(t) if g is None else g
@@ -287,11 +287,11 @@ def status_when_correct(fallbacks: dict, call: Call, backward: bool, cots) -> di
     hidden = [key for key in fallbacks if key.startswith(BACKEND_EXCEPTION)]
     if hidden:
         torch_failure = aot_eager_fails(call, backward, cots)
+        failed = hidden[0].removeprefix(BACKEND_EXCEPTION).strip()
         if torch_failure is None:
-            return {"status": "error", "error": f"the backend raised (dynamo ran the frame in eager PyTorch): "
-                                                f"{hidden[0].removeprefix(BACKEND_EXCEPTION).strip()}"}
+            return {"status": "error", "error": f"the backend raised (dynamo ran the frame in eager PyTorch): {failed}"}
         del fallbacks[hidden[0]]
-        fallbacks[f"<torch.compile fails> {hidden[0].removeprefix(BACKEND_EXCEPTION).strip()}"] = f"{torch_failure}; dynamo runs the frame in eager PyTorch"
+        fallbacks[f"<torch.compile fails> {failed}"] = f"{torch_failure}; dynamo runs the frame in eager PyTorch"
     return {"status": "fell-back" if fallbacks else "lowered"}
 
 
@@ -458,12 +458,12 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
     return ops, adapter
 
 
-def build_report(ops: dict, adapter: str, args, seconds: float) -> dict:
+def build_report(ops: dict, adapter: str, argv: list[str], args, seconds: float) -> dict:
     import wgpu
 
     samples = [s for entry in ops.values() for s in entry["samples"]]
     return {
-        "command": "python -m torch_meganeura.coverage " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m torch_meganeura.coverage", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch": torch.__version__, "wgpu": wgpu.__version__, "adapter": adapter,
         "max_samples": args.max_samples, "backward": not args.no_backward, "seconds": round(seconds, 1),
@@ -495,14 +495,15 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [full_name(op) for op in select_ops(args.ops)]
     start = time.perf_counter()
     ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout * args.max_samples,
                          args.restart_every, progress=lambda line: print(line, flush=True))
-    report = build_report(ops, adapter, args, time.perf_counter() - start)
+    report = build_report(ops, adapter, argv, args, time.perf_counter() - start)
     coverage_report.write(report, args.json, args.markdown)
     print(coverage_report.summary(report))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 
 STATUSES = ("lowered", "fell-back", "wrong", "error", "skipped")
 NOTE_CHARS = 160
@@ -18,11 +19,11 @@ def write(report: dict, json_path: str | None, markdown_path: str | None) -> Non
 
 
 def fallback_counts(report: dict) -> collections.Counter:
-    """Fallback op -> number of samples (that ran correctly) in which it ran in eager PyTorch."""
+    """(fallback op, reason) -> number of samples in which the op ran in eager PyTorch for that reason."""
     counts = collections.Counter()
     for entry in report["ops"].values():
         for sample in entry["samples"]:
-            counts.update(list(sample.get("fallback_ops", {})))
+            counts.update((op, re.sub(r" \(\d+x\)$", "", why)) for op, why in sample.get("fallback_ops", {}).items())
     return counts
 
 
@@ -50,6 +51,11 @@ def note(entry: dict) -> str:
         text = picked[0].get("reason", "")
     else:
         text = "" if all(s.get("values", True) for s in picked) else "shape and dtype only (random values)"
+    return _cell(text)
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell of at most NOTE_CHARS characters."""
     text = text.replace("|", "\\|").replace("\n", " ")
     return text if len(text) <= NOTE_CHARS else text[: NOTE_CHARS - 3] + "..."
 
@@ -77,10 +83,10 @@ def markdown(report: dict) -> str:
         "",
         "Ops that ran in eager PyTorch most often (samples):",
         "",
-        "| fallback op | samples |",
-        "|---|---|",
+        "| fallback op | why | samples |",
+        "|---|---|---|",
     ]
-    lines += [f"| `{op}` | {n} |" for op, n in fallback_counts(report).most_common(15)]
+    lines += [f"| `{op}` | {_cell(why)} | {n} |" for (op, why), n in fallback_counts(report).most_common(20)]
     lines += ["", "| op | status | dtype | " + " | ".join(STATUSES) + " | max abs error | note |",
               "|---|---|---|" + "---|" * len(STATUSES) + "---|---|"]
     for name in sorted(report["ops"]):
