@@ -11,6 +11,7 @@ import os
 import warnings
 
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # silences the Vulkan loader's warning; before wgpu loads
+os.environ["MEGANEURA_CACHE_DIR"] = "off"  # every test compiles (tests of the plan cache turn it on for themselves)
 
 import pytest
 import torch

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from meganeura.lowering import compile_graph
+from meganeura.lowering.plan_cache import cached_compile_graph
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
@@ -43,6 +43,7 @@ class PlanRecord:
     unplanned_bytes: int
     compile_seconds: float
     fusion_refusals: list = field(default_factory=list)
+    from_cache: bool = False  # the plan came from the persistent plan cache (meganeura.lowering.plan_cache)
 
 
 @dataclass
@@ -124,14 +125,15 @@ class DevicePartition(torch.nn.Module):
         device = self.context.device()
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
         lowered = lower_graph(self.gm, list(args), params)
-        plan, report = compile_graph(lowered.graph, device.limits)
+        plan, report, from_cache = cached_compile_graph(lowered.graph, device.limits)
         resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
         on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
                      if isinstance(args[i], ResidentTensor) and args[i].array.device is device]
         program = Program(device, plan, resident_outputs=resident, device_only_inputs=on_device)
         seconds = time.perf_counter() - start
         record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
-                            plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused)
+                            plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused,
+                            from_cache)
         self.context.record(record)
         log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels, seconds)
         return _Entry(lowered, program)

@@ -21,6 +21,7 @@ class ExplainReport:
     planned_bytes: int = 0  # arena size after lifetime planning
     unplanned_bytes: int = 0  # sum of all intermediates
     compile_seconds: float = 0.0  # first call, compile included
+    cached_plans: int = 0  # partitions whose plan came from the persistent plan cache
     adapter: str = ""
     mode: str = ""  # "inference" or "training forward" (grad enabled and parameters that require it)
 
@@ -36,7 +37,8 @@ class ExplainReport:
             f"kernels:            {self.kernels}",
             f"dispatches per call: {self.dispatches}",
             f"intermediates:      {self.planned_bytes:,} B planned vs {self.unplanned_bytes:,} B unplanned",
-            f"first call:         {self.compile_seconds:.3f} s (compile included)",
+            f"first call:         {self.compile_seconds:.3f} s (compile included; {self.cached_plans} of the "
+            f"plans from the plan cache)",
         ]
         return "\n".join(lines)
 
@@ -80,6 +82,7 @@ def explain(model, *inputs, loss_fn=None, options: dict | None = None) -> Explai
         report.fused_producers += rec.fused_producers
         report.planned_bytes += rec.arena_bytes
         report.unplanned_bytes += rec.unplanned_bytes
+        report.cached_plans += rec.from_cache
     from meganeura.runtime.device import get_device
     report.adapter = get_device((options or {}).get("adapter")).describe()
     return report

@@ -35,7 +35,7 @@ from torch import fx
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from meganeura.lowering import compile_graph
+from meganeura.lowering.plan_cache import cached_compile_graph
 from meganeura.runtime.device import get_device
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
@@ -238,7 +238,7 @@ class _CompiledStep:
             raise NotImplementedError(f"compile_train_step needs every op on the device; these are not: {listing}")
         example = [constants[role] if role in constants else _example(owner, role, batch) for role in self.roles]
         self.lowered = lower_graph(gm, example, set())
-        plan, _ = compile_graph(self.lowered.graph, owner.device.limits)
+        plan, _, _ = cached_compile_graph(self.lowered.graph, owner.device.limits)
         placeholder_of = dict(self.lowered.inputs)
         self.input_names = {role: placeholder_of[i] for i, role in enumerate(self.roles) if i in placeholder_of}
         kinds = [kind for kind, _ in self.lowered.outputs]
