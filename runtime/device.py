@@ -2,12 +2,13 @@
 
 ``get_device()`` returns one ``Device`` per adapter per process. The adapter is the argument, else the
 ``MEGANEURA_ADAPTER`` environment variable (an index into ``list_adapters()`` or a case-insensitive substring of
-the adapter's name), else the best kind available: discrete GPU, integrated GPU, virtual GPU, then CPU, with the
-OpenGL backend last. Every wgpu validation or shader error is re-raised as ``MeganeuraError`` naming what was
+the adapter's name), else in a process of a ``torchrun`` job (``LOCAL_RANK`` set) the rank's own GPU (logged),
+else the best kind available: discrete GPU, integrated GPU, virtual GPU, then CPU, with the OpenGL backend last. Every wgpu validation or shader error is re-raised as ``MeganeuraError`` naming what was
 being built; a lost device becomes ``DeviceLostError``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from .requirements import SUBGROUP_OPS
 from .resident import BufferPool
 
 ADAPTER_ENV = "MEGANEURA_ADAPTER"
+RANK_ENV = "LOCAL_RANK"  # set by torchrun: with no adapter chosen, each process of a host takes its own GPU
+log = logging.getLogger("meganeura.runtime")
 STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
 STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 
@@ -86,10 +89,12 @@ def _preference(adapters: list) -> list[int]:
     return sorted(range(len(adapters)), key=rank)
 
 
-def _choose_adapter(adapters: list, choice: str | int | None) -> int:
+def _choose_adapter(adapters: list, choice: str | int | None, local_rank: int | None = None) -> int:
     if not adapters:
         raise NoAdapterError(f"wgpu found no GPU adapter. {_NO_ADAPTER_HINT}")
     order = _preference(adapters)
+    if choice is None and local_rank is not None:
+        return _rank_adapter(adapters, order, local_rank)
     if choice is None:
         return order[0]
     names = ", ".join(f"{i}: {_adapter_name(a)} ({a.info['backend_type']})" for i, a in enumerate(adapters))
@@ -106,14 +111,27 @@ def _choose_adapter(adapters: list, choice: str | int | None) -> int:
     raise NoAdapterError(f"no adapter name contains {choice!r}; adapters are {names}")
 
 
+def _rank_adapter(adapters: list, order: list[int], local_rank: int) -> int:
+    """The adapter of process ``local_rank`` on a host: its GPU among the discrete and integrated ones of the best
+    backend (a GPU a second backend lists again is not a second GPU), round robin when ranks outnumber GPUs; the
+    best adapter when there is no GPU (every rank on the CPU driver)."""
+    backend = adapters[order[0]].info["backend_type"]
+    gpus = [i for i in order if adapters[i].info["backend_type"] == backend
+            and adapters[i].info["adapter_type"] in ("DiscreteGPU", "IntegratedGPU")]
+    return gpus[local_rank % len(gpus)] if gpus else order[0]
+
+
 def get_device(adapter: str | int | None = None) -> "Device":
     """The process-wide device of the chosen adapter (see the module docstring for the choice); a new one once the
     last was lost (what lived on the lost one is gone: programs built on it keep raising DeviceLostError)."""
     adapters = _enumerate_adapters()
     choice = adapter if adapter is not None else (os.environ.get(ADAPTER_ENV) or None)
-    index = _choose_adapter(adapters, choice)
+    rank = os.environ.get(RANK_ENV, "").strip()
+    index = _choose_adapter(adapters, choice, int(rank) if rank.isdigit() else None)
     if index not in _devices or _devices[index].lost:
         _devices[index] = Device(adapters[index])
+        if rank.isdigit():
+            log.info("local rank %s uses adapter %d: %s", rank, index, _devices[index].describe())
     return _devices[index]
 
 

@@ -35,6 +35,17 @@ def test_adapter_choice(choice, expected):
     assert device_module._choose_adapter(FAKES, choice) == expected
 
 
+def test_each_local_rank_takes_its_own_gpu_of_the_best_backend():
+    adapters = [FakeAdapter("llvmpipe", "CPU"), FakeAdapter("GPU A", "DiscreteGPU", backend="D3D12"),
+                FakeAdapter("GPU A", "DiscreteGPU"), FakeAdapter("GPU B", "DiscreteGPU"),
+                FakeAdapter("GPU B", "DiscreteGPU", backend="D3D12")]
+    picks = [device_module._choose_adapter(adapters, None, rank) for rank in range(3)]
+    assert picks == [1, 4, 1], "D3D12 ranks first here (enumeration order); its two GPUs, then round robin"
+    assert device_module._choose_adapter(adapters, "gpu b", 0) == 3, "an explicit choice wins over the rank"
+    cpu_only = [FakeAdapter("llvmpipe", "CPU"), FakeAdapter("gl", "CPU", "OpenGL")]
+    assert [device_module._choose_adapter(cpu_only, None, rank) for rank in range(2)] == [0, 0]
+
+
 def test_opengl_only_when_nothing_else():
     gl_gpu, cpu = FakeAdapter("gl", "DiscreteGPU", "OpenGL"), FakeAdapter("cpu", "CPU")
     assert device_module._choose_adapter([gl_gpu, cpu], None) == 1
