@@ -3,8 +3,9 @@
 ``get_device()`` returns one ``Device`` per adapter per process. The adapter is the argument, else the
 ``MEGANEURA_ADAPTER`` environment variable (an index into ``list_adapters()`` or a case-insensitive substring of
 the adapter's name), else in a process of a ``torchrun`` job (``LOCAL_RANK`` set) the rank's own GPU (logged),
-else the best kind available: discrete GPU, integrated GPU, virtual GPU, then CPU, with the OpenGL backend last. Every wgpu validation or shader error is re-raised as ``MeganeuraError`` naming what was
-being built; a lost device becomes ``DeviceLostError``.
+else the best kind available: discrete GPU, integrated GPU, virtual GPU, then CPU, with the OpenGL backend last.
+Every wgpu validation or shader error is re-raised as ``MeganeuraError`` naming what was being built; a lost
+device becomes ``DeviceLostError``.
 """
 from __future__ import annotations
 
@@ -275,7 +276,7 @@ class Device:
             self.queue.submit([commands])
         self.counters.submits += 1
 
-    def read_staging(self, buffer, size: int) -> memoryview:
+    def read_staging(self, buffer, size: int) -> bytearray | memoryview:
         """Wait for the queue, then return a host copy of the first ``size`` bytes of a staging buffer."""
         with self.checked(f"read back {buffer.label!r}"):
             try:

@@ -65,8 +65,9 @@ class _Entry:
 
 
 def arg_kind(a) -> str | None:
-    """"resident", "param" or "tensor"; None for a non-tensor. Exact types are tested first: ``isinstance`` against
-    ``Parameter`` runs its metaclass's Python check, and a call tests every argument."""
+    """The kind of a partition argument: ``"resident"``, ``"param"`` or ``"tensor"``; None for a non-tensor.
+    Exact types are tested first: ``isinstance`` against ``Parameter`` runs its metaclass's Python check, and a
+    call tests every argument."""
     cls = type(a)
     if cls is torch.nn.Parameter:
         return "param"
