@@ -2,9 +2,12 @@
 
     torchrun --nproc-per-node 2 scripts/ddp_example.py                 # DDP around the compiled model
     torchrun --nproc-per-node 2 scripts/ddp_example.py --form compile-ddp   # torch.compile around DDP
+    torchrun --nproc-per-node 2 scripts/ddp_example.py --form resident      # compile_train_step(DDP(model), ...)
 
 Each process takes its own GPU (LOCAL_RANK; MEGANEURA_ADAPTER overrides) and trains a small Llama on its shard of
-every batch; gradients are averaged across processes by DDP through gloo (on the host: Vulkan GPUs have no NCCL).
+every batch; gradients are averaged across processes through gloo (on the host: Vulkan GPUs have no NCCL), by DDP
+or, in the resident form, by ``compile_train_step`` between its gradient plan and its update plan (weights and
+optimizer state stay on the device).
 With ``--out`` every rank saves its losses and final weights (the tests compare them with one process).
 """
 import argparse
@@ -33,17 +36,55 @@ def model_and_optimizer(lr: float):
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
+def loss_fn(model, ids):
+    return model(ids, labels=ids).loss
+
+
+def resident(args, rank: int, world: int) -> tuple[list[float], dict, dict]:
+    """compile_train_step in data-parallel mode: around DDP (its process group), or with ``process_group=``."""
+    from torch_meganeura import compile_train_step
+
+    model, optimizer = model_and_optimizer(args.lr)
+    k = args.accumulation_steps
+    if args.process_group:
+        step = compile_train_step(model, loss_fn, optimizer, process_group=dist.group.WORLD,
+                                  max_grad_norm=args.max_grad_norm, accumulation_steps=k)
+    else:
+        step = compile_train_step(DDP(model), loss_fn, optimizer, max_grad_norm=args.max_grad_norm,
+                                  accumulation_steps=k)
+    losses = []
+    for ids in batches(args.steps, args.per_rank * world):
+        mine = ids[rank * args.per_rank:(rank + 1) * args.per_rank]
+        loss = sum(float(step(part)) for part in mine.chunk(k))  # each call returns its loss divided by k
+        mean = torch.tensor(loss)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        if rank == 0:
+            print(f"step {len(losses)}: loss {losses[-1]:.5f}", flush=True)
+    averaged = {n: torch.from_numpy(a.numpy()) for n, a in step.data_parallel.reducer.arrays.items()}
+    return losses, step.state_dict(), averaged  # averaged: the last step's gradients, before clipping
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--form", choices=["ddp-compiled", "compile-ddp"], default="ddp-compiled",
-                   help="DDP(torch.compile(model)) or torch.compile(DDP(model)) (dynamo splits it at DDP's buckets)")
+    p.add_argument("--form", choices=["ddp-compiled", "compile-ddp", "resident"], default="ddp-compiled",
+                   help="DDP(torch.compile(model)), torch.compile(DDP(model)) (dynamo splits it at DDP's buckets) or "
+                        "compile_train_step(DDP(model), ...)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--per-rank", type=int, default=2, help="sequences per process and step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default=None, help="directory for rank<N>.pt (losses and final weights)")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="resident form: clip the averaged gradients")
+    p.add_argument("--accumulation-steps", type=int, default=1, help="resident form: micro-batches per update")
+    p.add_argument("--process-group", action="store_true", help="resident form: pass process_group= instead of DDP")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.form == "resident":
+        losses, state, grads = resident(args, rank, world)
+        _save(args, rank, losses, state, grads=grads)
+        dist.destroy_process_group()
+        return
     model, optimizer = model_and_optimizer(args.lr)
     if args.form == "ddp-compiled":
         net = DDP(torch.compile(model, backend="meganeura"))
@@ -61,10 +102,14 @@ def main() -> None:
         losses.append(mean.item() / world)
         if rank == 0:
             print(f"step {len(losses)}: loss {losses[-1]:.5f}", flush=True)
-    if args.out:
-        torch.save({"losses": losses, "state": model.state_dict(), "local_rank": os.environ.get("LOCAL_RANK")},
-                   os.path.join(args.out, f"rank{rank}.pt"))
+    _save(args, rank, losses, model.state_dict())
     dist.destroy_process_group()
+
+
+def _save(args, rank: int, losses: list[float], state: dict, **extra) -> None:
+    if args.out:
+        torch.save({"losses": losses, "state": state, "local_rank": os.environ.get("LOCAL_RANK"), **extra},
+                   os.path.join(args.out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

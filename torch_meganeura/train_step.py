@@ -19,6 +19,9 @@ in device buffers and updates on every k-th call, like the usual loop of ``(loss
 ``optimizer.step()``: each call's loss is divided by k before differentiation, and the call returns that divided
 loss. ``steps`` counts optimizer updates.
 
+Data parallel: given a ``DistributedDataParallel`` (or ``process_group=``), a step runs a gradient plan and an update
+plan with the gradients averaged across processes in between (``data_parallel``); ``gradients()`` stays local.
+
 When the torch module is current: the device holds the truth between steps. ``sync_to_module()`` copies
 parameters, buffers and optimizer state (with its step count) back into ``model`` and ``optimizer``;
 ``state_dict()`` syncs first. Until then ``model``'s tensors and ``optimizer.state`` keep the values they had when
@@ -40,7 +43,7 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
-from . import optimizers
+from . import data_parallel, optimizers
 from .decompositions import decomposition_table
 from .fx_lowering import lower_graph
 from .partition import fallback_ops
@@ -54,10 +57,13 @@ class TrainStep:
     """A compiled training step over ``model``'s trainable parameters and ``optimizer``'s update."""
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, adapter=None,
-                 max_grad_norm: float | None = None, accumulation_steps: int = 1):
+                 max_grad_norm: float | None = None, accumulation_steps: int = 1, process_group=None):
         optimizers.check(optimizer)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        model, self.data_parallel = data_parallel.resolve(model, process_group)
+        if self.data_parallel is not None and self.data_parallel.broadcast_at_start:
+            self.data_parallel.broadcast_module(model)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
@@ -77,6 +83,11 @@ class TrainStep:
         self._spare: dict[str, DeviceArray] = {}  # by role: last step's array, which the next step overwrites
         self.steps = 0
         self.load_from_module()
+        if self.data_parallel is not None:
+            params = dict(model.named_parameters())
+            self.data_parallel.reducer = data_parallel.GradientReducer(
+                self.device, self.data_parallel.group, self.data_parallel.world, self._trainable,
+                [tuple(params[n].shape) for n in self._trainable])
 
     # ---- device state
 
@@ -200,6 +211,8 @@ class TrainStep:
         return optimizers.hyperparameters(self.optimizer, step)
 
     def __call__(self, *batch) -> torch.Tensor:
+        if self.data_parallel is not None:
+            return self._data_parallel_call(batch)
         self.micro_batches += 1
         if self.accumulation_steps == 1:
             mode = "step"
@@ -219,11 +232,44 @@ class TrainStep:
             self._arrays[role] = array
         return loss
 
+    def _data_parallel_call(self, batch: tuple) -> torch.Tensor:
+        """A call of a data-parallel step (see ``data_parallel``): local gradients, all-reduce, update."""
+        dp = self.data_parallel
+        if self.micro_batches == 0:
+            local = self._compiled(batch, "local")  # compiled first: it says which buffers the forward changes
+            dp.broadcast_arrays([self._arrays[r] for r in local.state_outputs if r.startswith("buffer:")])
+        self.micro_batches += 1
+        if self.micro_batches < self.accumulation_steps:
+            loss, updated = self._compiled(batch, "accumulate").run(self._arrays, batch, self._hyper(1), self._spare)
+            self._swap_in(updated)
+            return loss
+        self.micro_batches = 0
+        self.steps += 1
+        hyper = self._hyper(self.steps)
+        loss, outputs = self._compiled(batch, "local").run(self._arrays, batch, hyper, self._spare)
+        grads = {role[5:]: outputs.pop(role) for role in list(outputs) if role.startswith("grad:")}
+        self._swap_in(outputs)
+        averaged = dp.reducer.reduce(grads)
+        arrays = {**self._arrays, **{f"grad:{n}": a for n, a in averaged.items()}}
+        _, updated = self._compiled((), "update").run(arrays, (), hyper, self._spare)
+        self._swap_in(updated)
+        self.optimizer._opt_called = True
+        return loss
+
+    def _swap_in(self, updated: dict) -> None:
+        for role, array in updated.items():
+            self._spare[role] = self._arrays[role]
+            self._arrays[role] = array
+
 
 def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *,
-                       max_grad_norm: float | None = None, accumulation_steps: int = 1, adapter=None) -> TrainStep:
-    """A training step that keeps ``model``'s parameters and ``optimizer``'s state on the device (module docstring)."""
-    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm, accumulation_steps)
+                       max_grad_norm: float | None = None, accumulation_steps: int = 1, adapter=None,
+                       process_group=None) -> TrainStep:
+    """A training step that keeps ``model``'s parameters and ``optimizer``'s state on the device (module docstring).
+
+    Data parallel (``data_parallel``) when ``model`` is a ``DistributedDataParallel`` or ``process_group`` is
+    given: ``loss_fn`` then receives DDP's ``module``, and gradients are averaged across the group every step."""
+    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm, accumulation_steps, process_group)
 
 
 class _CompiledStep:
@@ -231,7 +277,8 @@ class _CompiledStep:
     gradients in mode "grads") are read back; every other output stays on the device."""
 
     def __init__(self, owner: TrainStep, batch: tuple, mode: str):  # no reference to owner: no cycle
-        gm, self.roles, self.outputs, constants = _trace(owner, batch, mode)
+        traced = _trace_update(owner) if mode == "update" else _trace(owner, batch, mode)
+        gm, self.roles, self.outputs, constants = traced
         unsupported = fallback_ops(gm)
         if unsupported:
             listing = ", ".join(f"{op} ({why})" for op, why in sorted(unsupported.items()))
@@ -244,9 +291,10 @@ class _CompiledStep:
         kinds = [kind for kind, _ in self.lowered.outputs]
         if kinds[0] != "plan" or any(k != "plan" for k in kinds):
             raise NotImplementedError("a training step output folded to a constant; cannot keep it on the device")
-        names = [name for _, name in self.lowered.outputs]
-        self.loss_name, self.state_outputs = names[0], dict(zip(self.outputs[1:], names[1:]))
-        resident = list(self.state_outputs.values()) if mode != "grads" else []
+        names = dict(zip(self.outputs, (name for _, name in self.lowered.outputs)))
+        self.loss_name = names.pop("loss", None)
+        self.state_outputs = names
+        resident = [name for role, name in names.items() if not role.startswith("grad:")]
         on_device = [name for role, name in self.input_names.items()
                      if role != "hyper" and not role.startswith("batch:")]
         self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
@@ -268,7 +316,7 @@ class _CompiledStep:
             host[self.lowered.rng_seed] = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int64).int().numpy()
         into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.state_outputs}
         results = self.program.run(host, device_inputs, into)
-        loss = torch.from_numpy(np.asarray(results[self.loss_name]).copy())
+        loss = torch.from_numpy(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
         return loss, {role: results[name] for role, name in self.state_outputs.items()}
 
 
@@ -308,11 +356,12 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
       "step"        loss, new params, changed buffers, new optimizer state;
       "accumulate"  loss, new accumulators (+ this micro-batch's gradients), changed buffers;
       "apply"       as "step" with the accumulated gradients, then zeroed accumulators;
-      "grads"       loss and gradients, nothing else (buffers unchanged)."""
+      "grads"       loss and gradients, nothing else (buffers unchanged);
+      "local"       loss, gradients (+ the accumulated ones, unclipped), changed buffers, zeroed accumulators:
+                    a data-parallel step's first plan (``_trace_update`` traces its second)."""
     model, opts = owner.model, owner._opts
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    n_train = len(owner._trainable)
     slots = opts["slots"]
     captured, sources = _capture(owner, batch)
     tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
@@ -320,7 +369,7 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
     loss_graph = _decomposed(captured, sources, params, buffers, batch)
 
     k = owner.accumulation_steps
-    accumulating = k > 1 and mode in ("accumulate", "apply")
+    accumulating = k > 1 and mode in ("accumulate", "apply", "local")
 
     def step(train, frozen, bufs, state, acc, hyper, batch_tensors, extra_tensors):
         fixed = {**{f"frozen:{n}": t for n, t in zip(owner._frozen, frozen)},
@@ -339,20 +388,15 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
         if mode == "accumulate":
             return loss, [a + g for a, g in zip(acc, grads)], bufs
-        if mode == "apply":
+        if mode in ("apply", "local") and k > 1:
             grads = [a + g for a, g in zip(acc, grads)]
+        if mode == "local":
+            return loss, list(grads), bufs, [torch.zeros_like(a) for a in acc]
         if owner.max_grad_norm is not None:
             grads = _clip_by_global_norm(grads, owner.max_grad_norm)
         if mode == "grads":
             return loss, list(grads)
-        new_params, new_state = [], []
-        fields = optimizers.group_fields(opts, hyper)
-        for i, (p, g) in enumerate(zip(train, grads)):
-            per_param = [state[s * n_train + i] for s in range(len(slots))]
-            p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
-            new_params.append(p)
-            new_state.append(per_param)
-        flat_state = [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
+        new_params, flat_state = _update(owner, train, grads, state, hyper)
         if mode == "apply":
             return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
         return loss, new_params, bufs, flat_state
@@ -375,9 +419,50 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
                + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
     outputs = ["loss"] + {"step": updated, "apply": updated + accumulators,
                           "grads": [f"grad:{n}" for n in owner._trainable],
+                          "local": ([f"grad:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
+                                    + (accumulators if k > 1 else [])),
                           "accumulate": accumulators + [f"buffer:{n}" for n in owner._buffers]}[mode]
     constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
     constants.update(_lift_constants(gm, roles))
+    outputs = _drop_unchanged_outputs(gm, roles, outputs)
+    return gm, roles, outputs, constants
+
+
+def _update(owner: TrainStep, train: list, grads: list, state: list, hyper: torch.Tensor):
+    """The optimizer's update of every trainable parameter: (new params, new state flattened slot-major)."""
+    opts, n_train = owner._opts, len(owner._trainable)
+    slots = opts["slots"]
+    new_params, new_state = [], []
+    fields = optimizers.group_fields(opts, hyper)
+    for i, (p, g) in enumerate(zip(train, grads)):
+        per_param = [state[s * n_train + i] for s in range(len(slots))]
+        p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
+        new_params.append(p)
+        new_state.append(per_param)
+    return new_params, [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
+
+
+def _trace_update(owner: TrainStep):
+    """fx graph of a data-parallel step's update: (params, optimizer state, hyperparameters, averaged gradients)
+    -> (new params, new state), the gradients clipped first if ``max_grad_norm``. Returns what ``_trace`` does."""
+    params = dict(owner.model.named_parameters())
+    slots = owner._opts["slots"]
+
+    def update(train, state, hyper, grads):
+        if owner.max_grad_norm is not None:
+            grads = _clip_by_global_norm(grads, owner.max_grad_norm)
+        return _update(owner, train, grads, state, hyper)
+
+    trainable = [params[n].detach() for n in owner._trainable]
+    example = (trainable, [torch.zeros_like(p) for _ in slots for p in trainable],
+               optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)),
+               [torch.zeros_like(p) for p in trainable])
+    gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*example)
+    roles = ([f"param:{n}" for n in owner._trainable] + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+             + ["hyper"] + [f"grad:{n}" for n in owner._trainable])
+    outputs = [f"param:{n}" for n in owner._trainable] + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+    constants = _lift_constants(gm, roles)
     outputs = _drop_unchanged_outputs(gm, roles, outputs)
     return gm, roles, outputs, constants
 
@@ -475,6 +560,8 @@ def _example(owner: TrainStep, role: str, batch: tuple):
         return batch[int(role[6:])]
     if role == "hyper":
         return optimizers.hyperparameters(owner.optimizer, 1)
+    if role.startswith("grad:"):
+        return torch.empty(dict(owner.model.named_parameters())[role[5:]].shape)
     array = owner._arrays[role]
     return torch.empty(array.shape, dtype=_TORCH_DTYPE[array.dtype])
 
