@@ -14,7 +14,9 @@ the step is built) makes a step data parallel. A step then runs two plans instea
 Between the two, ``GradientReducer`` all-reduces the gradients on the host (gloo: Vulkan GPUs have no NCCL) in
 buckets of about 25 MB, last parameters first as DDP does, each with an asynchronous handle: while one bucket is
 in flight the host packs the next, and each averaged bucket is written to the device while later ones are still
-in flight. ``stats`` times the phase and the time spent blocked on handles.
+in flight. ``stats`` times the phase and the time spent blocked on handles. On a 2-core CPU host shared with other
+work (lavapipe, two processes), ResNet-50's 102 MB of gradients in 5 buckets took 644 ms median this way against
+737 ms with each bucket waited for before the next is packed; not measured on GPUs.
 
 BatchNorm statistics follow DDP's default ``broadcast_buffers=True``: before the first micro-batch of every step,
 rank 0's copies of the buffers that the forward changes are broadcast to every rank (so ranks differ only by their
