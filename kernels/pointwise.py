@@ -5,9 +5,11 @@ inputs are read through arbitrary index expressions (strides, broadcasting, gath
 and elementwise ops runs as one dispatch.
 
 A large output gives each thread several elements (the most of ``ELEMENTS_PER_THREAD`` that still leaves
-``MIN_WORKGROUPS`` workgroups), one workgroup width apart so that every load of a subgroup stays coalesced. All of a thread's values are computed before any is stored: the loads of the copies are
-independent, so more of them are in flight per thread (the buffers may alias as far as the shader compiler knows,
-so a store in between would order them).
+``MIN_WORKGROUPS`` workgroups), one workgroup width apart so that every load of a subgroup stays coalesced. All of
+a thread's values are computed before any is stored: the loads of the copies are independent, so more of them are
+in flight per thread (the buffers may alias as far as the shader compiler knows, so a store in between would order
+them). Values are computed without a branch, past the end at the last element's index (clamped), and only the
+stores are guarded: a load inside a bounds test cannot be issued before the work of the copy ahead of it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
         total *= s
     copies = elements_per_thread(total)
     groups = wgsl.grid(-(-total // (WORKGROUP * copies)), limits["max-compute-workgroups-per-dimension"])
+    groups_total = groups[0] * groups[1] * groups[2]
     coords = [f"c{d}" for d in range(len(shape))]
     declared, computed, stored = [], [], []
     for copy in range(copies):
@@ -43,7 +46,8 @@ def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
         declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};" for r, (_, dtype, _) in zip(results, outputs)]
         lines = (wgsl.unravel_lines("idx", coords, shape, indent="    ") + em.lines
                  + [f"    {r} = {v};" for r, v in zip(results, values)])
-        computed.append(f"  if ({linear} < {total}u) {{\n    let idx = i32({linear});\n" + "\n".join(lines) + "\n  }")
+        index = f"min({linear}, {max(total - 1, 0)}u)" if copies * WORKGROUP * groups_total > total else linear
+        computed.append(f"  {{\n    let idx = i32({index});\n" + "\n".join(lines) + "\n  }")
         stored += [f"  if ({linear} < {total}u) {{ {name}[{linear}] = {r}; }}"
                    for r, (name, _, _) in zip(results, outputs)]
     body = "\n".join(declared + computed + stored)
