@@ -29,8 +29,11 @@ SHARED_PAD_VEC4 = 1           # vec4s of padding per shared-tile row: transposed
 # Tile choice, from timings on an H200 (bench/results/h200-matmul-tiles.json): a 128 edge pays off from 128
 # workgroups on; below, 64x64-class tiles win down to about 32 workgroups; smaller problems shrink further.
 BIG_TILE_EDGE = 64
-SPLIT_TARGET_WORKGROUPS = 256  # split K until the workgroups reach this...
-SPLIT_MIN_K = 256             # ...while every slice keeps at least this much of K
+# Split K until the workgroups reach SPLIT_TARGET_WORKGROUPS, while every slice keeps SPLIT_MIN_K of K. H200, the
+# workloads' projections (.diag sweep, GPU time): 50x720 @ 720x2048 43.5 -> 27.6 us (split 2 -> 8), 128x1536 @
+# 1536x576 48.6 -> 37.4, 1500x1536 @ 1536x384 196 -> 122 (split 1 -> 4); splits past ~1,000 workgroups gain nothing.
+SPLIT_TARGET_WORKGROUPS = 1024
+SPLIT_MIN_K = 64
 SPLIT_MAX = 64
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
