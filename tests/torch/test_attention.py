@@ -56,6 +56,49 @@ def _check_sdpa(d, seq, variant):
     check_gradients_against_eager(fn, q, k, v, rtol=RTOL, atol=ATOL, rel=REL, names="qkv", what=variant)
 
 
+UNFUSED_CASES = [(64, 128, v) for v in VARIANTS] + [(32, 7, "causal"), (80, 1, "gqa"), (128, 300, "bool_mask")]
+
+
+@pytest.mark.parametrize("d, seq, variant", UNFUSED_CASES)
+def test_unfused_attention(monkeypatch, d, seq, variant):
+    """The matmul-softmax-matmul path that long rows take (here forced at every length) against eager: output and
+    dQ, dK, dV over every variant (masks, causal, GQA, cross-attention, custom scale)."""
+    from meganeura.lowering import compile_graph
+    from meganeura.runtime.device import get_device
+    from torch_meganeura.fx_lowering import lower_graph
+    from torch_meganeura.lowerings import attention
+
+    monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", 1)
+    q = torch.randn(1, 2, 16, 32)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    gm = torch.fx.symbolic_trace(lambda q, k, v: op(q, k, v, 0.0, False))
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta["val"] = (torch.empty(1, 2, 16, 32), torch.empty(1, 2, 16))
+    plan, _ = compile_graph(lower_graph(gm, [q, q, q], set()).graph, get_device().limits)
+    assert "attention" not in [d.label for d in plan.dispatches], [d.label for d in plan.dispatches]
+    _check_sdpa(d, seq, variant)
+
+
+def test_fully_masked_rows_give_zeros_fused_and_unfused(monkeypatch):
+    """A query row whose keys are all masked out outputs zeros and passes no gradient, as in eager, on both paths."""
+    from torch_meganeura.lowerings import attention
+
+    mask = torch.rand(1, 1, 9, 600) > 0.5
+    mask[:, :, 3] = False
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q = torch.randn(1, 2, 9, 16)
+    k, v = torch.randn(1, 2, 600, 16), torch.randn(1, 2, 600, 16)
+    for min_keys in (10**9, 1):
+        monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", min_keys)
+        torch._dynamo.reset()
+        check_gradients_against_eager(fn, q, k, v, rtol=RTOL, atol=ATOL, rel=REL, names="qkv",
+                                      what=f"a masked row, min keys {min_keys}")
+
+
 def test_inference_attention_is_one_fused_kernel():
     """Inference drops the log-sum-exp output; the kernel must still run and write the attention output. The
     scaled key (q * 0.5) is a cheap prologue: it folds into the key loads instead of running as its own kernel."""

@@ -6,6 +6,14 @@ decomposition table keeps both whole). The operands are loads whose index math a
 and the repeat-KV expansion of grouped-query attention become coordinates, not copies. A boolean mask becomes an
 additive one (-inf where False); masks broadcast over batch and heads. The backward is three passes: delta =
 rowsum(dout * out) as a reduction, then dQ per query row and dK, dV per key row.
+
+Where the score matrices of a call fit ``UNFUSED_MAX_SCORE_BYTES`` and rows are long (``UNFUSED_MIN_KEYS``), the
+attention is lowered unfused instead, as PyTorch's math path computes it, onto the matmul and reduction archetypes:
+the scores S = scale q.k + bias (masked) stored by a matmul, the row log-sum-exp by a reduction over them, and
+out = softmax(S) v by a matmul that exponentiates S as it loads it. The backward recomputes S, stores
+dS = P (dO.V - delta) from a matmul's epilogue, and gets dQ, dK and dV as three matmuls (dV's operand P again
+from S and the log-sum-exp). The tiled matmuls reuse every loaded row many times, where the fused kernels run one
+row per thread: on long rows that is faster, at the price of one or two score matrices in memory.
 """
 from __future__ import annotations
 
@@ -19,6 +27,9 @@ from meganeura.lowering.ir import RowOutput
 from ..registry import lowering
 
 aten = torch.ops.aten
+MASKED = -1.0e38  # a score at or below counts as masked out (as in the fused kernels)
+UNFUSED_MAX_SCORE_BYTES = 64 << 20  # one (batch * heads, lq, lk) float32 score matrix at most
+UNFUSED_MIN_KEYS = 128  # and rows at least this long (H200: unfused faster from 128 on, the shortest measured)
 
 
 def _supported(q_arg: int, dropout_arg: int):
@@ -68,6 +79,9 @@ def _fields(q, k, v, scale, causal) -> dict:
 def _sdpa(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     qe, ke, ve, bias = _operands(ctx, q, k, v, attn_mask)
     batch, heads, lq, _ = q.shape
+    fields = _fields(q, k, v, scale, is_causal)
+    if _unfused(fields):
+        return _unfused_forward(ctx.b, qe, ke, ve, bias, fields)
     out, lse = ctx.b.attention("forward", [((batch, heads, lq, v.shape[3]), "float32"), ((batch, heads, lq), "float32")],
                                q=qe, k=ke, v=ve, bias=bias, label="attention", **_fields(q, k, v, scale, is_causal))
     return out, lse
@@ -83,6 +97,102 @@ def _sdpa_backward(ctx, grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=Fa
     rows = [E.coord(0), E.coord(1), E.coord(2)]
     common = dict(q=qe, k=ke, v=ve, bias=bias, dout=E.cast(b.load(grad_out, coords), E.F32),
                   lse=E.cast(b.load(lse, rows), E.F32), delta=b.load(delta, rows), **_fields(q, k, v, scale, is_causal))
+    if _unfused(common):
+        return _unfused_backward(b, common)
     (dq,) = b.attention("grad_q", [(q.shape, "float32")], label="attention_grad_q", **common)
     dk, dv = b.attention("grad_kv", [(k.shape, "float32"), (v.shape, "float32")], label="attention_grad_kv", **common)
     return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------ unfused (math) attention
+def _unfused(f: dict) -> bool:
+    return f["lk"] >= UNFUSED_MIN_KEYS and f["batch"] * f["heads"] * f["lq"] * f["lk"] * 4 <= UNFUSED_MAX_SCORE_BYTES
+
+
+def _i32(value: int) -> E.Expr:
+    return E.const(value, E.I32)
+
+
+def _at(e: E.Expr, batch_head: E.Expr, row: E.Expr, col: E.Expr, heads: int) -> E.Expr:
+    """An operand expression over (b, h, row, c) read at flat (batch * heads + head) index ``batch_head``."""
+    return E.shift_coords(e, {0: E.binary("idiv", batch_head, _i32(heads)), 1: E.binary("imod", batch_head, _i32(heads)),
+                              2: row, 3: col})
+
+
+def _scores(b, qe, ke, bias, f: dict):
+    """S[bh, i, j] = scale * q.k + bias, or MASKED where causal masking removes it."""
+    h, i, j = E.coord(0), E.coord(1), E.coord(2)
+    q_op = _at(qe, h, i, E.coord(2), f["heads"])  # gemm A over (bh, i, p)
+    k_op = _at(ke, h, E.coord(2), E.coord(1), f["heads"])  # gemm B over (bh, p, j): key row j, channel p
+    score = E.mul(E.acc(0), E.const(f["scale"], E.F32))
+    if bias is not None:
+        score = E.add(score, _at(bias, h, i, j, f["heads"]))
+    if f["causal"]:
+        score = E.where(E.binary("gt", j, i), E.const(MASKED, E.F32), score)
+    return b.gemm(f["batch"] * f["heads"], f["lq"], f["lk"], f["d"], q_op, k_op, epilogue=score,
+                  label="attention_scores")
+
+
+def _prob(s: E.Expr, lse: E.Expr) -> E.Expr:
+    masked = E.binary("or", E.binary("le", s, E.const(MASKED, E.F32)), E.binary("le", lse, E.const(MASKED, E.F32)))
+    return E.where(masked, E.const(0.0, E.F32), E.unary("exp", E.binary("sub", s, lse)))
+
+
+def _unfused_forward(b, qe, ke, ve, bias, f: dict):
+    rows = f["batch"] * f["heads"]
+    scores = _scores(b, qe, ke, bias, f)
+    s = b.load(scores, [E.coord(0), E.coord(1), E.coord(2)])
+    kept = E.binary("gt", s, E.const(MASKED, E.F32))
+    phases = [("max", s), ("sum", E.where(kept, E.unary("exp", E.binary("sub", s, E.acc(0))), E.const(0.0, E.F32)))]
+    lse_expr = E.where(E.binary("eq", E.acc(1), E.const(0.0, E.F32)), E.const(MASKED, E.F32),
+                       E.add(E.acc(0), E.unary("log", E.acc(1))))
+    (lse,) = b.reduce(scores.shape, (2,), phases, [RowOutput(False, lse_expr)], ["float32"], "attention_lse")
+    p_op = _prob(b.load(scores, [E.coord(0), E.coord(1), E.coord(2)]), b.load(lse, [E.coord(0), E.coord(1)]))
+    v_op = _at(ve, E.coord(0), E.coord(1), E.coord(2), f["heads"])  # gemm B over (bh, p = key row, c)
+    out = b.gemm(rows, f["lq"], f["dv"], f["lk"], p_op, v_op, label="attention_values")
+    return (b.reshape(out, (f["batch"], f["heads"], f["lq"], f["dv"])),
+            b.reshape(lse, (f["batch"], f["heads"], f["lq"])))
+
+
+def _unfused_backward(b, f: dict):
+    heads, lq, lk = f["heads"], f["lq"], f["lk"]
+    group = heads // f["kv_heads"]
+    scale = E.const(f["scale"], E.F32)
+    scores = _scores(b, f["q"], f["k"], f["bias"], f)
+
+    def row_stat(e, batch_head, row):  # lse or delta, expressions over (b, h, i)
+        return E.shift_coords(e, {0: E.binary("idiv", batch_head, _i32(heads)),
+                                  1: E.binary("imod", batch_head, _i32(heads)), 2: row})
+
+    def prob(batch_head, i, j):
+        return _prob(b.load(scores, [batch_head, i, j]), row_stat(f["lse"], batch_head, i))
+
+    h, i, j = E.coord(0), E.coord(1), E.coord(2)
+    # dS = P * (dO.V - delta): A = dO over (bh, i, c), B = V over (bh, c, j)
+    ds_epilogue = E.mul(prob(h, i, j), E.binary("sub", E.acc(0), row_stat(f["delta"], h, i)))
+    grad_scores = b.gemm(f["batch"] * heads, lq, lk, f["dv"], _at(f["dout"], h, i, E.coord(2), heads),
+                         _at(f["v"], h, E.coord(2), E.coord(1), heads), epilogue=ds_epilogue,
+                         label="attention_grad_scores")
+    scaled = E.mul(E.acc(0), scale)
+    dq = b.gemm(f["batch"] * heads, lq, f["d"], lk, b.load(grad_scores, [h, i, E.coord(2)]),
+                _at(f["k"], h, E.coord(1), E.coord(2), heads), epilogue=scaled, label="attention_grad_q")
+    # dK, dV per KV head g: sums over the group's query heads and their rows, p = head-in-group * lq + query row
+    kv = f["kv_heads"]
+    g, p = E.coord(0), E.coord(2)
+
+    def query_head(p_coord):  # flat (batch * heads + head) of reduction index p under KV head g
+        first = E.add(E.mul(E.binary("idiv", g, _i32(kv)), _i32(heads)),
+                      E.mul(E.binary("imod", g, _i32(kv)), _i32(group)))
+        return E.add(first, E.binary("idiv", p_coord, _i32(lq)))
+
+    def query_row(p_coord):
+        return E.binary("imod", p_coord, _i32(lq))
+
+    b_p = E.coord(1)  # in a B operand, (0: g, 1: p, 2: channel)
+    dk = b.gemm(f["batch"] * kv, lk, f["d"], group * lq, b.load(grad_scores, [query_head(p), query_row(p), E.coord(1)]),
+                _at(f["q"], query_head(b_p), query_row(b_p), E.coord(2), heads), epilogue=scaled,
+                label="attention_grad_k")
+    dv = b.gemm(f["batch"] * kv, lk, f["dv"], group * lq, prob(query_head(p), query_row(p), E.coord(1)),
+                _at(f["dout"], query_head(b_p), query_row(b_p), E.coord(2), heads), label="attention_grad_v")
+    return (b.reshape(dq, (f["batch"], heads, lq, f["d"])), b.reshape(dk, (f["batch"], kv, lk, f["d"])),
+            b.reshape(dv, (f["batch"], kv, lk, f["dv"])))
