@@ -1,23 +1,40 @@
 """Device-resident training of a full HF ResNet-50 (BatchNorm, 64x64 images in batches of 4) against eager: 50 steps
 of AdamW (weight decay, cosine LR schedule) and 50 of SGD with momentum and weight decay.
 
-Every step starts both sides from eager's state (parameters, BatchNorm statistics, optimizer state, LR): the step's
-loss must match eager's within 1e-4 relative; the optimizer states after it (the moments carry the gradients) are
-compared with the same step taken in float64, against eager float32's own distance from it:
-  * all moments of the step together (one relative L2 over every state tensor) within twice eager's distance;
-  * the median over state tensors of the device's distance over eager's at most 2 (no kernel systematically less
-    precise than eager's);
-  * each state tensor within ten times eager's distance, or 5e-2 relative L2.
-The per-tensor allowance is wide because one float32 rounding can flip a ReLU whose input lies within 1e-4 of zero:
-with 16 values per channel in the last stage, that moves the gradients of the stage's weights by far more than
-eager's rounding, and eager's own distance is a single draw. At step 6 the device flipped 1 such ReLU of 3 in the
-last block and eager none, while the device's forward there was closer to float64 than eager's; the moments of that
-block's first convolution then moved by 3.2e-3 from float64 against eager's 4.8e-5 (AdamW), and a BatchNorm bias's
-by 2.2e-2 (SGD). A wrong kernel moves tensors by more and shifts the whole step.
-Each parameter must be the optimizer's formula applied to the device's own states (elementwise, rtol 1e-5, atol
-1e-7); the BatchNorm statistics must match eager's elementwise (rtol 1e-3, atol 1e-5). The float64 reference
-matters: with BatchNorm over 4 images many gradients are sums that mostly cancel, and eager float32 is 2% from
-float64 on some of them at step 1 (the device is closer).
+Every step starts both sides from eager's state (parameters, BatchNorm statistics, optimizer state, LR). Each step:
+the loss matches eager's within 1e-4 relative; each parameter is the optimizer's formula applied to the device's
+own states (elementwise, rtol 1e-5, atol 1e-7); the BatchNorm statistics match eager's elementwise (rtol 1e-3,
+atol 1e-5).
+
+The optimizer states after the step (the moments carry the gradients) are compared with the same step taken in
+float64. Their float32 error is mostly one random draw: the forward's rounding reaches the loss gradient (softmax -
+onehot of 4 images and 2 classes: a handful of independent numbers), and the backward, where BatchNorm over 4
+images makes many gradients sums that mostly cancel, carries it into every gradient amplified hundreds of times
+(all moments are 2% from float64 at step 1, for eager as for the device). One implementation's distance from
+float64 is thus one draw from a wide distribution, and "within twice eager's distance" failed at some step for any
+float32 implementation: the device at AdamW's step 10 (its loss gradient 2.3e-5 from float64, eager's 1.2e-5, and
+every convolution's moments about twice as far as eager's), and as well eager itself in channels_last with oneDNN
+off (3.2 times eager's default at AdamW's step 3). So the scale is the spread of three float32 implementations of
+the same step: eager, eager in channels_last (oneDNN's NHWC kernels) and eager with oneDNN off (PyTorch's own
+convolutions). With d(x) the relative L2 distance from float64:
+  * each step, d(all moments together) within 4 times the largest of the three: a gross error at any step. With
+    three draws a correct implementation fails this about once in a thousand runs (a chi model of 3-4 degrees of
+    freedom); with one draw and twice, nearly every run fails;
+  * over the 50 steps, the geometric mean of d(all moments) over the three's geometric mean at most 1.5: a step
+    systematically less precise than eager's (a convolution 7e-7 less precise per element fails both checks);
+  * each state tensor, each step: closer than 0.5 (garbage: zeros, a stale buffer), and no more than 1% of them
+    beyond 10 times the largest of the three and 5e-2. One float32 rounding can flip a ReLU whose input lies within
+    1e-4 of zero, and with 16 values per channel in the last stage that moves a few tensors by far more than
+    rounding: at AdamW's step 3, eager in channels_last with oneDNN off moved a last-stage BatchNorm bias's second
+    moment 1.5e-1 from float64, 44 times the three's largest;
+  * each state tensor, over the 50 steps, the geometric mean of its d over the three's at most 2: an error confined
+    to tensors whose own rounding is small. A loss gradient scaled by (1 + 1e-3), the loss unchanged, moves the
+    classifier's moments 100 times farther than rounding does, which only this check sees.
+
+Why the update is checked against the device's own moments rather than eager's update: AdamW moves a weight by
+about lr times the sign of its gradient at first, and a gradient made mostly of rounding (a convolution before
+BatchNorm sums terms that cancel) may flip sign between two correct float32 implementations: at step 1, 0.7% of
+the stem convolution's updates differ from eager's that way.
 
 Not one free-running trajectory per side, because ResNet-50 trained from scratch on batches of 4 is chaotic in
 float32: on the CPU, eager float32 and eager float64 part by 2e-3 in the loss at AdamW's second step
@@ -26,22 +43,9 @@ implementations that round differently part the same way, so a free-running comp
 not the implementation. Anchored, the same 50 steps are checked (optimizer state, step counts and statistics
 evolving as in training) without that amplification.
 
-Where "k times eager's distance" is fragile even anchored: the backward of this network amplifies the error of the
-loss gradient hundreds of times. At AdamW's step 10 (from eager's state) the device's logits are 3.7e-5 from
-float64 against eager's 2.8e-5, the loss gradient 2.3e-5 against 1.2e-5, and then every convolution's first moment
-7.0e-3 against 3.3e-3: the same ratio of about 2 in all of them, one rounding draw of the forward carried through
-the whole backward (found by comparing the logits and softmax - onehot with float64 at that step). Both tests have
-failed on this so far, at AdamW's step 10 and SGD's step 8, on the check of all moments together (3.4 and 2.02
-times eager's distance).
-
-Why the update is checked against the device's own moments rather than eager's update: AdamW moves a weight by
-about lr times the sign of its gradient at first, and a gradient made mostly of rounding (a convolution before
-BatchNorm sums terms that cancel) may flip sign between two correct float32 implementations: at step 1, 0.7% of
-the stem convolution's updates differ from eager's that way.
-
-Marked slow: on lavapipe a step takes seconds, so the default run (CI) leaves it out; run it with
-``pytest -m slow tests/torch/test_train_step_resnet50.py``. The small models of test_train_step cover the same
-paths in the default run."""
+Marked slow: on lavapipe a step takes a minute or two, so the default run (CI) leaves it out; run it with
+``pytest -m slow -s tests/torch/test_train_step_resnet50.py`` (``-s`` prints every step's distances). The small
+models of test_train_step cover the same paths in the default run."""
 import copy
 import math
 
@@ -54,6 +58,7 @@ from torch_meganeura import compile_train_step
 
 pytestmark = pytest.mark.slow
 STEPS = 50
+FLOAT32 = ("eager", "channels_last", "native")  # float32 implementations of the step, besides the device's
 
 
 def _loss(model, x, y):
@@ -87,6 +92,57 @@ def _step_eagerly(model, optimizer, x, y):
     return loss
 
 
+def _reference_states(ref, ref_opt, kind, options, x, y) -> dict:
+    """The optimizer states after this step from eager's state (before eager takes it), by side and parameter name:
+    float64, and two float32 implementations that round differently from eager's: the model and batch in
+    channels_last (oneDNN's NHWC kernels) and oneDNN off (PyTorch's own convolutions)."""
+    sides = {}
+    for side in ("float64", "channels_last", "native"):
+        model, batch = copy.deepcopy(ref), x
+        if side == "float64":
+            model, batch = model.double(), x.double()
+        if side == "channels_last":
+            model, batch = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        optimizer = kind(model.parameters(), **options)
+        optimizer.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # else float32 states are shared
+        with torch.backends.mkldnn.flags(enabled=side != "native"):
+            _step_eagerly(model, optimizer, batch, y)
+        sides[side] = {name: optimizer.state[p] for name, p in model.named_parameters()}
+    return sides
+
+
+def _geomean(values) -> float:
+    return math.exp(sum(math.log(max(v, 1e-12)) for v in values) / len(values))
+
+
+def _check_distances(steps: list[dict]) -> None:
+    """``steps``: per step, each side's distance from float64 of all moments together ("all") and of each state
+    tensor (by "name.slot"). The checks of the module docstring, with every figure in the messages."""
+    table = "\n".join(f"step {i + 1}: " + " ".join(f"{side} {d['all']:.2e}" for side, d in s.items())
+                      for i, s in enumerate(steps))
+    spread = [max(s[side]["all"] for side in FLOAT32) for s in steps]
+    for i, (s, most) in enumerate(zip(steps, spread)):
+        assert s["device"]["all"] <= max(4 * most, 1e-6), f"step {i + 1}: all moments\n{table}"
+    typical = [_geomean([s[side]["all"] for side in FLOAT32]) for s in steps]
+    ratio = _geomean([s["device"]["all"] / t for s, t in zip(steps, typical)])
+    assert ratio <= 1.5, f"all moments: device over float32 eager, geometric mean over the steps {ratio:.2f}\n{table}"
+    per_tensor = {}
+    for i, s in enumerate(steps):
+        outliers = {}
+        for key, got in s["device"].items():
+            if key == "all":
+                continue
+            refs = [s[side][key] for side in FLOAT32]
+            assert got < 0.5, f"step {i + 1}: {key} off float64 by {got:.2e}, float32 by {refs}"
+            if got >= max(10 * max(refs), 5e-2):
+                outliers[key] = f"{got:.2e} (float32: {max(refs):.2e})"
+            per_tensor.setdefault(key, []).append(max(got, 1e-12) / max(_geomean(refs), 1e-12))
+        assert len(outliers) <= len(s["device"]) // 100, f"step {i + 1}: outliers {outliers}"
+    worst = sorted(((_geomean(r), key) for key, r in per_tensor.items()), reverse=True)[:5]
+    print("per tensor, geometric mean of device over float32 eager:", worst)
+    assert worst[0][0] <= 2, f"per tensor, device over float32 eager, geometric mean over the steps: {worst}"
+
+
 def _anchored_steps(kind, **options):
     torch.manual_seed(0)
     model = resnet50().train()
@@ -94,49 +150,42 @@ def _anchored_steps(kind, **options):
     opt, ref_opt = kind(model.parameters(), **options), kind(ref.parameters(), **options)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, STEPS)
     step = compile_train_step(model, _loss, opt)
+    distances = []
     for i in range(STEPS):
         if i:  # both sides start the step from eager's state
             model.load_state_dict(ref.state_dict())
             opt.load_state_dict(ref_opt.state_dict())
             step.load_from_module()
         before = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        exact = copy.deepcopy(ref).double()  # the same step in float64 from the same state
-        exact_opt = kind(exact.parameters(), **options)
-        exact_opt.load_state_dict(ref_opt.state_dict())
         x, y = _batch(i)
+        sides = _reference_states(ref, ref_opt, kind, options, x, y)
         got = float(step(x, y))
         want = _step_eagerly(ref, ref_opt, x, y)
-        _step_eagerly(exact, exact_opt, x.double(), y)
         sched.step()
         assert abs(got - float(want)) <= 1e-4 * abs(float(want)), f"step {i + 1}: loss {got} vs eager {float(want)}"
         step.sync_to_module()
         ours = dict(model.named_parameters())
+        sides["device"] = {name: opt.state[p] for name, p in ours.items()}
+        sides["eager"] = {name: ref_opt.state[p] for name, p in ref.named_parameters()}
         group = opt.param_groups[0]
-        exact_params = dict(exact.named_parameters())
-        flat = {"device": [], "eager": [], "float64": []}
-        ratios = []
-        for name, p in ref.named_parameters():
-            state, exact_state = opt.state[ours[name]], exact_opt.state[exact_params[name]]
-            for slot, value in ref_opt.state[p].items():
-                if slot != "step":
-                    eager = _rel(value, exact_state[slot])
-                    rel = _rel(state[slot], exact_state[slot])
-                    assert rel < max(10 * eager, 5e-2), (f"step {i + 1}: {slot} of {name} off float64 by {rel:.2e}, "
-                                                        f"eager by {eager:.2e}")
-                    ratios.append(rel / max(eager, 1e-12))
-                    for side, t in zip(flat, (state[slot], value, exact_state[slot])):
-                        flat[side].append(t.double().reshape(-1))
-            torch.testing.assert_close(ours[name].detach(), _expected_param(before[name], state, group),
+        for name, p in ours.items():
+            torch.testing.assert_close(p.detach(), _expected_param(before[name], opt.state[p], group),
                                        rtol=1e-5, atol=1e-7, msg=lambda m: f"step {i + 1}: {name}: {m}")
-        exact_all = torch.cat(flat["float64"])
-        together = {side: _rel(torch.cat(flat[side]), exact_all) for side in ("device", "eager")}
-        assert together["device"] <= max(2 * together["eager"], 1e-6), f"step {i + 1}: all moments: {together}"
-        median = sorted(ratios)[len(ratios) // 2]
-        assert median <= 2, f"step {i + 1}: median distance from float64, device over eager: {median:.2f}"
+        slots = [(name, slot) for name, state in sides["eager"].items() for slot in state if slot != "step"]
+        exact = [sides["float64"][name][slot].double().reshape(-1) for name, slot in slots]
+        exact_all = torch.cat(exact)
+        distances.append({})
+        for side in ("device", *FLOAT32):
+            tensors = [sides[side][name][slot].double().reshape(-1) for name, slot in slots]
+            d = {f"{name}.{slot}": _rel(t, e) for (name, slot), t, e in zip(slots, tensors, exact)}
+            distances[-1][side] = {"all": _rel(torch.cat(tensors), exact_all), **d}
+        print(f"step {i + 1}: all moments off float64 by",
+              {side: f"{d['all']:.2e}" for side, d in distances[-1].items()}, flush=True)
         buffers = dict(model.named_buffers())
         for name, b in ref.named_buffers():
             torch.testing.assert_close(buffers[name].to(b.dtype), b, rtol=1e-3, atol=1e-5,
                                        msg=lambda m: f"step {i + 1}: {name}: {m}")
+    _check_distances(distances)
 
 
 def test_adamw_cosine_resnet50_50_anchored_steps():
