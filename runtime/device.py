@@ -276,7 +276,7 @@ class Device:
             self.queue.submit([commands])
         self.counters.submits += 1
 
-    def read_staging(self, buffer, size: int) -> bytearray | memoryview:
+    def read_staging(self, buffer, size: int) -> np.ndarray | memoryview:
         """Wait for the queue, then return a host copy of the first ``size`` bytes of a staging buffer."""
         with self.checked(f"read back {buffer.label!r}"):
             try:
