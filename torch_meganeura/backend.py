@@ -20,7 +20,7 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import DevicePartition
-from .decompositions import decomposition_table
+from .decompositions import aot_decomposition_table
 from .options import Options
 from .params import ParamStore
 from .partition import fallback_ops, partition
@@ -136,7 +136,7 @@ def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         bw_compiler=functools.partial(compiler, mode="backward"),
         inference_compiler=functools.partial(compiler, mode="inference"),
         partition_fn=min_cut_rematerialization_partition,
-        decompositions=decomposition_table(),
+        decompositions=aot_decomposition_table(),
     )(gm, example_inputs)
 
 

@@ -24,6 +24,8 @@ KEEP_WHOLE = {
     aten.select_scatter.default: "one pointwise expression (select's backward)",
     aten._scaled_dot_product_flash_attention_for_cpu.default: "the fused attention kernel",
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "the fused attention backward",
+    aten.detach.default: "a stop-gradient: compile_train_step differentiates the decomposed graph, where detach's "
+                         "decomposition (alias) would pass the gradient (aot_autograd's table below decomposes it)",
 }
 
 
@@ -45,3 +47,9 @@ def decomposition_table() -> dict:
     for op in KEEP_WHOLE:
         table.pop(op, None)
     return table
+
+
+def aot_decomposition_table() -> dict:
+    """The table for aot_autograd, which differentiates before it decomposes: there detach may become alias, as
+    before compile_train_step needed it whole (the min-cut partitioner's choice of saved tensors depends on it)."""
+    return {**decomposition_table(), **get_decompositions([aten.detach.default])}

@@ -278,6 +278,26 @@ def test_gradients_match_eager_and_change_nothing():
     assert float(again) == float(loss) and step.steps == 0
 
 
+def test_detach_in_the_model_stops_the_gradient():
+    class StopGradient(torch.nn.Module):  # value v, gradient 3 times v's
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            v = self.lin(x)
+            return v * 3 - v.detach() * 2
+
+    torch.manual_seed(0)
+    model, x, y = StopGradient(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    ref = copy.deepcopy(model)
+    step = compile_train_step(model, lambda m, x, y: F.cross_entropy(m(x), y), torch.optim.SGD(model.parameters()))
+    _, grads = step.gradients(x, y)
+    F.cross_entropy(ref(x), y).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 def test_gradient_accumulation_matches_the_usual_loop():
     """accumulation_steps=3: each micro-batch's loss / 3 is differentiated and added up on the device, AdamW
     updates on every third call; eager runs (loss / 3).backward() three times, then step() and zero_grad()."""
