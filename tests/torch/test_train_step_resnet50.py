@@ -20,8 +20,10 @@ convolutions). With d(x) the relative L2 distance from float64:
   * each step, d(all moments together) within 4 times the largest of the three: a gross error at any step. With
     three draws a correct implementation fails this about once in a thousand runs (a chi model of 3-4 degrees of
     freedom); with one draw and twice, nearly every run fails;
-  * over the 50 steps, the geometric mean of d(all moments) over the three's geometric mean at most 1.5: a step
-    systematically less precise than eager's (a convolution 7e-7 less precise per element fails both checks);
+  * over the 50 steps, the geometric mean of d(all moments) over the three's geometric mean at most 2: a step
+    systematically less precise than eager's. A fourth correct implementation (channels_last with oneDNN off) gave
+    1.31 over the first 10 AdamW steps; convolutions 7e-7 less precise per element give 7.1, and BatchNorm's
+    epsilon 2e-5 instead of 1e-5 gives 5.0 (both fail the check above as well);
   * each state tensor, each step: closer than 0.5 (garbage: zeros, a stale buffer), and no more than 1% of them
     beyond 10 times the largest of the three and 5e-2. One float32 rounding can flip a ReLU whose input lies within
     1e-4 of zero, and with 16 values per channel in the last stage that moves a few tensors by far more than
@@ -125,7 +127,7 @@ def _check_distances(steps: list[dict]) -> None:
         assert s["device"]["all"] <= max(4 * most, 1e-6), f"step {i + 1}: all moments\n{table}"
     typical = [_geomean([s[side]["all"] for side in FLOAT32]) for s in steps]
     ratio = _geomean([s["device"]["all"] / t for s, t in zip(steps, typical)])
-    assert ratio <= 1.5, f"all moments: device over float32 eager, geometric mean over the steps {ratio:.2f}\n{table}"
+    assert ratio <= 2, f"all moments: device over float32 eager, geometric mean over the steps {ratio:.2f}\n{table}"
     per_tensor = {}
     for i, s in enumerate(steps):
         outliers = {}
