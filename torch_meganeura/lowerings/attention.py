@@ -21,13 +21,13 @@ import math
 
 import torch
 
+from meganeura.kernels.attention import MASKED  # a score at or below counts as masked out
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput
 
 from ..registry import lowering
 
 aten = torch.ops.aten
-MASKED = -1.0e38  # a score at or below counts as masked out (as in the fused kernels)
 UNFUSED_MAX_SCORE_BYTES = 64 << 20  # one (batch * heads, lq, lk) float32 score matrix at most
 UNFUSED_MIN_KEYS = 128  # and rows at least this long (H200: unfused faster from 128 on, the shortest measured)
 
@@ -83,7 +83,7 @@ def _sdpa(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale
     if _unfused(fields):
         return _unfused_forward(ctx.b, qe, ke, ve, bias, fields)
     out, lse = ctx.b.attention("forward", [((batch, heads, lq, v.shape[3]), "float32"), ((batch, heads, lq), "float32")],
-                               q=qe, k=ke, v=ve, bias=bias, label="attention", **_fields(q, k, v, scale, is_causal))
+                               q=qe, k=ke, v=ve, bias=bias, label="attention", **fields)
     return out, lse
 
 
@@ -113,20 +113,20 @@ def _i32(value: int) -> E.Expr:
     return E.const(value, E.I32)
 
 
-def _at(e: E.Expr, batch_head: E.Expr, row: E.Expr, col: E.Expr, heads: int) -> E.Expr:
-    """An operand expression over (b, h, row, c) read at flat (batch * heads + head) index ``batch_head``."""
-    return E.shift_coords(e, {0: E.binary("idiv", batch_head, _i32(heads)), 1: E.binary("imod", batch_head, _i32(heads)),
-                              2: row, 3: col})
+def _at(e: E.Expr, heads: int, batch_head: E.Expr, *rest: E.Expr) -> E.Expr:
+    """An expression over (b, h, ...) read at flat (batch * heads + head) index ``batch_head`` and ``rest``."""
+    mapping = {0: E.binary("idiv", batch_head, _i32(heads)), 1: E.binary("imod", batch_head, _i32(heads))}
+    return E.shift_coords(e, {**mapping, **{2 + k: c for k, c in enumerate(rest)}})
 
 
 def _scores(b, qe, ke, bias, f: dict):
     """S[bh, i, j] = scale * q.k + bias, or MASKED where causal masking removes it."""
     h, i, j = E.coord(0), E.coord(1), E.coord(2)
-    q_op = _at(qe, h, i, E.coord(2), f["heads"])  # gemm A over (bh, i, p)
-    k_op = _at(ke, h, E.coord(2), E.coord(1), f["heads"])  # gemm B over (bh, p, j): key row j, channel p
+    q_op = _at(qe, f["heads"], h, i, E.coord(2))  # gemm A over (bh, i, p)
+    k_op = _at(ke, f["heads"], h, E.coord(2), E.coord(1))  # gemm B over (bh, p, j): key row j, channel p
     score = E.mul(E.acc(0), E.const(f["scale"], E.F32))
     if bias is not None:
-        score = E.add(score, _at(bias, h, i, j, f["heads"]))
+        score = E.add(score, _at(bias, f["heads"], h, i, j))
     if f["causal"]:
         score = E.where(E.binary("gt", j, i), E.const(MASKED, E.F32), score)
     return b.gemm(f["batch"] * f["heads"], f["lq"], f["lk"], f["d"], q_op, k_op, epilogue=score,
@@ -148,7 +148,7 @@ def _unfused_forward(b, qe, ke, ve, bias, f: dict):
                        E.add(E.acc(0), E.unary("log", E.acc(1))))
     (lse,) = b.reduce(scores.shape, (2,), phases, [RowOutput(False, lse_expr)], ["float32"], "attention_lse")
     p_op = _prob(b.load(scores, [E.coord(0), E.coord(1), E.coord(2)]), b.load(lse, [E.coord(0), E.coord(1)]))
-    v_op = _at(ve, E.coord(0), E.coord(1), E.coord(2), f["heads"])  # gemm B over (bh, p = key row, c)
+    v_op = _at(ve, f["heads"], E.coord(0), E.coord(1), E.coord(2))  # gemm B over (bh, p = key row, c)
     out = b.gemm(rows, f["lq"], f["dv"], f["lk"], p_op, v_op, label="attention_values")
     return (b.reshape(out, (f["batch"], f["heads"], f["lq"], f["dv"])),
             b.reshape(lse, (f["batch"], f["heads"], f["lq"])))
@@ -160,22 +160,18 @@ def _unfused_backward(b, f: dict):
     scale = E.const(f["scale"], E.F32)
     scores = _scores(b, f["q"], f["k"], f["bias"], f)
 
-    def row_stat(e, batch_head, row):  # lse or delta, expressions over (b, h, i)
-        return E.shift_coords(e, {0: E.binary("idiv", batch_head, _i32(heads)),
-                                  1: E.binary("imod", batch_head, _i32(heads)), 2: row})
-
     def prob(batch_head, i, j):
-        return _prob(b.load(scores, [batch_head, i, j]), row_stat(f["lse"], batch_head, i))
+        return _prob(b.load(scores, [batch_head, i, j]), _at(f["lse"], heads, batch_head, i))
 
     h, i, j = E.coord(0), E.coord(1), E.coord(2)
     # dS = P * (dO.V - delta): A = dO over (bh, i, c), B = V over (bh, c, j)
-    ds_epilogue = E.mul(prob(h, i, j), E.binary("sub", E.acc(0), row_stat(f["delta"], h, i)))
-    grad_scores = b.gemm(f["batch"] * heads, lq, lk, f["dv"], _at(f["dout"], h, i, E.coord(2), heads),
-                         _at(f["v"], h, E.coord(2), E.coord(1), heads), epilogue=ds_epilogue,
+    ds_epilogue = E.mul(prob(h, i, j), E.binary("sub", E.acc(0), _at(f["delta"], heads, h, i)))
+    grad_scores = b.gemm(f["batch"] * heads, lq, lk, f["dv"], _at(f["dout"], heads, h, i, E.coord(2)),
+                         _at(f["v"], heads, h, E.coord(2), E.coord(1)), epilogue=ds_epilogue,
                          label="attention_grad_scores")
     scaled = E.mul(E.acc(0), scale)
     dq = b.gemm(f["batch"] * heads, lq, f["d"], lk, b.load(grad_scores, [h, i, E.coord(2)]),
-                _at(f["k"], h, E.coord(1), E.coord(2), heads), epilogue=scaled, label="attention_grad_q")
+                _at(f["k"], heads, h, E.coord(1), E.coord(2)), epilogue=scaled, label="attention_grad_q")
     # dK, dV per KV head g: sums over the group's query heads and their rows, p = head-in-group * lq + query row
     kv = f["kv_heads"]
     g, p = E.coord(0), E.coord(2)
@@ -190,9 +186,9 @@ def _unfused_backward(b, f: dict):
 
     b_p = E.coord(1)  # in a B operand, (0: g, 1: p, 2: channel)
     dk = b.gemm(f["batch"] * kv, lk, f["d"], group * lq, b.load(grad_scores, [query_head(p), query_row(p), E.coord(1)]),
-                _at(f["q"], query_head(b_p), query_row(b_p), E.coord(2), heads), epilogue=scaled,
+                _at(f["q"], heads, query_head(b_p), query_row(b_p), E.coord(2)), epilogue=scaled,
                 label="attention_grad_k")
     dv = b.gemm(f["batch"] * kv, lk, f["dv"], group * lq, prob(query_head(p), query_row(p), E.coord(1)),
-                _at(f["dout"], query_head(b_p), query_row(b_p), E.coord(2), heads), label="attention_grad_v")
+                _at(f["dout"], heads, query_head(b_p), query_row(b_p), E.coord(2)), label="attention_grad_v")
     return (b.reshape(dq, (f["batch"], heads, lq, f["d"])), b.reshape(dk, (f["batch"], kv, lk, f["d"])),
             b.reshape(dv, (f["batch"], kv, lk, f["dv"])))
