@@ -225,11 +225,7 @@ class TrainStep:
         loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)), self._spare)
         if mode != "accumulate":
             self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check
-        for role, array in updated.items():
-            # the replaced array takes the next step's output of this role: the plan then alternates between two
-            # buffers per role and replays cached bind groups
-            self._spare[role] = self._arrays[role]
-            self._arrays[role] = array
+        self._swap_in(updated)
         return loss
 
     def _data_parallel_call(self, batch: tuple) -> torch.Tensor:
@@ -257,6 +253,8 @@ class TrainStep:
         return loss
 
     def _swap_in(self, updated: dict) -> None:
+        """Take ``updated`` arrays in; each replaced array receives the next step's output of its role, so the plan
+        alternates between two buffers per role and replays cached bind groups."""
         for role, array in updated.items():
             self._spare[role] = self._arrays[role]
             self._arrays[role] = array
