@@ -396,11 +396,26 @@ def test_plan_without_outputs_still_waits():
     assert device.counters.bytes_downloaded == before["bytes_downloaded"] + 4
 
 
+def test_submission_parts_start_short_and_grow():
+    from meganeura.runtime.program import FIRST_PART, SUBMIT_EVERY, submission_parts
+
+    assert submission_parts(1) == [(0, 1)]
+    assert submission_parts(2 * FIRST_PART - 1) == [(0, 2 * FIRST_PART - 1)]  # too short to be worth a second submit
+    for count in (2 * FIRST_PART, 105, 1000):
+        parts = submission_parts(count)
+        assert parts[0] == (0, FIRST_PART) and parts[-1][1] == count
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, in order
+        sizes = [end - start for start, end in parts]
+        assert all(FIRST_PART <= size for size in sizes)
+        assert all(b == min(2 * a, SUBMIT_EVERY) for a, b in zip(sizes[:-2], sizes[1:-1]))
+        assert max(sizes[:-1]) <= SUBMIT_EVERY and sizes[-1] < SUBMIT_EVERY + FIRST_PART
+
+
 def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
-    """A plan longer than SUBMIT_EVERY goes to the queue in parts; each part reads what the previous one wrote."""
+    """A long plan goes to the queue in parts; each part reads what the previous one wrote."""
     import meganeura.runtime.program as program_module
 
-    n, steps = 100, 7
+    n, steps = 100, 12
     init = kernel([("a", "f32"), ("out", "f32")], "out[i] = a[i];")
     double_add = kernel([("a", "f32"), ("out", "f32")], "out[i] = out[i] * 2.0 + a[i];")
     bindings = (Binding("a", 0, 4 * n), Binding("out", 0, 4 * n))
@@ -412,11 +427,12 @@ def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
         dispatches=[Dispatch("init", bindings, groups(n), "init")]
         + [Dispatch("double_add", bindings, groups(n), f"step {k}") for k in range(1, steps)],
     )
-    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 2)
+    monkeypatch.setattr(program_module, "FIRST_PART", 2)
+    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 4)
     device = get_device()
     program = Program(device, plan)
     a = RNG.standard_normal(n, dtype=np.float32)
     before = device.counters.submits
     out = program.run({"a": a})
-    assert device.counters.submits - before == 4  # parts of 2, 2, 2 and 1 dispatches
+    assert device.counters.submits - before == 4  # parts of 2, 4, 4 and 2 dispatches
     np.testing.assert_allclose(out["out"], a * (2**steps - 1), rtol=1e-6)
