@@ -8,10 +8,10 @@ exactly once per output element for store_c. Shapes are baked into the source as
 Two kernel families, chosen by shape:
 - tiled: a TILE_M x TILE_N output tile per workgroup, each thread a register block of 4x4 outputs (8 along an
   edge of 128), held as vec4 accumulators and fed by vec4 reads of workgroup memory. K is staged in chunks
-  through padded workgroup memory, the next chunk's loads issued before the current chunk's FMAs. Tiles come
-  from (128, 64, 32, 16) per dimension, shrunk when the problem is too small to fill enough workgroups
-  (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does not fit the workgroup
-  storage or invocation limit.
+  through padded workgroup memory, the next chunk's loads issued before the current chunk's FMAs, whose K steps
+  are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk when the problem is too
+  small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does
+  not fit the workgroup storage or invocation limit.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
   threads ("lanes"), then reduces the partial sums with a workgroup tree reduction. A lane loads GEMV_UNROLL
   products before adding them (in the order of a plain loop): loads in flight, not one memory latency each.
@@ -297,6 +297,10 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     b_regs = "\n".join(f"            let b{h} = tile_b[p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
     fmas = "\n".join(f"            acc_{g}_{i}_{h} = fma(vec4<f32>(a{g}[{i}]), b{h}, acc_{g}_{i}_{h});"
                      for g, i in rows for h in range(col_groups))
+    # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and
+    # 4096^3 5.30 -> 4.84 ms on an H200 against the same code in a loop, which the driver did not unroll.
+    inner = "\n".join(f"        {{\n            let p = {p}u;\n{a_regs}\n{b_regs}\n{fmas}\n        }}"
+                      for p in range(plan.chunk_k))
     stores = []
     for g, i in rows:
         row = f"row0 + 4u * (ty + {tm * g}u) + {i}u"
@@ -342,11 +346,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let k_next = k0 + {plan.chunk_k}u;  // fetched now, stored next round: the loads overlap the FMAs
 {stage_a.fetch("k_next")}
 {stage_b.fetch("k_next")}
-        for (var p = 0u; p < {plan.chunk_k}u; p++) {{
-{a_regs}
-{b_regs}
-{fmas}
-        }}
+{inner}
     }}
 {chr(10).join(stores)}
 }}
