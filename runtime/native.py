@@ -11,9 +11,14 @@ wgpu-py's ``map_sync`` submits an empty command buffer first (a workaround for b
 which ours never are) and waits for a poll thread to resolve a promise: two thread hand-offs per call. The native
 read-back maps and then polls the device on the calling thread, which returns once the queue is idle. It copies
 into a numpy array, which numpy allocates on transparent huge pages where the kernel has them: a large output
-(SmolLM2's 24 MB of logits) then takes a few page faults instead of thousands.
+(SmolLM2's 24 MB of logits) then takes a few page faults instead of thousands. A large read-back is copied by a
+few threads at once (numpy releases the GIL while it copies): one thread's copy is bound by its own memory
+traffic, not by the machine's (SmolLM2 inference on an H200: 11.9 -> 9.8 ms).
 """
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -24,6 +29,11 @@ except ImportError:  # another wgpu-py backend: the public API only
     _ffi = _lib = None
 
 MAP_POLLS = 3  # a wait for the idle queue runs the map callback; more than one is a safety margin
+# A read-back is copied in slices of at least COPY_SLICE_BYTES by up to COPY_THREADS threads at once. H200 host,
+# 24 MB: 3.2-3.7 ms by one thread, 2.1 by two, 1.5 by four or eight; 4 MB: 0.48 by one, 0.46 by two, 0.6 by four.
+COPY_SLICE_BYTES = 4 << 20
+COPY_THREADS = min(4, os.cpu_count() or 1)
+_copy_pool: ThreadPoolExecutor | None = None
 _map_results: list[int] = []  # statuses the map callback reported, consumed by read_back
 
 if _ffi is not None:
@@ -96,7 +106,22 @@ def read_back(device, buffer, size: int) -> np.ndarray | None:
         raise RuntimeError(f"mapping the read-back buffer failed (status {_map_results[0]})")
     try:
         data = np.empty(size, np.uint8)
-        _ffi.memmove(_ffi.from_buffer(data), _lib.wgpuBufferGetConstMappedRange(buffer_handle, 0, size), size)
+        mapped = _lib.wgpuBufferGetConstMappedRange(buffer_handle, 0, size)
+        threads = min(COPY_THREADS, size // COPY_SLICE_BYTES)
+        if threads < 2:
+            _ffi.memmove(_ffi.from_buffer(data), mapped, size)
+        else:
+            _copy_in_slices(data, np.frombuffer(_ffi.buffer(_ffi.cast("char *", mapped), size), np.uint8), threads)
     finally:
         _lib.wgpuBufferUnmap(buffer_handle)
     return data
+
+
+def _copy_in_slices(destination: np.ndarray, source: np.ndarray, threads: int) -> None:
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="meganeura-read-back")
+    step = -(-source.size // threads // 4096) * 4096  # page-aligned slices
+    slices = [slice(start, start + step) for start in range(0, source.size, step)]
+    for done in [_copy_pool.submit(np.copyto, destination[s], source[s]) for s in slices]:
+        done.result()

@@ -436,3 +436,25 @@ def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
     out = program.run({"a": a})
     assert device.counters.submits - before == 4  # parts of 2, 4, 4 and 2 dispatches
     np.testing.assert_allclose(out["out"], a * (2**steps - 1), rtol=1e-6)
+
+
+def test_large_read_back_is_copied_in_slices_exactly(monkeypatch):
+    """A read-back of several slices is copied by threads: every byte lands where it belongs."""
+    from meganeura.runtime import native
+
+    n = 3 * 16384 + 77  # four slices of 64 KiB, the last one short
+    monkeypatch.setattr(native, "COPY_SLICE_BYTES", 1 << 16)
+    monkeypatch.setattr(native, "COPY_THREADS", 3)
+    copies = []
+    monkeypatch.setattr(native, "_copy_in_slices", lambda d, s, t, real=native._copy_in_slices: (copies.append(t), real(d, s, t)))
+    plan = Plan(
+        buffers=[BufferSpec("a", 4 * n, "input"), BufferSpec("out", 4 * n, "output")],
+        inputs=[TensorSpec("a", "a", 0, (n,), "float32")], params=[],
+        outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
+        kernels={"neg": kernel([("a", "f32"), ("out", "f32")], "out[i] = -a[i];")},
+        dispatches=[Dispatch("neg", (Binding("a", 0, 4 * n), Binding("out", 0, 4 * n)), groups(n), "neg")],
+    )
+    a = RNG.standard_normal(n, dtype=np.float32)
+    out = Program(get_device(), plan).run({"a": a})
+    assert copies == [3]
+    np.testing.assert_array_equal(out["out"], -a)
