@@ -442,7 +442,7 @@ def test_large_read_back_is_copied_in_slices_exactly(monkeypatch):
     """A read-back of several slices is copied by threads: every byte lands where it belongs."""
     from meganeura.runtime import native
 
-    n = 3 * 16384 + 77  # four slices of 64 KiB, the last one short
+    n = 3 * 16384 + 77  # about 3 x 64 KiB with the status word: three page-aligned slices, the last one short
     monkeypatch.setattr(native, "COPY_SLICE_BYTES", 1 << 16)
     monkeypatch.setattr(native, "COPY_THREADS", 3)
     copies = []
