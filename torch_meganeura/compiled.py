@@ -2,7 +2,9 @@
 
 At a call with a signature (input shapes, dtypes, kinds and Python scalars) not seen before, the graph is
 lowered with those concrete shapes, fused, planned and instantiated on the device; later calls with the same
-signature only upload inputs (and changed parameters), replay the plan and read outputs back.
+signature only upload inputs (and changed parameters), replay the plan and read outputs back. A call first checks
+the entry the last call ran (its parameters by identity, version and storage, the other arguments by signature),
+which spares building the signature of hundreds of parameters at every call.
 
 Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any graph) are bound from the
 ``ParamStore``. Outputs at the positions in ``resident_outputs`` (activations saved for the backward) stay on
@@ -11,6 +13,7 @@ the device as ``ResidentTensor``s, and ResidentTensor arguments are bound withou
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 import weakref
@@ -46,22 +49,57 @@ class PlanRecord:
     from_cache: bool = False  # the plan came from the persistent plan cache (meganeura.lowering.plan_cache)
 
 
-@dataclass
+_VERSION = operator.attrgetter("_version")
+_STORAGE = torch.Tensor.data_ptr
+
+
+@dataclass(eq=False)
 class _Entry:
+    """A compiled signature, and the parameter arguments its program's buffers were last bound from."""
+
     lowered: LoweredGraph
     program: Program
-    bound: list = field(default_factory=list)  # (weakref, _version) of each parameter as the last call bound it
+    key: tuple
+    bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
+    _refs: list = field(default_factory=list)
 
-    def params_unchanged(self, args) -> bool:
-        """Whether every parameter argument is the tensor the last call bound, at the same version: then its
-        buffer is bound and current, and binding again (hundreds of dictionary and buffer checks) is skipped."""
-        if len(self.bound) != len(self.lowered.params):
+    def __post_init__(self):
+        positions = [i for i, _ in self.lowered.params]
+        self._param_positions = positions
+        self._free = [(i, item) for i, item in enumerate(self.key) if i not in set(positions)]
+
+    def _params(self, args) -> list:
+        return [args[i] for i in self._param_positions]
+
+    def params_current(self, args) -> bool:
+        """Whether every parameter argument is the tensor the last bind used, at the same ``_version`` and storage:
+        then its buffer is bound and current (``p.data = t`` keeps the version but not the storage)."""
+        if self.bound is None:
             return False
-        for (i, _), (ref, version) in zip(self.lowered.params, self.bound):
-            a = args[i]
-            if ref() is not a or a._version != version:
-                return False
-        return True
+        params = self._params(args)
+        ids, versions, storages = self.bound
+        return (tuple(map(id, params)) == ids and tuple(map(_VERSION, params)) == versions
+                and tuple(map(_STORAGE, params)) == storages)
+
+    def replays(self, args) -> bool:
+        """Whether a call with ``args`` can replay this entry as bound, checked without building the signature: the
+        non-parameter arguments are compared, and each parameter must be the bound object with the same version and
+        storage. (Its shape and dtype are then the bound ones: ``.data`` swaps change the storage, and dynamo's
+        guards check every parameter's metadata before the graph runs.)"""
+        if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
+            return False
+        return self.params_current(args) and not self.program.device.lost
+
+    def bind(self, args, store: ParamStore) -> None:
+        """Bind the parameter arguments' device copies (uploading what changed) and remember them."""
+        self.program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}")
+                                  for i, name in self.lowered.params})
+        params = self._params(args)
+        self._refs = [weakref.ref(a, self._forget) for a in params]  # a dead one's id may be reused
+        self.bound = (tuple(map(id, params)), tuple(map(_VERSION, params)), tuple(map(_STORAGE, params)))
+
+    def _forget(self, _ref) -> None:
+        self.bound = None
 
 
 def arg_kind(a) -> str | None:
@@ -80,12 +118,14 @@ def arg_kind(a) -> str | None:
     return None
 
 
+def signature_item(a):
+    """What selects a plan about one argument: a tensor's shape, dtype and kind, or a non-tensor's value."""
+    kind = arg_kind(a)
+    return a if kind is None else (a.shape, a.dtype, kind)
+
+
 def signature(args) -> tuple:
-    sig = []
-    for a in args:
-        kind = arg_kind(a)
-        sig.append(a if kind is None else (a.shape, a.dtype, kind))
-    return tuple(sig)
+    return tuple(map(signature_item, args))
 
 
 class DevicePartition(torch.nn.Module):
@@ -98,15 +138,27 @@ class DevicePartition(torch.nn.Module):
         self.resident_outputs = frozenset(resident_outputs)
         self.context = context  # the backend's shared state: device, parameter store, records
         self._plans: dict[tuple, _Entry] = {}
+        self._last: _Entry | None = None  # the entry the last call ran: the next call checks it first
 
     def forward(self, *args):
-        key = signature(args)
-        if key not in self._plans or self._plans[key] is not None and self._plans[key].program.device.lost:
-            self._plans[key] = self._compile_or_fall_back(key, args)  # (again on a new device after a loss)
-        entry = self._plans[key]
-        if entry is None:
-            return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
+        entry = self._last
+        if entry is None or not entry.replays(args):
+            entry = self._entry_for(args)
+            if entry is None:
+                return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
         return self._run(entry, args)
+
+    def _entry_for(self, args) -> _Entry | None:
+        """The compiled entry for the signature of ``args`` (compiled now if new, or its device was lost), with its
+        parameters bound; None where the partition falls back to eager PyTorch."""
+        key = signature(args)
+        entry = self._plans.get(key)
+        if key not in self._plans or entry is not None and entry.program.device.lost:
+            entry = self._plans[key] = self._compile_or_fall_back(key, args)  # (again on a new device after a loss)
+        self._last = entry
+        if entry is not None and not entry.params_current(args):
+            entry.bind(args, self.context.params())
+        return entry
 
     def _compile_or_fall_back(self, key, args) -> _Entry | None:
         """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
@@ -137,15 +189,10 @@ class DevicePartition(torch.nn.Module):
                             from_cache)
         self.context.record(record)
         log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels, seconds)
-        return _Entry(lowered, program)
+        return _Entry(lowered, program, key)
 
     def _run(self, entry: _Entry, args):
         lowered, program = entry.lowered, entry.program
-        if not entry.params_unchanged(args):
-            store: ParamStore = self.context.params()
-            program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}")
-                                 for i, name in lowered.params})
-            entry.bound = [(weakref.ref(args[i]), args[i]._version) for i, _ in lowered.params]
         inputs, device_inputs = {}, {}
         for i, name in lowered.inputs:
             a = args[i]

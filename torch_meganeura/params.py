@@ -1,8 +1,9 @@
-"""Device copies of parameters and buffers, keyed on tensor identity and ``_version``.
+"""Device copies of parameters and buffers, keyed on tensor identity, ``_version`` and storage.
 
 An unchanged weight is uploaded once and shared by every plan that binds it; an in-place change (an
-optimizer step, ``copy_``, ``fill_``) bumps ``_version`` and the next call writes the new data into the same
-device buffer. The device copy is freed when the tensor is garbage-collected.
+optimizer step, ``copy_``, ``fill_``) bumps ``_version``, and ``p.data = t`` gives the same tensor new storage:
+either way the next call writes the new data into the same device buffer. (An in-place change made through
+``p.data`` bumps neither and is not seen.) The device copy is freed when the tensor is garbage-collected.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
 @dataclass
 class _Entry:
     ref: weakref.ref
-    version: int
+    stamp: tuple  # (_version, data_ptr) of the tensor when its data was written
     buffer: object
     nbytes: int
 
@@ -48,11 +49,11 @@ class ParamStore:
         key = id(t)
         entry = self._entries.get(key)
         if entry is not None and entry.ref() is t and entry.nbytes == max(t.numel() * 4, 4):
-            if entry.version != t._version:
+            if entry.stamp != (t._version, t.data_ptr()):
                 data = to_device_numpy(t, what)
                 if data.size:
                     self.device.write(entry.buffer, 0, data, what)
-                entry.version = t._version
+                entry.stamp = (t._version, t.data_ptr())
             return entry.buffer
         data = to_device_numpy(t, what)
         buf = self.device.storage_buffer(max(data.nbytes, 4), what)
@@ -60,7 +61,7 @@ class ParamStore:
             self.device.write(buf, 0, data, what)
         self._drop(key)
         ref = weakref.ref(t, lambda r, k=key: self._drop(k, r))
-        self._entries[key] = _Entry(ref, t._version, buf, max(data.nbytes, 4))
+        self._entries[key] = _Entry(ref, (t._version, t.data_ptr()), buf, max(data.nbytes, 4))
         return buf
 
     def _drop(self, key: int, dead_ref=None) -> None:

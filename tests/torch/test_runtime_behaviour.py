@@ -68,6 +68,23 @@ def test_in_place_weight_change_is_seen():
     assert after["bytes_uploaded"] - before["bytes_uploaded"] == (changed + x.numel()) * 4
 
 
+
+def test_weight_replaced_through_data_is_seen():
+    """``p.data = t`` keeps the parameter object and its ``_version`` but gives it new storage: the device copy
+    must follow it (the same shape: dynamo's guards hold; another dtype: dynamo recompiles)."""
+    model = Small().eval()
+    x = torch.randn(3, 8)
+    compiled = check_against_eager(model, x)
+    first = _call(compiled, x)
+    version = model.fc1.weight._version
+    model.fc1.weight.data = torch.randn(16, 8)
+    model.fc2.bias.data = torch.randn(4)
+    assert model.fc1.weight._version == version, "the test needs a replacement that keeps the version"
+    second = _call(compiled, x)
+    assert (second - first).abs().max() > 1e-2, "the replaced weights did not reach the device"
+    with torch.no_grad():
+        assert_same(second, model(x), rtol=1e-4, atol=1e-5)
+
 def test_new_shape_gets_its_own_plan():
     model = Small().eval()
     a, b = torch.randn(3, 8), torch.randn(5, 8)
