@@ -3,7 +3,8 @@
 ``compile_graph(graph, limits)`` runs the passes in order: fuse (inline producers into consumers) ->
 fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilogues (consumers into reductions
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
-schedule (memory plan + WGSL + dispatches).
+fuse_sibling_matmuls (products of one A operand side by side in one matmul) -> schedule (memory plan + WGSL +
+dispatches).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .fusion import FusionReport, fuse
 from .ir import Graph
 from .multi_output import fuse_multi_output
 from .schedule import schedule
+from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
 
 
@@ -22,5 +24,6 @@ def compile_graph(graph: Graph, limits: dict):
     fuse_sibling_reductions(graph, max_bindings, report)
     fuse_epilogues(graph, max_bindings, report)
     fuse_multi_output(graph, max_bindings, report)
+    fuse_sibling_matmuls(graph, max_bindings, report)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused)})
     return plan, report

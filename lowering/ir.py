@@ -9,7 +9,8 @@ Node kinds (the archetypes):
                 a reduction (sum/prod/max/min/argmax/argmin) of an expression that may use the results of
                 earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
   ``Matmul``    C[b, i, j] = sum_p A[b, i, p] * B[b, p, j], operands given as expressions over (b, i, p) and
-                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``;
+                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``; ``more_columns`` holds further outputs
+                that share A, each a block of columns with its own B and epilogue;
   ``Attention`` fused scaled-dot-product attention (a forward or a backward pass), operands as expressions.
 
 Loads inside expressions name a value id and one coordinate per dimension of that value; nothing here
@@ -129,6 +130,16 @@ class Reduce(Node):
 
 
 @dataclass
+class MatmulColumns:
+    """A further block of a Matmul's output columns, after the first ``n`` and any earlier blocks: a sibling matmul
+    merged in because it shares the A operand, with its own B, epilogue and output value."""
+
+    n: int
+    b: E.Expr  # over coord(0)=b, coord(1)=p, coord(2)=j within the block
+    epilogue: E.Expr  # over coord(0)=b, coord(1)=i, coord(2)=j within the block, and acc(0)
+
+
+@dataclass
 class Matmul(Node):
     batch: int = 1
     m: int = 1
@@ -138,15 +149,23 @@ class Matmul(Node):
     b: E.Expr = None  # over coord(0)=b, coord(1)=p, coord(2)=j
     epilogue: E.Expr = None  # over coord(0)=b, coord(1)=i, coord(2)=j and acc(0)
     label: str = ""
+    more_columns: list[MatmulColumns] = field(default_factory=list)  # outs[1:], one block each
+
+    @property
+    def widths(self) -> list[int]:
+        """Columns of each output: the kernel computes their sum side by side."""
+        return [self.n] + [c.n for c in self.more_columns]
 
     def exprs(self):
-        return [self.a, self.b, self.epilogue]
+        return [self.a, self.b, self.epilogue] + [e for c in self.more_columns for e in (c.b, c.epilogue)]
 
     def domains(self):
-        return [(self.batch, self.m, self.k), (self.batch, self.k, self.n), (self.batch, self.m, self.n)]
+        return [(self.batch, self.m, self.k)] + [d for n in self.widths
+                                                 for d in ((self.batch, self.k, n), (self.batch, self.m, n))]
 
     def set_exprs(self, exprs):
-        self.a, self.b, self.epilogue = exprs
+        self.a, self.b, self.epilogue = exprs[:3]
+        self.more_columns = [MatmulColumns(c.n, b, e) for c, b, e in zip(self.more_columns, exprs[3::2], exprs[4::2])]
 
 
 ATTENTION_OPERANDS = ("q", "k", "v", "bias", "dout", "lse", "delta")

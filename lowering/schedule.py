@@ -81,7 +81,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
             continue
         label = getattr(node, "label", "") or type(node).__name__.lower()
         if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
-            label += f" {node.batch}x{node.m}x{node.n}x{node.k}" if node.batch > 1 else f" {node.m}x{node.n}x{node.k}"
+            n = sum(node.widths)
+            label += f" {node.batch}x{node.m}x{n}x{node.k}" if node.batch > 1 else f" {node.m}x{n}x{node.k}"
         passes = _kernel(node, values, limits, scratch.get(id(node)))
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
@@ -109,8 +110,9 @@ def _slices(node: Node, limits: dict) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
     if isinstance(node, Matmul):
-        split = matmul_kernels.split_k(node.batch, node.m, node.n, node.k, limits)
-        return split, split * node.batch * node.m * node.n
+        n = sum(node.widths)
+        split = matmul_kernels.split_k(node.batch, node.m, n, node.k, limits)
+        return split, split * node.batch * node.m * n
     if isinstance(node, Attention):
         shape = _attention_shape(node)
         split = attention_kernels.attention_splits(shape, node.kind, limits)
@@ -187,16 +189,16 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
     elif isinstance(node, Matmul):
         a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
         b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
-        prelude = _matmul_prelude(decl, exprs, name(out_slots[0]), node)
+        prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
+        dims = dict(batch=node.batch, m=node.m, n=sum(node.widths))
         if scratch is not None:
             split, partial = scratch[0], name(bound.index(scratch[1]))
-            dims = dict(batch=node.batch, m=node.m, n=node.n)
             return [(*matmul_kernels.matmul_kernel(prelude, **dims, k=node.k, limits=limits, a_fast=a_fast,
                                                    b_fast=b_fast, split=split, partial=partial), bound),
                     (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial,
                                                          limits=limits), bound)]
-        src, groups = matmul_kernels.matmul_kernel(prelude, batch=node.batch, m=node.m, n=node.n, k=node.k,
-                                                   limits=limits, a_fast=a_fast, b_fast=b_fast)
+        src, groups = matmul_kernels.matmul_kernel(prelude, **dims, k=node.k, limits=limits, a_fast=a_fast,
+                                                   b_fast=b_fast)
     elif isinstance(node, Attention):
         partial = name(bound.index(scratch[1])) if scratch is not None else None
         return [(src, groups, bound) for src, groups in attention_kernels.attention_kernel(
@@ -224,21 +226,44 @@ def _attention_prelude(decl, exprs, node: Attention) -> str:
     return body + "\n" + wgsl.helpers_for(body)
 
 
-def _matmul_prelude(decl, exprs, out_name: str, node: Matmul) -> str:
-    a, b, epilogue = exprs
-    parts = [wgsl.binding_decls(decl)]
-    for fn, e, args in (("load_a", a, ("b", "i", "p")), ("load_b", b, ("b", "p", "j"))):
-        em = wgsl.Emitter([f"{x}_" for x in args])
-        value = em.value(e)
-        head = ", ".join(f"{x}: u32" for x in args)
-        casts = "".join(f"  let {x}_ = i32({x});\n" for x in args)
-        parts.append(f"fn {fn}({head}) -> f32 {{\n{casts}" + "\n".join(em.lines) + f"\n  return {value};\n}}")
-    em = wgsl.Emitter(["b_", "i_", "j_"], ["acc"])
-    value = em.value(epilogue)
-    store = wgsl.store(value, node.out.compute_dtype)
-    parts.append(
-        "fn store_c(b: u32, i: u32, j: u32, acc: f32) {\n"
-        "  let b_ = i32(b);\n  let i_ = i32(i);\n  let j_ = i32(j);\n" + "\n".join(em.lines)
-        + f"\n  {out_name}[(b_ * {node.m}i + i_) * {node.n}i + j_] = {store};\n}}")
+def _matmul_prelude(decl, exprs, out_names: list[str], node: Matmul) -> str:
+    """Bindings, ``load_a``, ``load_b`` and ``store_c``; with several outputs (``more_columns``), ``load_b`` and
+    ``store_c`` pick the output's column block by ``j`` and index within it."""
+    starts = [sum(node.widths[:k]) for k in range(len(node.widths))]
+    parts = [wgsl.binding_decls(decl), _function("load_a", ("b", "i", "p"), "f32", [(0, exprs[0], None)])]
+    parts.append(_function("load_b", ("b", "p", "j"), "f32", [(s, b, None) for s, b in zip(starts, exprs[1::2])]))
+    stores = [(s, e, f"{out}[(b_ * {node.m}i + i_) * {n}i + j_] = {{}};", v.compute_dtype)
+              for s, e, out, n, v in zip(starts, exprs[2::2], out_names, node.widths, node.outs)]
+    parts.append(_function("store_c", ("b", "i", "j"), None, stores))
     body = "\n".join(parts)
     return body + "\n" + wgsl.helpers_for(body)
+
+
+def _function(name: str, args: tuple[str, ...], returns: str | None, blocks: list[tuple]) -> str:
+    """A WGSL function of u32 ``args`` (each also as i32 ``<arg>_``) computing one expression per column block.
+
+    ``blocks`` holds (first column j, expression, store) in column order: a loader returns the expression (store
+    None); ``store_c`` (``returns`` None, ``acc`` in scope) writes it through its store template. With more than one
+    block, ``j_`` counts from the block's first column, and a block before the last runs only below the next one's
+    first column."""
+    head = ", ".join(f"{x}: u32" for x in args) + (", acc: f32" if returns is None else "")
+    lines = [f"fn {name}({head})" + (f" -> {returns}" if returns else "") + " {"]
+    shifted = [x for x in args if x != "j"] if len(blocks) > 1 else list(args)
+    lines += [f"  let {x}_ = i32({x});" for x in shifted]
+    for k, (start, e, store, *dtype) in enumerate(blocks):
+        last = k == len(blocks) - 1
+        indent = "  " if last else "    "
+        if not last:
+            lines.append(f"  if (j < {blocks[k + 1][0]}u) {{")
+        if len(blocks) > 1:
+            lines.append(f"{indent}let j_ = i32(j)" + (f" - {start}i;" if start else ";"))
+        em = wgsl.Emitter([f"{x}_" for x in args], ["acc"] if returns is None else (), indent=indent)
+        value = em.value(e)
+        lines += em.lines
+        if store is None:
+            lines.append(f"{indent}return {value};")
+        else:
+            lines.append(indent + store.format(wgsl.store(value, dtype[0])) + ("" if last else " return;"))
+        if not last:
+            lines.append("  }")
+    return "\n".join(lines + ["}"])

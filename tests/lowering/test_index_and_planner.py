@@ -258,3 +258,56 @@ def test_batch_norm_shaped_reductions_share_one_kernel():
             (data["dy"].astype(np.float64) * x64).sum(0)]
     for got, expected in zip(out, want):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def _projections(b, x, weights, k: int):
+    """One gemm per weight (n, k) with the same A operand ``x`` (m, k): linear layers on one input."""
+    a = E.cast(b.load(x, [E.coord(1), E.coord(2)]), E.F32)
+    return [b.gemm(1, x.shape[0], w.shape[0], k, a, E.cast(b.load(w, [E.coord(2), E.coord(1)]), E.F32))
+            for w in weights]
+
+
+@pytest.mark.parametrize("k", [40, 512])  # 512: K cut into slices, the merge pass stores through the blocks too
+def test_sibling_matmuls_share_one_kernel(k):
+    """Three products of one input with three weights (widths 50, 3 and 130: blocks straddle tiles), the first with
+    a bias and the second with a relu epilogue, merge into one matmul node whose kernel writes each output; a
+    fourth product of another input stays apart. Every output as numpy's."""
+    widths = (50, 3, 130)
+    b = GraphBuilder()
+    x = b.input("x", (70, k), "float32")
+    other = b.input("other", (70, k), "float32")
+    weights = [b.input(f"w{i}", (n, k), "float32") for i, n in enumerate(widths)]
+    bias = b.input("bias", (50,), "float32")
+    first, second, third = _projections(b, x, weights, k)
+    (fourth,) = _projections(b, other, weights[:1], k)
+    with_bias = b.map(lambda v, c: E.add(v, c), first, b.reshape(bias, (1, 1, 50)), dtype="float32")
+    relu = b.map(lambda v: E.binary("maximum", v, E.const(0.0, E.F32)), second, dtype="float32")
+    for v in (with_bias, relu, third, fourth):
+        b.output(v)
+    plan, report = compile_graph(b.graph, get_device().limits)
+    matmuls = [node for node in b.graph.nodes if isinstance(node, Matmul)]
+    assert sorted(len(node.outs) for node in matmuls) == [1, 3]
+    merged = next(node for node in matmuls if len(node.outs) == 3)
+    assert merged.widths == list(widths)
+    data = {"x": RNG.standard_normal((70, k)), "other": RNG.standard_normal((70, k)), "bias": RNG.standard_normal(50),
+            **{f"w{i}": RNG.standard_normal((n, k)) for i, n in enumerate(widths)}}
+    data = {name: a.astype(np.float32) for name, a in data.items()}
+    out = Program(get_device(), plan).run(data)
+    x64, o64 = data["x"].astype(np.float64), data["other"].astype(np.float64)
+    w64 = [data[f"w{i}"].astype(np.float64) for i in range(3)]
+    want = [x64 @ w64[0].T + data["bias"], np.maximum(x64 @ w64[1].T, 0), x64 @ w64[2].T, o64 @ w64[0].T]
+    for spec, expected in zip(plan.outputs, want):
+        np.testing.assert_allclose(out[spec.name].reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sibling_matmul_reading_the_first_result_is_not_merged():
+    """A product whose B operand is the first product's result cannot run in the first one's kernel."""
+    b = GraphBuilder()
+    x = b.input("x", (16, 16), "float32")
+    w = b.input("w", (16, 16), "float32")
+    (first,) = _projections(b, x, [w], 16)
+    (second,) = _projections(b, x, [b.reshape(first, (16, 16))], 16)
+    b.output(second)
+    plan, report = compile_graph(b.graph, get_device().limits)
+    assert len([node for node in b.graph.nodes if isinstance(node, Matmul)]) == 2
+    assert any("reads a result of the first" in reason for *_, reason in report.refused)

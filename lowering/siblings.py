@@ -1,0 +1,65 @@
+"""Merging sibling nodes: two nodes of one archetype that do the same walk over the same data and do not read each
+other become one node, placed where the later one was.
+
+``fuse_siblings`` walks the graph and offers each node to the latest earlier node with the same key; a pass gives
+the key (None: not a candidate) and the merge. The nodes between the two that depend on the earlier one move to just
+after the merged node; the later node may not depend on them, and the merged kernel must stay within the binding
+limit. Every refusal is recorded with its reason. ``sibling_reductions`` and ``sibling_matmuls`` use it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from . import expr as E
+from .fusion import FusionReport, _name
+from .ir import Graph, Node
+
+
+def fuse_siblings(graph: Graph, max_bindings: int, report: FusionReport, key_of: Callable[[Node], object],
+                  merge: Callable[[Node, Node], None]) -> None:
+    """Merge each node into the next one with the same ``key_of``, where the rules allow; ``merge(earlier, later)``
+    makes ``later`` compute both."""
+    loads = {id(n): {ld.args[0] for e in n.exprs() for ld in E.loads_of(e)} for n in graph.nodes}
+    refused: set[tuple[int, int]] = set()
+    merged = True
+    while merged:  # a merge reorders nodes: walk again from the start
+        merged = False
+        latest: dict = {}  # key -> the latest node a later one may join
+        for node in graph.nodes:
+            key = key_of(node)
+            if key is None:
+                continue
+            earlier, latest[key] = latest.get(key), node
+            if earlier is None or (id(earlier), id(node)) in refused:
+                continue
+            reason = _place(graph, earlier, node, loads, max_bindings)
+            if reason is not None:
+                refused.add((id(earlier), id(node)))
+                report.refused.append((_name(earlier), _name(node), reason))
+                continue
+            merge(earlier, node)
+            report.fused.append((_name(earlier), _name(node)))
+            merged = True
+            break
+
+
+def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings) -> str | None:
+    """Remove ``earlier`` and move the nodes between the two that depend on it to after ``later``; None when done,
+    else why the two cannot merge."""
+    nodes = graph.nodes
+    start, end = nodes.index(earlier), nodes.index(later)
+    tainted = {v.id for v in earlier.outs}
+    dependent = set()
+    for n in nodes[start + 1 : end]:
+        if loads[id(n)] & tainted:
+            dependent.add(id(n))
+            tainted |= {v.id for v in n.outs}
+    if loads[id(later)] & tainted:
+        return "the second reads a result of the first"
+    if len(loads[id(earlier)] | loads[id(later)]) + len(earlier.outs) + len(later.outs) + 2 > max_bindings:
+        return f"more than {max_bindings} storage bindings"
+    between = nodes[start + 1 : end]
+    graph.nodes = (nodes[:start] + [n for n in between if id(n) not in dependent] + [later]
+                   + [n for n in between if id(n) in dependent] + nodes[end + 1 :])
+    loads[id(later)] |= loads.pop(id(earlier))
+    return None
