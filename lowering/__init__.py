@@ -3,11 +3,13 @@
 ``compile_graph(graph, limits)`` runs the passes in order: fuse (inline producers into consumers) ->
 fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilogues (consumers into reductions
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
-fuse_sibling_matmuls (products of one A operand side by side in one matmul) -> schedule (memory plan + WGSL +
-dispatches).
+eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
+producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products of one A operand side by side
+in one matmul) -> schedule (memory plan + WGSL + dispatches).
 """
 from __future__ import annotations
 
+from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
 from .fusion import FusionReport, fuse
 from .ir import Graph
@@ -24,6 +26,7 @@ def compile_graph(graph: Graph, limits: dict):
     fuse_sibling_reductions(graph, max_bindings, report)
     fuse_epilogues(graph, max_bindings, report)
     fuse_multi_output(graph, max_bindings, report)
+    common = eliminate_common_nodes(graph)
     fuse_sibling_matmuls(graph, max_bindings, report)
-    plan = schedule(graph, limits, stats={"fused_producers": len(report.fused)})
+    plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common})
     return plan, report

@@ -311,3 +311,30 @@ def test_sibling_matmul_reading_the_first_result_is_not_merged():
     plan, report = compile_graph(b.graph, get_device().limits)
     assert len([node for node in b.graph.nodes if isinstance(node, Matmul)]) == 2
     assert any("reads a result of the first" in reason for *_, reason in report.refused)
+
+
+def test_repeated_nodes_are_computed_once():
+    """A matmul written twice (another label) with a relu of each as graph outputs, and an exp of the input at other
+    coordinates: the second matmul and its reshape are dropped (the second relu, a graph output, stays and reads the
+    first matmul), the exp at other coordinates stays. Outputs as numpy's."""
+    from meganeura.lowering.cse import eliminate_common_nodes
+
+    b = GraphBuilder()
+    x = b.input("x", (6, 6), "float32")
+    w = b.input("w", (6, 6), "float32")
+    products = [b.matmul(x, w, label=label) for label in ("matmul", "again")]
+    relus = [b.map(lambda v: E.binary("maximum", v, E.const(0.0, E.F32)), p, dtype="float32") for p in products]
+    straight = b.map(lambda v: E.unary("exp", v), x, dtype="float32")
+    other = b.map(lambda v: E.unary("exp", v), b.view(x, (6, 6), [E.coord(1), E.coord(0)], "t"), dtype="float32")
+    for v in (*relus, straight, other):
+        b.output(v)
+    assert eliminate_common_nodes(b.graph) == 2
+    assert len([n for n in b.graph.nodes if isinstance(n, Matmul)]) == 1
+    assert len([n for n in b.graph.nodes if isinstance(n, Pointwise) and n.expr.op != "load"]) == 4
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    data = {"x": RNG.standard_normal((6, 6)).astype(np.float32), "w": RNG.standard_normal((6, 6)).astype(np.float32)}
+    out = Program(get_device(), plan).run(data)
+    x64, w64 = data["x"].astype(np.float64), data["w"].astype(np.float64)
+    relu = np.maximum(x64 @ w64, 0)
+    for spec, want in zip(plan.outputs, (relu, relu, np.exp(x64), np.exp(x64.T))):
+        np.testing.assert_allclose(out[spec.name].reshape(want.shape), want, rtol=1e-5, atol=1e-5)
