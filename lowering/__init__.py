@@ -4,8 +4,8 @@
 fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilogues (consumers into reductions
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
 eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
-producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products of one A operand side by side
-in one matmul) -> schedule (memory plan + WGSL + dispatches).
+producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products that share an operand side by
+side in one matmul) -> schedule (memory plan + WGSL + dispatches).
 """
 from __future__ import annotations
 

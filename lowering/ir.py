@@ -9,8 +9,8 @@ Node kinds (the archetypes):
                 a reduction (sum/prod/max/min/argmax/argmin) of an expression that may use the results of
                 earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
   ``Matmul``    C[b, i, j] = sum_p A[b, i, p] * B[b, p, j], operands given as expressions over (b, i, p) and
-                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``; ``more_columns`` holds further outputs
-                that share A, each a block of columns with its own B and epilogue;
+                (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``; ``more_blocks`` holds further outputs
+                that share A (each a block of columns with its own B and epilogue) or B (blocks of rows);
   ``Attention`` fused scaled-dot-product attention (a forward or a backward pass), operands as expressions.
 
 Loads inside expressions name a value id and one coordinate per dimension of that value; nothing here
@@ -130,13 +130,14 @@ class Reduce(Node):
 
 
 @dataclass
-class MatmulColumns:
-    """A further block of a Matmul's output columns, after the first ``n`` and any earlier blocks: a sibling matmul
-    merged in because it shares the A operand, with its own B, epilogue and output value."""
+class MatmulBlock:
+    """A further block of a Matmul's outputs, after the first output and any earlier blocks: a sibling matmul merged
+    in because it shares an operand. Along ``Matmul.block_axis`` "j" it adds ``size`` columns with its own B (the
+    siblings share A); along "i" it adds ``size`` rows with its own A (they share B)."""
 
-    n: int
-    b: E.Expr  # over coord(0)=b, coord(1)=p, coord(2)=j within the block
-    epilogue: E.Expr  # over coord(0)=b, coord(1)=i, coord(2)=j within the block, and acc(0)
+    size: int
+    operand: E.Expr  # B over (b, p, j within the block), or A over (b, i within the block, p)
+    epilogue: E.Expr  # over (b, i, j), the blocked coordinate counted within the block, and acc(0)
 
 
 @dataclass
@@ -149,23 +150,37 @@ class Matmul(Node):
     b: E.Expr = None  # over coord(0)=b, coord(1)=p, coord(2)=j
     epilogue: E.Expr = None  # over coord(0)=b, coord(1)=i, coord(2)=j and acc(0)
     label: str = ""
-    more_columns: list[MatmulColumns] = field(default_factory=list)  # outs[1:], one block each
+    more_blocks: list[MatmulBlock] = field(default_factory=list)  # outs[1:], one block each
+    block_axis: str = "j"  # along which the outputs lie side by side: "j" (columns) or "i" (rows)
 
     @property
-    def widths(self) -> list[int]:
-        """Columns of each output: the kernel computes their sum side by side."""
-        return [self.n] + [c.n for c in self.more_columns]
+    def sizes(self) -> list[int]:
+        """Extent of each output along ``block_axis``: the kernel computes their sum side by side."""
+        return [self.n if self.block_axis == "j" else self.m] + [blk.size for blk in self.more_blocks]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.sizes) if self.block_axis == "i" else self.m
+
+    @property
+    def columns(self) -> int:
+        return sum(self.sizes) if self.block_axis == "j" else self.n
 
     def exprs(self):
-        return [self.a, self.b, self.epilogue] + [e for c in self.more_columns for e in (c.b, c.epilogue)]
+        return [self.a, self.b, self.epilogue] + [e for blk in self.more_blocks for e in (blk.operand, blk.epilogue)]
 
     def domains(self):
-        return [(self.batch, self.m, self.k)] + [d for n in self.widths
-                                                 for d in ((self.batch, self.k, n), (self.batch, self.m, n))]
+        doms = [(self.batch, self.m, self.k), (self.batch, self.k, self.n), (self.batch, self.m, self.n)]
+        for s in self.sizes[1:]:
+            if self.block_axis == "j":
+                doms += [(self.batch, self.k, s), (self.batch, self.m, s)]
+            else:
+                doms += [(self.batch, s, self.k), (self.batch, s, self.n)]
+        return doms
 
     def set_exprs(self, exprs):
         self.a, self.b, self.epilogue = exprs[:3]
-        self.more_columns = [MatmulColumns(c.n, b, e) for c, b, e in zip(self.more_columns, exprs[3::2], exprs[4::2])]
+        self.more_blocks = [MatmulBlock(blk.size, o, e) for blk, o, e in zip(self.more_blocks, exprs[3::2], exprs[4::2])]
 
 
 ATTENTION_OPERANDS = ("q", "k", "v", "bias", "dout", "lse", "delta")

@@ -81,8 +81,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
             continue
         label = getattr(node, "label", "") or type(node).__name__.lower()
         if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
-            n = sum(node.widths)
-            label += f" {node.batch}x{node.m}x{n}x{node.k}" if node.batch > 1 else f" {node.m}x{n}x{node.k}"
+            m, n = node.rows, node.columns
+            label += f" {node.batch}x{m}x{n}x{node.k}" if node.batch > 1 else f" {m}x{n}x{node.k}"
         passes = _kernel(node, values, limits, scratch.get(id(node)))
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
@@ -110,9 +110,8 @@ def _slices(node: Node, limits: dict) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
     if isinstance(node, Matmul):
-        n = sum(node.widths)
-        split = matmul_kernels.split_k(node.batch, node.m, n, node.k, limits)
-        return split, split * node.batch * node.m * n
+        split = matmul_kernels.split_k(node.batch, node.rows, node.columns, node.k, limits)
+        return split, split * node.batch * node.rows * node.columns
     if isinstance(node, Attention):
         shape = _attention_shape(node)
         split = attention_kernels.attention_splits(shape, node.kind, limits)
@@ -190,7 +189,7 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
         b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
         prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
-        dims = dict(batch=node.batch, m=node.m, n=sum(node.widths))
+        dims = dict(batch=node.batch, m=node.rows, n=node.columns)
         if scratch is not None:
             split, partial = scratch[0], name(bound.index(scratch[1]))
             return [(*matmul_kernels.matmul_kernel(prelude, **dims, k=node.k, limits=limits, a_fast=a_fast,
@@ -227,43 +226,52 @@ def _attention_prelude(decl, exprs, node: Attention) -> str:
 
 
 def _matmul_prelude(decl, exprs, out_names: list[str], node: Matmul) -> str:
-    """Bindings, ``load_a``, ``load_b`` and ``store_c``; with several outputs (``more_columns``), ``load_b`` and
-    ``store_c`` pick the output's column block by ``j`` and index within it."""
-    starts = [sum(node.widths[:k]) for k in range(len(node.widths))]
-    parts = [wgsl.binding_decls(decl), _function("load_a", ("b", "i", "p"), "f32", [(0, exprs[0], None)])]
-    parts.append(_function("load_b", ("b", "p", "j"), "f32", [(s, b, None) for s, b in zip(starts, exprs[1::2])]))
-    stores = [(s, e, f"{out}[(b_ * {node.m}i + i_) * {n}i + j_] = {{}};", v.compute_dtype)
-              for s, e, out, n, v in zip(starts, exprs[2::2], out_names, node.widths, node.outs)]
-    parts.append(_function("store_c", ("b", "i", "j"), None, stores))
+    """Bindings, ``load_a``, ``load_b`` and ``store_c``; with several outputs (``more_blocks``), the operand they
+    do not share and ``store_c`` pick the output's block by ``j`` (or ``i``) and index within it."""
+    axis = node.block_axis
+    starts = [sum(node.sizes[:k]) for k in range(len(node.sizes))]
+    blocked = list(zip(starts, [exprs[0 if axis == "i" else 1], *exprs[3::2]]))  # the operand the outputs differ in
+    a_blocks = blocked if axis == "i" else [(0, exprs[0])]
+    b_blocks = blocked if axis == "j" else [(0, exprs[1])]
+    parts = [wgsl.binding_decls(decl),
+             _function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks]),
+             _function("load_b", ("b", "p", "j"), axis, [(s, e, None, None) for s, e in b_blocks])]
+    epilogues = [exprs[2], *exprs[4::2]]
+    stores = []
+    for s, e, out, size, v in zip(starts, epilogues, out_names, node.sizes, node.outs):
+        m, n = (size, node.n) if axis == "i" else (node.m, size)
+        stores.append((s, e, f"{out}[(b_ * {m}i + i_) * {n}i + j_] = {{}};", v.compute_dtype))
+    parts.append(_function("store_c", ("b", "i", "j"), axis, stores))
     body = "\n".join(parts)
     return body + "\n" + wgsl.helpers_for(body)
 
 
-def _function(name: str, args: tuple[str, ...], returns: str | None, blocks: list[tuple]) -> str:
-    """A WGSL function of u32 ``args`` (each also as i32 ``<arg>_``) computing one expression per column block.
+def _function(name: str, args: tuple[str, ...], axis: str, blocks: list[tuple]) -> str:
+    """A WGSL function of u32 ``args`` (each also as i32 ``<arg>_``) computing one expression per block of ``axis``.
 
-    ``blocks`` holds (first column j, expression, store) in column order: a loader returns the expression (store
-    None); ``store_c`` (``returns`` None, ``acc`` in scope) writes it through its store template. With more than one
-    block, ``j_`` counts from the block's first column, and a block before the last runs only below the next one's
-    first column."""
-    head = ", ".join(f"{x}: u32" for x in args) + (", acc: f32" if returns is None else "")
-    lines = [f"fn {name}({head})" + (f" -> {returns}" if returns else "") + " {"]
-    shifted = [x for x in args if x != "j"] if len(blocks) > 1 else list(args)
-    lines += [f"  let {x}_ = i32({x});" for x in shifted]
-    for k, (start, e, store, *dtype) in enumerate(blocks):
+    ``blocks`` holds (first index along ``axis``, expression, store, dtype) in order: a loader returns the
+    expression (store None, an f32); ``store_c`` (``acc`` in scope) writes it through its store template. With more
+    than one block, ``<axis>_`` counts from the block's first index, and a block before the last runs only below the
+    next one's first index."""
+    loader = blocks[0][2] is None
+    head = ", ".join(f"{x}: u32" for x in args) + ("" if loader else ", acc: f32")
+    lines = [f"fn {name}({head})" + (" -> f32" if loader else "") + " {"]
+    blocked = axis in args and len(blocks) > 1
+    lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
+    for k, (start, e, store, dtype) in enumerate(blocks):
         last = k == len(blocks) - 1
         indent = "  " if last else "    "
         if not last:
-            lines.append(f"  if (j < {blocks[k + 1][0]}u) {{")
-        if len(blocks) > 1:
-            lines.append(f"{indent}let j_ = i32(j)" + (f" - {start}i;" if start else ";"))
-        em = wgsl.Emitter([f"{x}_" for x in args], ["acc"] if returns is None else (), indent=indent)
+            lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
+        if blocked:
+            lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {start}i;" if start else ";"))
+        em = wgsl.Emitter([f"{x}_" for x in args], [] if loader else ["acc"], indent=indent)
         value = em.value(e)
         lines += em.lines
-        if store is None:
+        if loader:
             lines.append(f"{indent}return {value};")
         else:
-            lines.append(indent + store.format(wgsl.store(value, dtype[0])) + ("" if last else " return;"))
+            lines.append(indent + store.format(wgsl.store(value, dtype)) + ("" if last else " return;"))
         if not last:
             lines.append("  }")
     return "\n".join(lines + ["}"])

@@ -1,34 +1,41 @@
-"""Sibling matmuls: products of one A operand with different B operands become one matmul over their columns.
+"""Sibling matmuls: products that share an operand become one matmul over their outputs side by side.
 
 A transformer layer multiplies the normalised hidden state by its query, key and value weights, and an MLP by its
-gate and up weights; each is a Matmul node with the same A expression after fusion. Merged, one kernel reads A
-once for all of them, fills more workgroups with fewer dispatches, and writes each product to its own output: the
-merged node keeps each sibling's B, epilogue and output as a block of columns (``Matmul.more_columns``), which the
-kernel's ``load_b`` and ``store_c`` select by column. The merged node takes the later node's place (``siblings``
-moves what depends on the earlier one and checks the binding limit).
+gate and up weights: Matmul nodes with the same A expression after fusion. Their weight gradients share B (the
+layer's input). Merged, one kernel reads the shared operand once for all of them, fills more workgroups with fewer
+dispatches, and writes each product to its own output: the merged node keeps each sibling's other operand, epilogue
+and output as a block (``Matmul.more_blocks``) of columns (shared A) or rows (shared B), which the kernel's loads and
+``store_c`` select by index. Products sharing A merge first; a node that took blocks merges no other way. The merged
+node takes the later node's place (``siblings`` moves what depends on the earlier one and checks the binding limit).
 """
 from __future__ import annotations
 
 from .fusion import FusionReport
-from .ir import Graph, Matmul, MatmulColumns
+from .ir import Graph, Matmul, MatmulBlock
 from .siblings import fuse_siblings
 
 
 def fuse_sibling_matmuls(graph: Graph, max_bindings: int, report: FusionReport) -> None:
-    """Merge each Matmul into the next one with the same batch, m, k and A operand, where the rules allow."""
-    fuse_siblings(graph, max_bindings, report, _key, _merge)
+    """Merge each Matmul into the next one with the same shared operand and extents, where the rules allow."""
+    for axis in ("j", "i"):
+        fuse_siblings(graph, max_bindings, report, lambda node: _key(node, axis), lambda e, l: _merge(e, l, axis))
 
 
-def _key(node) -> tuple | None:
-    if not isinstance(node, Matmul) or node.n == 1:  # a single column stays on the matrix-vector kernel
+def _key(node, axis: str) -> tuple | None:
+    """Siblings along ``axis`` share the other operand: A for column blocks ("j"), B for row blocks ("i")."""
+    if not isinstance(node, Matmul) or (node.more_blocks and node.block_axis != axis):
         return None
-    return (node.batch, node.m, node.k, node.a)
+    if (node.n if axis == "j" else node.m) == 1:  # a single column (row) stays on the matrix-vector kernel
+        return None
+    return (node.batch, node.m, node.k, node.a) if axis == "j" else (node.batch, node.n, node.k, node.b)
 
 
-def _merge(earlier: Matmul, later: Matmul) -> None:
-    """``later`` computes ``earlier``'s columns first, then its own."""
-    own = MatmulColumns(later.n, later.b, later.epilogue)
-    later.more_columns = earlier.more_columns + [own] + later.more_columns
-    later.n, later.b, later.epilogue = earlier.n, earlier.b, earlier.epilogue
+def _merge(earlier: Matmul, later: Matmul, axis: str) -> None:
+    """``later`` computes ``earlier``'s blocks first, then its own."""
+    size, operand = (later.n, later.b) if axis == "j" else (later.m, later.a)
+    later.more_blocks = earlier.more_blocks + [MatmulBlock(size, operand, later.epilogue)] + later.more_blocks
+    later.block_axis = axis
+    later.m, later.n = earlier.m, earlier.n
+    later.a, later.b, later.epilogue = earlier.a, earlier.b, earlier.epilogue
     later.outs = list(earlier.outs) + list(later.outs)
     later.label = "+".join(dict.fromkeys(earlier.label.split("+") + later.label.split("+")))

@@ -288,7 +288,7 @@ def test_sibling_matmuls_share_one_kernel(k):
     matmuls = [node for node in b.graph.nodes if isinstance(node, Matmul)]
     assert sorted(len(node.outs) for node in matmuls) == [1, 3]
     merged = next(node for node in matmuls if len(node.outs) == 3)
-    assert merged.widths == list(widths)
+    assert merged.sizes == list(widths) and merged.block_axis == "j"
     data = {"x": RNG.standard_normal((70, k)), "other": RNG.standard_normal((70, k)), "bias": RNG.standard_normal(50),
             **{f"w{i}": RNG.standard_normal((n, k)) for i, n in enumerate(widths)}}
     data = {name: a.astype(np.float32) for name, a in data.items()}
@@ -338,3 +338,31 @@ def test_repeated_nodes_are_computed_once():
     relu = np.maximum(x64 @ w64, 0)
     for spec, want in zip(plan.outputs, (relu, relu, np.exp(x64), np.exp(x64.T))):
         np.testing.assert_allclose(out[spec.name].reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [90, 600])  # 600: K cut into slices, the merge pass stores through the blocks
+def test_sibling_matmuls_sharing_b_stack_their_rows(tokens):
+    """Weight gradients of three projections of one input: dW_k = dY_k^T X share B (X) and merge into one matmul
+    whose output rows are stacked (sizes 40, 3 and 70), each block with its own A and a scaled second one; the result
+    of every block as numpy's."""
+    sizes, width = (40, 3, 70), 24
+    b = GraphBuilder()
+    x = b.input("x", (tokens, width), "float32")
+    grads = [b.input(f"dy{i}", (tokens, s), "float32") for i, s in enumerate(sizes)]
+    x_op = E.cast(b.load(x, [E.coord(1), E.coord(2)]), E.F32)  # B over (b, p = token, j = feature)
+    outs = [b.gemm(1, s, width, tokens, E.cast(b.load(dy, [E.coord(2), E.coord(1)]), E.F32), x_op,
+                   epilogue=E.mul(E.acc(0), E.const(0.5, E.F32)) if i == 1 else None)
+            for i, (s, dy) in enumerate(zip(sizes, grads))]
+    for v in outs:
+        b.output(v)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    (merged,) = [node for node in b.graph.nodes if isinstance(node, Matmul)]
+    assert merged.block_axis == "i" and merged.sizes == list(sizes)
+    assert len(plan.dispatches) == (2 if tokens == 600 else 1)
+    data = {"x": RNG.standard_normal((tokens, width)).astype(np.float32),
+            **{f"dy{i}": RNG.standard_normal((tokens, s)).astype(np.float32) for i, s in enumerate(sizes)}}
+    out = Program(get_device(), plan).run(data)
+    x64 = data["x"].astype(np.float64)
+    want = [data[f"dy{i}"].astype(np.float64).T @ x64 * (0.5 if i == 1 else 1.0) for i in range(3)]
+    for spec, expected in zip(plan.outputs, want):
+        np.testing.assert_allclose(out[spec.name].reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
