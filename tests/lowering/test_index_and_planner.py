@@ -267,15 +267,15 @@ def _projections(b, x, weights, k: int):
             for w in weights]
 
 
-@pytest.mark.parametrize("k", [40, 512])  # 512: K cut into slices, the merge pass stores through the blocks too
-def test_sibling_matmuls_share_one_kernel(k):
+@pytest.mark.parametrize("m,k", [(70, 40), (70, 512), (1, 40)])  # 512: K in slices; m = 1: the matrix-vector kernel
+def test_sibling_matmuls_share_one_kernel(m, k):
     """Three products of one input with three weights (widths 50, 3 and 130: blocks straddle tiles), the first with
     a bias and the second with a relu epilogue, merge into one matmul node whose kernel writes each output; a
     fourth product of another input stays apart. Every output as numpy's."""
     widths = (50, 3, 130)
     b = GraphBuilder()
-    x = b.input("x", (70, k), "float32")
-    other = b.input("other", (70, k), "float32")
+    x = b.input("x", (m, k), "float32")
+    other = b.input("other", (m, k), "float32")
     weights = [b.input(f"w{i}", (n, k), "float32") for i, n in enumerate(widths)]
     bias = b.input("bias", (50,), "float32")
     first, second, third = _projections(b, x, weights, k)
@@ -289,7 +289,7 @@ def test_sibling_matmuls_share_one_kernel(k):
     assert sorted(len(node.outs) for node in matmuls) == [1, 3]
     merged = next(node for node in matmuls if len(node.outs) == 3)
     assert merged.sizes == list(widths) and merged.block_axis == "j"
-    data = {"x": RNG.standard_normal((70, k)), "other": RNG.standard_normal((70, k)), "bias": RNG.standard_normal(50),
+    data = {"x": RNG.standard_normal((m, k)), "other": RNG.standard_normal((m, k)), "bias": RNG.standard_normal(50),
             **{f"w{i}": RNG.standard_normal((n, k)) for i, n in enumerate(widths)}}
     data = {name: a.astype(np.float32) for name, a in data.items()}
     out = Program(get_device(), plan).run(data)
@@ -340,12 +340,12 @@ def test_repeated_nodes_are_computed_once():
         np.testing.assert_allclose(out[spec.name].reshape(want.shape), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [90, 600])  # 600: K cut into slices, the merge pass stores through the blocks
-def test_sibling_matmuls_sharing_b_stack_their_rows(tokens):
+@pytest.mark.parametrize("tokens,width", [(90, 24), (600, 24), (90, 1)])  # 600: K in slices; width 1: matrix-vector
+def test_sibling_matmuls_sharing_b_stack_their_rows(tokens, width):
     """Weight gradients of three projections of one input: dW_k = dY_k^T X share B (X) and merge into one matmul
     whose output rows are stacked (sizes 40, 3 and 70), each block with its own A and a scaled second one; the result
     of every block as numpy's."""
-    sizes, width = (40, 3, 70), 24
+    sizes = (40, 3, 70)
     b = GraphBuilder()
     x = b.input("x", (tokens, width), "float32")
     grads = [b.input(f"dy{i}", (tokens, s), "float32") for i, s in enumerate(sizes)]
