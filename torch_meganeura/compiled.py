@@ -64,9 +64,9 @@ class _Entry:
     _refs: list = field(default_factory=list)
 
     def __post_init__(self):
-        positions = [i for i, _ in self.lowered.params]
-        self._param_positions = positions
-        self._free = [(i, item) for i, item in enumerate(self.key) if i not in set(positions)]
+        self._param_positions = [i for i, _ in self.lowered.params]
+        params = set(self._param_positions)
+        self._free = [(i, item) for i, item in enumerate(self.key) if i not in params]
 
     def _params(self, args) -> list:
         return [args[i] for i in self._param_positions]
