@@ -366,3 +366,20 @@ def test_sibling_matmuls_sharing_b_stack_their_rows(tokens, width):
     want = [data[f"dy{i}"].astype(np.float64).T @ x64 * (0.5 if i == 1 else 1.0) for i in range(3)]
     for spec, expected in zip(plan.outputs, want):
         np.testing.assert_allclose(out[spec.name].reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_graph_runs_a_repeated_kernel_once():
+    """(x @ w) written twice, each feeding another matmul (matmul operands take no producers, so both survive
+    fusion whole): compile_graph drops the second, and both products read the first one. Outputs as numpy's."""
+    b = GraphBuilder()
+    x, w, v1, v2 = (b.input(name, (8, 8), "float32") for name in ("x", "w", "v1", "v2"))
+    for v in (v1, v2):
+        b.output(b.matmul(b.matmul(x, w, label="repeated"), v))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert plan.stats["common_nodes"] == 1
+    assert sum(d.label.startswith("repeated") for d in plan.dispatches) == 1
+    data = {name: RNG.standard_normal((8, 8)).astype(np.float32) for name in ("x", "w", "v1", "v2")}
+    out = Program(get_device(), plan).run(data)
+    xw = data["x"].astype(np.float64) @ data["w"]
+    for spec, v in zip(plan.outputs, ("v1", "v2")):
+        np.testing.assert_allclose(out[spec.name].reshape(8, 8), xw @ data[v], rtol=1e-4, atol=1e-4)
