@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import wgpu
@@ -42,6 +43,8 @@ _WANTED_LIMITS = (
     "max-compute-workgroups-per-dimension",
     "max-bindings-per-bind-group",
 )
+# Threads that compile a plan's new pipelines side by side (bounded: a driver compiler uses memory per thread).
+PIPELINE_THREADS = min(8, os.cpu_count() or 1)
 _WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
 _LOST = re.compile(r"device (is |was )?lost", re.IGNORECASE)
 _NO_ADAPTER_HINT = (
@@ -205,20 +208,38 @@ class Device:
 
     def pipeline(self, wgsl: str, n_bindings: int, label: str = "kernel"):
         """The compute pipeline of ``wgsl`` (entry point ``main``), compiled once per WGSL text."""
-        key = (wgsl, n_bindings)
-        pipeline = self._pipelines.get(key)
-        if pipeline is None:
-            with self.checked(f"kernel {label!r}"):
-                module = self.wgpu_device.create_shader_module(code=wgsl, label=label)
-                layout = self.wgpu_device.create_pipeline_layout(
-                    bind_group_layouts=[self.bind_group_layout(n_bindings)], label=label
-                )
-                pipeline = self.wgpu_device.create_compute_pipeline(
-                    layout=layout, compute={"module": module, "entry_point": "main"}, label=label
-                )
-            self._pipelines[key] = pipeline
-            self.counters.pipelines_created += 1
-        return pipeline
+        return self.pipelines([(wgsl, n_bindings, label)])[0]
+
+    def pipelines(self, kernels: list[tuple[str, int, str]]) -> list:
+        """The compute pipelines of ``kernels`` ((wgsl, binding count, label) each), compiled once per WGSL text.
+
+        Those not compiled yet are compiled side by side on up to ``PIPELINE_THREADS`` threads: shader
+        translation and the driver's compiler make up most of a cold first call, and wgpu's device is thread-safe
+        (its calls release the GIL; wgpu-py keeps errors per thread)."""
+        missing = {(wgsl, n): label for wgsl, n, label in kernels if (wgsl, n) not in self._pipelines}
+        for n in {n for _, n in missing}:
+            self.bind_group_layout(n)  # created here, not raced for by the threads
+        jobs = [(wgsl, n, label) for (wgsl, n), label in missing.items()]
+        threads = min(PIPELINE_THREADS, len(jobs))
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="meganeura-pipelines") as pool:
+                built = list(pool.map(lambda job: self._compile_pipeline(*job), jobs))
+        else:
+            built = [self._compile_pipeline(*job) for job in jobs]
+        for (wgsl, n, _), pipeline in zip(jobs, built):
+            self._pipelines[(wgsl, n)] = pipeline
+        self.counters.pipelines_created += len(jobs)
+        return [self._pipelines[(wgsl, n)] for wgsl, n, _ in kernels]
+
+    def _compile_pipeline(self, wgsl: str, n_bindings: int, label: str):
+        with self.checked(f"kernel {label!r}"):
+            module = self.wgpu_device.create_shader_module(code=wgsl, label=label)
+            layout = self.wgpu_device.create_pipeline_layout(
+                bind_group_layouts=[self.bind_group_layout(n_bindings)], label=label
+            )
+            return self.wgpu_device.create_compute_pipeline(
+                layout=layout, compute={"module": module, "entry_point": "main"}, label=label
+            )
 
     def bind_group(self, ranges: list[tuple[object, int, int]], label: str = ""):
         """A bind group of (buffer, offset, size) storage ranges at bindings 0, 1, ..."""

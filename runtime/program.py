@@ -158,10 +158,9 @@ class Program:
         self._swapped_commands: dict[tuple, list] = {}
         self._params: dict[str, object] = {}
         self._uploaded_params: set[str] = set()  # param buffers created by upload_params, owned by this program
-        self._pipelines = {
-            key: device.pipeline(plan.kernels[key], self._n_bindings(key), key)
-            for key in dict.fromkeys(d.kernel for d in plan.dispatches)
-        }
+        keys = list(dict.fromkeys(d.kernel for d in plan.dispatches))
+        built = device.pipelines([(plan.kernels[key], self._n_bindings(key), key) for key in keys])
+        self._pipelines = dict(zip(keys, built))
         self._writes = self._plan_writes()
         self._plan_readback()
         self._staging = device.staging_buffer(self._staging_size, "staging")

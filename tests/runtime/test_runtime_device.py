@@ -130,3 +130,26 @@ def test_device_lost_raises():
     assert device.lost
     with pytest.raises(DeviceLostError):
         program.run({"x": x})
+
+
+def _kernel(value: float) -> str:
+    return (f"@group(0) @binding(0) var<storage, read_write> out: array<f32>;\n"
+            f"@compute @workgroup_size(1) fn main() {{ out[0] = {value!r}; }}\n")
+
+
+def test_pipelines_are_compiled_side_by_side_once_per_source():
+    dev = get_device()
+    before = dev.counters.pipelines_created
+    sources = [_kernel(1000.0 + i) for i in range(6)]
+    built = dev.pipelines([(s, 1, f"k{i}") for i, s in enumerate(sources)] + [(sources[0], 1, "again")])
+    assert dev.counters.pipelines_created - before == 6
+    assert built[0] is built[-1] and len({id(p) for p in built}) == 6
+    assert dev.pipelines([(sources[3], 1, "k3")])[0] is built[3]
+    assert dev.counters.pipelines_created - before == 6
+
+
+def test_a_bad_kernel_among_many_is_named():
+    dev = get_device()
+    jobs = [(_kernel(2000.0 + i), 1, f"fine{i}") for i in range(3)] + [("fn main( {", 1, "the broken one")]
+    with pytest.raises(MeganeuraError, match="the broken one"):
+        dev.pipelines(jobs)
