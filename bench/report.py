@@ -56,6 +56,9 @@ def markdown(data: dict) -> str:
              "competitors alternated. Ratio = meganeura / competitor (below 1: meganeura is faster). Gates (per "
              "tensor: the output, or the loss and every gradient): relative L2 against eager float64 on the CPU "
              "below 1e-3, or below twice eager f32's own error where f32 cannot reach 1e-3 (bench/gates.py)."]
+    if data["settings"].get("tuned"):
+        lines += ["", "meganeura compiled with tuned matmul variants (`--tune`): a workload's first call includes "
+                      "timing its new GEMM shapes."]
     if data["settings"].get("note"):
         lines += ["", f"Note: {data['settings']['note']}"]
     lines.append("")

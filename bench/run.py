@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="after timing, run each meganeura cell CALLS more times under the GPU profiler and report "
                         "its top kernels (profiled calls are not timed)")
+    p.add_argument("--tune", action="store_true",
+                   help="meganeura compiles with tuned matmul variants (MEGANEURA_TUNE=1): the first call of a "
+                        "workload then includes timing its new GEMM shapes, remembered for later calls")
     p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
     p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
@@ -89,6 +92,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))  # cold compiles
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="bench-triton-"))
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    if args.tune:
+        os.environ["MEGANEURA_TUNE"] = "1"
     import torch
 
     from . import cells, micro, report
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
                                                                                    "recompile": []}
     result["machine"] = machine()
     result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "competitors": competitors,
-                          "scale": "smoke" if args.smoke else "full", "note": args.note}
+                          "scale": "smoke" if args.smoke else "full", "note": args.note,
+                          "tuned": args.tune}
     print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
     for name in workloads:
         for mode in modes:

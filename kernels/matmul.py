@@ -47,14 +47,8 @@ class TiledPlan:
     tile_m: int
     tile_n: int
     chunk_k: int
-
-    @property
-    def rows_per_thread(self) -> int:
-        return 8 if self.tile_m >= 128 else 4
-
-    @property
-    def cols_per_thread(self) -> int:
-        return 8 if self.tile_n >= 128 else 4
+    rows_per_thread: int  # each thread's register block: rows_per_thread x cols_per_thread outputs (4 or 8 each)
+    cols_per_thread: int
 
     @property
     def threads_m(self) -> int:
@@ -73,6 +67,24 @@ class TiledPlan:
 
 
 @dataclass(frozen=True)
+class MatmulChoice:
+    """A tiled matmul's variant: forced tile and register block (None: the generator's rule) and K slices."""
+    tile: tuple[int, int] | None
+    block: tuple[int, int] | None
+    split: int
+
+
+def is_tiled(m: int, n: int) -> bool:
+    """Whether an (m, n) output gets the tiled kernel (else the gemv kernel)."""
+    return m > 1 and n > 1
+
+
+def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulChoice:
+    """The generator's own variant: tile by rule, K slices by ``split_k``."""
+    return MatmulChoice(None, None, split_k(batch, m, n, k, limits))
+
+
+@dataclass(frozen=True)
 class GemvPlan:
     columns: int       # outputs per workgroup
     lanes: int         # threads splitting K for one output
@@ -80,13 +92,14 @@ class GemvPlan:
 
 
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
-                  b_fast: str = "j", tile: tuple[int, int] | None = None, split: int = 1,
-                  partial: str | None = None) -> tuple[str, tuple[int, int, int]]:
+                  b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
+                  split: int = 1, partial: str | None = None) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
     so that neighbouring threads read neighbouring addresses; any value is correct, the right one is faster.
-    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each from TILE_SIZES), e.g. for tuning.
+    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each from TILE_SIZES) and ``block`` each thread's register
+    block (rows, columns; 4 or 8 each, default 8 along an edge of 128, else 4), e.g. for tuning.
     With ``split`` > 1 (see ``split_k``) the kernel sums one of ``split`` slices of K and writes its partial
     sums into the array named ``partial`` (split * batch * m * n floats, slice-major) instead of calling
     store_c; ``split_reduce_kernel`` then adds the slices up and stores."""
@@ -96,18 +109,18 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         raise ValueError(f"matmul_kernel: need batch, m, n >= 1 and k >= 0, got {batch=} {m=} {n=} {k=}")
     if a_fast not in ("p", "i") or b_fast not in ("p", "j"):
         raise ValueError(f"matmul_kernel: a_fast must be 'p' or 'i' and b_fast 'p' or 'j', got {a_fast=} {b_fast=}")
-    if tile is None and (m == 1 or n == 1):
+    if tile is None and not is_tiled(m, n):
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p")
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
-                         split=split, partial=partial)
+                         block=block, split=split, partial=partial)
 
 
 def split_k(batch: int, m: int, n: int, k: int, limits: dict) -> int:
     """Slices to cut K into: 1, or a power of two when the output tiles alone make too few workgroups for a long K
     (a convolution's weight gradient, a narrow projection). The slices' partial sums go through workgroup-owned
     scratch and a second, deterministic reduction pass."""
-    if m == 1 or n == 1 or k < 2 * SPLIT_MIN_K:
+    if not is_tiled(m, n) or k < 2 * SPLIT_MIN_K:
         return 1
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
     workgroups = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
@@ -195,12 +208,16 @@ def _tile_edge(size: int) -> int:
 
 
 def _choose_tiled_plan(batch: int, m: int, n: int, k: int, shared_limit: int, max_threads: int,
-                       tile: tuple[int, int] | None = None) -> TiledPlan:
+                       tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None) -> TiledPlan:
     tile_m, tile_n = tile or (_tile_edge(m), _tile_edge(n))
     smallest = TILE_SIZES[-1]
 
     def workgroups(tm: int, tn: int) -> int:
         return batch * -(-m // tm) * -(-n // tn)
+
+    def plan(tm: int, tn: int, chunk: int) -> TiledPlan:
+        rows, cols = block or (8 if tm >= 128 else 4, 8 if tn >= 128 else 4)
+        return TiledPlan(tm, tn, chunk, min(rows, tm), min(cols, tn))
 
     if tile is None:
         while max(tile_m, tile_n) > BIG_TILE_EDGE and workgroups(tile_m, tile_n) < MIN_WORKGROUPS_BIG:
@@ -208,14 +225,14 @@ def _choose_tiled_plan(batch: int, m: int, n: int, k: int, shared_limit: int, ma
         while (workgroups(tile_m, tile_n) < MIN_WORKGROUPS and max(tile_m, tile_n) > smallest
                and k < 2 * SPLIT_MIN_K):  # a long K gets its workgroups from split_k instead
             tile_m, tile_n = _halve_larger(tile_m, tile_n)
-    while TiledPlan(tile_m, tile_n, K_CHUNKS[-1]).threads > max_threads:
+    while plan(tile_m, tile_n, K_CHUNKS[-1]).threads > max_threads:
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
     chunk_cap = max(K_CHUNKS[-1], _pow2_ceil(k))  # (with a split K, slices are whole chunks of this size)
     while True:
         for chunk in K_CHUNKS:
-            plan = TiledPlan(tile_m, tile_n, min(chunk, chunk_cap))
-            if plan.shared_floats() * 4 <= shared_limit:
-                return plan
+            chosen = plan(tile_m, tile_n, min(chunk, chunk_cap))
+            if chosen.shared_floats() * 4 <= shared_limit:
+                return chosen
         if max(tile_m, tile_n) == smallest:
             raise ValueError(f"matmul_kernel: workgroup storage limit {shared_limit} B is too small")
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
@@ -277,8 +294,10 @@ class _Staging:
 
 
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
-                  tile: tuple[int, int] | None, split: int, partial: str | None) -> tuple[str, tuple[int, int, int]]:
-    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile)
+                  tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
+                  partial: str | None) -> tuple[str, tuple[int, int, int]]:
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
+                              block)
     tm, tn = plan.threads_m, plan.threads_n
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     tiles_m, tiles_n = -(-m // plan.tile_m), -(-n // plan.tile_n)

@@ -43,19 +43,22 @@ def cache_dir() -> Path | None:
     return Path(base) / "meganeura" / "plans"
 
 
-def cached_compile_graph(graph: Graph, limits: dict) -> tuple[Plan, FusionReport, bool]:
-    """``compile_graph(graph, limits)`` through the cache: (plan, report, whether it came from the cache).
+def cached_compile_graph(graph: Graph, limits: dict, choose_matmul=None,
+                         tuned_for: str | None = None) -> tuple[Plan, FusionReport, bool]:
+    """``compile_graph(graph, limits, choose_matmul)`` through the cache: (plan, report, whether it came from the
+    cache). ``tuned_for`` names what ``choose_matmul`` tunes for (an adapter), part of the key; a plan compiled
+    with a ``choose_matmul`` but no ``tuned_for`` is not cached.
 
     On a miss the graph is compiled (and, as always, fused in place) and the entry written; on a hit the graph is
     left as it was."""
-    directory = cache_dir()
-    key = _key(graph, limits) if directory is not None else None
+    directory = cache_dir() if choose_matmul is None or tuned_for is not None else None
+    key = _key(graph, limits, tuned_for) if directory is not None else None
     path = directory / f"{key}.json" if key is not None else None
     if path is not None:
         found = _read(path, key)
         if found is not None:
             return found[0], found[1], True
-    plan, report = compile_graph(graph, limits)
+    plan, report = compile_graph(graph, limits, choose_matmul)
     if path is not None:
         _write(path, key, plan, report)
     return plan, report, False
@@ -71,12 +74,13 @@ def graph_fingerprint(graph: Graph) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _key(graph: Graph, limits: dict) -> str | None:
+def _key(graph: Graph, limits: dict, tuned_for: str | None = None) -> str | None:
     fingerprint = graph_fingerprint(graph)
     if fingerprint is None:
         return None
     limits_text = json.dumps({k: limits[k] for k in sorted(limits)}, sort_keys=True, default=str)
-    return hashlib.sha256(f"{ENTRY_VERSION}|{fingerprint}|{limits_text}|{_compiler_digest()}".encode()).hexdigest()
+    text = f"{ENTRY_VERSION}|{fingerprint}|{limits_text}|{_compiler_digest()}|{tuned_for or ''}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _compiler_digest() -> str:

@@ -27,8 +27,12 @@ def tensor_bytes(v: Value) -> int:
     return max(4 * v.numel, 4)
 
 
-def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
-    """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``."""
+def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_matmul=None) -> Plan:
+    """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``.
+
+    ``choose_matmul(batch, m, n, k, a_fast, b_fast)`` may pick the tiled matmul kernels' variant (a
+    ``MatmulChoice``, e.g. a tuner's) per GEMM problem; where it is absent or returns None, the kernel generator's
+    own rule decides."""
     alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     placement: dict[int, tuple[str, int]] = {}  # value id -> (buffer, offset)
@@ -59,9 +63,12 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
         Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
     ]
+    values = {v.id: v for n in graph.nodes for v in n.outs}
+    variants = {id(node): _matmul_variant(node, values, limits, choose_matmul)
+                for node in kernels if isinstance(node, Matmul)}
     scratch: dict[int, tuple[int, int]] = {}  # node id -> (slices, arena key of their partial results)
     for step, node in enumerate(kernels):
-        split, floats = _slices(node, limits)
+        split, floats = _slices(node, limits, variants.get(id(node)))
         if split > 1:
             scratch[id(node)] = (split, -1 - step)  # negative keys: no value id collides
             intervals.append(Interval(-1 - step, 4 * floats, step, step))
@@ -73,7 +80,6 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
     if graph.status_messages:
         buffers.append(BufferSpec("status", 16, "status"))
 
-    values = {v.id: v for n in graph.nodes for v in n.outs}
     sources: dict[str, str] = {}
     dispatches = []
     for node in kernels:
@@ -83,7 +89,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
         if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
             m, n = node.rows, node.columns
             label += f" {node.batch}x{m}x{n}x{node.k}" if node.batch > 1 else f" {m}x{n}x{node.k}"
-        passes = _kernel(node, values, limits, scratch.get(id(node)))
+        passes = _kernel(node, values, limits, scratch.get(id(node)), variants.get(id(node)))
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
@@ -106,12 +112,42 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None) -> Plan:
     return plan
 
 
-def _slices(node: Node, limits: dict) -> tuple[int, int]:
+def _matmul_variant(node: Matmul, values: dict, limits: dict, choose) -> matmul_kernels.MatmulChoice:
+    """The kernel variant of a matmul node: ``choose``'s for a tiled problem where it gives one, else the default."""
+    batch, m, n, k = node.batch, node.rows, node.columns, node.k
+    if choose is not None and matmul_kernels.is_tiled(m, n):
+        a_fast, b_fast = _operand_layout(node, values)
+        chosen = choose(batch, m, n, k, a_fast, b_fast)
+        if chosen is not None:
+            return chosen
+    return matmul_kernels.default_choice(batch, m, n, k, limits)
+
+
+def _operand_layout(node: Matmul, values: dict) -> tuple[str, str]:
+    """(a_fast, b_fast): the axis along which each operand's reads step by one element."""
+    a, b = (_linearise(e, d, values, lambda vid: 0) for e, d in zip(node.exprs()[:2], node.domains()[:2]))
+    return ("i" if unit_stride_coord(a, (2, 1)) == 1 else "p"), ("p" if unit_stride_coord(b, (2, 1)) == 1 else "j")
+
+
+def _linearise(e: E.Expr, domain, values: dict, slot_of) -> E.Expr:
+    """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index."""
+    bounds = dict(enumerate(domain))
+
+    def rewrite(n: E.Expr):
+        if n.op == "load":
+            vid, coords = n.args
+            index = simplify(linear_index(coords, values[vid].shape), bounds)
+            return E.read(slot_of(vid), index, n.dtype)
+        return None
+
+    return E.substitute(e, rewrite)
+
+
+def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
     if isinstance(node, Matmul):
-        split = matmul_kernels.split_k(node.batch, node.rows, node.columns, node.k, limits)
-        return split, split * node.batch * node.rows * node.columns
+        return variant.split, variant.split * node.batch * node.rows * node.columns
     if isinstance(node, Attention):
         shape = _attention_shape(node)
         split = attention_kernels.attention_splits(shape, node.kind, limits)
@@ -127,9 +163,11 @@ def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
                                             node.dv, node.scale, node.causal, node.bias is not None)
 
 
-def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None) -> list[tuple]:
+def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None,
+            variant: matmul_kernels.MatmulChoice | None = None) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a matmul
-    or attention pass cut into slices (``scratch``: slices and the arena key of their partial results)."""
+    or attention pass cut into slices (``scratch``: slices and the arena key of their partial results). A matmul
+    node's kernel is ``variant``."""
     bound: list = []
 
     def slot_of(vid) -> int:
@@ -138,16 +176,7 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         return bound.index(vid)
 
     def linearise(e: E.Expr, domain) -> E.Expr:
-        bounds = dict(enumerate(domain))
-
-        def rewrite(n: E.Expr):
-            if n.op == "load":
-                vid, coords = n.args
-                index = simplify(linear_index(coords, values[vid].shape), bounds)
-                return E.read(slot_of(vid), index, n.dtype)
-            return None
-
-        return E.substitute(e, rewrite)
+        return _linearise(e, domain, values, slot_of)
 
     own = {v.id for v in node.outs} & {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
     if own:  # other threads may not have written it yet: a race on GPUs that a serial CPU driver hides
@@ -190,14 +219,13 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
         prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
         dims = dict(batch=node.batch, m=node.rows, n=node.columns)
+        shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block)
         if scratch is not None:
             split, partial = scratch[0], name(bound.index(scratch[1]))
-            return [(*matmul_kernels.matmul_kernel(prelude, **dims, k=node.k, limits=limits, a_fast=a_fast,
-                                                   b_fast=b_fast, split=split, partial=partial), bound),
+            return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), bound),
                     (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial,
                                                          limits=limits), bound)]
-        src, groups = matmul_kernels.matmul_kernel(prelude, **dims, k=node.k, limits=limits, a_fast=a_fast,
-                                                   b_fast=b_fast)
+        src, groups = matmul_kernels.matmul_kernel(prelude, **dims, **shape)
     elif isinstance(node, Attention):
         partial = name(bound.index(scratch[1])) if scratch is not None else None
         return [(src, groups, bound) for src, groups in attention_kernels.attention_kernel(

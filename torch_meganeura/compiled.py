@@ -23,13 +23,13 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from meganeura.lowering.plan_cache import cached_compile_graph
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .fx_lowering import LoweredGraph, lower_graph
 from .params import ParamStore
 from .resident import ResidentTensor
+from .tuning import compile_plan, tuning_enabled
 
 log = logging.getLogger("torch_meganeura")
 
@@ -178,7 +178,7 @@ class DevicePartition(torch.nn.Module):
         device = self.context.device()
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
         lowered = lower_graph(self.gm, list(args), params)
-        plan, report, from_cache = cached_compile_graph(lowered.graph, device.limits)
+        plan, report, from_cache = compile_plan(lowered.graph, device, tuning_enabled(self.context.options.tune))
         resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
         on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
                      if isinstance(args[i], ResidentTensor) and args[i].array.device is device]

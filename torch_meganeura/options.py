@@ -11,6 +11,7 @@ class Options:
     adapter: str | int | None = None  # adapter index or name substring; default: env MEGANEURA_ADAPTER, then best GPU
     fallback: str = "warn"  # "warn": ops without a lowering run in eager PyTorch with a warning; "error": raise
     profile: str | None = None  # path: time every dispatch on the GPU, write a chrome trace there at exit
+    tune: bool | None = None  # time matmul variants per GEMM shape on the device (see tuning.py); None: MEGANEURA_TUNE
 
     @classmethod
     def from_user(cls, options: dict | None) -> "Options":
@@ -20,6 +21,8 @@ class Options:
         if unknown:
             raise ValueError(f"unknown meganeura option(s) {unknown}; valid options are {sorted(known)}")
         opts = cls(**options)
+        if opts.tune not in (None, True, False):
+            raise ValueError(f"option tune={opts.tune!r} must be True or False")
         if opts.fallback not in FALLBACK_POLICIES:
             raise ValueError(f"option fallback={opts.fallback!r} must be one of {FALLBACK_POLICIES}")
         return opts

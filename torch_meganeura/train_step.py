@@ -38,7 +38,6 @@ from torch import fx
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from meganeura.lowering.plan_cache import cached_compile_graph
 from meganeura.runtime.device import get_device
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
@@ -48,6 +47,7 @@ from .decompositions import decomposition_table
 from .fx_lowering import lower_graph
 from .partition import fallback_ops
 from .registry import logical_dtype
+from .tuning import compile_plan, tuning_enabled
 
 
 CHECKPOINT_FORMAT = "meganeura-train-step-1"
@@ -57,7 +57,8 @@ class TrainStep:
     """A compiled training step over ``model``'s trainable parameters and ``optimizer``'s update."""
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, adapter=None,
-                 max_grad_norm: float | None = None, accumulation_steps: int = 1, process_group=None):
+                 max_grad_norm: float | None = None, accumulation_steps: int = 1, process_group=None,
+                 tune: bool | None = None):
         optimizers.check(optimizer)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
@@ -69,6 +70,7 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.micro_batches = 0  # calls since the last update (always 0 without accumulation)
         self.device = get_device(adapter)
+        self.tune = tuning_enabled(tune)
         self._opts = optimizers.structure(optimizer)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -262,12 +264,13 @@ class TrainStep:
 
 def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *,
                        max_grad_norm: float | None = None, accumulation_steps: int = 1, adapter=None,
-                       process_group=None) -> TrainStep:
+                       process_group=None, tune: bool | None = None) -> TrainStep:
     """A training step that keeps ``model``'s parameters and ``optimizer``'s state on the device (module docstring).
+    ``tune`` times matmul variants on the device, as the backend's option of that name does (``tuning.py``).
 
     Data parallel (``data_parallel``) when ``model`` is a ``DistributedDataParallel`` or ``process_group`` is
     given: ``loss_fn`` then receives DDP's ``module``, and gradients are averaged across the group every step."""
-    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm, accumulation_steps, process_group)
+    return TrainStep(model, loss_fn, optimizer, adapter, max_grad_norm, accumulation_steps, process_group, tune)
 
 
 class _CompiledStep:
@@ -283,7 +286,7 @@ class _CompiledStep:
             raise NotImplementedError(f"compile_train_step needs every op on the device; these are not: {listing}")
         example = [constants[role] if role in constants else _example(owner, role, batch) for role in self.roles]
         self.lowered = lower_graph(gm, example, set())
-        plan, _, _ = cached_compile_graph(self.lowered.graph, owner.device.limits)
+        plan, _, _ = compile_plan(self.lowered.graph, owner.device, owner.tune)
         placeholder_of = dict(self.lowered.inputs)
         self.input_names = {role: placeholder_of[i] for i, role in enumerate(self.roles) if i in placeholder_of}
         kinds = [kind for kind, _ in self.lowered.outputs]

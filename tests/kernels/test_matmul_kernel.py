@@ -207,6 +207,18 @@ def test_layout_hints_and_forced_tiles(device, a_fast, b_fast, tile):
     check(device, a, b, a_fast=a_fast, b_fast=b_fast, tile=tile)
 
 
+@pytest.mark.parametrize("tile, block", [((64, 64), (8, 8)), ((64, 64), (8, 4)), ((32, 64), (4, 8)),
+                                         ((128, 64), (4, 4)), ((16, 32), (8, 8))])
+def test_forced_register_blocks(device, tile, block):
+    """Every register block is correct on ragged edges, with the thread count it implies."""
+    rng = np.random.default_rng(12)
+    a, b = make_operand(rng, 2, 75, 41), make_operand(rng, 2, 41, 93, layout="transposed")
+    source, _ = check(device, a, b, b_fast="p", tile=tile, block=block)
+    rows, cols = min(block[0], tile[0]), min(block[1], tile[1])
+    assert f"threads of {rows}x{cols}" in source
+    assert f"@workgroup_size({tile[0] // rows * tile[1] // cols})" in source
+
+
 @pytest.mark.parametrize("m, n, k", [(20, 36, 24), (1, 36, 24)])
 def test_epilogue_bias_relu(device, m, n, k):
     rng = np.random.default_rng(3)

@@ -1,0 +1,187 @@
+"""Per-shape matmul tuning: time variants of each tiled GEMM problem on the device and keep the fastest,
+remembered per adapter in a JSON file.
+
+A problem is (batch, m, n, k) with its operand layouts (``a_fast``, ``b_fast``). Its candidates are the
+generator's own variant (``default_choice``) and the tile / register-block shapes of ``CONFIGS`` with K cut into
+1-16 slices, minus those that would give too few or too many workgroups. They are timed on a synthetic problem of
+that shape and layout (plain buffers of random values, ``meganeura.runtime.timing``); the real kernel's loads and
+epilogue (a convolution's gather, a fused bias) cost about the same in every variant, so the ranking carries
+over. The default stays unless a candidate beats it by ``MIN_GAIN``. A problem whose buffers would not fit the
+device's binding limit keeps the default untimed.
+
+The file is ``matmul-tuning-<adapter digest>.json`` in the directory the caller gives (None: remembered for the
+process only). It records the adapter's description, and per problem the choice and the two times; a file that
+does not parse or names another adapter is ignored and rewritten. A directory that cannot be written only loses
+the memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from meganeura.runtime.timing import time_sequences
+
+from .matmul import (SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan, _max_threads, default_choice,
+                     matmul_kernel, split_reduce_kernel)
+
+# (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs (.diag) found each of these the
+# fastest for some shape, and none of the others
+CONFIGS = (((64, 64), (4, 4)), ((64, 64), (8, 4)), ((64, 64), (4, 8)), ((64, 128), (4, 4)), ((128, 64), (4, 4)),
+           ((128, 128), (8, 8)), ((32, 64), (4, 4)), ((64, 32), (4, 4)))
+SPLITS = (1, 2, 4, 8, 16)
+MIN_SLICE_K = 32  # each K slice at least this long
+MAX_WORKGROUPS = 4096  # more would only add partial sums to add up
+MIN_GAIN = 0.05  # a candidate replaces the default when at least this much faster
+FILE_VERSION = 1
+
+
+class MatmulTuner:
+    """Chooses tiled matmul variants for one device; ``choose`` is ``compile_graph``'s ``choose_matmul``."""
+
+    def __init__(self, device, directory: Path | None):
+        self.device = device
+        info = dict(device.adapter.info)
+        self.adapter = json.dumps({k: info[k] for k in sorted(info)}, default=str)
+        self.fingerprint = hashlib.sha256(self.adapter.encode()).hexdigest()[:16]
+        self.path = Path(directory) / f"matmul-tuning-{self.fingerprint}.json" if directory is not None else None
+        self.entries: dict[str, dict] = self._load()
+        self.tuned = 0  # problems timed by this tuner
+        self.seconds = 0.0  # spent timing them
+
+    def choose(self, batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str) -> MatmulChoice:
+        key = problem_key(batch, m, n, k, a_fast, b_fast)
+        entry = self.entries.get(key)
+        if entry is None:
+            start = time.perf_counter()
+            entry = self._tune(batch, m, n, k, a_fast, b_fast)
+            self.seconds += time.perf_counter() - start
+            self.tuned += 1
+            self.entries[key] = entry
+            self._save()
+        tile, block = entry["tile"], entry["block"]
+        return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"])
+
+    # ---- timing
+
+    def _tune(self, batch, m, n, k, a_fast, b_fast) -> dict:
+        dev, limits = self.device, self.device.limits
+        choices = candidates(batch, m, n, k, limits)
+        default = choices[0]
+        most = max(c.split for c in choices)
+        floats = {"a": batch * m * k, "b": batch * k * n, "c": batch * m * n, "partial": most * batch * m * n}
+        if max(floats.values()) * 4 > dev.max_binding_size or k == 0:
+            return _entry(default, None, None)
+        rng = np.random.default_rng(0)
+        buffers = {name: dev.storage_buffer(max(4 * size, 4), f"tuning {name}") for name, size in floats.items()}
+        try:
+            for name in ("a", "b"):
+                dev.write(buffers[name], 0, rng.standard_normal(floats[name]).astype(np.float32))
+            prelude = synthetic_prelude(batch, m, n, k, a_fast, b_fast)
+            passes = []
+            for c in choices:
+                source, grid = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast,
+                                             b_fast=b_fast, tile=c.tile, block=c.block, split=c.split,
+                                             partial="partial" if c.split > 1 else None)
+                passes.append([(source, grid)])
+                if c.split > 1:
+                    passes[-1].append(split_reduce_kernel(prelude, batch=batch, m=m, n=n, split=c.split,
+                                                          partial="partial", limits=limits))
+            sources = [source for p in passes for source, _ in p]
+            pipelines = dict(zip(sources, dev.pipelines([(s, 4, "matmul tuning") for s in sources])))
+            group = dev.bind_group([(buffers[x], 0, buffers[x].size) for x in ("a", "b", "c", "partial")],
+                                   "matmul tuning")
+            seconds = time_sequences(dev, [[(pipelines[s], group, g) for s, g in p] for p in passes])
+        finally:
+            for buffer in buffers.values():
+                dev.destroy_buffer(buffer)
+        best = min(range(len(choices)), key=seconds.__getitem__)
+        if seconds[best] > (1 - MIN_GAIN) * seconds[0]:
+            best = 0
+        return _entry(choices[best], seconds[best], seconds[0])
+
+    # ---- the file
+
+    def _load(self) -> dict[str, dict]:
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("version") != FILE_VERSION or data.get("adapter") != self.adapter:
+                return {}
+            return {k: v for k, v in data["problems"].items() if _valid(v)}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        body = json.dumps({"version": FILE_VERSION, "adapter": self.adapter, "problems": self.entries}, indent=1)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(temporary, self.path)  # readers see the old file or the new one, never half of one
+        except OSError:
+            pass
+
+
+def problem_key(batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str) -> str:
+    return f"{batch}x{m}x{n}x{k}:{a_fast}{b_fast}"
+
+
+def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulChoice]:
+    """The default variant first, then the distinct variants of CONFIGS x SPLITS that suit the problem."""
+    default = default_choice(batch, m, n, k, limits)
+    shared, threads = limits["max-compute-workgroup-storage-size"], _max_threads(limits)
+    seen = {(_choose_tiled_plan(batch, m, n, k, shared, threads), default.split)}
+    found = [default]
+    for tile, block in CONFIGS:
+        if (tile[0] > 2 * m and tile[0] > 32) or (tile[1] > 2 * n and tile[1] > 32):
+            continue  # mostly padding
+        plan = _choose_tiled_plan(batch, m, n, k, shared, threads, tile, block)
+        tiles = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
+        for split in SPLITS:
+            if split > 1 and (k // split < MIN_SLICE_K or tiles * split > MAX_WORKGROUPS):
+                continue
+            if (plan, split) not in seen:
+                seen.add((plan, split))
+                found.append(MatmulChoice(tile, block, split))
+    return found
+
+
+def synthetic_prelude(batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str) -> str:
+    """Bindings a, b, c, partial and the loads of plain arrays laid out as ``a_fast`` and ``b_fast`` say."""
+    a_index = f"(bi * {m}u + i) * {k}u + p" if a_fast == "p" else f"(bi * {k}u + p) * {m}u + i"
+    b_index = f"(bi * {n}u + j) * {k}u + p" if b_fast == "p" else f"(bi * {k}u + p) * {n}u + j"
+    return f"""
+@group(0) @binding(0) var<storage, read_write> a: array<f32>;
+@group(0) @binding(1) var<storage, read_write> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<storage, read_write> partial: array<f32>;
+fn load_a(bi: u32, i: u32, p: u32) -> f32 {{ return a[{a_index}]; }}
+fn load_b(bi: u32, p: u32, j: u32) -> f32 {{ return b[{b_index}]; }}
+fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{ c[(bi * {m}u + i) * {n}u + j] = acc; }}
+"""
+
+
+def _entry(choice: MatmulChoice, seconds: float | None, default_seconds: float | None) -> dict:
+    return {"tile": list(choice.tile) if choice.tile else None, "block": list(choice.block) if choice.block else None,
+            "split": choice.split, "us": None if seconds is None else round(float(seconds) * 1e6, 2),
+            "default_us": None if default_seconds is None else round(float(default_seconds) * 1e6, 2)}
+
+
+def _valid(entry) -> bool:
+    """Whether a remembered entry names a variant the generator can build."""
+    def pair(value, allowed) -> bool:
+        return value is None or (isinstance(value, list) and len(value) == 2 and all(x in allowed for x in value))
+
+    split = entry.get("split")
+    return (isinstance(split, int) and 1 <= split <= SPLIT_MAX and pair(entry.get("tile"), TILE_SIZES)
+            and pair(entry.get("block"), (4, 8)))

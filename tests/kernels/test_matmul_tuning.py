@@ -1,0 +1,77 @@
+"""Tests for meganeura.kernels.matmul_tuning: candidate variants, timing on the adapter (lavapipe on CPU), and the
+per-adapter file of choices (remembered, and ignored when damaged)."""
+import json
+
+import pytest
+
+from meganeura.kernels import matmul_tuning
+from meganeura.kernels.matmul import MatmulChoice, default_choice
+from meganeura.kernels.matmul_tuning import MatmulTuner, candidates
+from meganeura.runtime.device import get_device
+
+LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,
+          "max-compute-invocations-per-workgroup": 256}
+
+
+def test_candidates_start_with_the_default_and_are_distinct():
+    found = candidates(1, 128, 576, 1536, LIMITS)
+    assert found[0] == default_choice(1, 128, 576, 1536, LIMITS)
+    assert len(found) == len(set(found)) > 10
+    assert all(c.split == 1 or 1536 // c.split >= matmul_tuning.MIN_SLICE_K for c in found)
+    assert {c.split for c in found} >= {1, 2, 4, 8}
+
+
+def test_candidates_skip_tiles_that_are_mostly_padding():
+    found = candidates(1, 20, 24, 64, LIMITS)
+    assert all(c.tile is None or max(c.tile) <= 64 for c in found)
+
+
+@pytest.fixture
+def small_family(monkeypatch):
+    """Two tile shapes and two splits: few pipelines for a slow CPU driver."""
+    monkeypatch.setattr(matmul_tuning, "CONFIGS", (((32, 32), (4, 4)), ((16, 32), (4, 4))))
+    monkeypatch.setattr(matmul_tuning, "SPLITS", (1, 2))
+
+
+def test_tuner_times_a_problem_once_and_remembers_it(tmp_path, small_family):
+    device = get_device()
+    tuner = MatmulTuner(device, tmp_path)
+    choice = tuner.choose(1, 40, 48, 96, "p", "j")
+    assert isinstance(choice, MatmulChoice) and tuner.tuned == 1
+    assert choice in candidates(1, 40, 48, 96, device.limits)
+    assert tuner.choose(1, 40, 48, 96, "p", "j") == choice and tuner.tuned == 1
+    saved = json.loads(tuner.path.read_text())
+    entry = saved["problems"]["1x40x48x96:pj"]
+    assert entry["us"] > 0 and entry["default_us"] > 0
+    assert entry["us"] <= entry["default_us"]
+    again = MatmulTuner(device, tmp_path)  # a new process: read from the file, not timed
+    assert again.choose(1, 40, 48, 96, "p", "j") == choice and again.tuned == 0
+
+
+@pytest.mark.parametrize("content", ["{ not json", json.dumps({"version": 1, "adapter": "another GPU", "problems": {
+    "1x40x48x96:pj": {"tile": [16, 32], "block": [4, 4], "split": 2}}})])
+def test_damaged_or_foreign_file_is_ignored_and_rewritten(tmp_path, small_family, content):
+    device = get_device()
+    tuner = MatmulTuner(device, tmp_path)
+    tuner.path.write_text(content)
+    fresh = MatmulTuner(device, tmp_path)
+    assert fresh.entries == {}
+    fresh.choose(1, 40, 48, 96, "p", "j")
+    assert fresh.tuned == 1 and json.loads(fresh.path.read_text())["adapter"] == fresh.adapter
+
+
+def test_entries_naming_impossible_variants_are_dropped(tmp_path):
+    device = get_device()
+    tuner = MatmulTuner(device, tmp_path)
+    good = {"tile": [32, 64], "block": [4, 8], "split": 4, "us": 1.0, "default_us": 2.0}
+    problems = {"1x2x3x4:pp": good, "1x5x6x7:pp": {**good, "tile": [3, 5]}, "1x8x9x10:pp": {**good, "split": 0},
+                "1x8x9x11:pp": {**good, "block": [4, 16]}}
+    tuner.path.write_text(json.dumps({"version": 1, "adapter": tuner.adapter, "problems": problems}))
+    assert list(MatmulTuner(device, tmp_path).entries) == ["1x2x3x4:pp"]
+
+
+def test_without_a_directory_choices_last_for_the_process(small_family):
+    tuner = MatmulTuner(get_device(), None)
+    assert tuner.path is None
+    tuner.choose(2, 33, 20, 64, "i", "p")
+    assert tuner.tuned == 1 and "2x33x20x64:ip" in tuner.entries
