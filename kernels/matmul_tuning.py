@@ -6,7 +6,8 @@ generator's own variant (``default_choice``) and the tile / register-block shape
 1-16 slices, minus those that would give too few or too many workgroups. They are timed on a synthetic problem of
 that shape and layout (plain buffers of random values, ``meganeura.runtime.timing``); the real kernel's loads and
 epilogue (a convolution's gather, a fused bias) cost about the same in every variant, so the ranking carries
-over. The default stays unless a candidate beats it by ``MIN_GAIN``. A problem whose buffers would not fit the
+over. The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's new problems are tuned together: all
+their candidates' pipelines compiled in one batch (side by side), then timed problem by problem. A problem whose buffers would not fit the
 device's binding limit keeps the default untimed.
 
 The file is ``matmul-tuning-<adapter digest>.json`` in the directory the caller gives (None: remembered for the
@@ -42,7 +43,7 @@ FILE_VERSION = 1
 
 
 class MatmulTuner:
-    """Chooses tiled matmul variants for one device; ``choose`` is ``compile_graph``'s ``choose_matmul``."""
+    """Chooses tiled matmul variants for one device; ``choose_all`` is ``compile_graph``'s ``choose_matmuls``."""
 
     def __init__(self, device, directory: Path | None):
         self.device = device
@@ -52,48 +53,57 @@ class MatmulTuner:
         self.path = Path(directory) / f"matmul-tuning-{self.fingerprint}.json" if directory is not None else None
         self.entries: dict[str, dict] = self._load()
         self.tuned = 0  # problems timed by this tuner
-        self.seconds = 0.0  # spent timing them
+        self.seconds = 0.0  # spent timing them (pipelines included)
+
+    def choose_all(self, problems: list[tuple]) -> list[MatmulChoice]:
+        """The variant of each (batch, m, n, k, a_fast, b_fast) problem; new problems are timed first, their
+        candidates' pipelines compiled together (side by side on the device's compile threads)."""
+        new = [p for p in dict.fromkeys(problems) if problem_key(*p) not in self.entries]
+        if new:
+            start = time.perf_counter()
+            built = [self._variants(*p) for p in new]
+            sources = [source for _, passes in built for p in passes for source, _ in p]
+            pipelines = dict(zip(sources, self.device.pipelines([(s, 4, "matmul tuning") for s in sources])))
+            for problem, (choices, passes) in zip(new, built):
+                self.entries[problem_key(*problem)] = self._time(problem, choices, passes, pipelines)
+            self.seconds += time.perf_counter() - start
+            self.tuned += len(new)
+            self._save()
+        return [_choice(self.entries[problem_key(*p)]) for p in problems]
 
     def choose(self, batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str) -> MatmulChoice:
-        key = problem_key(batch, m, n, k, a_fast, b_fast)
-        entry = self.entries.get(key)
-        if entry is None:
-            start = time.perf_counter()
-            entry = self._tune(batch, m, n, k, a_fast, b_fast)
-            self.seconds += time.perf_counter() - start
-            self.tuned += 1
-            self.entries[key] = entry
-            self._save()
-        tile, block = entry["tile"], entry["block"]
-        return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"])
+        """The variant of one problem (``choose_all`` of one)."""
+        return self.choose_all([(batch, m, n, k, a_fast, b_fast)])[0]
 
     # ---- timing
 
-    def _tune(self, batch, m, n, k, a_fast, b_fast) -> dict:
-        dev, limits = self.device, self.device.limits
+    def _variants(self, batch, m, n, k, a_fast, b_fast) -> tuple[list[MatmulChoice], list[list[tuple]]]:
+        """The candidates of a problem and each one's passes, (WGSL, workgroups) each; none where it is not timed."""
+        limits = self.device.limits
         choices = candidates(batch, m, n, k, limits)
-        default = choices[0]
-        most = max(c.split for c in choices)
-        floats = {"a": batch * m * k, "b": batch * k * n, "c": batch * m * n, "partial": most * batch * m * n}
-        if max(floats.values()) * 4 > dev.max_binding_size or k == 0:
-            return _entry(default, None, None)
+        if max(_floats(batch, m, n, k, choices).values()) * 4 > self.device.max_binding_size or k == 0:
+            return choices[:1], []
+        prelude = synthetic_prelude(batch, m, n, k, a_fast, b_fast)
+        passes = []
+        for c in choices:
+            passes.append([matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast,
+                                         b_fast=b_fast, tile=c.tile, block=c.block, split=c.split,
+                                         partial="partial" if c.split > 1 else None)])
+            if c.split > 1:
+                passes[-1].append(split_reduce_kernel(prelude, batch=batch, m=m, n=n, split=c.split,
+                                                      partial="partial", limits=limits))
+        return choices, passes
+
+    def _time(self, problem, choices, passes, pipelines) -> dict:
+        if not passes:
+            return _entry(choices[0], None, None)
+        dev = self.device
+        floats = _floats(*problem[:4], choices)
         rng = np.random.default_rng(0)
         buffers = {name: dev.storage_buffer(max(4 * size, 4), f"tuning {name}") for name, size in floats.items()}
         try:
             for name in ("a", "b"):
                 dev.write(buffers[name], 0, rng.standard_normal(floats[name]).astype(np.float32))
-            prelude = synthetic_prelude(batch, m, n, k, a_fast, b_fast)
-            passes = []
-            for c in choices:
-                source, grid = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast,
-                                             b_fast=b_fast, tile=c.tile, block=c.block, split=c.split,
-                                             partial="partial" if c.split > 1 else None)
-                passes.append([(source, grid)])
-                if c.split > 1:
-                    passes[-1].append(split_reduce_kernel(prelude, batch=batch, m=m, n=n, split=c.split,
-                                                          partial="partial", limits=limits))
-            sources = [source for p in passes for source, _ in p]
-            pipelines = dict(zip(sources, dev.pipelines([(s, 4, "matmul tuning") for s in sources])))
             group = dev.bind_group([(buffers[x], 0, buffers[x].size) for x in ("a", "b", "c", "partial")],
                                    "matmul tuning")
             seconds = time_sequences(dev, [[(pipelines[s], group, g) for s, g in p] for p in passes])
@@ -169,6 +179,17 @@ fn load_a(bi: u32, i: u32, p: u32) -> f32 {{ return a[{a_index}]; }}
 fn load_b(bi: u32, p: u32, j: u32) -> f32 {{ return b[{b_index}]; }}
 fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{ c[(bi * {m}u + i) * {n}u + j] = acc; }}
 """
+
+
+def _floats(batch: int, m: int, n: int, k: int, choices: list[MatmulChoice]) -> dict[str, int]:
+    """Floats of each synthetic buffer: the operands, the output and the partial sums of the most slices."""
+    most = max(c.split for c in choices)
+    return {"a": batch * m * k, "b": batch * k * n, "c": batch * m * n, "partial": most * batch * m * n}
+
+
+def _choice(entry: dict) -> MatmulChoice:
+    tile, block = entry["tile"], entry["block"]
+    return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"])
 
 
 def _entry(choice: MatmulChoice, seconds: float | None, default_seconds: float | None) -> dict:

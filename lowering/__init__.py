@@ -19,8 +19,8 @@ from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
 
 
-def compile_graph(graph: Graph, limits: dict, choose_matmul=None):
-    """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmul`` picks tiled matmul variants
+def compile_graph(graph: Graph, limits: dict, choose_matmuls=None):
+    """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants
     (see ``schedule``)."""
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     report = fuse(graph, max_bindings)
@@ -30,5 +30,5 @@ def compile_graph(graph: Graph, limits: dict, choose_matmul=None):
     common = eliminate_common_nodes(graph)
     fuse_sibling_matmuls(graph, max_bindings, report)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common},
-                    choose_matmul=choose_matmul)
+                    choose_matmuls=choose_matmuls)
     return plan, report

@@ -3,7 +3,8 @@ scheduling (``compile_graph``).
 
 An entry is keyed by a fingerprint of the graph (every node's fields and expressions, value ids, shapes and
 dtypes, input names), the device limits the plan was compiled for (the only thing ``compile_graph`` reads about the
-adapter) and a digest of the compiler's own source (``meganeura.lowering``, ``meganeura.kernels`` and the plan
+adapter), what tuned its matmul variants if anything did (``tuned_for``: the tuner's adapter fingerprint) and a
+digest of the compiler's own source (``meganeura.lowering``, ``meganeura.kernels`` and the plan
 format), so a changed compiler never reads an older plan. An entry is one JSON file holding its key, the plan,
 the fusion report and a SHA-256 of those; a file that does not parse, whose checksum or key does not match, or
 whose plan does not validate is ignored and replaced, never used.
@@ -43,22 +44,22 @@ def cache_dir() -> Path | None:
     return Path(base) / "meganeura" / "plans"
 
 
-def cached_compile_graph(graph: Graph, limits: dict, choose_matmul=None,
+def cached_compile_graph(graph: Graph, limits: dict, choose_matmuls=None,
                          tuned_for: str | None = None) -> tuple[Plan, FusionReport, bool]:
-    """``compile_graph(graph, limits, choose_matmul)`` through the cache: (plan, report, whether it came from the
-    cache). ``tuned_for`` names what ``choose_matmul`` tunes for (an adapter), part of the key; a plan compiled
-    with a ``choose_matmul`` but no ``tuned_for`` is not cached.
+    """``compile_graph(graph, limits, choose_matmuls)`` through the cache: (plan, report, whether it came from the
+    cache). ``tuned_for`` names what ``choose_matmuls`` tunes for (an adapter), part of the key; a plan compiled
+    with ``choose_matmuls`` but no ``tuned_for`` is not cached.
 
     On a miss the graph is compiled (and, as always, fused in place) and the entry written; on a hit the graph is
     left as it was."""
-    directory = cache_dir() if choose_matmul is None or tuned_for is not None else None
+    directory = cache_dir() if choose_matmuls is None or tuned_for is not None else None
     key = _key(graph, limits, tuned_for) if directory is not None else None
     path = directory / f"{key}.json" if key is not None else None
     if path is not None:
         found = _read(path, key)
         if found is not None:
             return found[0], found[1], True
-    plan, report = compile_graph(graph, limits, choose_matmul)
+    plan, report = compile_graph(graph, limits, choose_matmuls)
     if path is not None:
         _write(path, key, plan, report)
     return plan, report, False

@@ -27,12 +27,12 @@ def tensor_bytes(v: Value) -> int:
     return max(4 * v.numel, 4)
 
 
-def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_matmul=None) -> Plan:
+def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_matmuls=None) -> Plan:
     """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``.
 
-    ``choose_matmul(batch, m, n, k, a_fast, b_fast)`` may pick the tiled matmul kernels' variant (a
-    ``MatmulChoice``, e.g. a tuner's) per GEMM problem; where it is absent or returns None, the kernel generator's
-    own rule decides."""
+    ``choose_matmuls(problems)`` may pick the tiled matmul kernels' variants (``MatmulChoice``s, e.g. a tuner's):
+    it gets the plan's distinct GEMM problems, each (batch, m, n, k, a_fast, b_fast), all at once and returns a
+    choice or None for each. Where it is absent or says None, the kernel generator's own rule decides."""
     alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     placement: dict[int, tuple[str, int]] = {}  # value id -> (buffer, offset)
@@ -64,8 +64,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
     ]
     values = {v.id: v for n in graph.nodes for v in n.outs}
-    variants = {id(node): _matmul_variant(node, values, limits, choose_matmul)
-                for node in kernels if isinstance(node, Matmul)}
+    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, limits, choose_matmuls)
     scratch: dict[int, tuple[int, int]] = {}  # node id -> (slices, arena key of their partial results)
     for step, node in enumerate(kernels):
         split, floats = _slices(node, limits, variants.get(id(node)))
@@ -112,15 +111,20 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     return plan
 
 
-def _matmul_variant(node: Matmul, values: dict, limits: dict, choose) -> matmul_kernels.MatmulChoice:
-    """The kernel variant of a matmul node: ``choose``'s for a tiled problem where it gives one, else the default."""
-    batch, m, n, k = node.batch, node.rows, node.columns, node.k
-    if choose is not None and matmul_kernels.is_tiled(m, n):
-        a_fast, b_fast = _operand_layout(node, values)
-        chosen = choose(batch, m, n, k, a_fast, b_fast)
-        if chosen is not None:
-            return chosen
-    return matmul_kernels.default_choice(batch, m, n, k, limits)
+def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) -> dict[int, matmul_kernels.MatmulChoice]:
+    """Node id -> kernel variant of each matmul node: ``choose``'s for a tiled problem where it gives one, else the
+    default."""
+    variants = {id(n): matmul_kernels.default_choice(n.batch, n.rows, n.columns, n.k, limits) for n in nodes}
+    if choose is None:
+        return variants
+    problems = {id(n): (n.batch, n.rows, n.columns, n.k, *_operand_layout(n, values))
+                for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
+    distinct = list(dict.fromkeys(problems.values()))
+    chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
+    for node_id, problem in problems.items():
+        if chosen[problem] is not None:
+            variants[node_id] = chosen[problem]
+    return variants
 
 
 def _operand_layout(node: Matmul, values: dict) -> tuple[str, str]:

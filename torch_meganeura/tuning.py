@@ -32,4 +32,4 @@ def compile_plan(graph, device, tune: bool):
     if not tune:
         return cached_compile_graph(graph, device.limits)
     tuner = tuner_for(device)
-    return cached_compile_graph(graph, device.limits, tuner.choose, tuner.fingerprint)
+    return cached_compile_graph(graph, device.limits, tuner.choose_all, tuner.fingerprint)

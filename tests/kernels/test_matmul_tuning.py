@@ -70,6 +70,24 @@ def test_entries_naming_impossible_variants_are_dropped(tmp_path):
     assert list(MatmulTuner(device, tmp_path).entries) == ["1x2x3x4:pp"]
 
 
+def test_new_problems_are_compiled_in_one_batch_and_repeats_asked_once(small_family, monkeypatch):
+    device = get_device()
+    tuner = MatmulTuner(device, None)
+    batches = []
+    compile_all = device.pipelines
+
+    def recording(kernels):
+        batches.append(len(kernels))
+        return compile_all(kernels)
+
+    monkeypatch.setattr(device, "pipelines", recording)
+    problems = [(1, 40, 48, 96, "p", "p"), (1, 24, 40, 64, "p", "j"), (1, 40, 48, 96, "p", "p")]
+    chosen = tuner.choose_all(problems)
+    assert len(batches) == 1 and tuner.tuned == 2
+    assert chosen[0] == chosen[2] and all(isinstance(c, MatmulChoice) for c in chosen)
+    assert tuner.choose_all(problems[1:2]) == chosen[1:2] and len(batches) == 1
+
+
 def test_without_a_directory_choices_last_for_the_process(small_family):
     tuner = MatmulTuner(get_device(), None)
     assert tuner.path is None
