@@ -1,0 +1,71 @@
+"""GPU time of alternative dispatch sequences, for choosing between kernel variants (the matmul tuner).
+
+A sequence is a list of (pipeline, bind group, workgroups). Each is recorded ``reps`` times in one compute pass
+whose beginning and end write timestamps where the adapter offers ``timestamp-query``; elsewhere its time is the
+wall time of that submission, waited for (which also counts the host's submit and the wait, the same for every
+candidate). Before the first measurement the first sequence runs ``WARMUP_SUBMITS`` times, so that a GPU that idled
+while pipelines compiled has its clocks up again. A sequence is measured ``ROUNDS`` times and its fastest round
+counts.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import wgpu
+
+from .native import timestamp_period_ns
+
+WARMUP_SUBMITS = 3
+ROUNDS = 2
+TARGET_SECONDS = 2e-3  # each measured pass lasts about this long: enough repetitions to rise above the noise
+MAX_REPS = 20
+
+
+def time_sequences(device, sequences: list[list[tuple]]) -> list[float]:
+    """Seconds per run of each sequence (a list of (pipeline, bind group, workgroups))."""
+    timer = _Timer(device)
+    for _ in range(WARMUP_SUBMITS):
+        timer.measure(sequences[0], 1)
+    first = min(timer.measure(sequences[0], 1) for _ in range(ROUNDS))
+    reps = max(1, min(MAX_REPS, int(TARGET_SECONDS / max(first, 1e-7))))
+    return [min(timer.measure(seq, reps) for _ in range(ROUNDS)) / reps for seq in sequences]
+
+
+class _Timer:
+    def __init__(self, device):
+        self.device = device
+        self.timestamps = "timestamp-query" in device.features
+        if self.timestamps:
+            wd = device.wgpu_device
+            self.period_ns = timestamp_period_ns(device.queue)
+            self.query_set = wd.create_query_set(type=wgpu.QueryType.timestamp, count=2, label="meganeura timing")
+            self.resolved = device.create_buffer(256, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
+                                                 "meganeura timing resolve")
+        self.staging = device.staging_buffer(256, "meganeura timing staging")
+
+    def measure(self, sequence: list[tuple], reps: int) -> float:
+        """Seconds for ``reps`` runs of ``sequence`` in one pass."""
+        dev = self.device
+        encoder = dev.wgpu_device.create_command_encoder()
+        writes = ({"query_set": self.query_set, "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
+                  if self.timestamps else None)
+        compute = encoder.begin_compute_pass(timestamp_writes=writes)
+        for _ in range(reps):
+            for pipeline, group, workgroups in sequence:
+                compute.set_pipeline(pipeline)
+                compute.set_bind_group(0, group)
+                compute.dispatch_workgroups(*workgroups)
+        compute.end()
+        if self.timestamps:
+            encoder.resolve_query_set(self.query_set, 0, 2, self.resolved, 0)
+            encoder.copy_buffer_to_buffer(self.resolved, 0, self.staging, 0, 16)
+        else:
+            encoder.copy_buffer_to_buffer(dev.fence, 0, self.staging, 0, 4)
+        start = time.perf_counter()
+        dev.submit(encoder, "timing")
+        data = dev.read_staging(self.staging, 16 if self.timestamps else 4)
+        if not self.timestamps:
+            return time.perf_counter() - start
+        begin, end = np.frombuffer(data, np.uint64)[:2].astype(np.float64)
+        return max(0.0, end - begin) * self.period_ns * 1e-9
