@@ -3,9 +3,9 @@
 A sequence is a list of (pipeline, bind group, workgroups). Each is recorded ``reps`` times in one compute pass
 whose beginning and end write timestamps where the adapter offers ``timestamp-query``; elsewhere its time is the
 wall time of that submission, waited for (which also counts the host's submit and the wait, the same for every
-candidate). Before the first measurement the first sequence runs ``WARMUP_SUBMITS`` times, so that a GPU that idled
-while pipelines compiled has its clocks up again. A sequence is measured ``ROUNDS`` times and its fastest round
-counts.
+candidate). Before the first measurement the first sequence runs for ``warmup_seconds`` (at least one submit), so
+that a GPU that idled while pipelines compiled has its clocks up again (an H200 run that compiled between
+measurements timed the same matmuls 3-5x slower than one that ran them back to back). A sequence is measured ``ROUNDS`` times and its fastest round counts.
 """
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ import wgpu
 
 from .native import timestamp_period_ns
 
-WARMUP_SUBMITS = 3
+WARMUP_SECONDS = 0.05  # the default warm-up: a GPU's clocks take tens of milliseconds of work to rise
 ROUNDS = 2
 TARGET_SECONDS = 2e-3  # each measured pass lasts about this long: enough repetitions to rise above the noise
 MAX_REPS = 20
 
 
-def time_sequences(device, sequences: list[list[tuple]]) -> list[float]:
+def time_sequences(device, sequences: list[list[tuple]], warmup_seconds: float = WARMUP_SECONDS) -> list[float]:
     """Seconds per run of each sequence (a list of (pipeline, bind group, workgroups))."""
     timer = _Timer(device)
-    for _ in range(WARMUP_SUBMITS):
+    end = time.perf_counter() + warmup_seconds
+    timer.measure(sequences[0], 1)
+    while time.perf_counter() < end:
         timer.measure(sequences[0], 1)
     first = min(timer.measure(sequences[0], 1) for _ in range(ROUNDS))
     reps = max(1, min(MAX_REPS, int(TARGET_SECONDS / max(first, 1e-7))))
