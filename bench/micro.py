@@ -2,8 +2,9 @@
 host cost per dispatch of plan replay.
 
 meganeura's side runs a plan directly: the function is traced to aten (``make_fx``), lowered and compiled like a
-backend graph, its operands uploaded once as parameters and its outputs kept on the device (``DeviceArray``s,
-recycled every call), so a timed call is one replay of the plan plus the 4-byte fence read that waits for it.
+backend graph (with tuned matmul variants where ``MEGANEURA_TUNE=1``, as ``bench --tune`` sets), its operands
+uploaded once as parameters and its outputs kept on the device (``DeviceArray``s, recycled every call), so a timed
+call is one replay of the plan plus the 4-byte fence read that waits for it.
 The dispatch chain reports the wall time per dispatch (host and GPU: a chain of dependent dispatches is bound by
 whichever is slower) and, for meganeura, the host's share alone: recording and submitting, before the wait.
 PyTorch's side calls the same function on resident tensors (CPU, and CUDA where present, synchronised).
@@ -39,15 +40,15 @@ class MicroResult:
 
 def _device_call(fn, args):
     """Callables that replay ``fn``'s plan on the device and that return its first output; its dispatch count."""
-    from meganeura.lowering import compile_graph
     from meganeura.runtime.device import get_device
     from meganeura.runtime.program import Program
     from torch_meganeura.fx_lowering import lower_graph
+    from torch_meganeura.tuning import compile_plan, tuning_enabled
 
     gm = make_fx(fn)(*args)
     lowered = lower_graph(gm, list(args), set(range(len(args))))
     device = get_device()
-    plan, _ = compile_graph(lowered.graph, device.limits)
+    plan, _, _ = compile_plan(lowered.graph, device, tuning_enabled(None))  # tuned under bench --tune
     outputs = [t.name for t in plan.outputs]
     program = Program(device, plan, resident_outputs=outputs)
     program.upload_params({name: args[i].numpy() for i, name in lowered.params})

@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="after timing, run each meganeura cell CALLS more times under the GPU profiler and report "
                         "its top kernels (profiled calls are not timed)")
     p.add_argument("--tune", action="store_true",
-                   help="meganeura compiles with tuned matmul variants (MEGANEURA_TUNE=1): the first call of a "
-                        "workload then includes timing its new GEMM shapes, remembered for later calls")
+                   help="meganeura compiles with tuned matmul variants (MEGANEURA_TUNE=1), the micro benchmarks too: "
+                        "the first call of a workload then includes timing its new GEMM shapes, remembered for later "
+                        "calls")
     p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
     p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
