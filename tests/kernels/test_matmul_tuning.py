@@ -36,16 +36,16 @@ def small_family(monkeypatch):
 def test_tuner_times_a_problem_once_and_remembers_it(tmp_path, small_family):
     device = get_device()
     tuner = MatmulTuner(device, tmp_path)
-    choice = tuner.choose(1, 40, 48, 96, "p", "j")
+    choice = tuner.choose_all([(1, 40, 48, 96, "p", "j")])[0]
     assert isinstance(choice, MatmulChoice) and tuner.tuned == 1
     assert choice in candidates(1, 40, 48, 96, device.limits)
-    assert tuner.choose(1, 40, 48, 96, "p", "j") == choice and tuner.tuned == 1
+    assert tuner.choose_all([(1, 40, 48, 96, "p", "j")])[0] == choice and tuner.tuned == 1
     saved = json.loads(tuner.path.read_text())
     entry = saved["problems"]["1x40x48x96:pj"]
     assert entry["us"] > 0 and entry["default_us"] > 0
     assert entry["us"] <= entry["default_us"]
     again = MatmulTuner(device, tmp_path)  # a new process: read from the file, not timed
-    assert again.choose(1, 40, 48, 96, "p", "j") == choice and again.tuned == 0
+    assert again.choose_all([(1, 40, 48, 96, "p", "j")])[0] == choice and again.tuned == 0
 
 
 @pytest.mark.parametrize("content", ["{ not json", json.dumps({"version": 1, "adapter": "another GPU", "problems": {
@@ -56,7 +56,7 @@ def test_damaged_or_foreign_file_is_ignored_and_rewritten(tmp_path, small_family
     tuner.path.write_text(content)
     fresh = MatmulTuner(device, tmp_path)
     assert fresh.entries == {}
-    fresh.choose(1, 40, 48, 96, "p", "j")
+    fresh.choose_all([(1, 40, 48, 96, "p", "j")])
     assert fresh.tuned == 1 and json.loads(fresh.path.read_text())["adapter"] == fresh.adapter
 
 
@@ -91,5 +91,5 @@ def test_new_problems_are_compiled_in_one_batch_and_repeats_asked_once(small_fam
 def test_without_a_directory_choices_last_for_the_process(small_family):
     tuner = MatmulTuner(get_device(), None)
     assert tuner.path is None
-    tuner.choose(2, 33, 20, 64, "i", "p")
+    tuner.choose_all([(2, 33, 20, 64, "i", "p")])
     assert tuner.tuned == 1 and "2x33x20x64:ip" in tuner.entries
