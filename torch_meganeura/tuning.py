@@ -2,9 +2,9 @@
 
 With ``options={"tune": True}`` (or, where the option is not given, the environment variable ``MEGANEURA_TUNE=1``)
 each tiled GEMM shape of a plan is timed once per adapter in a few variants and the fastest kept
-(``meganeura.kernels.matmul_tuning``). The choices are remembered in the plan cache's directory, so the cost (about
-a second per new shape on a discrete GPU) is paid once per adapter, and tuned plans are cached apart from untuned
-ones.
+(``meganeura.kernels.matmul_tuning``). The choices are remembered in the plan cache's directory, so the cost (on
+an H200 0.25-0.9 s per new shape, mostly compiling the candidate kernels) is paid once per adapter, and tuned plans
+are cached apart from untuned ones.
 """
 from __future__ import annotations
 
