@@ -25,8 +25,9 @@ import numpy as np
 try:
     from wgpu.backends.wgpu_native import ffi as _ffi
     from wgpu.backends.wgpu_native import lib as _lib
+    from wgpu.backends.wgpu_native import _api
 except ImportError:  # another wgpu-py backend: the public API only
-    _ffi = _lib = None
+    _ffi = _lib = _api = None
 
 MAP_POLLS = 3  # a wait for the idle queue runs the map callback; more than one is a safety margin
 # A read-back is copied in slices of at least COPY_SLICE_BYTES by up to COPY_THREADS threads at once. H200 host,
@@ -73,6 +74,30 @@ def _record_with_api(compute_pass, commands) -> None:
             group = next_group
             compute_pass.set_bind_group(0, group)
         compute_pass.dispatch_workgroups(*workgroups)
+
+
+def create_unchecked_shader_module(wgpu_device, wgsl: str, label: str):
+    """The shader module of ``wgsl`` compiled without naga's runtime checks (index clamping on arrays and a
+    counter that bounds every loop); None where wgpu-native's trusted entry point is unavailable.
+
+    Only for kernels whose every index is in range and whose every loop ends by construction, as the generated
+    ones are. Errors are raised like ``create_shader_module``'s (wgpu-py's checked library calls)."""
+    create = getattr(_lib, "wgpuDeviceCreateShaderModuleTrusted", None)
+    handle = getattr(wgpu_device, "_internal", None)
+    if create is None or handle is None:
+        return None
+    source = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(wgsl))
+    source[0].chain.next = _ffi.NULL
+    source[0].chain.sType = _lib.WGPUSType_ShaderSourceWGSL
+    descriptor = _api.new_struct_p(
+        "WGPUShaderModuleDescriptor *",
+        nextInChain=_ffi.cast("WGPUChainedStruct *", source),
+        label=_api.to_c_string_view(label),
+    )
+    module = _api.libf.wgpuDeviceCreateShaderModuleTrusted(handle, descriptor, _lib.WGPUShaderRuntimeChecks_None)
+    if module == _ffi.NULL:
+        raise RuntimeError(f"shader module {label!r} was not created")
+    return _api.GPUShaderModule(label, module, wgpu_device)
 
 
 def timestamp_period_ns(queue) -> float:

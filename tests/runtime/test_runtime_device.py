@@ -153,3 +153,34 @@ def test_a_bad_kernel_among_many_is_named():
     jobs = [(_kernel(2000.0 + i), 1, f"fine{i}") for i in range(3)] + [("fn main( {", 1, "the broken one")]
     with pytest.raises(MeganeuraError, match="the broken one"):
         dev.pipelines(jobs)
+
+
+def _run_single(dev, pipeline) -> float:
+    out = dev.storage_buffer(4, "out")
+    encoder = dev.wgpu_device.create_command_encoder()
+    compute_pass = encoder.begin_compute_pass()
+    compute_pass.set_pipeline(pipeline)
+    compute_pass.set_bind_group(0, dev.bind_group([(out, 0, 4)]))
+    compute_pass.dispatch_workgroups(1)
+    compute_pass.end()
+    dev.submit(encoder)
+    return float(np.frombuffer(dev.wgpu_device.queue.read_buffer(out, 0, 4), np.float32)[0])
+
+
+def test_kernels_compile_without_runtime_checks_unless_asked(monkeypatch):
+    dev = get_device()
+    unchecked = []
+    real = device_module.native.create_unchecked_shader_module
+
+    def spy(*args):
+        module = real(*args)
+        unchecked.append(module is not None)
+        return module
+
+    monkeypatch.setattr(device_module.native, "create_unchecked_shader_module", spy)
+    monkeypatch.delenv(device_module.SHADER_CHECKS_ENV, raising=False)
+    assert _run_single(dev, dev.pipeline(_kernel(3001.0), 1, "fast")) == 3001.0
+    assert unchecked == [True]  # wgpu-native's trusted entry point was found and used
+    monkeypatch.setenv(device_module.SHADER_CHECKS_ENV, "1")
+    assert _run_single(dev, dev.pipeline(_kernel(3002.0), 1, "checked")) == 3002.0
+    assert unchecked == [True]  # the checked kernel went through wgpu-py's own create_shader_module
