@@ -9,8 +9,9 @@ Every cell is gated on the same weights and inputs against eager PyTorch on the 
 error as the allowance (see ``gates``): the inference output, or the training loss and every parameter gradient (of
 the first step, before any optimizer update), by relative L2 per tensor. A cell that fails its gate keeps its
 timings but is marked failed, never reported as a win.
-Competitors are timed alternately, call by call, after a warm-up; both sides are synchronised (a CUDA
-synchronize; meganeura returns host tensors, so its calls end when the results are read back).
+Competitors are timed in turns of consecutive calls after a warm-up (``turns``: a call right after the other GPU
+API's pays a context switch); both sides are synchronised (a CUDA synchronize; meganeura returns host tensors, so
+its calls end when the results are read back).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .gates import Gate, gate_gradients, gate_output
+from .turns import RUN_LENGTH, take_turns
 from .workloads import Workload
 
 MODES = ("latency", "inference", "training")
@@ -135,8 +137,8 @@ def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple
 
 
 def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, repeats: int,
-            smoke: bool = False, seed: int = 0, profile_calls: int = 0) -> list[Cell]:
-    """The cells of one (workload, mode), competitors timed alternately; then, if ``profile_calls``, that many
+            smoke: bool = False, seed: int = 0, profile_calls: int = 0, run_length: int = RUN_LENGTH) -> list[Cell]:
+    """The cells of one (workload, mode), competitors timed in turns of ``run_length`` calls; then, if ``profile_calls``, that many
     more calls of each meganeura competitor under the profiler (per-dispatch GPU time, not the timed calls)."""
     torch.manual_seed(seed)
     base = workload.build(smoke).float()
@@ -171,12 +173,18 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
     for _ in range(warmup - 1):
         for runner, _cell in runners:
             runner.step()
-    for _ in range(repeats):
-        for runner, cell in runners:
-            with _Transfers(cell) as moved:
-                cell.samples_ms.append(runner.step())
-            if moved.bytes is not None:
-                cell.transfer_bytes_per_call = moved.bytes  # the same every call: the last one is kept
+
+    def call(i: int, timed: bool) -> None:
+        runner, cell = runners[i]
+        if not timed:
+            runner.step()
+            return
+        with _Transfers(cell) as moved:
+            cell.samples_ms.append(runner.step())
+        if moved.bytes is not None:
+            cell.transfer_bytes_per_call = moved.bytes  # the same every call: the last one is kept
+
+    take_turns(len(runners), repeats, run_length, call)
     for cell in cells:
         if cell.samples_ms:
             cell.median_ms = statistics.median(cell.samples_ms)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .turns import RUN_LENGTH, take_turns
+
 DISPATCH_CHAIN = 500  # dispatches in the host-cost plan
 COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager")  # (a plan replay has no resident/compiled form)
 
@@ -74,9 +76,10 @@ def _timed(call, sync) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: int, repeats: int
-            ) -> list[MicroResult]:
-    """Time ``fn(*args)`` for each competitor, alternately; ``amount`` is the FLOPs or bytes of one call."""
+def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: int, repeats: int,
+            run_length: int = RUN_LENGTH) -> list[MicroResult]:
+    """Time ``fn(*args)`` for each competitor, in turns of ``run_length`` calls; ``amount`` is the FLOPs or bytes of
+    one call."""
     from .gates import rel_l2
 
     want = fn(*args)
@@ -93,11 +96,16 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
     for _ in range(warmup):
         for _res, call, sync, _host_ms in timed:
             _timed(call, sync)
-    for _ in range(repeats):
-        for res, call, sync, host_ms in timed:
-            res.samples_ms.append(_timed(call, sync))
+
+    def turn_call(i: int, counted: bool) -> None:
+        res, call, sync, host_ms = timed[i]
+        ms = _timed(call, sync)
+        if counted:
+            res.samples_ms.append(ms)
             if host_ms is not None:
                 res.host_ms.append(host_ms())
+
+    take_turns(len(timed), repeats, run_length, turn_call)
     for res, _call, _sync, _host_ms in timed:
         res.median_ms = statistics.median(res.samples_ms)
         res.rate = amount / (res.median_ms * 1e-3) / 1e9
@@ -137,23 +145,24 @@ def _dispatch_chain(x, w):
     return x
 
 
-def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: int) -> list[MicroResult]:
+def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: int, run_length: int = RUN_LENGTH
+            ) -> list[MicroResult]:
     """Every micro benchmark; ``stream_mib`` sizes the pointwise, copy and reduction inputs."""
     gen = torch.Generator().manual_seed(0)
     results = []
+    timing = (competitors, warmup, repeats, run_length)
     for n in matmul_sizes:
         a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-        results += measure(f"matmul {n}", _matmul, (a, b), "GFLOP/s", 2.0 * n**3, competitors, warmup, repeats)
+        results += measure(f"matmul {n}", _matmul, (a, b), "GFLOP/s", 2.0 * n**3, *timing)
     numel = stream_mib * (1 << 20) // 4
     x = torch.randn(numel, generator=gen)
     for name, fn in ((f"pointwise chain {stream_mib} MiB", _pointwise_chain), (f"copy {stream_mib} MiB", _copy)):
-        results += measure(name, fn, (x,), "GB/s", 8.0 * numel, competitors, warmup, repeats)
+        results += measure(name, fn, (x,), "GB/s", 8.0 * numel, *timing)
     rows = x.view(-1, 4096)
-    results += measure(f"row sum {stream_mib} MiB", _row_sum, (rows,), "GB/s", 4.0 * numel, competitors, warmup,
-                       repeats)
+    results += measure(f"row sum {stream_mib} MiB", _row_sum, (rows,), "GB/s", 4.0 * numel, *timing)
     small, w = torch.randn(8, 8, generator=gen), torch.eye(8) + 0.001 * torch.randn(8, 8, generator=gen)
     chain = measure(f"{DISPATCH_CHAIN} dispatches of 8x8 matmuls", _dispatch_chain, (small, w), "GFLOP/s",
-                    2.0 * 8**3 * DISPATCH_CHAIN, competitors, warmup, repeats)
+                    2.0 * 8**3 * DISPATCH_CHAIN, *timing)
     for res in chain:  # one dispatch (one eager op) per matmul on every side
         if res.median_ms is not None:
             res.per_dispatch_us = res.median_ms * 1e3 / DISPATCH_CHAIN

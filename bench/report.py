@@ -43,6 +43,15 @@ def _mib(n) -> str:
     return "-" if n is None else f"{n / (1 << 20):.1f}"
 
 
+def _order(settings: dict) -> str:
+    """How the timed calls of the competitors were ordered (results from before ``run_length`` alternated)."""
+    run = settings.get("run_length")
+    if run is None:
+        return "competitors alternated call by call"
+    return (f"competitors taking turns of {run} timed calls in a row, each turn after an untimed call (the first "
+            "call after another GPU API's pays a context switch)")
+
+
 def markdown(data: dict) -> str:
     cells = _cells(data)
     m = data["machine"]
@@ -53,7 +62,7 @@ def markdown(data: dict) -> str:
              f"{m['cuda_device'] or 'none'}; {m['date']}. Versions: "
              + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ". f32, TF32 off. "
              f"Median of {data['settings']['repeats']} calls after {data['settings']['warmup']} warm-up calls, "
-             "competitors alternated. Ratio = meganeura / competitor (below 1: meganeura is faster). Gates (per "
+             + _order(data["settings"]) + ". Ratio = meganeura / competitor (below 1: meganeura is faster). Gates (per "
              "tensor: the output, or the loss and every gradient): relative L2 against eager float64 on the CPU "
              "below 1e-3, or below twice eager f32's own error where f32 cannot reach 1e-3 (bench/gates.py)."]
     if data["settings"].get("tuned"):

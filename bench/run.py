@@ -22,6 +22,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def _parser() -> argparse.ArgumentParser:
     from .cells import COMPETITORS, MODES
+    from .turns import RUN_LENGTH
     from .workloads import WORKLOADS
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
@@ -36,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help="smoke scale: every workload shrunk (same architectures) to check the path, not to time it")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per competitor before timing (>= 1)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per competitor (alternated)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per competitor")
+    p.add_argument("--run-length", type=int, default=RUN_LENGTH,
+                   help="timed calls per competitor in a row; competitors take turns, each turn starting with an "
+                        "untimed call (a GPU shared by CUDA and Vulkan pays a context switch on the first call after "
+                        "the other API's)")
     p.add_argument("--recompile", action="store_true",
                    help="also time a second compile of each training step after torch._dynamo.reset (warm caches)")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
@@ -103,6 +108,8 @@ def main(argv=None) -> int:
     _strict_f32()
     if args.warmup < 1:
         raise SystemExit("--warmup must be at least 1")
+    if args.run_length < 1:
+        raise SystemExit("--run-length must be at least 1")
     if args.competitors:
         competitors = args.competitors.split(",")
     else:
@@ -124,14 +131,15 @@ def main(argv=None) -> int:
     result = json.loads(path.read_text()) if args.merge and path.exists() else {"cells": [], "micro": [],
                                                                                    "recompile": []}
     result["machine"] = machine()
-    result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "competitors": competitors,
+    result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "run_length": args.run_length,
+                          "competitors": competitors,
                           "scale": "smoke" if args.smoke else "full", "note": args.note,
                           "tuned": args.tune}
     print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
     for name in workloads:
         for mode in modes:
             done = cells.measure(WORKLOADS[name], mode, competitors, args.warmup, args.repeats, args.smoke,
-                                 profile_calls=args.profile)
+                                 profile_calls=args.profile, run_length=args.run_length)
             result["cells"] = [c for c in result["cells"]
                                if (c["workload"], c["mode"]) != (name, mode) or c["competitor"] not in competitors]
             result["cells"] += [dataclasses.asdict(c) for c in done]
@@ -149,7 +157,8 @@ def main(argv=None) -> int:
     if args.micro:
         sizes = [int(n) for n in args.matmul_sizes.split(",") if n]
         micro_competitors = [c for c in competitors if c in micro.COMPETITORS]
-        done = micro.run_all(micro_competitors, sizes, args.stream_mib, args.warmup, args.repeats)
+        done = micro.run_all(micro_competitors, sizes, args.stream_mib, args.warmup, args.repeats,
+                             args.run_length)
         result["micro"] = [dataclasses.asdict(m) for m in done]
         for m in done:
             rate = f"{m.rate:10.1f} {m.work}" if m.rate is not None else m.error
