@@ -22,6 +22,13 @@ merges them. Per row (otherwise): one workgroup per row, ``THREADS`` threads wal
            dV += P dO and dK += dS Q. Each output is owned by one workgroup: no atomics.
 A score at or below ``MASKED`` (an additive mask of -inf or the dtype's minimum) counts as masked out; a row with
 every score masked outputs zeros (like PyTorch's math attention).
+
+The forward has a third form, flash (``_flash_forward``), for head sizes up to ``FLASH_MAX_HEAD`` where the
+workgroup storage holds its tiles: a block of 64 (or 32) query rows per workgroup, key tiles of 32, and both
+products register-tiled, 4 rows x 4 keys of scores and 4 rows x a few vec4 columns of output per thread
+(FlashAttention-2's loop order). On an H200 it took the inference GPU time of Whisper-tiny from 3.13 to 2.75 ms
+(against the unfused matmuls), SD U-Net 3.19 -> 2.87, SmolLM2 5.82 -> 5.22 (unfused before), SmolVLA 2.67 -> 2.41
+(the blocked forward before).
 """
 from __future__ import annotations
 
@@ -54,7 +61,7 @@ class AttentionShape:
 def attention_splits(shape: AttentionShape, kind: str, limits: dict) -> int:
     """How many slices of the other sequence pass ``kind`` is cut into (1: not cut). The slices' partial results
     go to scratch of ``partial_floats`` floats, and a second dispatch merges them."""
-    plan = _block_plan(shape, kind, limits)
+    plan = (_flash_plan(shape, limits) if kind == "forward" else None) or _block_plan(shape, kind, limits)
     return 1 if plan is None else plan.splits
 
 
@@ -71,6 +78,14 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
     names the output arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv. Where
     ``attention_splits`` is above 1, ``partial`` names the scratch array and there are two dispatches: the
     slices, then their merge."""
+    flash = _flash_plan(shape, limits) if kind == "forward" else None
+    if flash is not None:
+        if flash.splits > 1 and partial is None:
+            raise ValueError(f"attention forward is cut into {flash.splits} slices and needs a partial array")
+        passes = [_flash_forward(prelude, shape, outs, flash, limits, partial)]
+        if flash.splits > 1:
+            passes.append(_merge(prelude, shape, kind, outs, flash.splits, partial, limits))
+        return passes
     plan = _block_plan(shape, kind, limits)
     if plan is not None:
         if plan.splits > 1 and partial is None:
@@ -747,3 +762,233 @@ var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
 }}
 """
     return prelude + "\n" + _vec4_loaders(s, "q", "k", "v", "dout") + kernel, grid
+
+
+# ------------------------------------------------------------------------------------------ flash forward
+FLASH_MAX_HEAD = 64  # query/key and value head sizes up to this take the flash forward (its tiles then fit 48 KiB)
+FLASH_ROWS = (64, 32)  # query rows per workgroup: 64 where that gives FLASH_MIN_BLOCKS blocks and fits, else 32
+FLASH_MIN_BLOCKS = 128
+FLASH_KEYS = 32  # keys per tile
+FLASH_KEY_GROUPS = FLASH_KEYS // 4  # threads across a tile's keys (4 keys each); as many across value columns
+FLASH_TARGET_WORKGROUPS = 512  # keys are cut into slices (merged by a second dispatch) up to this many workgroups
+
+
+def flash_forward_fits(d: int, dv: int) -> bool:
+    """Whether head sizes ``d`` (query/key) and ``dv`` (value) take the flash forward (where the adapter's
+    workgroup storage holds its tiles; otherwise the blocked one runs)."""
+    return d <= FLASH_MAX_HEAD and dv <= FLASH_MAX_HEAD
+
+
+@dataclass(frozen=True)
+class FlashPlan:
+    rows: int  # query rows per workgroup, 4 per thread across rows
+    splits: int = 1  # slices of the keys, each a workgroup of its own (merged by a second dispatch)
+    chunk: int = 0  # keys per slice, a multiple of FLASH_KEYS (with splits > 1)
+
+
+def _flash_sizes(s: AttentionShape) -> tuple[int, int, int]:
+    """(d padded to 4, vec4 columns of a value row padded to the column threads, vec4 columns per thread)."""
+    per_thread = -(-(-(-s.dv // 4)) // FLASH_KEY_GROUPS)
+    return 4 * -(-s.d // 4), per_thread * FLASH_KEY_GROUPS, per_thread
+
+
+def _flash_shared_bytes(s: AttentionShape, rows: int) -> int:
+    dc, dvp4, _ = _flash_sizes(s)
+    groups = rows // 4
+    vec4s = dc * groups + dc * FLASH_KEY_GROUPS + FLASH_KEYS * dvp4 + FLASH_KEYS * (groups + 1)
+    return 16 * vec4s + 4 * rows * (FLASH_KEY_GROUPS + 1)
+
+
+def _flash_plan(s: AttentionShape, limits: dict) -> FlashPlan | None:
+    """Rows per workgroup and key slices of the flash forward, or None where it does not apply (head sizes above
+    FLASH_MAX_HEAD, or workgroup storage or invocations too small for 32 rows)."""
+    if not flash_forward_fits(s.d, s.dv):
+        return None
+    storage = limits.get("max-compute-workgroup-storage-size", 16384)
+    invocations = min(limits.get("max-compute-invocations-per-workgroup", 256),
+                      limits.get("max-compute-workgroup-size-x", 256))
+    fitting = [r for r in FLASH_ROWS
+               if _flash_shared_bytes(s, r) <= storage and r // 4 * FLASH_KEY_GROUPS <= invocations]
+    if not fitting:
+        return None
+    rows = next((r for r in fitting if s.batch * s.heads * -(-s.lq // r) >= FLASH_MIN_BLOCKS), fitting[-1])
+    blocks = s.batch * s.heads * -(-s.lq // rows)
+    tiles = -(-s.lk // FLASH_KEYS)
+    splits = 1
+    while (blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= SPLIT_MIN_TILES
+           and splits * 2 <= SPLIT_MAX):
+        splits *= 2
+    return FlashPlan(rows, splits, -(-tiles // splits) * FLASH_KEYS if splits > 1 else 0)
+
+
+def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashPlan, limits: dict,
+                   partial: str | None) -> tuple[str, tuple[int, int, int]]:
+    """The forward as two register-tiled products per key tile (FlashAttention-2's order): a workgroup holds a
+    block of query rows in workgroup memory and walks the keys in tiles of FLASH_KEYS; each thread computes a 4x4
+    block of scores (4 rows x 4 keys), the rows' running max is shared through workgroup memory, and the
+    probabilities go back to workgroup memory for P V, in which the thread owns 4 rows x its vec4 columns of the
+    output. Each thread keeps a partial row sum (rescaled with the shared max), added up at the end. Cut into
+    slices of keys, each slice stores its unnormalised output, running max and sum into ``partial``."""
+    out, lse = outs
+    dc, dvp4, per_thread = _flash_sizes(s)
+    d4, dv4 = dc // 4, -(-s.dv // 4)
+    groups, kg = plan.rows // 4, FLASH_KEY_GROUPS
+    blocks = s.batch * s.heads * -(-s.lq // plan.rows)
+    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    threads = groups * kg
+    rows4, cols = range(4), range(per_thread)
+
+    def stage_q() -> str:  # query rows i0.. transposed: qs[c * GROUPS + r / 4][r % 4]
+        total, lines = plan.rows * d4, []
+        for t in range(-(-total // threads)):
+            e = f"(tid + {t * threads}u)"
+            guard = f"if {e} < {total}u " if (t + 1) * threads > total else ""
+            lines.append(f"  {guard}{{\n    let r = {e} / {d4}u;\n    let c4 = {e} % {d4}u;\n"
+                         f"    let v = load_q4(b, h, min(i0 + r, LQ - 1u), c4);\n"
+                         + "".join(f"    qs[(4u * c4 + {u}u) * GROUPS + r / 4u][r % 4u] = v[{u}];\n" for u in range(4))
+                         + "  }")
+        return "\n".join(lines)
+
+    def stage_kv() -> str:  # keys transposed: ks[c * KG + j / 4][j % 4]; values by row: vs[j * DVP4 + c4]
+        lines = []
+        for what, width in (("k", d4), ("v", dvp4)):
+            total = FLASH_KEYS * width
+            for t in range(-(-total // threads)):
+                e = f"(tid + {t * threads}u)"
+                guard = f"if {e} < {total}u " if (t + 1) * threads > total else ""
+                load = f"select(vec4<f32>(), load_{what}4(b, h, min(start + j, LK - 1u), c4), start + j < key_end)"
+                store = ("".join(f"      ks[(4u * c4 + {u}u) * KG + j / 4u][j % 4u] = v[{u}];\n" for u in range(4))
+                         if what == "k" else "      vs[j * DVP4 + c4] = v;\n")
+                lines.append(f"    {guard}{{\n      let j = {e} / {width}u;\n      let c4 = {e} % {width}u;\n"
+                             f"      let v = {load};\n{store}    }}")
+        return "\n".join(lines)
+
+    bias = "load_bias(b, h, min(i, LQ - 1u), min(j, LK - 1u))" if s.has_bias else "0.0"
+    masked = "j >= key_end" + (" || j > i" if s.causal else "")
+    scores = "\n".join(
+        f"      {{\n        let i = i0 + 4u * rg + {r}u;\n"
+        + "".join(f"        {{ let j = start + 4u * kg + {t}u;\n"
+                  f"          s{r}[{t}] = select(s{r}[{t}] * SCALE + {bias}, MASKED, {masked}); }}\n" for t in range(4))
+        + f"        ex[(4u * rg + {r}u) * EXS + kg] = max(max(s{r}[0], s{r}[1]), max(s{r}[2], s{r}[3]));\n      }}"
+        for r in rows4)
+    softmax = "\n".join(
+        f"      {{\n        var tile_max = MASKED;\n"
+        f"        for (var g = 0u; g < KG; g++) {{ tile_max = max(tile_max, ex[(4u * rg + {r}u) * EXS + g]); }}\n"
+        f"        let m_new = max(m[{r}], tile_max);\n"
+        f"        let alpha = select(exp(m[{r}] - m_new), 1.0, m[{r}] <= MASKED);\n"
+        f"        m[{r}] = m_new;\n"
+        + "".join(f"        o{r}_{w} = o{r}_{w} * alpha;\n" for w in cols)
+        + f"        p{r} = vec4<f32>(prob(s{r}[0], m_new), prob(s{r}[1], m_new), prob(s{r}[2], m_new), "
+          f"prob(s{r}[3], m_new));\n"
+        f"        l[{r}] = l[{r}] * alpha + p{r}[0] + p{r}[1] + p{r}[2] + p{r}[3];\n      }}"
+        for r in rows4)
+    accumulate = "\n".join(
+        f"        {{ let vv = vs[j * DVP4 + kg + {kg * w}u];\n"
+        + "".join(f"          o{r}_{w} = fma(vec4<f32>(pv[{r}]), vv, o{r}_{w});\n" for r in rows4) + "        }"
+        for w in cols)
+    if plan.splits > 1:
+        width = s.dv + 2
+        finish = "\n".join(
+            f"    {{\n      let i = i0 + 4u * rg + {r}u;\n      if (i < LQ) {{\n"
+            f"        let at = (split * ROWS + bh * LQ + i) * {width}u;\n"
+            + "".join(f"        if (kg + {kg * w}u < {dv4}u) {{\n"
+                      + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ {partial}[at + 4u * (kg + {kg * w}u)"
+                                f" + {t}u] = o{r}_{w}[{t}]; }}\n" for t in range(4))
+                      + "        }\n" for w in cols)
+            + f"        if (kg == 0u) {{ {partial}[at + DV] = m[{r}]; {partial}[at + DV + 1u] = total[{r}]; }}\n"
+            f"      }}\n    }}" for r in rows4)
+    else:
+        finish = "\n".join(
+            f"    {{\n      let i = i0 + 4u * rg + {r}u;\n      if (i < LQ) {{\n"
+            f"        let row = bh * LQ + i;\n        let inv = select(1.0 / total[{r}], 0.0, total[{r}] == 0.0);\n"
+            + "".join(f"        if (kg + {kg * w}u < {dv4}u) {{\n          let v = o{r}_{w} * inv;\n"
+                      + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ {out}[row * DV + 4u * (kg + {kg * w}u)"
+                                f" + {t}u] = v[{t}]; }}\n" for t in range(4))
+                      + "        }\n" for w in cols)
+            + f"        if (kg == 0u) {{ {lse}[row] = select(m[{r}] + log(total[{r}]), MASKED, total[{r}] == 0.0); }}\n"
+            f"      }}\n    }}" for r in rows4)
+    p_stores = "\n".join(f"    ps[(4u * kg + {t}u) * (GROUPS + 1u) + rg] = vec4<f32>(p0[{t}], p1[{t}], p2[{t}], p3[{t}]);"
+                         for t in range(4))
+    sum_stores = "\n".join(f"  ex[(4u * rg + {r}u) * EXS + kg] = l[{r}];" for r in rows4)
+    sums = "\n".join(f"  for (var g = 0u; g < KG; g++) {{ total[{r}] = total[{r}] + ex[(4u * rg + {r}u) * EXS + g]; }}"
+                      for r in rows4)
+    key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
+    o_regs = "\n".join(f"  var o{r}_{w} = vec4<f32>();" for r in rows4 for w in cols)
+    kernel = f"""
+// ---- attention forward (flash): {plan.rows} query rows per workgroup, key tiles of {FLASH_KEYS}, 4x4 per thread
+const H: u32 = {s.heads}u;
+const LQ: u32 = {s.lq}u;
+const LK: u32 = {s.lk}u;
+const DV: u32 = {s.dv}u;
+const BQ: u32 = {plan.rows}u;
+const BK: u32 = {FLASH_KEYS}u;
+const GROUPS: u32 = {groups}u;
+const KG: u32 = {kg}u;
+const DC: u32 = {dc}u;
+const DVP4: u32 = {dvp4}u;
+const EXS: u32 = {kg + 1}u;
+const QBLOCKS: u32 = {-(-s.lq // plan.rows)}u;
+const BLOCKS: u32 = {blocks}u;
+{_split_constants(s, "forward", plan, grid)}
+const SCALE: f32 = {s.scale!r};
+const MASKED: f32 = {MASKED!r};
+var<workgroup> qs: array<vec4<f32>, {dc * groups}>;
+var<workgroup> ks: array<vec4<f32>, {dc * kg}>;
+var<workgroup> vs: array<vec4<f32>, {FLASH_KEYS * dvp4}>;
+var<workgroup> ps: array<vec4<f32>, {FLASH_KEYS * (groups + 1)}>;
+var<workgroup> ex: array<f32, {plan.rows * (kg + 1)}>;
+
+{PROB}
+
+{_entry(str(threads), "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
+  let split = wid % SPLITS;
+  let bh = blk / QBLOCKS;
+  let b = bh / H;
+  let h = bh % H;
+  let i0 = (blk % QBLOCKS) * BQ;
+  let kg = tid % KG;
+  let rg = tid / KG;
+{stage_q()}
+{o_regs}
+  var m = array<f32, 4>(MASKED, MASKED, MASKED, MASKED);
+  var l = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+{_slice("key", key_end)}
+  for (var start = key_lo; start < key_end; start = start + BK) {{
+    workgroupBarrier();
+{stage_kv()}
+    workgroupBarrier();
+    var s0 = vec4<f32>();
+    var s1 = vec4<f32>();
+    var s2 = vec4<f32>();
+    var s3 = vec4<f32>();
+    for (var c = 0u; c < DC; c++) {{
+      let a = qs[c * GROUPS + rg];
+      let k = ks[c * KG + kg];
+      s0 = fma(vec4<f32>(a[0]), k, s0);
+      s1 = fma(vec4<f32>(a[1]), k, s1);
+      s2 = fma(vec4<f32>(a[2]), k, s2);
+      s3 = fma(vec4<f32>(a[3]), k, s3);
+    }}
+{scores}
+    workgroupBarrier();
+    var p0 = vec4<f32>();
+    var p1 = vec4<f32>();
+    var p2 = vec4<f32>();
+    var p3 = vec4<f32>();
+{softmax}
+{p_stores}
+    workgroupBarrier();
+    for (var j = 0u; j < BK; j++) {{
+      let pv = ps[j * (GROUPS + 1u) + rg];
+{accumulate}
+    }}
+  }}
+  workgroupBarrier();
+{sum_stores}
+  workgroupBarrier();
+  var total = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+{sums}
+{finish}
+}}
+"""
+    return prelude + "\n" + _vec4_loaders(s, "q", "k", "v") + kernel, grid

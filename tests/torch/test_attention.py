@@ -1,7 +1,8 @@
 """Fused attention against eager SDPA: output and dQ, dK, dV elementwise (rtol 1e-3, atol 1e-4, relative L2 1e-4), over
 head_dim {32, 64, 80, 128} x seq {1, 7, 128, 300} plus head_dim 256 at seq 7 and 128, with causal masking, boolean
 and additive masks (broadcast over batch and heads), custom scales, grouped-query attention and cross-attention
-cycling through the grid (head_dim up to 80 runs the blocked kernels, 128 and 256 the per-row ones); then the memory
+cycling through the grid (head_dim up to 64 runs the flash forward and the blocked gradient kernels, 80 the blocked
+kernels, 128 and 256 the per-row ones; the blocked forward again with flash off); then the memory
 plan of a long sequence, HF Llama with the SmolLM2-135M attention shape, and the dispatches a Llama layer costs
 (rotary embeddings and repeat-KV fold into the attention loads), and passes cut into slices of the other sequence
 (merged by a second dispatch) where the row blocks alone are too few."""
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import meganeura.kernels.attention as attention_kernels
 import torch_meganeura
 from conftest import assert_grads_match, assert_same, check_gradients_against_eager, meganeura_warnings
 
@@ -69,6 +71,7 @@ def test_unfused_attention(monkeypatch, d, seq, variant):
     from torch_meganeura.lowerings import attention
 
     monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", 1)
+    monkeypatch.setattr(attention_kernels, "FLASH_MAX_HEAD", 0)  # the forward too, not only the backward
     q = torch.randn(1, 2, 16, 32)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     gm = torch.fx.symbolic_trace(lambda q, k, v: op(q, k, v, 0.0, False))
@@ -80,8 +83,38 @@ def test_unfused_attention(monkeypatch, d, seq, variant):
     _check_sdpa(d, seq, variant)
 
 
+FLASH_OFF_CASES = [(32, 7, "causal"), (64, 128, "gqa_causal_cross"), (64, 300, "bool_mask"), (16, 1, "cross")]
+
+
+@pytest.mark.parametrize("d, seq, variant", FLASH_OFF_CASES)
+def test_blocked_forward_where_flash_is_off(monkeypatch, d, seq, variant):
+    """Head sizes up to 64 take the flash forward; where an adapter's workgroup storage cannot hold its tiles, the
+    blocked forward runs instead: the same checks with flash off."""
+    monkeypatch.setattr(attention_kernels, "FLASH_MAX_HEAD", 0)
+    _check_sdpa(d, seq, variant)
+
+
+def test_flash_forward_plans_fit_the_adapter():
+    """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks;
+    no flash plan where workgroup storage cannot hold 32 rows' tiles (the blocked forward runs then)."""
+    from meganeura.kernels.attention import AttentionShape, _flash_plan, _flash_shared_bytes, attention_kernel
+
+    big = {"max-compute-workgroup-storage-size": 49152, "max-compute-invocations-per-workgroup": 1024,
+           "max-compute-workgroup-size-x": 1024}
+    whisper = AttentionShape(1, 6, 6, 1500, 1500, 64, 64, 0.125, False, False)
+    plan = _flash_plan(whisper, big)
+    assert (plan.rows, plan.splits) == (64, 4) and _flash_shared_bytes(whisper, 64) <= 49152
+    assert _flash_plan(AttentionShape(1, 9, 3, 128, 128, 64, 64, 0.125, True, False), big).rows == 32
+    small = dict(big, **{"max-compute-workgroup-storage-size": 16384})
+    assert _flash_plan(whisper, small) is None
+    passes = attention_kernel("", "forward", whisper, ["out", "lse"], small, partial="scratch")
+    assert "flash" not in passes[0][0]
+    assert _flash_plan(AttentionShape(1, 6, 6, 1500, 1500, 80, 64, 0.1, False, False), big) is None
+
+
 def test_fully_masked_rows_give_zeros_fused_and_unfused(monkeypatch):
-    """A query row whose keys are all masked out outputs zeros and passes no gradient, as in eager, on both paths."""
+    """A query row whose keys are all masked out outputs zeros and passes no gradient, as in eager, on every path:
+    the flash forward, the blocked one, and the unfused one."""
     from torch_meganeura.lowerings import attention
 
     mask = torch.rand(1, 1, 9, 600) > 0.5
@@ -92,11 +125,12 @@ def test_fully_masked_rows_give_zeros_fused_and_unfused(monkeypatch):
 
     q = torch.randn(1, 2, 9, 16)
     k, v = torch.randn(1, 2, 600, 16), torch.randn(1, 2, 600, 16)
-    for min_keys in (10**9, 1):
+    for flash_max, min_keys in ((64, 10**9), (0, 10**9), (0, 1)):
+        monkeypatch.setattr(attention_kernels, "FLASH_MAX_HEAD", flash_max)
         monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", min_keys)
         torch._dynamo.reset()
         check_gradients_against_eager(fn, q, k, v, rtol=RTOL, atol=ATOL, rel=REL, names="qkv",
-                                      what=f"a masked row, min keys {min_keys}")
+                                      what=f"a masked row, flash up to {flash_max}, min keys {min_keys}")
 
 
 def test_inference_attention_is_one_fused_kernel():

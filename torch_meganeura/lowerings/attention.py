@@ -7,13 +7,15 @@ and the repeat-KV expansion of grouped-query attention become coordinates, not c
 additive one (-inf where False); masks broadcast over batch and heads. The backward is three passes: delta =
 rowsum(dout * out) as a reduction, then dQ per query row and dK, dV per key row.
 
-Where the score matrices of a call fit ``UNFUSED_MAX_SCORE_BYTES`` and rows are long (``UNFUSED_MIN_KEYS``), the
-attention is lowered unfused instead, as PyTorch's math path computes it, onto the matmul and reduction archetypes:
-the scores S = scale q.k + bias (masked) stored by a matmul, the row log-sum-exp by a reduction over them, and
-out = softmax(S) v by a matmul that exponentiates S as it loads it. The backward recomputes S, stores
-dS = P (dO.V - delta) from a matmul's epilogue, and gets dQ, dK and dV as three matmuls (dV's operand P again
-from S and the log-sum-exp). The tiled matmuls reuse every loaded row many times, where the fused kernels run one
-row per thread: on long rows that is faster, at the price of one or two score matrices in memory.
+The forward of head sizes the flash kernel takes (``flash_forward_fits``) is always fused. Otherwise, and for
+the backward, where the score matrices of a call fit ``UNFUSED_MAX_SCORE_BYTES`` and rows are long
+(``UNFUSED_MIN_KEYS``), the attention is lowered unfused instead, as PyTorch's math path computes it, onto the
+matmul and reduction archetypes: the scores S = scale q.k + bias (masked) stored by a matmul, the row log-sum-exp
+by a reduction over them, and out = softmax(S) v by a matmul that exponentiates S as it loads it. The backward
+recomputes S, stores dS = P (dO.V - delta) from a matmul's epilogue, and gets dQ, dK and dV as three matmuls (dV's
+operand P again from S and the log-sum-exp). The tiled matmuls reuse every loaded row many times, where the blocked
+and per-row kernels run one row per thread: on long rows that is faster, at the price of one or two score
+matrices in memory.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import math
 import torch
 
 from meganeura.kernels.attention import MASKED  # a score at or below counts as masked out
+from meganeura.kernels.attention import flash_forward_fits
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput
 
@@ -80,7 +83,7 @@ def _sdpa(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale
     qe, ke, ve, bias = _operands(ctx, q, k, v, attn_mask)
     batch, heads, lq, _ = q.shape
     fields = _fields(q, k, v, scale, is_causal)
-    if _unfused(fields):
+    if _unfused(fields) and not flash_forward_fits(fields["d"], fields["dv"]):
         return _unfused_forward(ctx.b, qe, ke, ve, bias, fields)
     out, lse = ctx.b.attention("forward", [((batch, heads, lq, v.shape[3]), "float32"), ((batch, heads, lq), "float32")],
                                q=qe, k=ke, v=ve, bias=bias, label="attention", **fields)
