@@ -829,9 +829,8 @@ def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Flash
     probabilities go back to workgroup memory for P V, in which the thread owns 4 rows x its vec4 columns of the
     output. Each thread keeps a partial row sum (rescaled with the shared max), added up at the end. Cut into
     slices of keys, each slice stores its unnormalised output, running max and sum into ``partial``."""
-    out, lse = outs
     dc, dvp4, per_thread = _flash_sizes(s)
-    d4, dv4 = dc // 4, -(-s.dv // 4)
+    d4 = dc // 4
     groups, kg = plan.rows // 4, FLASH_KEY_GROUPS
     blocks = s.batch * s.heads * -(-s.lq // plan.rows)
     grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
@@ -886,27 +885,7 @@ def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Flash
         f"        {{ let vv = vs[j * DVP4 + kg + {kg * w}u];\n"
         + "".join(f"          o{r}_{w} = fma(vec4<f32>(pv[{r}]), vv, o{r}_{w});\n" for r in rows4) + "        }"
         for w in cols)
-    if plan.splits > 1:
-        width = s.dv + 2
-        finish = "\n".join(
-            f"    {{\n      let i = i0 + 4u * rg + {r}u;\n      if (i < LQ) {{\n"
-            f"        let at = (split * ROWS + bh * LQ + i) * {width}u;\n"
-            + "".join(f"        if (kg + {kg * w}u < {dv4}u) {{\n"
-                      + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ {partial}[at + 4u * (kg + {kg * w}u)"
-                                f" + {t}u] = o{r}_{w}[{t}]; }}\n" for t in range(4))
-                      + "        }\n" for w in cols)
-            + f"        if (kg == 0u) {{ {partial}[at + DV] = m[{r}]; {partial}[at + DV + 1u] = total[{r}]; }}\n"
-            f"      }}\n    }}" for r in rows4)
-    else:
-        finish = "\n".join(
-            f"    {{\n      let i = i0 + 4u * rg + {r}u;\n      if (i < LQ) {{\n"
-            f"        let row = bh * LQ + i;\n        let inv = select(1.0 / total[{r}], 0.0, total[{r}] == 0.0);\n"
-            + "".join(f"        if (kg + {kg * w}u < {dv4}u) {{\n          let v = o{r}_{w} * inv;\n"
-                      + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ {out}[row * DV + 4u * (kg + {kg * w}u)"
-                                f" + {t}u] = v[{t}]; }}\n" for t in range(4))
-                      + "        }\n" for w in cols)
-            + f"        if (kg == 0u) {{ {lse}[row] = select(m[{r}] + log(total[{r}]), MASKED, total[{r}] == 0.0); }}\n"
-            f"      }}\n    }}" for r in rows4)
+    finish = _flash_stores(s, plan, outs, partial, cols)
     p_stores = "\n".join(f"    ps[(4u * kg + {t}u) * (GROUPS + 1u) + rg] = vec4<f32>(p0[{t}], p1[{t}], p2[{t}], p3[{t}]);"
                          for t in range(4))
     sum_stores = "\n".join(f"  ex[(4u * rg + {r}u) * EXS + kg] = l[{r}];" for r in rows4)
@@ -992,3 +971,37 @@ var<workgroup> ex: array<f32, {plan.rows * (kg + 1)}>;
 }}
 """
     return prelude + "\n" + _vec4_loaders(s, "q", "k", "v") + kernel, grid
+
+
+def _flash_stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: str | None, cols: range) -> str:
+    """WGSL: each thread's 4 output rows (its vec4 columns of each), normalised into ``out`` with the row's
+    log-sum-exp into ``lse``; or, keys cut into slices, unnormalised with the running max and sum into this
+    slice's row of ``partial`` (the layout ``_merge`` reads)."""
+    out, lse = outs
+    kg, dv4 = FLASH_KEY_GROUPS, -(-s.dv // 4)
+    if plan.splits > 1:
+        array, base = partial, f"(split * ROWS + bh * LQ + i) * {s.dv + 2}u"
+
+        def scale(r):
+            return ""
+
+        def tail(r):
+            return f"{partial}[at + DV] = m[{r}]; {partial}[at + DV + 1u] = total[{r}];"
+    else:
+        array, base = out, "(bh * LQ + i) * DV"
+
+        def scale(r):
+            return f" * select(1.0 / total[{r}], 0.0, total[{r}] == 0.0)"
+
+        def tail(r):
+            return f"{lse}[bh * LQ + i] = select(m[{r}] + log(total[{r}]), MASKED, total[{r}] == 0.0);"
+    rows = []
+    for r in range(4):
+        columns = "".join(
+            f"        if (kg + {kg * w}u < {dv4}u) {{\n          let v = o{r}_{w}{scale(r)};\n"
+            + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ {array}[at + 4u * (kg + {kg * w}u) + {t}u] = "
+                      f"v[{t}]; }}\n" for t in range(4))
+            + "        }\n" for w in cols)
+        rows.append(f"    {{\n      let i = i0 + 4u * rg + {r}u;\n      if (i < LQ) {{\n        let at = {base};\n"
+                    f"{columns}        if (kg == 0u) {{ {tail(r)} }}\n      }}\n    }}")
+    return "\n".join(rows)
