@@ -789,11 +789,14 @@ class FlashPlan:
 
 def _flash_sizes(s: AttentionShape) -> tuple[int, int, int]:
     """(d padded to 4, vec4 columns of a value row padded to the column threads, vec4 columns per thread)."""
-    per_thread = -(-(-(-s.dv // 4)) // FLASH_KEY_GROUPS)
+    dv4 = -(-s.dv // 4)
+    per_thread = -(-dv4 // FLASH_KEY_GROUPS)
     return 4 * -(-s.d // 4), per_thread * FLASH_KEY_GROUPS, per_thread
 
 
 def _flash_shared_bytes(s: AttentionShape, rows: int) -> int:
+    """Workgroup storage of ``rows`` query rows: transposed query and key tiles, the value tile, the probabilities
+    and the row-maximum exchange."""
     dc, dvp4, _ = _flash_sizes(s)
     groups = rows // 4
     vec4s = dc * groups + dc * FLASH_KEY_GROUPS + FLASH_KEYS * dvp4 + FLASH_KEYS * (groups + 1)
