@@ -10,10 +10,11 @@ over. The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's ne
 their candidates' pipelines compiled in one batch (side by side), then timed problem by problem. A problem whose buffers would not fit the
 device's binding limit keeps the default untimed.
 
-The file is ``matmul-tuning-<adapter digest>.json`` in the directory the caller gives (None: remembered for the
-process only). It records the adapter's description, and per problem the choice and the two times; a file that
-does not parse or names another adapter is ignored and rewritten. A directory that cannot be written only loses
-the memory.
+The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
+only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the matmul
+generator's source and whether kernels keep naga's runtime checks). It records both, and per problem the choice
+and the two times; a file that does not parse or names another adapter or other kernels is ignored and rewritten,
+so a changed generator is tuned afresh. A directory that cannot be written only loses the memory.
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from meganeura.runtime.device import SHADER_CHECKS_ENV
 from meganeura.runtime.timing import WARMUP_SECONDS, time_sequences
 
+from . import matmul as matmul_generator
 from .matmul import (SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan, _max_threads, default_choice,
                      matmul_kernel, split_reduce_kernel)
 
@@ -42,6 +45,16 @@ MIN_GAIN = 0.05  # a candidate replaces the default when at least this much fast
 FILE_VERSION = 1
 
 
+def timed_kernels() -> str:
+    """A digest of what tuned timings depend on besides the adapter: the source of the matmul generator and of
+    this module, and whether kernels compile with naga's runtime checks (``MEGANEURA_SHADER_CHECKS``)."""
+    digest = hashlib.sha256()
+    for source in (matmul_generator.__file__, __file__):
+        digest.update(Path(source).read_bytes())
+    digest.update(f"checks={os.environ.get(SHADER_CHECKS_ENV) == '1'}".encode())
+    return digest.hexdigest()[:16]
+
+
 class MatmulTuner:
     """Chooses tiled matmul variants for one device; ``choose_all`` is ``compile_graph``'s ``choose_matmuls``."""
 
@@ -49,7 +62,8 @@ class MatmulTuner:
         self.device = device
         info = dict(device.adapter.info)
         self.adapter = json.dumps({k: info[k] for k in sorted(info)}, default=str)
-        self.fingerprint = hashlib.sha256(self.adapter.encode()).hexdigest()[:16]
+        self.kernels = timed_kernels()
+        self.fingerprint = hashlib.sha256(f"{self.adapter}|{self.kernels}".encode()).hexdigest()[:16]
         self.path = Path(directory) / f"matmul-tuning-{self.fingerprint}.json" if directory is not None else None
         self.entries: dict[str, dict] = self._load()
         self.tuned = 0  # problems timed by this tuner
@@ -121,7 +135,8 @@ class MatmulTuner:
             return {}
         try:
             data = json.loads(self.path.read_text())
-            if data.get("version") != FILE_VERSION or data.get("adapter") != self.adapter:
+            if (data.get("version"), data.get("adapter"), data.get("kernels")) != (FILE_VERSION, self.adapter,
+                                                                                  self.kernels):
                 return {}
             return {k: v for k, v in data["problems"].items() if _valid(v)}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -130,7 +145,8 @@ class MatmulTuner:
     def _save(self) -> None:
         if self.path is None:
             return
-        body = json.dumps({"version": FILE_VERSION, "adapter": self.adapter, "problems": self.entries}, indent=1)
+        body = json.dumps({"version": FILE_VERSION, "adapter": self.adapter, "kernels": self.kernels,
+                           "problems": self.entries}, indent=1)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-", suffix=".json")

@@ -1,5 +1,5 @@
 """Tests for meganeura.kernels.matmul_tuning: candidate variants, timing on the adapter (lavapipe on CPU), and the
-per-adapter file of choices (remembered, and ignored when damaged)."""
+file of choices per adapter and kernels (remembered; ignored when damaged, foreign or from other kernels)."""
 import json
 
 import pytest
@@ -48,16 +48,39 @@ def test_tuner_times_a_problem_once_and_remembers_it(tmp_path, small_family):
     assert again.choose_all([(1, 40, 48, 96, "p", "j")])[0] == choice and again.tuned == 0
 
 
-@pytest.mark.parametrize("content", ["{ not json", json.dumps({"version": 1, "adapter": "another GPU", "problems": {
-    "1x40x48x96:pj": {"tile": [16, 32], "block": [4, 4], "split": 2}}})])
+ENTRY = {"1x40x48x96:pj": {"tile": [16, 32], "block": [4, 4], "split": 2}}
+
+
+@pytest.mark.parametrize("content", ["{ not json", {"adapter": "another GPU"}, {"kernels": "an older generator"}])
 def test_damaged_or_foreign_file_is_ignored_and_rewritten(tmp_path, small_family, content):
     device = get_device()
     tuner = MatmulTuner(device, tmp_path)
+    if isinstance(content, dict):  # a well-formed file but for another adapter or other kernels
+        content = json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
+                              "kernels": tuner.kernels, "problems": ENTRY, **content})
     tuner.path.write_text(content)
     fresh = MatmulTuner(device, tmp_path)
     assert fresh.entries == {}
     fresh.choose_all([(1, 40, 48, 96, "p", "j")])
-    assert fresh.tuned == 1 and json.loads(fresh.path.read_text())["adapter"] == fresh.adapter
+    saved = json.loads(fresh.path.read_text())
+    assert fresh.tuned == 1 and (saved["adapter"], saved["kernels"]) == (fresh.adapter, fresh.kernels)
+
+
+def test_a_well_formed_file_of_this_adapter_and_kernels_is_read(tmp_path, small_family):
+    device = get_device()
+    tuner = MatmulTuner(device, tmp_path)
+    tuner.path.write_text(json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
+                                      "kernels": tuner.kernels, "problems": ENTRY}))
+    assert MatmulTuner(device, tmp_path).entries == ENTRY
+
+
+def test_kernels_with_runtime_checks_are_tuned_apart(monkeypatch):
+    """Checked kernels run slower, so their timings go to another file, and plans tuned with them to other cache
+    entries (the fingerprint is part of the plan cache key)."""
+    device = get_device()
+    unchecked = MatmulTuner(device, None).fingerprint
+    monkeypatch.setenv("MEGANEURA_SHADER_CHECKS", "1")
+    assert MatmulTuner(device, None).fingerprint != unchecked
 
 
 def test_entries_naming_impossible_variants_are_dropped(tmp_path):
@@ -66,7 +89,8 @@ def test_entries_naming_impossible_variants_are_dropped(tmp_path):
     good = {"tile": [32, 64], "block": [4, 8], "split": 4, "us": 1.0, "default_us": 2.0}
     problems = {"1x2x3x4:pp": good, "1x5x6x7:pp": {**good, "tile": [3, 5]}, "1x8x9x10:pp": {**good, "split": 0},
                 "1x8x9x11:pp": {**good, "block": [4, 16]}}
-    tuner.path.write_text(json.dumps({"version": 1, "adapter": tuner.adapter, "problems": problems}))
+    tuner.path.write_text(json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
+                                      "kernels": tuner.kernels, "problems": problems}))
     assert list(MatmulTuner(device, tmp_path).entries) == ["1x2x3x4:pp"]
 
 
