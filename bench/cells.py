@@ -138,8 +138,9 @@ def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple
 
 def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, repeats: int,
             smoke: bool = False, seed: int = 0, profile_calls: int = 0, run_length: int = RUN_LENGTH) -> list[Cell]:
-    """The cells of one (workload, mode), competitors timed in turns of ``run_length`` calls; then, if ``profile_calls``, that many
-    more calls of each meganeura competitor under the profiler (per-dispatch GPU time, not the timed calls)."""
+    """The cells of one (workload, mode), competitors timed in turns of ``run_length`` calls; then, if
+    ``profile_calls``, that many more calls of each meganeura competitor under the profiler (per-dispatch GPU time,
+    not the timed calls)."""
     torch.manual_seed(seed)
     base = workload.build(smoke).float()
     size = "minimal" if mode == "latency" else "full"

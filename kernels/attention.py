@@ -890,8 +890,8 @@ def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Flash
         + "".join(f"          o{r}_{w} = fma(vec4<f32>(pv[{r}]), vv, o{r}_{w});\n" for r in rows4) + "        }"
         for w in cols)
     finish = _flash_stores(s, plan, outs, partial, cols)
-    p_stores = "\n".join(f"    ps[(4u * kg + {t}u) * (GROUPS + 1u) + rg] = vec4<f32>(p0[{t}], p1[{t}], p2[{t}], p3[{t}]);"
-                         for t in range(4))
+    p_stores = "\n".join(f"    ps[(4u * kg + {t}u) * (GROUPS + 1u) + rg] = "
+                         f"vec4<f32>(p0[{t}], p1[{t}], p2[{t}], p3[{t}]);" for t in range(4))
     sum_stores = "\n".join(f"  ex[(4u * rg + {r}u) * EXS + kg] = l[{r}];" for r in rows4)
     sums = "\n".join(f"  for (var g = 0u; g < KG; g++) {{ total[{r}] = total[{r}] + ex[(4u * rg + {r}u) * EXS + g]; }}"
                       for r in rows4)
@@ -1003,8 +1003,8 @@ def _flash_stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: 
     for r in range(4):
         columns = "".join(
             f"        if (kg + {kg * w}u < {dv4}u) {{\n          let v = o{r}_{w}{scale(r)};\n"
-            + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ {array}[at + 4u * (kg + {kg * w}u) + {t}u] = "
-                      f"v[{t}]; }}\n" for t in range(4))
+            + "".join(f"          if (4u * (kg + {kg * w}u) + {t}u < DV) {{ "
+                      f"{array}[at + 4u * (kg + {kg * w}u) + {t}u] = v[{t}]; }}\n" for t in range(4))
             + "        }\n" for w in cols)
         rows.append(f"    {{\n      let i = i0 + 4u * rg + {r}u;\n      if (i < LQ) {{\n        let at = {base};\n"
                     f"{columns}        if (kg == 0u) {{ {tail(r)} }}\n      }}\n    }}")

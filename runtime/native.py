@@ -1,5 +1,5 @@
-"""Direct calls into wgpu-native for the replay loop, the read-back and the timestamp period, with the wgpu-py API
-as fallback.
+"""Direct calls into wgpu-native for the replay loop, the read-back, the timestamp period and shader modules without
+runtime checks, with the wgpu-py API as fallback.
 
 wgpu-py wraps every native call in Python error capture, a few microseconds each, and a plan replay makes up to
 three calls per dispatch. Recording a compute pass cannot fail at the call: wgpu stores a recording error in the

@@ -1,4 +1,5 @@
-"""The order of timed calls: turns of runs, each turn after an untimed call, every competitor timed ``repeats`` times."""
+"""The order of timed calls: turns of runs, each turn after an untimed call, every competitor timed ``repeats``
+times."""
 import pytest
 
 from bench.turns import take_turns
