@@ -841,11 +841,14 @@ def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Flash
     threads = groups * kg
     rows4, cols = range(4), range(per_thread)
 
-    def stage_q() -> str:  # query rows i0.. transposed: qs[c * GROUPS + r / 4][r % 4]
-        total, lines = plan.rows * d4, []
+    def shares(total: int):  # (element index, guard) of each of a thread's shares of ``total`` staged elements
         for t in range(-(-total // threads)):
             e = f"(tid + {t * threads}u)"
-            guard = f"if {e} < {total}u " if (t + 1) * threads > total else ""
+            yield e, f"if {e} < {total}u " if (t + 1) * threads > total else ""
+
+    def stage_q() -> str:  # query rows i0.. transposed: qs[c * GROUPS + r / 4][r % 4]
+        lines = []
+        for e, guard in shares(plan.rows * d4):
             lines.append(f"  {guard}{{\n    let r = {e} / {d4}u;\n    let c4 = {e} % {d4}u;\n"
                          f"    let v = load_q4(b, h, min(i0 + r, LQ - 1u), c4);\n"
                          + "".join(f"    qs[(4u * c4 + {u}u) * GROUPS + r / 4u][r % 4u] = v[{u}];\n" for u in range(4))
@@ -855,10 +858,7 @@ def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Flash
     def stage_kv() -> str:  # keys transposed: ks[c * KG + j / 4][j % 4]; values by row: vs[j * DVP4 + c4]
         lines = []
         for what, width in (("k", d4), ("v", dvp4)):
-            total = FLASH_KEYS * width
-            for t in range(-(-total // threads)):
-                e = f"(tid + {t * threads}u)"
-                guard = f"if {e} < {total}u " if (t + 1) * threads > total else ""
+            for e, guard in shares(FLASH_KEYS * width):
                 load = f"select(vec4<f32>(), load_{what}4(b, h, min(start + j, LK - 1u), c4), start + j < key_end)"
                 store = ("".join(f"      ks[(4u * c4 + {u}u) * KG + j / 4u][j % 4u] = v[{u}];\n" for u in range(4))
                          if what == "k" else "      vs[j * DVP4 + c4] = v;\n")
