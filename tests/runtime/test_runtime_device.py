@@ -184,3 +184,60 @@ def test_kernels_compile_without_runtime_checks_unless_asked(monkeypatch):
     monkeypatch.setenv(device_module.SHADER_CHECKS_ENV, "1")
     assert _run_single(dev, dev.pipeline(_kernel(3002.0), 1, "checked")) == 3002.0
     assert unchecked == [True]  # the checked kernel went through wgpu-py's own create_shader_module
+
+
+@pytest.mark.parametrize("value, adapter_type, seconds", [
+    (None, "CPU", 0.0), (None, "DiscreteGPU", device_module.SPIN_WAIT_MS / 1e3), (None, "IntegratedGPU", 0.02),
+    ("0", "DiscreteGPU", 0.0), ("2.5", "CPU", 0.0025),
+])
+def test_spin_wait_defaults_to_gpus_only_and_follows_the_env_var(monkeypatch, value, adapter_type, seconds):
+    if value is None:
+        monkeypatch.delenv(device_module.SPIN_WAIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(device_module.SPIN_WAIT_ENV, value)
+    assert device_module._spin_seconds(adapter_type) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_bad_spin_wait_is_named(monkeypatch, value):
+    monkeypatch.setenv(device_module.SPIN_WAIT_ENV, value)
+    with pytest.raises(MeganeuraError, match="MEGANEURA_SPIN_WAIT_MS"):
+        device_module._spin_seconds("DiscreteGPU")
+
+
+class _PollRecorder:
+    """wgpu-native's functions, with each wgpuDevicePoll's ``wait`` flag recorded."""
+
+    def __init__(self, lib):
+        self._lib, self.waits = lib, []
+
+    def wgpuDevicePoll(self, device, wait, index):
+        self.waits.append(bool(wait))
+        return self._lib.wgpuDevicePoll(device, wait, index)
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+@pytest.mark.parametrize("spin_seconds, blocks", [(0.0, True), (30.0, False)])
+def test_read_back_spins_then_blocks(monkeypatch, spin_seconds, blocks):
+    native = device_module.native
+    if native._lib is None:
+        pytest.skip("wgpu-py's native backend is not in use")
+    dev = get_device()
+    pipeline = dev.pipeline(_kernel(4001.0 + spin_seconds), 1, "spin")
+    out, staging = dev.storage_buffer(4, "out"), dev.staging_buffer(4, "staging")
+    encoder = dev.wgpu_device.create_command_encoder()
+    compute_pass = encoder.begin_compute_pass()
+    compute_pass.set_pipeline(pipeline)
+    compute_pass.set_bind_group(0, dev.bind_group([(out, 0, 4)]))
+    compute_pass.dispatch_workgroups(1)
+    compute_pass.end()
+    encoder.copy_buffer_to_buffer(out, 0, staging, 0, 4)
+    recorder = _PollRecorder(native._lib)
+    monkeypatch.setattr(native, "_lib", recorder)
+    dev.submit(encoder)
+    data = native.read_back(dev.wgpu_device, staging, 4, spin_seconds)
+    assert np.frombuffer(data, np.float32)[0] == 4001.0 + spin_seconds
+    assert recorder.waits  # it polled
+    assert (True in recorder.waits) == blocks  # a 30 s spin returns on the callback, long before it would block
