@@ -329,6 +329,22 @@ class Device:
             self.queue.submit([commands])
         self.counters.submits += 1
 
+    def read_mapped(self, buffer, size: int, on_unmapped) -> np.ndarray | memoryview:
+        """Wait for the queue, then return the first ``size`` bytes of a staging buffer as an array over its mapped
+        memory (no host copy); the buffer is unmapped and passed to ``on_unmapped`` once no array over it is left.
+        Where wgpu-py's native backend is not in use, a copy, with the buffer passed back at once."""
+        with self.checked(f"read back {buffer.label!r}"):
+            try:
+                data = native.read_mapped(self.wgpu_device, buffer, size, self.spin_seconds, on_unmapped)
+            except RuntimeError as e:
+                raise MeganeuraError(f"read back {buffer.label!r}: {e}") from e
+        if data is None:
+            data = self.read_staging(buffer, size)
+            on_unmapped(buffer)
+        else:
+            self.counters.bytes_downloaded += size
+        return data
+
     def read_staging(self, buffer, size: int) -> np.ndarray | memoryview:
         """Wait for the queue, then return a host copy of the first ``size`` bytes of a staging buffer."""
         with self.checked(f"read back {buffer.label!r}"):

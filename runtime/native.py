@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -121,6 +122,52 @@ def read_back(device, buffer, size: int, spin_seconds: float = 0.0) -> np.ndarra
     buffer_handle, device_handle = getattr(buffer, "_internal", None), getattr(device, "_internal", None)
     if _lib is None or buffer_handle is None or device_handle is None:
         return None
+    _map_when_idle(device_handle, buffer_handle, size, spin_seconds)
+    try:
+        data = np.empty(size, np.uint8)
+        mapped = _lib.wgpuBufferGetConstMappedRange(buffer_handle, 0, size)
+        threads = min(COPY_THREADS, size // COPY_SLICE_BYTES)
+        if threads < 2:
+            _ffi.memmove(_ffi.from_buffer(data), mapped, size)
+        else:
+            _copy_in_slices(data, np.frombuffer(_ffi.buffer(_ffi.cast("char *", mapped), size), np.uint8), threads)
+    finally:
+        _lib.wgpuBufferUnmap(buffer_handle)
+    return data
+
+
+def read_mapped(device, buffer, size: int, spin_seconds: float, on_unmapped) -> np.ndarray | None:
+    """Wait for ``device``'s queue, map the MAP_READ ``buffer`` and return its first ``size`` bytes as a writable
+    numpy array over the mapped memory itself, with no copy. The buffer stays mapped while any array over that memory
+    lives; then it is unmapped and passed to ``on_unmapped``. None where the native path is unavailable. The wait is
+    ``read_back``'s."""
+    buffer_handle, device_handle = getattr(buffer, "_internal", None), getattr(device, "_internal", None)
+    if _lib is None or buffer_handle is None or device_handle is None:
+        return None
+    _map_when_idle(device_handle, buffer_handle, size, spin_seconds)
+    address = int(_ffi.cast("uintptr_t", _lib.wgpuBufferGetConstMappedRange(buffer_handle, 0, size)))
+    return np.asarray(_MappedRange(buffer, address, size, on_unmapped))
+
+
+class _MappedRange:
+    """Owns a mapped range: numpy arrays over it hold this object as their base, and the last one to go unmaps the
+    buffer (a READ mapping's memory is the host's own; what is written to it is never sent back)."""
+
+    def __init__(self, buffer, address: int, size: int, on_unmapped):
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
+        weakref.finalize(self, _unmap, buffer, on_unmapped)
+
+
+def _unmap(buffer, on_unmapped) -> None:
+    handle = getattr(buffer, "_internal", None)
+    if handle is None or _lib is None:  # released by wgpu-py already (interpreter shutdown)
+        return
+    _lib.wgpuBufferUnmap(handle)
+    on_unmapped(buffer)
+
+
+def _map_when_idle(device_handle, buffer_handle, size: int, spin_seconds: float) -> None:
+    """Map the first ``size`` bytes of a buffer for reading, once the queue has finished what uses it."""
     info = _ffi.new("WGPUBufferMapCallbackInfo *")
     info.mode = _lib.WGPUCallbackMode_AllowProcessEvents
     info.callback = _on_mapped
@@ -135,17 +182,6 @@ def read_back(device, buffer, size: int, spin_seconds: float = 0.0) -> np.ndarra
         raise RuntimeError(f"the read-back buffer was not mapped after {MAP_POLLS} waits for an idle queue")
     if _map_results[0] != _lib.WGPUMapAsyncStatus_Success:
         raise RuntimeError(f"mapping the read-back buffer failed (status {_map_results[0]})")
-    try:
-        data = np.empty(size, np.uint8)
-        mapped = _lib.wgpuBufferGetConstMappedRange(buffer_handle, 0, size)
-        threads = min(COPY_THREADS, size // COPY_SLICE_BYTES)
-        if threads < 2:
-            _ffi.memmove(_ffi.from_buffer(data), mapped, size)
-        else:
-            _copy_in_slices(data, np.frombuffer(_ffi.buffer(_ffi.cast("char *", mapped), size), np.uint8), threads)
-    finally:
-        _lib.wgpuBufferUnmap(buffer_handle)
-    return data
 
 
 def _spin(device_handle, seconds: float) -> None:

@@ -3,7 +3,8 @@
 ``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
 status buffers, compiles every kernel and prepares the read-back. Param buffers come from outside
 (``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records the dispatches into compute
-passes, copies outputs and status into one staging buffer and reads back. A plan of more than a few dozen
+passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the mapped
+memory (``meganeura.runtime.readback``), not copies. A plan of more than a few dozen
 dispatches is submitted in parts (``submission_parts``): a short first part, so that the GPU starts while the host
 records the rest, then parts doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the
 host waits once, at the read-back. While a profiler is
@@ -27,6 +28,7 @@ from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
 from .native import record_dispatches
 from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
+from .readback import ReadBackBuffers
 from .resident import DeviceArray
 
 OWNED_ROLES = ("input", "output", "arena", "status")
@@ -163,7 +165,7 @@ class Program:
         self._pipelines = dict(zip(keys, built))
         self._writes = self._plan_writes()
         self._plan_readback()
-        self._staging = device.staging_buffer(self._staging_size, "staging")
+        self._read_back = ReadBackBuffers(device, self._staging_size, "staging")
         self._bind_groups: dict[tuple[Binding, ...], object] = {}
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
@@ -338,6 +340,7 @@ class Program:
             for name, _, _ in self._status_offsets:
                 encoder.clear_buffer(self._owned[name])
             commands = self._with_swaps(swaps)
+            staging = self._read_back.take()
             profiler = dev.profiler if commands else None
             if profiler is not None:
                 self._record_profiled(encoder, commands, profiler)
@@ -350,10 +353,10 @@ class Program:
                     record_dispatches(compute, commands[start:end])
                     compute.end()
             for source, src_offset, dst_offset, size in self._copies:
-                encoder.copy_buffer_to_buffer(source, src_offset, self._staging, dst_offset, size)
+                encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
         dev.submit(encoder, "plan")
         self.host_seconds = time.perf_counter() - began
-        data = dev.read_staging(self._staging, self._staging_size)
+        data = self._read_back.read(staging)
         if profiler is not None:
             profiler.collect(self.plan.dispatches)
         self._raise_status(data)
@@ -475,9 +478,10 @@ class Program:
         """Destroy the buffers this program owns; the program cannot run afterwards."""
         if self._released:
             return
-        owned = list(self._owned.values()) + [self._params[n] for n in self._uploaded_params] + [self._staging]
+        owned = list(self._owned.values()) + [self._params[n] for n in self._uploaded_params]
         for buffer in owned:
             self.device.destroy_buffer(buffer)
+        self._read_back.release()
         self._owned, self._bind_groups, self._commands, self._copies = {}, {}, [], []
         self._swapped_groups, self._swapped_commands = {}, {}
         self._uploaded_params = set()

@@ -438,23 +438,58 @@ def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
     np.testing.assert_allclose(out["out"], a * (2**steps - 1), rtol=1e-6)
 
 
-def test_large_read_back_is_copied_in_slices_exactly(monkeypatch):
-    """A read-back of several slices is copied by threads: every byte lands where it belongs."""
+def test_large_download_is_copied_in_slices_exactly(monkeypatch):
+    """A download of several slices (a device array to the host) is copied by threads: every byte lands where it
+    belongs."""
     from meganeura.runtime import native
+    from meganeura.runtime.resident import DeviceArray
 
-    n = 3 * 16384 + 77  # about 3 x 64 KiB with the status word: three page-aligned slices, the last one short
+    n = 3 * 16384 + 77  # about 3 x 64 KiB: three page-aligned slices, the last one short
     monkeypatch.setattr(native, "COPY_SLICE_BYTES", 1 << 16)
     monkeypatch.setattr(native, "COPY_THREADS", 3)
     copies = []
     monkeypatch.setattr(native, "_copy_in_slices", lambda d, s, t, real=native._copy_in_slices: (copies.append(t), real(d, s, t)))
-    plan = Plan(
-        buffers=[BufferSpec("a", 4 * n, "input"), BufferSpec("out", 4 * n, "output")],
-        inputs=[TensorSpec("a", "a", 0, (n,), "float32")], params=[],
-        outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
-        kernels={"neg": kernel([("a", "f32"), ("out", "f32")], "out[i] = -a[i];")},
-        dispatches=[Dispatch("neg", (Binding("a", 0, 4 * n), Binding("out", 0, 4 * n)), groups(n), "neg")],
-    )
     a = RNG.standard_normal(n, dtype=np.float32)
-    out = Program(get_device(), plan).run({"a": a})
+    array = DeviceArray.upload(get_device(), a, "float32")
+    np.testing.assert_array_equal(array.numpy(), a)
+    array.release()
     assert copies == [3]
-    np.testing.assert_array_equal(out["out"], -a)
+
+
+def test_outputs_are_the_mapped_read_back_and_free_it_when_gone():
+    """Outputs are views of the mapped staging buffer: a run while earlier outputs live takes another buffer, and
+    each buffer comes back for reuse once its outputs are gone."""
+    import gc
+
+    device = get_device()
+    program = Program(device, add_plan())
+    runs = [(RNG.standard_normal(100, dtype=np.float32), RNG.standard_normal(100, dtype=np.float32)) for _ in range(3)]
+    held = [program.run({"a": a, "b": b})["sum"] for a, b in runs]
+    assert program._read_back.held == 3
+    for out, (a, b) in zip(held, runs):  # each run's result intact: none was overwritten by a later run
+        np.testing.assert_array_equal(out, a + b)
+    held[0][:] = 7.0  # the outputs are writable host memory; writing them changes no later run
+    del held, out
+    gc.collect()
+    assert program._read_back.held == 0
+    before = device.counters.snapshot()
+    a, b = runs[0]
+    np.testing.assert_array_equal(program.run({"a": a, "b": b})["sum"], a + b)
+    assert device.counters.snapshot()["buffers_created"] == before["buffers_created"]  # a freed buffer was reused
+
+
+def test_outputs_outlive_their_program():
+    """A released program's outputs stay readable; their buffer is destroyed when they are gone."""
+    import gc
+
+    device = get_device()
+    before = device.counters.bytes_allocated
+    program = Program(device, add_plan())
+    a, b = RNG.standard_normal(100, dtype=np.float32), RNG.standard_normal(100, dtype=np.float32)
+    out = program.run({"a": a, "b": b})["sum"]
+    program.release()
+    assert device.counters.bytes_allocated > before  # the mapped staging buffer, still under ``out``
+    np.testing.assert_array_equal(out, a + b)
+    del out
+    gc.collect()
+    assert device.counters.bytes_allocated == before
