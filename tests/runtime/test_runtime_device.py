@@ -155,15 +155,20 @@ def test_a_bad_kernel_among_many_is_named():
         dev.pipelines(jobs)
 
 
-def _run_single(dev, pipeline) -> float:
-    out = dev.storage_buffer(4, "out")
+def _encode_single(dev, pipeline, out):
+    """An encoder holding one dispatch of ``pipeline`` (one workgroup) over the 4-byte buffer ``out``."""
     encoder = dev.wgpu_device.create_command_encoder()
     compute_pass = encoder.begin_compute_pass()
     compute_pass.set_pipeline(pipeline)
     compute_pass.set_bind_group(0, dev.bind_group([(out, 0, 4)]))
     compute_pass.dispatch_workgroups(1)
     compute_pass.end()
-    dev.submit(encoder)
+    return encoder
+
+
+def _run_single(dev, pipeline) -> float:
+    out = dev.storage_buffer(4, "out")
+    dev.submit(_encode_single(dev, pipeline, out))
     return float(np.frombuffer(dev.wgpu_device.queue.read_buffer(out, 0, 4), np.float32)[0])
 
 
@@ -227,12 +232,7 @@ def test_read_back_spins_then_blocks(monkeypatch, spin_seconds, blocks):
     dev = get_device()
     pipeline = dev.pipeline(_kernel(4001.0 + spin_seconds), 1, "spin")
     out, staging = dev.storage_buffer(4, "out"), dev.staging_buffer(4, "staging")
-    encoder = dev.wgpu_device.create_command_encoder()
-    compute_pass = encoder.begin_compute_pass()
-    compute_pass.set_pipeline(pipeline)
-    compute_pass.set_bind_group(0, dev.bind_group([(out, 0, 4)]))
-    compute_pass.dispatch_workgroups(1)
-    compute_pass.end()
+    encoder = _encode_single(dev, pipeline, out)
     encoder.copy_buffer_to_buffer(out, 0, staging, 0, 4)
     recorder = _PollRecorder(native._lib)
     monkeypatch.setattr(native, "_lib", recorder)
