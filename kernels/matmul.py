@@ -18,6 +18,13 @@ Two kernel families, chosen by shape:
 
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
 and the kernel recovers the linear workgroup index. No atomics: results are deterministic.
+
+Fast precision (a plan compiled for limits with ``F16_PRODUCTS`` set; it needs the shader-f16 feature): a tiled
+variant with ``f16`` stages its operands in workgroup memory as f16 and sums each K chunk's products (16 at most)
+in f16 registers, then adds the chunk's sums to f32 accumulators. Operands are rounded to f16 (relative error
+2^-11), so a product of random operands lands within about 1e-3 relative L2 of f32's; values beyond f16's range
+(65504) overflow. By default only variants of 4x4 register blocks use it: with 8x8 blocks the second set of
+accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.94 in f32).
 """
 
 from dataclasses import dataclass
@@ -66,12 +73,18 @@ class TiledPlan:
         return self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
 
 
+# Not a wgpu limit: set in the limits a plan is compiled for under precision "fast" (see the module docstring)
+F16_PRODUCTS = "meganeura-f16-products"
+
+
 @dataclass(frozen=True)
 class MatmulChoice:
-    """A tiled matmul's variant: forced tile and register block (None: the generator's rule) and K slices."""
+    """A tiled matmul's variant: forced tile and register block (None: the generator's rule), K slices, and whether
+    products are formed in f16 (fast precision only)."""
     tile: tuple[int, int] | None
     block: tuple[int, int] | None
     split: int
+    f16: bool = False
 
 
 def is_tiled(m: int, n: int) -> bool:
@@ -80,8 +93,13 @@ def is_tiled(m: int, n: int) -> bool:
 
 
 def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulChoice:
-    """The generator's own variant: tile by rule, K slices by ``split_k``."""
-    return MatmulChoice(None, None, split_k(batch, m, n, k, limits))
+    """The generator's own variant: tile by rule, K slices by ``split_k``; f16 products where the limits ask for
+    them (``F16_PRODUCTS``) and the tile's register block is 4x4."""
+    split = split_k(batch, m, n, k, limits)
+    if not limits.get(F16_PRODUCTS) or not is_tiled(m, n):
+        return MatmulChoice(None, None, split)
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
+    return MatmulChoice(None, None, split, (plan.rows_per_thread, plan.cols_per_thread) == (4, 4))
 
 
 @dataclass(frozen=True)
@@ -93,7 +111,7 @@ class GemvPlan:
 
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
                   b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
-                  split: int = 1, partial: str | None = None) -> tuple[str, tuple[int, int, int]]:
+                  split: int = 1, partial: str | None = None, f16: bool = False) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
@@ -102,7 +120,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     block (rows, columns; 4 or 8 each, default 8 along an edge of 128, else 4), e.g. for tuning.
     With ``split`` > 1 (see ``split_k``) the kernel sums one of ``split`` slices of K and writes its partial
     sums into the array named ``partial`` (split * batch * m * n floats, slice-major) instead of calling
-    store_c; ``split_reduce_kernel`` then adds the slices up and stores."""
+    store_c; ``split_reduce_kernel`` then adds the slices up and stores. ``f16`` forms the tiled kernel's products
+    in f16 (see the module docstring; the WGSL then enables f16)."""
     if split > 1 and (partial is None or m == 1 or n == 1):
         raise ValueError("matmul_kernel: a split K needs the tiled kernel (m, n > 1) and a partial-sum array")
     if min(batch, m, n) < 1 or k < 0:
@@ -113,7 +132,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p")
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
-                         block=block, split=split, partial=partial)
+                         block=block, split=split, partial=partial, f16=f16)
 
 
 def split_k(batch: int, m: int, n: int, k: int, limits: dict) -> int:
@@ -281,23 +300,25 @@ class _Staging:
     }}""")
         return "\n".join(lines)
 
-    def store(self) -> str:
+    def store(self, element: str) -> str:
         row = self.edge // 4 + SHARED_PAD_VEC4
         lines = []
         for t in range(self.count):
+            value = f"stage_{self.name}{t}" if element == "f32" else f"{element}(stage_{self.name}{t})"
             guard = f"if (lid + {t * self.plan.threads}u < {self.total}u) " if (t + 1) * self.plan.threads > self.total else ""
             lines.append(f"""    {guard}{{
         {self._decode(t)}
-        tile_{self.name}[p{t} * {row}u + r{t} / 4u][r{t} % 4u] = stage_{self.name}{t};
+        tile_{self.name}[p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};
     }}""")
         return "\n".join(lines)
 
 
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
-                  partial: str | None) -> tuple[str, tuple[int, int, int]]:
+                  partial: str | None, f16: bool) -> tuple[str, tuple[int, int, int]]:
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
                               block)
+    element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     tiles_m, tiles_n = -(-m // plan.tile_m), -(-n // plan.tile_n)
@@ -314,12 +335,17 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i in rows for h in range(col_groups))
     a_regs = "\n".join(f"            let a{g} = tile_a[p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
     b_regs = "\n".join(f"            let b{h} = tile_b[p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
-    fmas = "\n".join(f"            acc_{g}_{i}_{h} = fma(vec4<f32>(a{g}[{i}]), b{h}, acc_{g}_{i}_{h});"
+    target = "chunk" if f16 else "acc"  # f16: the chunk's products go to f16 sums, added to acc after the chunk
+    fmas = "\n".join(f"            {target}_{g}_{i}_{h} = fma(vec4<{element}>(a{g}[{i}]), b{h}, {target}_{g}_{i}_{h});"
                      for g, i in rows for h in range(col_groups))
     # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and
     # 4096^3 5.30 -> 4.84 ms on an H200 against the same code in a loop, which the driver did not unroll.
     inner = "\n".join(f"        {{\n            let p = {p}u;\n{a_regs}\n{b_regs}\n{fmas}\n        }}"
                       for p in range(plan.chunk_k))
+    if f16:
+        sums = [(g, i, h) for g, i in rows for h in range(col_groups)]
+        inner = "\n".join([*(f"        var chunk_{g}_{i}_{h} = vec4<f16>();" for g, i, h in sums), inner,
+                           *(f"        acc_{g}_{i}_{h} += vec4<f32>(chunk_{g}_{i}_{h});" for g, i, h in sums)])
     stores = []
     for g, i in rows:
         row = f"row0 + 4u * (ty + {tm * g}u) + {i}u"
@@ -338,8 +364,8 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
 const TILES_PER_BATCH: u32 = {tiles_m * tiles_n}u;
 const TILES_ALL: u32 = {batch * tiles_m * tiles_n}u;
 const K_SLICE: u32 = {k_slice}u;
-var<workgroup> tile_a: array<vec4<f32>, {plan.chunk_k * a_row}>;
-var<workgroup> tile_b: array<vec4<f32>, {plan.chunk_k * b_row}>;
+var<workgroup> tile_a: array<vec4<{element}>, {plan.chunk_k * a_row}>;
+var<workgroup> tile_b: array<vec4<{element}>, {plan.chunk_k * b_row}>;
 
 @compute @workgroup_size({plan.threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
@@ -359,8 +385,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 {stage_b.fetch("k_begin")}
     for (var k0 = k_begin; k0 < k_end; k0 += {plan.chunk_k}u) {{
         workgroupBarrier();
-{stage_a.store()}
-{stage_b.store()}
+{stage_a.store(element)}
+{stage_b.store(element)}
         workgroupBarrier();
         let k_next = k0 + {plan.chunk_k}u;  // fetched now, stored next round: the loads overlap the FMAs
 {stage_a.fetch("k_next")}
@@ -370,7 +396,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 {chr(10).join(stores)}
 }}
 """
-    return prelude + kernel, grid
+    return ("enable f16;\n" if f16 else "") + prelude + kernel, grid
 
 
 # ---------------------------------------------------------------- gemv

@@ -1,9 +1,11 @@
 """Per-shape matmul tuning: time variants of each tiled GEMM problem on the device and keep the fastest,
 remembered per adapter in a JSON file.
 
-A problem is (batch, m, n, k) with its operand layouts (``a_fast``, ``b_fast``). Its candidates are the
-generator's own variant (``default_choice``) and the tile / register-block shapes of ``CONFIGS`` with K cut into
-1-16 slices, minus those that would give too few or too many workgroups. They are timed on a synthetic problem of
+A problem is (batch, m, n, k) with its operand layouts (``a_fast``, ``b_fast``) and whether f16 products are
+allowed (precision "fast"). Its candidates are the generator's own variant (``default_choice``) and the tile /
+register-block shapes of ``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many
+workgroups; where f16 is allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a
+shape where f16 is slower keeps f32). They are timed on a synthetic problem of
 that shape and layout (plain buffers of random values, ``meganeura.runtime.timing``), on the assumption that the
 real kernel's loads and epilogue (a convolution's gather, a fused bias) cost about the same in every variant. That
 mostly holds, not always: in the H200 benchmark of 939f8fd, ResNet-50's convolution 4x128x784x1152 took 0.45 ms a
@@ -33,8 +35,8 @@ from meganeura.runtime.device import SHADER_CHECKS_ENV
 from meganeura.runtime.timing import WARMUP_SECONDS, time_sequences
 
 from . import matmul as matmul_generator
-from .matmul import (SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan, _max_threads, default_choice,
-                     matmul_kernel, split_reduce_kernel)
+from .matmul import (F16_PRODUCTS, SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan, _max_threads,
+                     default_choice, matmul_kernel, split_reduce_kernel)
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs (.diag) found each of these the
 # fastest for some shape, and none of the others
@@ -72,7 +74,7 @@ class MatmulTuner:
         self.seconds = 0.0  # spent timing them (pipelines included)
 
     def choose_all(self, problems: list[tuple]) -> list[MatmulChoice]:
-        """The variant of each (batch, m, n, k, a_fast, b_fast) problem; new problems are timed first, their
+        """The variant of each (batch, m, n, k, a_fast, b_fast, f16) problem; new problems are timed first, their
         candidates' pipelines compiled together (side by side on the device's compile threads)."""
         new = [p for p in dict.fromkeys(problems) if problem_key(*p) not in self.entries]
         if new:
@@ -91,9 +93,9 @@ class MatmulTuner:
 
     # ---- timing
 
-    def _variants(self, batch, m, n, k, a_fast, b_fast) -> tuple[list[MatmulChoice], list[list[tuple]]]:
+    def _variants(self, batch, m, n, k, a_fast, b_fast, f16=False) -> tuple[list[MatmulChoice], list[list[tuple]]]:
         """The candidates of a problem and each one's passes, (WGSL, workgroups) each; none where it is not timed."""
-        limits = self.device.limits
+        limits = dict(self.device.limits, **{F16_PRODUCTS: 1}) if f16 else self.device.limits
         choices = candidates(batch, m, n, k, limits)
         if max(_floats(batch, m, n, k, choices).values()) * 4 > self.device.max_binding_size or k == 0:
             return choices[:1], []
@@ -102,7 +104,7 @@ class MatmulTuner:
         for c in choices:
             passes.append([matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast,
                                          b_fast=b_fast, tile=c.tile, block=c.block, split=c.split,
-                                         partial="partial" if c.split > 1 else None)])
+                                         partial="partial" if c.split > 1 else None, f16=c.f16)])
             if c.split > 1:
                 passes[-1].append(split_reduce_kernel(prelude, batch=batch, m=m, n=n, split=c.split,
                                                       partial="partial", limits=limits))
@@ -159,16 +161,18 @@ class MatmulTuner:
             pass
 
 
-def problem_key(batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str) -> str:
-    return f"{batch}x{m}x{n}x{k}:{a_fast}{b_fast}"
+def problem_key(batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str, f16: bool = False) -> str:
+    return f"{batch}x{m}x{n}x{k}:{a_fast}{b_fast}" + (":f16" if f16 else "")
 
 
 def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulChoice]:
-    """The default variant first, then the distinct variants of CONFIGS x SPLITS that suit the problem."""
+    """The default variant first, then the distinct variants of CONFIGS x SPLITS that suit the problem (with f16
+    products too for 4x4 blocks, where ``limits`` allow them)."""
     default = default_choice(batch, m, n, k, limits)
     shared, threads = limits["max-compute-workgroup-storage-size"], _max_threads(limits)
-    seen = {(_choose_tiled_plan(batch, m, n, k, shared, threads), default.split)}
+    seen = {(_choose_tiled_plan(batch, m, n, k, shared, threads), default.split, default.f16)}
     found = [default]
+    modes = (False, True) if limits.get(F16_PRODUCTS) else (False,)
     for tile, block in CONFIGS:
         if (tile[0] > 2 * m and tile[0] > 32) or (tile[1] > 2 * n and tile[1] > 32):
             continue  # mostly padding
@@ -177,9 +181,12 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
         for split in SPLITS:
             if split > 1 and (k // split < MIN_SLICE_K or tiles * split > MAX_WORKGROUPS):
                 continue
-            if (plan, split) not in seen:
-                seen.add((plan, split))
-                found.append(MatmulChoice(tile, block, split))
+            for f16 in modes:
+                if f16 and (plan.rows_per_thread, plan.cols_per_thread) != (4, 4):
+                    continue  # 8-wide blocks do not keep their f16 sums in registers
+                if (plan, split, f16) not in seen:
+                    seen.add((plan, split, f16))
+                    found.append(MatmulChoice(tile, block, split, f16))
     return found
 
 
@@ -206,12 +213,13 @@ def _floats(batch: int, m: int, n: int, k: int, choices: list[MatmulChoice]) -> 
 
 def _choice(entry: dict) -> MatmulChoice:
     tile, block = entry["tile"], entry["block"]
-    return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"])
+    return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"],
+                        entry.get("f16", False))
 
 
 def _entry(choice: MatmulChoice, seconds: float | None, default_seconds: float | None) -> dict:
     return {"tile": list(choice.tile) if choice.tile else None, "block": list(choice.block) if choice.block else None,
-            "split": choice.split, "us": None if seconds is None else round(float(seconds) * 1e6, 2),
+            "split": choice.split, "f16": choice.f16, "us": None if seconds is None else round(float(seconds) * 1e6, 2),
             "default_us": None if default_seconds is None else round(float(default_seconds) * 1e6, 2)}
 
 
@@ -222,4 +230,4 @@ def _valid(entry) -> bool:
 
     split = entry.get("split")
     return (isinstance(split, int) and 1 <= split <= SPLIT_MAX and pair(entry.get("tile"), TILE_SIZES)
-            and pair(entry.get("block"), (4, 8)))
+            and pair(entry.get("block"), (4, 8)) and entry.get("f16", False) in (False, True))

@@ -31,8 +31,9 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``.
 
     ``choose_matmuls(problems)`` may pick the tiled matmul kernels' variants (``MatmulChoice``s, e.g. a tuner's):
-    it gets the plan's distinct GEMM problems, each (batch, m, n, k, a_fast, b_fast), all at once and returns a
-    choice or None for each. Where it is absent or says None, the kernel generator's own rule decides."""
+    it gets the plan's distinct GEMM problems, each (batch, m, n, k, a_fast, b_fast, f16 allowed), all at once and
+    returns a choice or None for each. Where it is absent or says None, the kernel generator's own rule decides.
+    f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast")."""
     alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     placement: dict[int, tuple[str, int]] = {}  # value id -> (buffer, offset)
@@ -117,7 +118,8 @@ def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) ->
     variants = {id(n): matmul_kernels.default_choice(n.batch, n.rows, n.columns, n.k, limits) for n in nodes}
     if choose is None:
         return variants
-    problems = {id(n): (n.batch, n.rows, n.columns, n.k, *_operand_layout(n, values))
+    f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
+    problems = {id(n): (n.batch, n.rows, n.columns, n.k, *_operand_layout(n, values), f16)
                 for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
     distinct = list(dict.fromkeys(problems.values()))
     chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
@@ -223,7 +225,8 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
         prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
         dims = dict(batch=node.batch, m=node.rows, n=node.columns)
-        shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block)
+        shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
+                     f16=variant.f16)
         if scratch is not None:
             split, partial = scratch[0], name(bound.index(scratch[1]))
             return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), bound),

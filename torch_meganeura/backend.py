@@ -54,6 +54,17 @@ class BackendContext:
             self._params = _param_store(device)
         return self._params
 
+    def f16_products(self, device) -> bool:
+        """Whether ``device`` can form products in f16 (precision "fast"); warns once per device where it cannot."""
+        if "shader-f16" in device.features:
+            return True
+        key = f"precision fast on {device.describe()}"
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"meganeura: precision 'fast' needs the shader-f16 feature, which {device.describe()} lacks; "
+                          "its plans stay in f32", stacklevel=3)
+        return False
+
     def record(self, item) -> None:
         for rec in self.recorders:
             rec.append(item)
@@ -114,7 +125,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
         if node.op == "call_module" and node.target in names:
             sub_params = {j for j, a in enumerate(node.args) if index_of.get(a) in param_indices}
             resident = _resident_outputs(node, saved)
-            setattr(fused, node.target, DevicePartition(getattr(fused, node.target), sub_params, context, resident))
+            setattr(fused, node.target, DevicePartition(getattr(fused, node.target), sub_params, context, resident,
+                                                        fast=not backward and context.options.precision == "fast"))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
 
     def run(args):

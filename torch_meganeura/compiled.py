@@ -131,8 +131,10 @@ def signature(args) -> tuple:
 class DevicePartition(torch.nn.Module):
     """Runs ``gm`` on the device; stands in for the fused submodule the partitioner made."""
 
-    def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset()):
+    def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
+                 fast: bool = False):
         super().__init__()
+        self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
         self.param_indices = set(param_indices)
         self.resident_outputs = frozenset(resident_outputs)
@@ -178,7 +180,8 @@ class DevicePartition(torch.nn.Module):
         device = self.context.device()
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
         lowered = lower_graph(self.gm, list(args), params)
-        plan, report, from_cache = compile_plan(lowered.graph, device, tuning_enabled(self.context.options.tune))
+        f16 = self.fast and self.context.f16_products(device)
+        plan, report, from_cache = compile_plan(lowered.graph, device, tuning_enabled(self.context.options.tune), f16)
         resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
         on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
                      if isinstance(args[i], ResidentTensor) and args[i].array.device is device]

@@ -1,16 +1,23 @@
-"""The ``tune`` option: compile plans with matmul variants timed on the device instead of chosen by rule.
+"""The ``tune`` and ``precision`` options: how a plan's matmul variants are chosen and which may use f16.
 
 With ``options={"tune": True}`` (or, where the option is not given, the environment variable ``MEGANEURA_TUNE=1``)
 each tiled GEMM shape of a plan is timed once per adapter in a few variants and the fastest kept
 (``meganeura.kernels.matmul_tuning``). The choices are remembered in the plan cache's directory, so the cost (on
 an H200 0.25-0.9 s per new shape, mostly compiling the candidate kernels) is paid once per adapter, and tuned plans
 are cached apart from untuned ones.
+
+With ``options={"precision": "fast"}`` the forward graphs' (inference and training forward) tiled matmuls and
+convolutions may form their products in f16: operands rounded to f16, each K chunk of at most 16 products summed in
+f16, the chunks in f32 (``meganeura.kernels.matmul``). Untuned, the 4x4-register-block variants use it; tuned, the
+f16 variants are timed beside the f32 ones and kept only where faster. Backward graphs stay f32. It needs the
+adapter's shader-f16 feature; without it plans stay f32, with a warning.
 """
 from __future__ import annotations
 
 import functools
 import os
 
+from meganeura.kernels.matmul import F16_PRODUCTS
 from meganeura.kernels.matmul_tuning import MatmulTuner
 from meganeura.lowering.plan_cache import cache_dir, cached_compile_graph
 
@@ -27,9 +34,11 @@ def tuner_for(device) -> MatmulTuner:
     return MatmulTuner(device, cache_dir())
 
 
-def compile_plan(graph, device, tune: bool):
-    """``cached_compile_graph`` for ``device``, with its tuner's matmul choices where ``tune``."""
+def compile_plan(graph, device, tune: bool, f16_products: bool = False):
+    """``cached_compile_graph`` for ``device``, with its tuner's matmul choices where ``tune``, and f16 products
+    allowed where ``f16_products`` (the caller checks the shader-f16 feature)."""
+    limits = dict(device.limits, **{F16_PRODUCTS: 1}) if f16_products else device.limits
     if not tune:
-        return cached_compile_graph(graph, device.limits)
+        return cached_compile_graph(graph, limits)
     tuner = tuner_for(device)
-    return cached_compile_graph(graph, device.limits, tuner.choose_all, tuner.fingerprint)
+    return cached_compile_graph(graph, limits, tuner.choose_all, tuner.fingerprint)

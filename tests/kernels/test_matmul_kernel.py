@@ -81,13 +81,14 @@ fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{
 """
 
 
-WORKGROUP_ARRAY = r"var<workgroup>\s+\w+\s*:\s*array<(f32|vec4<f32>),\s*(\d+)>"
+WORKGROUP_ARRAY = r"var<workgroup>\s+\w+\s*:\s*array<(f32|vec4<f32>|vec4<f16>),\s*(\d+)>"
+ELEMENT_BYTES = {"f32": 4, "vec4<f32>": 16, "vec4<f16>": 8}
 
 
 def workgroup_storage_bytes(source: str) -> int:
     sizes = re.findall(WORKGROUP_ARRAY, source)
     assert "var<workgroup>" not in re.sub(WORKGROUP_ARRAY, "", source)
-    return sum((16 if kind.startswith("vec4") else 4) * int(size) for kind, size in sizes)
+    return sum(ELEMENT_BYTES[kind] * int(size) for kind, size in sizes)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, lim
     split = layout.get("split", 1)
     source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, **layout,
                                        **({"partial": "slices"} if split > 1 else {}))
-    assert source.startswith(prelude) and "fn main(" in source
+    assert source.startswith(("enable f16;\n" if layout.get("f16") else "") + prelude) and "fn main(" in source
     assert workgroup_storage_bytes(source) <= limits[STORAGE_LIMIT]
     assert all(1 <= count <= limits[GRID_LIMIT] for count in workgroups)
     kernels = [(source, workgroups)]
@@ -340,3 +341,43 @@ def test_fold_grid(total):
 def test_fold_grid_too_large():
     with pytest.raises(ValueError):
         fold_grid(17**3, 16)
+
+
+@pytest.fixture(scope="module")
+def f16_device():
+    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    if adapter is None or "shader-f16" not in adapter.features:
+        pytest.skip("no adapter with shader-f16")
+    wanted = ("max-storage-buffer-binding-size", "max-buffer-size", STORAGE_LIMIT,
+              "max-storage-buffers-per-shader-stage", "max-compute-invocations-per-workgroup",
+              "max-compute-workgroup-size-x")
+    return adapter.request_device_sync(required_features=["shader-f16"],
+                                       required_limits={key: adapter.limits[key] for key in wanted})
+
+
+@pytest.mark.parametrize("batch, m, n, k, layout", [
+    (1, 64, 64, 64, {}),
+    (1, 33, 65, 17, {}),                                      # ragged tiles, K not a multiple of the chunk
+    (2, 40, 72, 300, {"tile": (32, 64), "block": (4, 4)}),
+    (1, 48, 40, 520, {"tile": (16, 32), "split": 4}),        # K slices: f32 partial sums, then the reduction
+])
+def test_f16_products_are_within_f16_rounding(f16_device, batch, m, n, k, layout):
+    """f16 products: every output stored once and in range, off f64 by f16's rounding (about 1e-3 relative L2 for
+    signed random operands) and no more; the kernel enables f16 and stages f16 tiles."""
+    rng = np.random.default_rng(m + n + k)
+    a, b = make_operand(rng, batch, m, k), make_operand(rng, batch, k, n, "transposed")
+    for operand in (a, b):  # signed values: the f16 sums see cancellation
+        operand.flat[:] = rng.standard_normal(operand.flat.size).astype(np.float32)
+    c, visits, bad_index, source, _ = run_matmul(f16_device, a, b, f16=True, **layout)
+    expected = np.matmul(a.view().astype(np.float64), b.view().astype(np.float64))
+    rel_l2 = np.linalg.norm(c - expected) / np.linalg.norm(expected)
+    assert 1e-5 < rel_l2 < 3e-3, rel_l2  # rounded to f16 (not f32-exact), and not worse than that
+    np.testing.assert_allclose(c, expected, rtol=0, atol=0.02 * np.abs(expected).max())
+    assert bad_index == 0.0 and np.all(visits == 1.0)
+    assert source.startswith("enable f16;") and "array<vec4<f16>" in source
+
+
+def test_f32_kernels_do_not_enable_f16(device):
+    rng = np.random.default_rng(1)
+    source, _ = check(device, make_operand(rng, 1, 40, 30), make_operand(rng, 1, 30, 50))
+    assert "f16" not in source

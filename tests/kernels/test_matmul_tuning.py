@@ -117,3 +117,34 @@ def test_without_a_directory_choices_last_for_the_process(small_family):
     assert tuner.path is None
     tuner.choose_all([(2, 33, 20, 64, "i", "p")])
     assert tuner.tuned == 1 and "2x33x20x64:ip" in tuner.entries
+
+
+FAST = {**LIMITS, matmul_tuning.F16_PRODUCTS: 1}
+
+
+def test_fast_default_uses_f16_only_for_4x4_register_blocks():
+    assert default_choice(1, 128, 576, 1536, FAST).f16  # small tiles, 4x4 blocks
+    assert not default_choice(1, 128, 576, 1536, LIMITS).f16  # strict
+    assert not default_choice(1, 4096, 4096, 4096, FAST).f16  # 128x128 tiles of 8x8 blocks
+    assert not default_choice(1, 1, 576, 1536, FAST).f16  # gemv: never f16
+
+
+def test_fast_candidates_add_f16_variants_of_4x4_blocks_only():
+    strict, fast = candidates(1, 128, 576, 1536, LIMITS), candidates(1, 128, 576, 1536, FAST)
+    assert not any(c.f16 for c in strict)
+    assert fast[0] == default_choice(1, 128, 576, 1536, FAST) and len(fast) == len(set(fast))
+    added = [c for c in fast if c.f16]
+    assert added and all(c.block in (None, (4, 4)) for c in added)
+    assert {c for c in fast if not c.f16} >= set(strict) - {strict[0]}  # f32 variants stay candidates
+
+
+def test_f16_problems_are_timed_and_remembered_apart(tmp_path, small_family):
+    device = get_device()
+    if "shader-f16" not in device.features:
+        pytest.skip("the adapter has no shader-f16")
+    tuner = MatmulTuner(device, tmp_path)
+    strict, fast = tuner.choose_all([(1, 40, 48, 96, "p", "j", False), (1, 40, 48, 96, "p", "j", True)])
+    assert tuner.tuned == 2 and not strict.f16
+    assert fast in candidates(1, 40, 48, 96, {**device.limits, matmul_tuning.F16_PRODUCTS: 1})
+    saved = json.loads(tuner.path.read_text())["problems"]
+    assert set(saved) == {"1x40x48x96:pj", "1x40x48x96:pj:f16"} and saved["1x40x48x96:pj:f16"]["f16"] == fast.f16

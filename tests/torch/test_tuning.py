@@ -40,7 +40,7 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     compiled = torch.compile(model, backend="meganeura", options={"tune": True})
     with torch.no_grad():
         assert_same(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-    assert sorted(tuner.asked) == [(1, 50, 40, 72, "p", "p"), (1, 50, 72, 96, "p", "p")]  # once each, all at once
+    assert sorted(tuner.asked) == [(1, 50, 40, 72, "p", "p", False), (1, 50, 72, 96, "p", "p", False)]  # once each
     assert built and all(b == (choice.tile, choice.block, choice.split) for b in built)
 
 
