@@ -8,7 +8,8 @@ on a fresh copy of the model (a warm start where the competitor has an on-disk c
 Every cell is gated on the same weights and inputs against eager PyTorch on the CPU in float64, with eager f32's own
 error as the allowance (see ``gates``): the inference output, or the training loss and every parameter gradient (of
 the first step, before any optimizer update), by relative L2 per tensor. A cell that fails its gate keeps its
-timings but is marked failed, never reported as a win.
+timings but is marked failed, never reported as a win. ``meganeura-fast`` is the backend with precision "fast"
+(f16 products in the forward matmuls), gated at ``FAST_TOLERANCE``.
 Competitors are timed in turns of consecutive calls after a warm-up (``turns``: a call right after the other GPU
 API's pays a context switch); both sides are synchronised (a CUDA synchronize; meganeura returns host tensors, so
 its calls end when the results are read back).
@@ -23,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .gates import Gate, gate_gradients, gate_output
+from .gates import FAST_TOLERANCE, TOLERANCE, Gate, gate_gradients, gate_output
 from .turns import RUN_LENGTH, take_turns
 from .workloads import Workload
 
 MODES = ("latency", "inference", "training")
-COMPETITORS = ("meganeura", "meganeura-resident", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
+COMPETITORS = ("meganeura", "meganeura-fast", "meganeura-resident", "torch-cpu-eager", "torch-cuda-eager",
+               "torch-cuda-inductor")
 TRAINING_ONLY = ("meganeura-resident",)  # compile_train_step: forward, backward and AdamW in one device plan
 
 
@@ -71,8 +73,9 @@ class Runner:
 
             self.resident = compile_train_step(self.model, what, torch.optim.AdamW(self.model.parameters(), lr=1e-5))
             self.fn = None
-        elif competitor == "meganeura":
-            self.fn = torch.compile(call, backend="meganeura")
+        elif competitor in ("meganeura", "meganeura-fast"):
+            options = {"precision": "fast"} if competitor == "meganeura-fast" else {}
+            self.fn = torch.compile(call, backend="meganeura", options=options)
         elif competitor == "torch-cuda-inductor":
             self.fn = torch.compile(call, backend="inductor")
         else:
@@ -167,7 +170,8 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
                 plans = [p.program.plan for p in runner.resident._plans.values()]
                 cell.dispatches = len(plans[-1].dispatches)  # the training plan (the last compiled)
                 cell.planned_bytes = plans[-1].stats["arena_bytes"]
-            cell.gate = _gate(got, exact, eager, mode == "training").as_dict()
+            tolerance = FAST_TOLERANCE if competitor == "meganeura-fast" else TOLERANCE
+            cell.gate = _gate(got, exact, eager, mode == "training", tolerance).as_dict()
             runners.append((runner, cell))
         except Exception as err:  # noqa: BLE001 - a competitor that cannot run this cell is reported, not fatal
             cell.error = f"{type(err).__name__}: {err}"[:2000]
@@ -220,11 +224,11 @@ def _profile(runner: Runner, cell: Cell, calls: int, top: int = 5) -> None:
                         for k in prof.top(top)]
 
 
-def _gate(got, exact, eager, training: bool) -> Gate:
+def _gate(got, exact, eager, training: bool, tolerance: float) -> Gate:
     if not training:
-        return gate_output(got, exact, eager)
+        return gate_output(got, exact, eager, tolerance)
     (loss, grads), (exact_loss, exact_grads), (eager_loss, eager_grads) = got, exact, eager
-    return gate_gradients(loss, grads, exact_loss, exact_grads, eager_loss, eager_grads)
+    return gate_gradients(loss, grads, exact_loss, exact_grads, eager_loss, eager_grads, tolerance)
 
 
 class _Meter:

@@ -100,6 +100,7 @@ def markdown(data: dict) -> str:
                     f"{_mib(ours['peak_memory_bytes'])} / {_mib(torch_peak)}", _mib(ours["transfer_bytes_per_call"])]
             lines.append("| " + " | ".join(row) + " |")
     lines += _resident_table(cells, baselines)
+    lines += _fast_table(cells, baselines)
     errors = [c for c in data["cells"] if c["error"] or (c["gate"] and not c["gate"]["passed"])]
     if errors:
         lines += ["", "Failures:", ""]
@@ -133,6 +134,30 @@ def _profile_lines(cells: list) -> list[str]:
     for c in profiled:
         top = "; ".join(f"{k['name']} {k['ms_per_call']:.2f} ({100 * k['share']:.0f}%)" for k in c["top_kernels"])
         lines.append(f"| {c['workload']} | {c['mode']} | {c['competitor']} | {c['gpu_ms_per_call']:.2f} | {top} |")
+    return lines
+
+
+def _fast_table(cells: dict, baselines: list) -> list[str]:
+    """precision "fast" (meganeura-fast) next to strict meganeura of the same run, and the baselines."""
+    rows = [(w, mode) for (w, mode, c) in cells if c == "meganeura-fast"]
+    if not rows:
+        return []
+    header = ["workload", "mode", "meganeura ms", "meganeura-fast ms", "speedup over strict", "output rel L2"]
+    for b in baselines:
+        header += [f"{b} ms", "ratio"]
+    lines = ["", "Precision \"fast\" (`meganeura-fast`: f16 products in the forward matmuls and convolutions, gated "
+             "at relative L2 1e-2; speedup = meganeura / meganeura-fast; ratio = meganeura-fast / competitor):", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for w, mode in rows:
+        fast = cells[(w, mode, "meganeura-fast")]
+        speedup = ratio(cells, w, mode, "meganeura-fast")
+        error = fast["gate"]["output_rel_l2"] if fast["gate"] else None
+        row = [w, mode, _status(cells.get((w, mode, "meganeura"))), _status(fast),
+               "-" if speedup is None else f"{speedup:.2f}", "-" if error is None else f"{error:.1e}"]
+        for b in baselines:
+            r = ratio(cells, w, mode, b, ours="meganeura-fast")
+            row += [_status(cells.get((w, mode, b))), "-" if r is None else f"{r:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
     return lines
 
 

@@ -50,3 +50,27 @@ def test_gates_reject_a_wrong_gradient_and_accept_eager_level_error():
     assert not gates.gate_gradients(loss, {"w": exact["w"] * 1.12}, loss.double(), exact, loss, noisy).passed
     assert not gates.gate_output(torch.full((3,), float("nan")), torch.ones(3, dtype=torch.float64),
                                  torch.ones(3)).passed
+
+
+def test_fast_precision_cell_is_gated_at_its_tolerance_and_reported_beside_strict(tmp_path):
+    done = cells.measure(WORKLOADS["smolvla_expert"], "inference", ["meganeura", "meganeura-fast", "torch-cpu-eager"],
+                         warmup=1, repeats=1, smoke=True)
+    strict, fast, _ = done
+    assert all(c.error is None and c.gate["passed"] for c in done), [c.error or c.gate["reason"] for c in done]
+    assert fast.gate["output_rel_l2"] > 10 * strict.gate["output_rel_l2"]  # f16 products, not the strict plan
+    results = tmp_path / "fast.json"
+    results.write_text(json.dumps({
+        "machine": {"processor": "x", "cpu_count": 2, "torch_threads": 2, "cuda_device": None, "date": "-",
+                    "versions": {"torch": torch.__version__}, "adapter": {"name": "test"}},
+        "settings": {"warmup": 1, "repeats": 1}, "cells": [dataclasses.asdict(c) for c in done], "micro": []}))
+    report.write(results)
+    table = results.with_suffix(".md").read_text()
+    assert "speedup over strict" in table and "| smolvla_expert | inference |" in table
+
+
+def test_fast_tolerance_admits_f16_rounding_only():
+    exact = torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    eager, off = exact.float(), (exact * (1 + 5e-3)).float()  # 5e-3 relative: f16-product level
+    assert not gates.gate_output(off, exact, eager).passed
+    assert gates.gate_output(off, exact, eager, gates.FAST_TOLERANCE).passed
+    assert not gates.gate_output((exact * 1.02).float(), exact, eager, gates.FAST_TOLERANCE).passed
