@@ -56,6 +56,35 @@ def test_explain_lists_fallback_op():
     assert "aten.sort.default" in str(report)
 
 
+def test_a_graph_without_fallback_is_one_partition_without_the_partitioner(monkeypatch):
+    from torch_meganeura import partition
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the capability partitioner ran for a graph the device runs whole")
+
+    monkeypatch.setattr(partition, "CapabilityBasedPartitioner", refuse)
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3)).eval()
+    x = torch.randn(5, 12)
+    check_against_eager(model, x)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = torch_meganeura.explain(model, x)
+    assert report.partitions == 1 and not report.fallback_ops, report
+
+
+def test_device_regions_on_both_sides_of_a_fallback_are_two_partitions():
+    def around_sort(x):
+        return torch.sort(x.exp() * 2, dim=-1).values.tanh() + 1
+
+    x = torch.randn(4, 6)
+    check_against_eager(around_sort, x, allow_fallback=True)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        report = torch_meganeura.explain(around_sort, x)
+    assert report.partitions == 2 and list(report.fallback_ops) == ["aten.sort.default"], report
+
+
 def test_fallback_error_names_the_op():
     torch._dynamo.reset()
     compiled = torch.compile(with_sort, backend="meganeura", options={"fallback": "error"})
