@@ -155,7 +155,7 @@ class _MappedRange:
 
     def __init__(self, buffer, address: int, size: int, on_unmapped):
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
-        weakref.finalize(self, _unmap, buffer, on_unmapped)
+        weakref.finalize(self, _unmap, buffer, on_unmapped).atexit = False  # at exit the process drops it all
 
 
 def _unmap(buffer, on_unmapped) -> None:
