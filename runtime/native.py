@@ -12,11 +12,14 @@ which ours never are) and waits for a poll thread to resolve a promise: two thre
 read-back maps and then polls the device on the calling thread. It first polls without blocking, for up to
 ``spin_seconds``, and only then waits for the idle queue: a blocked thread wakes up late (H200 host, a bare dispatch
 and 4-byte read: 51 us to the mapped result blocking, 26 us spinning; Whisper-tiny's call 3.74 -> 3.40 ms), while a
-spinning one holds a core, which a CPU adapter's own threads need (``Device`` spins only on GPUs). It copies
-into a numpy array, which numpy allocates on transparent huge pages where the kernel has them: a large output
-(SmolLM2's 24 MB of logits) then takes a few page faults instead of thousands. A large read-back is copied by a
-few threads at once (numpy releases the GIL while it copies): one thread's copy is bound by its own memory
-traffic, not by the machine's (SmolLM2 inference on an H200: 11.9 -> 9.8 ms).
+spinning one holds a core, which a CPU adapter's own threads need (``Device`` spins only on GPUs).
+
+``read_mapped`` (a program's outputs, ``meganeura.runtime.readback``) then hands out the mapped memory itself.
+``read_back`` (a device array's download, the profiler's timestamps) copies it into a numpy array, which numpy
+allocates on transparent huge pages where the kernel has them: a large copy then takes a few page faults instead
+of thousands. A large read-back is copied by a few threads at once (numpy releases the GIL while it copies): one
+thread's copy is bound by its own memory traffic, not by the machine's (SmolLM2's 24 MB of logits on an H200, when
+outputs were copied: 11.9 -> 9.8 ms per inference call).
 """
 from __future__ import annotations
 
