@@ -12,6 +12,16 @@ from bench.workloads import WORKLOADS
 COMPETITORS = ["meganeura", "torch-cpu-eager"]
 
 
+def _report(results, done):
+    """Write ``done``'s cells as a results file at ``results`` and render its report next to it; returns the path."""
+    results.write_text(json.dumps({
+        "machine": {"processor": "x", "cpu_count": 2, "torch_threads": 2, "cuda_device": None, "date": "-",
+                    "versions": {"torch": torch.__version__}, "adapter": {"name": "test"}},
+        "settings": {"warmup": 1, "repeats": 1}, "cells": [dataclasses.asdict(c) for c in done], "micro": []}))
+    report.write(results)
+    return results
+
+
 @pytest.mark.parametrize("workload, mode", [("smollm2", "training"), ("resnet50", "inference"),
                                             ("smolvla_expert", "latency")])
 def test_smoke_cells_pass_their_gates(workload, mode, tmp_path):
@@ -24,12 +34,7 @@ def test_smoke_cells_pass_their_gates(workload, mode, tmp_path):
     assert ours.dispatches and ours.dispatches > 0
     if mode == "training":
         assert ours.gate["gradients"] == sum(1 for p in WORKLOADS[workload].build(True).parameters())
-    results = tmp_path / "smoke.json"
-    results.write_text(json.dumps({
-        "machine": {"processor": "x", "cpu_count": 2, "torch_threads": 2, "cuda_device": None, "date": "-",
-                    "versions": {"torch": torch.__version__}, "adapter": {"name": "test"}},
-        "settings": {"warmup": 1, "repeats": 1}, "cells": [dataclasses.asdict(c) for c in done], "micro": []}))
-    report.write(results)
+    results = _report(tmp_path / "smoke.json", done)
     table = results.with_suffix(".md").read_text()
     assert f"| {workload} | {mode} |" in table and "all pass" in table
     assert results.with_suffix(".png").stat().st_size > 0
@@ -58,12 +63,7 @@ def test_fast_precision_cell_is_gated_at_its_tolerance_and_reported_beside_stric
     strict, fast, _ = done
     assert all(c.error is None and c.gate["passed"] for c in done), [c.error or c.gate["reason"] for c in done]
     assert fast.gate["output_rel_l2"] > 10 * strict.gate["output_rel_l2"]  # f16 products, not the strict plan
-    results = tmp_path / "fast.json"
-    results.write_text(json.dumps({
-        "machine": {"processor": "x", "cpu_count": 2, "torch_threads": 2, "cuda_device": None, "date": "-",
-                    "versions": {"torch": torch.__version__}, "adapter": {"name": "test"}},
-        "settings": {"warmup": 1, "repeats": 1}, "cells": [dataclasses.asdict(c) for c in done], "micro": []}))
-    report.write(results)
+    results = _report(tmp_path / "fast.json", done)
     table = results.with_suffix(".md").read_text()
     assert "speedup over strict" in table and "| smolvla_expert | inference |" in table
 
