@@ -11,7 +11,10 @@ Two kernel families, chosen by shape:
   through padded workgroup memory, the next chunk's loads issued before the current chunk's FMAs, whose K steps
   are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk when the problem is too
   small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does
-  not fit the workgroup storage or invocation limit.
+  not fit the workgroup storage or invocation limit. Range checks (rows and columns past a ragged tile edge, K past
+  a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written only where the shape can
+  fail them: on an H200 (.diag sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53 ms, 1024^3 79 -> 71 us,
+  Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
   threads ("lanes"), then reduces the partial sums with a workgroup tree reduction. A lane loads GEMV_UNROLL
   products before adding them (in the order of a plain loop): loads in flight, not one memory latency each.
@@ -284,19 +287,27 @@ class _Staging:
     def declare(self) -> str:
         return "\n".join(f"    var stage_{self.name}{t} = 0.0;" for t in range(self.count))
 
-    def fetch(self, k0: str) -> str:
+    def fetch(self, k0: str, checks: "_Checks") -> str:
+        """Load the chunk at ``k0`` into the staging registers (zero where out of range)."""
         lines = []
         for t in range(self.count):
             reg = f"stage_{self.name}{t}"
-            guard = f"lid + {t * self.plan.threads}u < {self.total}u && " if (t + 1) * self.plan.threads > self.total else ""
-            if self.a_side:
-                cond, load = f"row0 + r{t} < M && {k0} + p{t} < k_end", f"load_a(batch_index, row0 + r{t}, {k0} + p{t})"
-            else:
-                cond, load = f"col0 + r{t} < N && {k0} + p{t} < k_end", f"load_b(batch_index, {k0} + p{t}, col0 + r{t})"
+            conds = []
+            if (t + 1) * self.plan.threads > self.total:
+                conds.append(f"lid + {t * self.plan.threads}u < {self.total}u")
+            if checks.live:
+                conds.append("live")
+            edge = "row0 + r{t} < M" if self.a_side else "col0 + r{t} < N"
+            if (checks.rows if self.a_side else checks.cols):
+                conds.append(edge.format(t=t))
+            if checks.k:
+                conds.append(f"{k0} + p{t} < k_end")
+            load = (f"load_a(batch_index, row0 + r{t}, {k0} + p{t})" if self.a_side else
+                    f"load_b(batch_index, {k0} + p{t}, col0 + r{t})")
+            body = f"{reg} = {load};" if not conds else f"{reg} = 0.0;\n        if ({' && '.join(conds)}) {{ {reg} = {load}; }}"
             lines.append(f"""    {{
         {self._decode(t)}
-        {reg} = 0.0;
-        if ({guard}live && {cond}) {{ {reg} = {load}; }}
+        {body}
     }}""")
         return "\n".join(lines)
 
@@ -313,6 +324,15 @@ class _Staging:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class _Checks:
+    """The range checks a tiled kernel needs: each is left out where the shape makes it always true."""
+    live: bool  # the grid was folded and rounded up: some workgroups have no tile
+    rows: bool  # M is not a multiple of the tile's rows
+    cols: bool  # N is not a multiple of the tile's columns
+    k: bool     # some K slice does not end on a whole chunk
+
+
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
                   partial: str | None, f16: bool) -> tuple[str, tuple[int, int, int]]:
@@ -326,6 +346,8 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     per_slice = -(-k // split)
     k_slice = -(-per_slice // plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
+    checks = _Checks(live=grid[0] * grid[1] * grid[2] != total, rows=m % plan.tile_m != 0,
+                     cols=n % plan.tile_n != 0, k=k == 0 or k % (split * plan.chunk_k) != 0)
     a_row, b_row = plan.tile_m // 4 + SHARED_PAD_VEC4, plan.tile_n // 4 + SHARED_PAD_VEC4
     stage_a, stage_b = _Staging(plan, True, a_fast), _Staging(plan, False, b_fast)
     rows = [(g, i) for g in range(row_groups) for i in range(4)]
@@ -355,8 +377,12 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                 store = (f"{partial}[((slice * BATCH + batch_index) * M + {row}) * N + {col}] = "
                          f"acc_{g}_{i}_{h}[{j}];" if split > 1 else
                          f"store_c(batch_index, {row}, {col}, acc_{g}_{i}_{h}[{j}]);")
-                stores.append(f"    if (live && {row} < M && {col} < N) {{ {store} }}")
+                conds = (["live"] if checks.live else []) + ([f"{row} < M"] if checks.rows else []) + (
+                    [f"{col} < N"] if checks.cols else [])
+                stores.append(f"    if ({' && '.join(conds)}) {{ {store} }}" if conds else f"    {{ {store} }}")
 
+    live = LINEAR_WORKGROUP if checks.live else "    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;\n"
+    first_fetch = (f"{stage_a.fetch('k_begin', checks)}\n{stage_b.fetch('k_begin', checks)}" if k > 0 else "")
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
 {plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}
@@ -369,7 +395,7 @@ var<workgroup> tile_b: array<vec4<{element}>, {plan.chunk_k * b_row}>;
 
 @compute @workgroup_size({plan.threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-{LINEAR_WORKGROUP}    let slice = wg_linear / TILES_ALL;
+{live}    let slice = wg_linear / TILES_ALL;
     let batch_index = (wg_linear % TILES_ALL) / TILES_PER_BATCH;
     let tile_index = wg_linear % TILES_PER_BATCH;
     let row0 = (tile_index / TILES_N) * {plan.tile_m}u;
@@ -381,16 +407,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 {acc_decl}
 {stage_a.declare()}
 {stage_b.declare()}
-{stage_a.fetch("k_begin")}
-{stage_b.fetch("k_begin")}
+{first_fetch}
     for (var k0 = k_begin; k0 < k_end; k0 += {plan.chunk_k}u) {{
         workgroupBarrier();
 {stage_a.store(element)}
 {stage_b.store(element)}
         workgroupBarrier();
         let k_next = k0 + {plan.chunk_k}u;  // fetched now, stored next round: the loads overlap the FMAs
-{stage_a.fetch("k_next")}
-{stage_b.fetch("k_next")}
+        if (k_next < k_end) {{
+{stage_a.fetch("k_next", checks)}
+{stage_b.fetch("k_next", checks)}
+        }}
 {inner}
     }}
 {chr(10).join(stores)}

@@ -245,6 +245,27 @@ def test_split_k(device, batch, m, n, k, split, tile):
     assert f"K in {split} slices" in source
 
 
+@pytest.mark.parametrize("batch, m, n, k, split, tile, grid_limit", [
+    (2, 64, 128, 96, 1, (64, 64), None),      # every range check left out
+    (1, 64, 64, 512, 4, (32, 64), None),      # whole slices of whole chunks: no K check
+    (1, 64, 70, 512, 4, (32, 64), None),      # ragged columns only
+    (1, 96, 64, 40, 1, (32, 32), None),       # K not whole chunks: K checked, rows and columns not
+    (40, 32, 32, 32, 1, (32, 32), 7),         # folded grid rounded up: workgroups without a tile
+])
+def test_range_checks_left_out_where_the_shape_allows(device, batch, m, n, k, split, tile, grid_limit):
+    """Exact shapes get kernels without the checks they cannot fail; the results, the one store per element and
+    the in-range indices are checked as everywhere."""
+    rng = np.random.default_rng(13)
+    limits = dict(device.limits, **({GRID_LIMIT: grid_limit} if grid_limit else {}))
+    source, _ = check(device, make_operand(rng, batch, m, k), make_operand(rng, batch, k, n), split=split, tile=tile,
+                      limits=limits)
+    kernel = source[source.index("// ---- matmul"):]
+    assert ("< M" in kernel) == (m % tile[0] != 0)
+    assert ("< N" in kernel) == (n % tile[1] != 0)
+    assert bool(re.search(r"\+ p\d+ < k_end", kernel)) == (k % (split * 16) != 0)
+    assert ("live" in kernel) == (grid_limit is not None)
+
+
 def test_split_k_choice():
     assert split_k(1, 64, 147, 50176, LIMITS) == 64       # a convolution's weight gradient: 3 tiles, long K
     assert split_k(1, 196, 1024, 2304, LIMITS) == 16      # 64 tiles
