@@ -1,24 +1,26 @@
 """Per-shape matmul tuning: time variants of each tiled GEMM problem on the device and keep the fastest,
 remembered per adapter in a JSON file.
 
-A problem is (batch, m, n, k) with its operand layouts (``a_fast``, ``b_fast``) and whether f16 products are
-allowed (precision "fast"). Its candidates are the generator's own variant (``default_choice``) and the tile /
-register-block shapes of ``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many
-workgroups; where f16 is allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a
-shape where f16 is slower keeps f32). They are timed on a synthetic problem of
-that shape and layout (plain buffers of random values, ``meganeura.runtime.timing``), on the assumption that the
-real kernel's loads and epilogue (a convolution's gather, a fused bias) cost about the same in every variant. That
-mostly holds, not always: in the H200 benchmark of 939f8fd, ResNet-50's convolution 4x128x784x1152 took 0.45 ms a
-call with its tuned variant, against 0.39 ms for the default in an earlier run (with naga's checks, which made
-kernels slower). The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's new problems are tuned
-together: all their candidates' pipelines compiled in one batch (side by side), then timed problem by problem. A
-problem whose buffers would not fit the device's binding limit keeps the default untimed.
+A problem (``MatmulProblem``) is a GEMM shape (batch, m, n, k) with its operand layouts (``a_fast``, ``b_fast``),
+whether f16 products are allowed (precision "fast"), and the kernel's own prelude: its bindings, the loads of its
+operands (a convolution's gather, a view's index math) and its store (a fused epilogue), as the plan compiles it.
+Its candidates are the generator's own variant (``default_choice``) and the tile / register-block shapes of
+``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups; where f16 is
+allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower
+keeps f32). Each is timed with that prelude on scratch buffers of the bindings' sizes, zero-filled (so that an
+index read from data stays in range), with ``meganeura.runtime.timing``. The gather can cost as much as the
+products: on an H200, ResNet-50's 3x3 convolution 4x256x196x2304 took about 87 us in its plan against 47 us as a
+GEMM of plain arrays, and variants timed on plain arrays misjudged it (939f8fd: 4x128x784x1152 tuned 0.45 ms a
+call against 0.34 ms for the default). The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's new
+problems are tuned together: all their candidates' pipelines compiled in one batch (side by side), then timed
+problem by problem. A problem whose buffers would not fit the device's binding limit keeps the default untimed.
 
 The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
 only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the matmul
-generator's source and whether kernels keep naga's runtime checks). It records both, and per problem the choice
-and the two times; a file that does not parse or names another adapter or other kernels is ignored and rewritten,
-so a changed generator is tuned afresh. A directory that cannot be written only loses the memory.
+generator's source and whether kernels keep naga's runtime checks). It records both, and per problem (keyed by its
+shape, layouts and a digest of its prelude) the choice and the two times; a file that does not parse or names
+another adapter or other kernels is ignored and rewritten, so a changed generator is tuned afresh. A directory that
+cannot be written only loses the memory.
 """
 from __future__ import annotations
 
@@ -27,9 +29,8 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from meganeura.runtime.device import SHADER_CHECKS_ENV
 from meganeura.runtime.timing import WARMUP_SECONDS, time_sequences
@@ -46,7 +47,47 @@ SPLITS = (1, 2, 4, 8, 16)
 MIN_SLICE_K = 32  # each K slice at least this long
 MAX_WORKGROUPS = 4096  # more would only add partial sums to add up
 MIN_GAIN = 0.05  # a candidate replaces the default when at least this much faster
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2: problems keyed by their prelude too
+
+
+@dataclass(frozen=True)
+class MatmulProblem:
+    """A tiled GEMM to tune: shape, operand layouts, whether f16 products are allowed, and the kernel's prelude
+    with the byte size of each of its bindings but the last, which the prelude declares as ``partial`` (an f32
+    array): the split variants' partial sums."""
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_fast: str
+    b_fast: str
+    f16: bool
+    prelude: str
+    bindings: tuple[int, ...]
+    partial: str
+
+    def key(self) -> str:
+        digest = hashlib.sha256(self.prelude.encode()).hexdigest()[:12]
+        return (f"{self.batch}x{self.m}x{self.n}x{self.k}:{self.a_fast}{self.b_fast}" + (":f16" if self.f16 else "")
+                + f":{digest}")
+
+
+def plain_problem(batch: int, m: int, n: int, k: int, a_fast: str = "p", b_fast: str = "j",
+                  f16: bool = False) -> MatmulProblem:
+    """A problem over plain arrays a, b, c laid out as ``a_fast`` and ``b_fast`` say (no gather, no epilogue)."""
+    a_index = f"(bi * {m}u + i) * {k}u + p" if a_fast == "p" else f"(bi * {k}u + p) * {m}u + i"
+    b_index = f"(bi * {n}u + j) * {k}u + p" if b_fast == "p" else f"(bi * {k}u + p) * {n}u + j"
+    prelude = f"""
+@group(0) @binding(0) var<storage, read_write> a: array<f32>;
+@group(0) @binding(1) var<storage, read_write> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<storage, read_write> partial: array<f32>;
+fn load_a(bi: u32, i: u32, p: u32) -> f32 {{ return a[{a_index}]; }}
+fn load_b(bi: u32, p: u32, j: u32) -> f32 {{ return b[{b_index}]; }}
+fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{ c[(bi * {m}u + i) * {n}u + j] = acc; }}
+"""
+    return MatmulProblem(batch, m, n, k, a_fast, b_fast, f16, prelude,
+                         (4 * batch * m * k, 4 * batch * k * n, 4 * batch * m * n), "partial")
 
 
 def timed_kernels() -> str:
@@ -73,59 +114,56 @@ class MatmulTuner:
         self.tuned = 0  # problems timed by this tuner
         self.seconds = 0.0  # spent timing them (pipelines included)
 
-    def choose_all(self, problems: list[tuple]) -> list[MatmulChoice]:
-        """The variant of each (batch, m, n, k, a_fast, b_fast, f16) problem; new problems are timed first, their
-        candidates' pipelines compiled together (side by side on the device's compile threads)."""
-        new = [p for p in dict.fromkeys(problems) if problem_key(*p) not in self.entries]
+    def choose_all(self, problems: list[MatmulProblem]) -> list[MatmulChoice]:
+        """The variant of each problem; new problems are timed first, their candidates' pipelines compiled together
+        (side by side on the device's compile threads)."""
+        new = [p for p in dict.fromkeys(problems) if p.key() not in self.entries]
         if new:
             start = time.perf_counter()
-            built = [self._variants(*p) for p in new]
-            sources = [source for _, passes in built for p in passes for source, _ in p]
-            pipelines = dict(zip(sources, self.device.pipelines([(s, 4, "matmul tuning") for s in sources])))
+            built = [self._variants(p) for p in new]
+            requests = [(source, len(p.bindings) + 1, "matmul tuning")
+                        for p, (_, passes) in zip(new, built) for variant in passes for source, _ in variant]
+            pipelines = dict(zip((source for source, _, _ in requests), self.device.pipelines(requests)))
             warm = False  # the first timed problem warms the GPU up; the rest follow it closely
             for problem, (choices, passes) in zip(new, built):
-                self.entries[problem_key(*problem)] = self._time(problem, choices, passes, pipelines, warm)
+                self.entries[problem.key()] = self._time(problem, choices, passes, pipelines, warm)
                 warm = warm or bool(passes)
             self.seconds += time.perf_counter() - start
             self.tuned += len(new)
             self._save()
-        return [_choice(self.entries[problem_key(*p)]) for p in problems]
+        return [_choice(self.entries[p.key()]) for p in problems]
 
     # ---- timing
 
-    def _variants(self, batch, m, n, k, a_fast, b_fast, f16=False) -> tuple[list[MatmulChoice], list[list[tuple]]]:
+    def _variants(self, p: MatmulProblem) -> tuple[list[MatmulChoice], list[list[tuple]]]:
         """The candidates of a problem and each one's passes, (WGSL, workgroups) each; none where it is not timed."""
-        limits = dict(self.device.limits, **{F16_PRODUCTS: 1}) if f16 else self.device.limits
-        choices = candidates(batch, m, n, k, limits)
-        if max(_floats(batch, m, n, k, choices).values()) * 4 > self.device.max_binding_size or k == 0:
+        limits = dict(self.device.limits, **{F16_PRODUCTS: 1}) if p.f16 else self.device.limits
+        choices = candidates(p.batch, p.m, p.n, p.k, limits)
+        if max((*p.bindings, _partial_bytes(p, choices))) > self.device.max_binding_size or p.k == 0:
             return choices[:1], []
-        prelude = synthetic_prelude(batch, m, n, k, a_fast, b_fast)
+        shape = dict(batch=p.batch, m=p.m, n=p.n)
         passes = []
         for c in choices:
-            passes.append([matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast,
-                                         b_fast=b_fast, tile=c.tile, block=c.block, split=c.split,
-                                         partial="partial" if c.split > 1 else None, f16=c.f16)])
+            passes.append([matmul_kernel(p.prelude, **shape, k=p.k, limits=limits, a_fast=p.a_fast, b_fast=p.b_fast,
+                                         tile=c.tile, block=c.block, split=c.split,
+                                         partial=p.partial if c.split > 1 else None, f16=c.f16)])
             if c.split > 1:
-                passes[-1].append(split_reduce_kernel(prelude, batch=batch, m=m, n=n, split=c.split,
-                                                      partial="partial", limits=limits))
+                passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial,
+                                                      limits=limits))
         return choices, passes
 
-    def _time(self, problem, choices, passes, pipelines, warm: bool) -> dict:
+    def _time(self, problem: MatmulProblem, choices, passes, pipelines, warm: bool) -> dict:
         if not passes:
             return _entry(choices[0], None, None)
         dev = self.device
-        floats = _floats(*problem[:4], choices)
-        values = np.random.default_rng(0).standard_normal(4096).astype(np.float32)  # repeated: quick to make
-        buffers = {name: dev.storage_buffer(max(4 * size, 4), f"tuning {name}") for name, size in floats.items()}
+        sizes = [*problem.bindings, _partial_bytes(problem, choices)]
+        buffers = [dev.storage_buffer(max(4, -(-size // 4) * 4), "tuning scratch") for size in sizes]  # zeros
         try:
-            for name in ("a", "b"):
-                dev.write(buffers[name], 0, np.resize(values, floats[name]))
-            group = dev.bind_group([(buffers[x], 0, buffers[x].size) for x in ("a", "b", "c", "partial")],
-                                   "matmul tuning")
+            group = dev.bind_group([(buffer, 0, buffer.size) for buffer in buffers], "matmul tuning")
             seconds = time_sequences(dev, [[(pipelines[s], group, g) for s, g in p] for p in passes],
                                      0.0 if warm else WARMUP_SECONDS)
         finally:
-            for buffer in buffers.values():
+            for buffer in buffers:
                 dev.destroy_buffer(buffer)
         best = min(range(len(choices)), key=seconds.__getitem__)
         if seconds[best] > (1 - MIN_GAIN) * seconds[0]:
@@ -161,10 +199,6 @@ class MatmulTuner:
             pass
 
 
-def problem_key(batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str, f16: bool = False) -> str:
-    return f"{batch}x{m}x{n}x{k}:{a_fast}{b_fast}" + (":f16" if f16 else "")
-
-
 def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulChoice]:
     """The default variant first, then the distinct variants of CONFIGS x SPLITS that suit the problem (with f16
     products too for 4x4 blocks, where ``limits`` allow them)."""
@@ -190,25 +224,9 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
     return found
 
 
-def synthetic_prelude(batch: int, m: int, n: int, k: int, a_fast: str, b_fast: str) -> str:
-    """Bindings a, b, c, partial and the loads of plain arrays laid out as ``a_fast`` and ``b_fast`` say."""
-    a_index = f"(bi * {m}u + i) * {k}u + p" if a_fast == "p" else f"(bi * {k}u + p) * {m}u + i"
-    b_index = f"(bi * {n}u + j) * {k}u + p" if b_fast == "p" else f"(bi * {k}u + p) * {n}u + j"
-    return f"""
-@group(0) @binding(0) var<storage, read_write> a: array<f32>;
-@group(0) @binding(1) var<storage, read_write> b: array<f32>;
-@group(0) @binding(2) var<storage, read_write> c: array<f32>;
-@group(0) @binding(3) var<storage, read_write> partial: array<f32>;
-fn load_a(bi: u32, i: u32, p: u32) -> f32 {{ return a[{a_index}]; }}
-fn load_b(bi: u32, p: u32, j: u32) -> f32 {{ return b[{b_index}]; }}
-fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{ c[(bi * {m}u + i) * {n}u + j] = acc; }}
-"""
-
-
-def _floats(batch: int, m: int, n: int, k: int, choices: list[MatmulChoice]) -> dict[str, int]:
-    """Floats of each synthetic buffer: the operands, the output and the partial sums of the most slices."""
-    most = max(c.split for c in choices)
-    return {"a": batch * m * k, "b": batch * k * n, "c": batch * m * n, "partial": most * batch * m * n}
+def _partial_bytes(problem: MatmulProblem, choices: list[MatmulChoice]) -> int:
+    """Bytes of the partial sums of the candidate with the most K slices."""
+    return 4 * max(c.split for c in choices) * problem.batch * problem.m * problem.n
 
 
 def _choice(entry: dict) -> MatmulChoice:

@@ -12,6 +12,7 @@ import hashlib
 
 from meganeura.kernels import attention as attention_kernels
 from meganeura.kernels import matmul as matmul_kernels
+from meganeura.kernels.matmul_tuning import MatmulProblem
 from meganeura.kernels import pointwise as pointwise_kernels
 from meganeura.kernels import reduce as reduce_kernels
 from meganeura.kernels import wgsl
@@ -31,8 +32,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``.
 
     ``choose_matmuls(problems)`` may pick the tiled matmul kernels' variants (``MatmulChoice``s, e.g. a tuner's):
-    it gets the plan's distinct GEMM problems, each (batch, m, n, k, a_fast, b_fast, f16 allowed), all at once and
-    returns a choice or None for each. Where it is absent or says None, the kernel generator's own rule decides.
+    it gets the plan's distinct GEMM problems (``MatmulProblem``s: shape, layouts, f16 allowed, and the kernel's
+    own prelude), all at once, and returns a choice or None for each. Where it is absent or says None, the kernel generator's own rule decides.
     f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast")."""
     alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
@@ -119,8 +120,7 @@ def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) ->
     if choose is None:
         return variants
     f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
-    problems = {id(n): (n.batch, n.rows, n.columns, n.k, *_operand_layout(n, values), f16)
-                for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
+    problems = {id(n): _matmul_problem(n, values, f16) for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
     distinct = list(dict.fromkeys(problems.values()))
     chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
     for node_id, problem in problems.items():
@@ -129,10 +129,24 @@ def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) ->
     return variants
 
 
-def _operand_layout(node: Matmul, values: dict) -> tuple[str, str]:
-    """(a_fast, b_fast): the axis along which each operand's reads step by one element."""
-    a, b = (_linearise(e, d, values, lambda vid: 0) for e, d in zip(node.exprs()[:2], node.domains()[:2]))
-    return ("i" if unit_stride_coord(a, (2, 1)) == 1 else "p"), ("p" if unit_stride_coord(b, (2, 1)) == 1 else "j")
+_TUNING_PARTIAL = "tuning partial sums"  # the bound key of a problem's partial-sum binding
+
+
+def _matmul_problem(node: Matmul, values: dict, f16: bool) -> MatmulProblem:
+    """The tuning problem of a tiled matmul node: its shape and layouts, and its kernel's prelude with a partial-sum
+    binding last (as a split variant's kernel has it)."""
+    bound, decl, exprs, out_slots, name = _bindings(node, values, _TUNING_PARTIAL)
+    a_fast, b_fast = _fast_axes(exprs)
+    sizes = tuple(16 if vid == "status" else tensor_bytes(values[vid]) for vid in bound[:-1])
+    prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
+    return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16, prelude, sizes,
+                         name(len(bound) - 1))
+
+
+def _fast_axes(exprs: list[E.Expr]) -> tuple[str, str]:
+    """(a_fast, b_fast) of a matmul's linearised operand expressions: the axis along which each one's reads step by
+    one element."""
+    return ("i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"), ("p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j")
 
 
 def _linearise(e: E.Expr, domain, values: dict, slot_of) -> E.Expr:
@@ -169,11 +183,10 @@ def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
                                             node.dv, node.scale, node.causal, node.bias is not None)
 
 
-def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None,
-            variant: matmul_kernels.MatmulChoice | None = None) -> list[tuple]:
-    """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a matmul
-    or attention pass cut into slices (``scratch``: slices and the arena key of their partial results). A matmul
-    node's kernel is ``variant``."""
+def _bindings(node: Node, values: dict, scratch_key=None):
+    """A node's bindings: (bound value ids in slot order, their declarations (slot, name, element type), the
+    node's expressions with loads read from slots, the output slots, slot -> WGSL name). A status binding follows
+    the values where an expression checks something, and ``scratch_key`` (f32 partial results) comes last."""
     bound: list = []
 
     def slot_of(vid) -> int:
@@ -181,32 +194,36 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
             bound.append(vid)
         return bound.index(vid)
 
-    def linearise(e: E.Expr, domain) -> E.Expr:
-        return _linearise(e, domain, values, slot_of)
-
     own = {v.id for v in node.outs} & {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
     if own:  # other threads may not have written it yet: a race on GPUs that a serial CPU driver hides
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
-    exprs = [linearise(e, d) for e, d in zip(node.exprs(), node.domains())]
+    exprs = [_linearise(e, d, values, slot_of) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
-    has_status = any(n.op == "check" for e in exprs for n in E.walk(e))
-    if has_status:
+    if any(n.op == "check" for e in exprs for n in E.walk(e)):
         slot_of("status")
 
     def name(slot):
         return wgsl.STATUS_VAR if bound[slot] == "status" else f"b{slot}"
 
-    if scratch is not None:
-        slot_of(scratch[1])
+    if scratch_key is not None:
+        slot_of(scratch_key)
     decl = []
     for slot, vid in enumerate(bound):
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
-        elif scratch is not None and vid == scratch[1]:
+        elif scratch_key is not None and vid == scratch_key:
             decl.append((slot, name(slot), "f32"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[values[vid].compute_dtype]))
+    return bound, decl, exprs, out_slots, name
 
+
+def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None,
+            variant: matmul_kernels.MatmulChoice | None = None) -> list[tuple]:
+    """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a matmul
+    or attention pass cut into slices (``scratch``: slices and the arena key of their partial results). A matmul
+    node's kernel is ``variant``."""
+    bound, decl, exprs, out_slots, name = _bindings(node, values, scratch[1] if scratch is not None else None)
     if isinstance(node, Pointwise):
         outputs = [(name(s), v.compute_dtype, e) for s, v, e in zip(out_slots, node.outs, exprs)]
         src, groups = pointwise_kernels.pointwise_kernel(bindings=decl, outputs=outputs, shape=node.out.shape,
@@ -221,8 +238,7 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
             bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
             split=split, partial=partial)]
     elif isinstance(node, Matmul):
-        a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
-        b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
+        a_fast, b_fast = _fast_axes(exprs)
         prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
         dims = dict(batch=node.batch, m=node.rows, n=node.columns)
         shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,

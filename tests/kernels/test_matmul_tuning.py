@@ -6,7 +6,7 @@ import pytest
 
 from meganeura.kernels import matmul_tuning
 from meganeura.kernels.matmul import MatmulChoice, default_choice
-from meganeura.kernels.matmul_tuning import MatmulTuner, candidates
+from meganeura.kernels.matmul_tuning import MatmulTuner, candidates, plain_problem
 from meganeura.runtime.device import get_device
 
 LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,
@@ -36,19 +36,19 @@ def small_family(monkeypatch):
 def test_tuner_times_a_problem_once_and_remembers_it(tmp_path, small_family):
     device = get_device()
     tuner = MatmulTuner(device, tmp_path)
-    choice = tuner.choose_all([(1, 40, 48, 96, "p", "j")])[0]
+    choice = tuner.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0]
     assert isinstance(choice, MatmulChoice) and tuner.tuned == 1
     assert choice in candidates(1, 40, 48, 96, device.limits)
-    assert tuner.choose_all([(1, 40, 48, 96, "p", "j")])[0] == choice and tuner.tuned == 1
+    assert tuner.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0] == choice and tuner.tuned == 1
     saved = json.loads(tuner.path.read_text())
-    entry = saved["problems"]["1x40x48x96:pj"]
+    entry = saved["problems"][plain_problem(1, 40, 48, 96, "p", "j").key()]
     assert entry["us"] > 0 and entry["default_us"] > 0
     assert entry["us"] <= entry["default_us"]
     again = MatmulTuner(device, tmp_path)  # a new process: read from the file, not timed
-    assert again.choose_all([(1, 40, 48, 96, "p", "j")])[0] == choice and again.tuned == 0
+    assert again.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0] == choice and again.tuned == 0
 
 
-ENTRY = {"1x40x48x96:pj": {"tile": [16, 32], "block": [4, 4], "split": 2}}
+ENTRY = {plain_problem(1, 40, 48, 96, "p", "j").key(): {"tile": [16, 32], "block": [4, 4], "split": 2}}
 
 
 @pytest.mark.parametrize("content", ["{ not json", {"adapter": "another GPU"}, {"kernels": "an older generator"}])
@@ -61,7 +61,7 @@ def test_damaged_or_foreign_file_is_ignored_and_rewritten(tmp_path, small_family
     tuner.path.write_text(content)
     fresh = MatmulTuner(device, tmp_path)
     assert fresh.entries == {}
-    fresh.choose_all([(1, 40, 48, 96, "p", "j")])
+    fresh.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])
     saved = json.loads(fresh.path.read_text())
     assert fresh.tuned == 1 and (saved["adapter"], saved["kernels"]) == (fresh.adapter, fresh.kernels)
 
@@ -105,7 +105,8 @@ def test_new_problems_are_compiled_in_one_batch_and_repeats_asked_once(small_fam
         return compile_all(kernels)
 
     monkeypatch.setattr(device, "pipelines", recording)
-    problems = [(1, 40, 48, 96, "p", "p"), (1, 24, 40, 64, "p", "j"), (1, 40, 48, 96, "p", "p")]
+    problems = [plain_problem(1, 40, 48, 96, "p", "p"), plain_problem(1, 24, 40, 64, "p", "j"),
+                plain_problem(1, 40, 48, 96, "p", "p")]
     chosen = tuner.choose_all(problems)
     assert len(batches) == 1 and tuner.tuned == 2
     assert chosen[0] == chosen[2] and all(isinstance(c, MatmulChoice) for c in chosen)
@@ -115,8 +116,8 @@ def test_new_problems_are_compiled_in_one_batch_and_repeats_asked_once(small_fam
 def test_without_a_directory_choices_last_for_the_process(small_family):
     tuner = MatmulTuner(get_device(), None)
     assert tuner.path is None
-    tuner.choose_all([(2, 33, 20, 64, "i", "p")])
-    assert tuner.tuned == 1 and "2x33x20x64:ip" in tuner.entries
+    tuner.choose_all([plain_problem(2, 33, 20, 64, "i", "p")])
+    assert tuner.tuned == 1 and plain_problem(2, 33, 20, 64, "i", "p").key() in tuner.entries
 
 
 FAST = {**LIMITS, matmul_tuning.F16_PRODUCTS: 1}
@@ -143,8 +144,10 @@ def test_f16_problems_are_timed_and_remembered_apart(tmp_path, small_family):
     if "shader-f16" not in device.features:
         pytest.skip("the adapter has no shader-f16")
     tuner = MatmulTuner(device, tmp_path)
-    strict, fast = tuner.choose_all([(1, 40, 48, 96, "p", "j", False), (1, 40, 48, 96, "p", "j", True)])
+    strict, fast = tuner.choose_all([plain_problem(1, 40, 48, 96, "p", "j", False),
+                                     plain_problem(1, 40, 48, 96, "p", "j", True)])
     assert tuner.tuned == 2 and not strict.f16
     assert fast in candidates(1, 40, 48, 96, {**device.limits, matmul_tuning.F16_PRODUCTS: 1})
     saved = json.loads(tuner.path.read_text())["problems"]
-    assert set(saved) == {"1x40x48x96:pj", "1x40x48x96:pj:f16"} and saved["1x40x48x96:pj:f16"]["f16"] == fast.f16
+    fast_key = plain_problem(1, 40, 48, 96, "p", "j", True).key()
+    assert set(saved) == {plain_problem(1, 40, 48, 96, "p", "j").key(), fast_key} and saved[fast_key]["f16"] == fast.f16

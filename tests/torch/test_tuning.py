@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from conftest import assert_same
-from meganeura.kernels import matmul
+from meganeura.kernels import matmul, matmul_tuning
 from meganeura.kernels.matmul import MatmulChoice
+from meganeura.kernels.matmul_tuning import MatmulTuner
+from meganeura.runtime.device import get_device
 import torch_meganeura.tuning as tuning
 
 
@@ -40,8 +42,45 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     compiled = torch.compile(model, backend="meganeura", options={"tune": True})
     with torch.no_grad():
         assert_same(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-    assert sorted(tuner.asked) == [(1, 50, 40, 72, "p", "p", False), (1, 50, 72, 96, "p", "p", False)]  # once each
+    shapes = sorted((p.batch, p.m, p.n, p.k, p.a_fast, p.b_fast, p.f16) for p in tuner.asked)
+    assert shapes == [(1, 50, 40, 72, "p", "p", False), (1, 50, 72, 96, "p", "p", False)]  # once each
     assert built and all(b == (choice.tile, choice.block, choice.split) for b in built)
+
+
+def _functions(prelude: str) -> str:
+    """A prelude's functions (loads, store), without the binding declarations."""
+    return prelude[prelude.index("fn "):]
+
+
+def test_the_tuner_times_each_kernel_with_its_own_loads_and_store(monkeypatch, tmp_path):
+    """A convolution's problems carry its gather and fused epilogue, exactly as the plan's kernels have them; the
+    real tuner times them (zero-filled scratch buffers) and the tuned plan matches eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2))
+    x = torch.randn(2, 3, 10, 10)
+    monkeypatch.setattr(matmul_tuning, "CONFIGS", (((16, 32), (4, 4)),))  # few pipelines for a CPU driver
+    monkeypatch.setattr(matmul_tuning, "SPLITS", (1, 2))
+    real = MatmulTuner(get_device(), tmp_path)
+    asked, built = [], []  # built: the preludes of the plan's matmul kernels (generated after tuning)
+    choose = real.choose_all
+
+    def choosing(problems):
+        asked.extend(problems)
+        chosen = choose(problems)
+        built.clear()  # the tuner's own candidates
+        return chosen
+
+    monkeypatch.setattr(real, "choose_all", choosing)
+    monkeypatch.setattr(tuning, "tuner_for", lambda device: real)
+    generate = matmul.matmul_kernel
+    monkeypatch.setattr(matmul, "matmul_kernel", lambda prelude, **kw: built.append(prelude) or generate(prelude, **kw))
+    compiled = torch.compile(model, backend="meganeura", options={"tune": True})
+    with torch.no_grad():
+        assert_same(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(asked) == 2 and real.tuned == 2 and len(real.entries) == 2
+    assert {_functions(p.prelude) for p in asked} == {_functions(p) for p in built}
+    assert any("select(" in p.prelude for p in asked)  # the padded convolution's gather
 
 
 def test_tune_off_never_asks_the_tuner(monkeypatch):
