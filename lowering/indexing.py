@@ -3,7 +3,9 @@
 Chains of views (reshape after permute after reshape...) compose into ``idiv``/``imod`` trees. ``simplify``
 rewrites them with the coordinates' bounds: affine terms are collected, divisions and remainders by a
 constant split off the multiples of the divisor, drop when the remainder is provably in range, and
-``c*a*(x idiv a) + c*(x imod a)`` folds back to ``c*x``.
+``c*a*(x idiv a) + c*(x imod a)`` folds back to ``c*x``, also where the division is written as one by a product
+(``x idiv 9`` beside ``(x idiv 3) imod 3``): the unravel of one flat coordinate into several, such as a
+convolution filter's taps read as one GEMM row, folds back to that coordinate.
 """
 from __future__ import annotations
 
@@ -150,25 +152,35 @@ def _modulo(terms, const, d, bounds):
 
 
 def _fold_div_mod(terms: dict) -> dict:
-    """c*a*(x idiv a) + c*(x imod a) -> c*x, repeatedly."""
+    """c*a*(x idiv a) + c*(x imod a) -> c*x, and c*b*(x idiv a*b) + c*((x idiv a) imod b) -> c*(x idiv a),
+    repeatedly: a flattened unravel ((p idiv 9)*9 + ((p idiv 3) imod 3)*3 + p imod 3) folds back to p."""
     changed = True
     while changed:
         changed = False
         for atom, coef in list(terms.items()):
-            if atom.op != "idiv" or not E.is_const(atom.args[1]):
+            if atom.op != "imod" or not E.is_const(atom.args[1]):
                 continue
-            x, a = atom.args[0], atom.args[1].args[0]
-            mod_atom = E.binary("imod", x, atom.args[1])
-            mod_coef = terms.get(mod_atom)
-            if mod_coef and coef == mod_coef * a:
-                del terms[atom]
-                del terms[mod_atom]
-                xt, xc = _affine(x)
-                for t, c in xt.items():
-                    terms[t] = terms.get(t, 0) + c * mod_coef
-                terms = {t: c for t, c in terms.items() if c}
-                if xc:
-                    terms[E.const(1, E.I32)] = terms.get(E.const(1, E.I32), 0) + xc * mod_coef
-                changed = True
-                break
+            y, b = atom.args[0], atom.args[1].args[0]
+            whole = _whole_of(y, b, terms, coef)
+            if whole is None:
+                continue
+            del terms[atom]
+            del terms[whole]
+            yt, yc = _affine(y)
+            for t, c in yt.items():
+                terms[t] = terms.get(t, 0) + c * coef
+            terms = {t: c for t, c in terms.items() if c}
+            if yc:
+                terms[E.const(1, E.I32)] = terms.get(E.const(1, E.I32), 0) + yc * coef
+            changed = True
+            break
     return terms
+
+
+def _whole_of(y: E.Expr, b: int, terms: dict, coef: int) -> E.Expr | None:
+    """The atom that adds up with coef*(y imod b) to coef*y: (y idiv b) at coefficient coef*b, or, for y = (x idiv
+    a), (x idiv a*b) at that coefficient (the same value: nested divisions by positive constants compose)."""
+    wanted = [E.binary("idiv", y, E.const(b, E.I32))]
+    if y.op == "idiv" and E.is_const(y.args[1]) and y.args[1].args[0] > 0:
+        wanted.append(E.binary("idiv", y.args[0], E.const(y.args[1].args[0] * b, E.I32)))
+    return next((w for w in wanted if terms.get(w) == coef * b), None)

@@ -7,7 +7,7 @@ import pytest
 
 from meganeura.lowering import compile_graph
 from meganeura.lowering import expr as E
-from meganeura.lowering.builder import GraphBuilder, reshape_coords
+from meganeura.lowering.builder import GraphBuilder, reshape_coords, unravel
 from meganeura.lowering.epilogues import fuse_epilogues
 from meganeura.lowering.fusion import fuse
 from meganeura.lowering.indexing import linear_index, simplify
@@ -46,6 +46,20 @@ def test_reshape_round_trip_simplifies_to_identity():
     outer = reshape_coords((6,), (2, 3))  # coords of [6] from [2, 3]
     composed = [E.shift_coords(x, {0: outer[0]}) for x in inner]
     assert [simplify(x, {0: 2, 1: 3}) for x in composed] == [E.coord(0), E.coord(1)]
+
+
+@pytest.mark.parametrize("shape", [(64, 3, 3), (2, 5, 7, 3), (4, 1, 6), (3, 4)])
+def test_flattened_unravel_folds_back_to_the_flat_index(shape):
+    """A contiguous tensor read through the unravel of one flat coordinate (a convolution's filter taps as one
+    GEMM row) is read at that coordinate, also inside a larger affine index."""
+    size = int(np.prod(shape))
+    flat = linear_index(unravel(E.coord(1), shape), shape)
+    row = E.add(E.mul(E.coord(0), E.const(size, E.I32)), flat)
+    assert simplify(flat, {1: size}) == E.coord(1)
+    simple = simplify(row, {0: 5, 1: size})
+    assert E.size(simple) <= 5
+    for c in itertools.product(range(5), range(size)):
+        assert evaluate(simple, c) == evaluate(row, c)
 
 
 def test_planner_never_overlaps_live_tensors_and_beats_unplanned():
