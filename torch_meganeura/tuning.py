@@ -1,10 +1,10 @@
 """The ``tune`` and ``precision`` options: how a plan's matmul variants are chosen and which may use f16.
 
 With ``options={"tune": True}`` (or, where the option is not given, the environment variable ``MEGANEURA_TUNE=1``)
-each tiled GEMM shape of a plan is timed once per adapter in a few variants and the fastest kept
-(``meganeura.kernels.matmul_tuning``). The choices are remembered in the plan cache's directory, so the cost (on
-an H200 0.25-0.9 s per new shape, mostly compiling the candidate kernels) is paid once per adapter, and tuned plans
-are cached apart from untuned ones.
+each tiled GEMM kernel of a plan (its shape, and its own loads and store: a convolution's gather, a fused
+epilogue) is timed once per adapter in a few variants and the fastest kept (``meganeura.kernels.matmul_tuning``).
+The choices are remembered in the plan cache's directory, so the cost (on an H200 0.1-0.9 s per new kernel, mostly
+compiling the candidates) is paid once per adapter, and tuned plans are cached apart from untuned ones.
 
 With ``options={"precision": "fast"}`` the forward graphs' (inference and training forward) tiled matmuls and
 convolutions may form their products in f16: operands rounded to f16, each K chunk of at most 16 products summed in
