@@ -152,8 +152,9 @@ def _modulo(terms, const, d, bounds):
 
 
 def _fold_div_mod(terms: dict) -> dict:
-    """c*a*(x idiv a) + c*(x imod a) -> c*x, and c*b*(x idiv a*b) + c*((x idiv a) imod b) -> c*(x idiv a),
-    repeatedly: a flattened unravel ((p idiv 9)*9 + ((p idiv 3) imod 3)*3 + p imod 3) folds back to p."""
+    """c*a*(x idiv a) + c*(x imod a) -> c*x, c*b*(x idiv a*b) + c*((x idiv a) imod b) -> c*(x idiv a), and
+    c*(x imod a) + c*a*((x idiv a) imod b) -> c*(x imod a*b), repeatedly: a flattened unravel
+    ((p idiv 9)*9 + ((p idiv 3) imod 3)*3 + p imod 3) folds back to p, and its trailing part alone to p imod 9."""
     changed = True
     while changed:
         changed = False
@@ -163,6 +164,14 @@ def _fold_div_mod(terms: dict) -> dict:
             y, b = atom.args[0], atom.args[1].args[0]
             whole = _whole_of(y, b, terms, coef)
             if whole is None:
+                wider = _wider_remainder(y, b, terms, coef)
+                if wider is not None:  # c*(y imod b) + c*b*((y idiv b) imod d) -> c*(y imod b*d)
+                    del terms[atom]
+                    del terms[wider]
+                    merged = E.binary("imod", y, E.const(b * wider.args[1].args[0], E.I32))
+                    terms[merged] = terms.get(merged, 0) + coef
+                    changed = True
+                    break
                 continue
             del terms[atom]
             del terms[whole]
@@ -175,6 +184,16 @@ def _fold_div_mod(terms: dict) -> dict:
             changed = True
             break
     return terms
+
+
+def _wider_remainder(y: E.Expr, b: int, terms: dict, coef: int) -> E.Expr | None:
+    """An atom ((y idiv b) imod d) at coefficient coef*b: with coef*(y imod b) it makes coef*(y imod b*d)."""
+    quotient = E.binary("idiv", y, E.const(b, E.I32))
+    for atom, c in terms.items():
+        if (c == coef * b and atom.op == "imod" and atom.args[0] == quotient and E.is_const(atom.args[1])
+                and atom.args[1].args[0] > 0):
+            return atom
+    return None
 
 
 def _whole_of(y: E.Expr, b: int, terms: dict, coef: int) -> E.Expr | None:

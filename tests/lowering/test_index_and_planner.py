@@ -62,6 +62,17 @@ def test_flattened_unravel_folds_back_to_the_flat_index(shape):
         assert evaluate(simple, c) == evaluate(row, c)
 
 
+def test_unravel_split_around_another_axis_keeps_one_remainder():
+    """A flat coordinate unravelled over (n, h, w) and read with another axis between n and (h, w) (a convolution's
+    output gradient as a GEMM operand) needs one division and one remainder, not three of each."""
+    n, h, w = unravel(E.coord(1), (4, 7, 7))
+    index = linear_index([n, E.coord(0), h, w], (4, 64, 7, 7))
+    simple = simplify(index, {0: 64, 1: 196})
+    assert sum(node.op in ("idiv", "imod") for node in E.walk(simple)) == 2
+    for c in itertools.product(range(64), range(196)):
+        assert evaluate(simple, c) == evaluate(index, c)
+
+
 def test_planner_never_overlaps_live_tensors_and_beats_unplanned():
     rng = random.Random(0)
     intervals = []

@@ -96,7 +96,8 @@ def _output_tap(g: Geometry, pixel, tap, axis: int) -> tuple[E.Expr, E.Expr]:
     t = E.binary("sub", E.add(pixel, _i(g.padding[axis])), E.mul(tap, _i(g.dilation[axis])))
     safe = E.binary("maximum", t, _i(0))
     pos = E.binary("idiv", safe, _i(stride))
-    conds = [E.binary("ge", t, _i(0)), E.binary("lt", pos, _i(size))]
+    # (at stride 1 the bound is on t itself: with t >= 0 beside it, one unsigned comparison in WGSL)
+    conds = [E.binary("ge", t, _i(0)), E.binary("lt", t if stride == 1 else pos, _i(size))]
     if stride > 1:
         conds.append(E.binary("eq", E.binary("imod", safe, _i(stride)), _i(0)))
     return E.binary("minimum", pos, _i(size - 1)), _all(conds)
