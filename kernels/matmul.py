@@ -304,7 +304,9 @@ class _Staging:
                 conds.append(f"{k0} + p{t} < k_end")
             load = (f"load_a(batch_index, row0 + r{t}, {k0} + p{t})" if self.a_side else
                     f"load_b(batch_index, {k0} + p{t}, col0 + r{t})")
-            body = f"{reg} = {load};" if not conds else f"{reg} = 0.0;\n        if ({' && '.join(conds)}) {{ {reg} = {load}; }}"
+            body = f"{reg} = {load};"
+            if conds:
+                body = f"{reg} = 0.0;\n        if ({' && '.join(conds)}) {{ {body} }}"
             lines.append(f"""    {{
         {self._decode(t)}
         {body}

@@ -238,7 +238,6 @@ class Emitter:
             raise NotImplementedError(f"no WGSL for {op} on {e.args[0].dtype if e.args else dt}")
         return table[op].format(*args)
 
-
     def _non_negative(self, e) -> bool:
         """Whether an i32 expression is at least 0 by its form: coordinates, non-negative constants, and sums,
         products, quotients, remainders, minima of such (maxima of any with one such)."""

@@ -33,7 +33,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
 
     ``choose_matmuls(problems)`` may pick the tiled matmul kernels' variants (``MatmulChoice``s, e.g. a tuner's):
     it gets the plan's distinct GEMM problems (``MatmulProblem``s: shape, layouts, f16 allowed, and the kernel's
-    own prelude), all at once, and returns a choice or None for each. Where it is absent or says None, the kernel generator's own rule decides.
+    own prelude), all at once, and returns a choice or None for each. Where it is absent or says None, the kernel
+    generator's own rule decides.
     f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast")."""
     alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
@@ -146,7 +147,9 @@ def _matmul_problem(node: Matmul, values: dict, f16: bool) -> MatmulProblem:
 def _fast_axes(exprs: list[E.Expr]) -> tuple[str, str]:
     """(a_fast, b_fast) of a matmul's linearised operand expressions: the axis along which each one's reads step by
     one element."""
-    return ("i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"), ("p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j")
+    a_fast = "i" if unit_stride_coord(exprs[0], (2, 1)) == 1 else "p"
+    b_fast = "p" if unit_stride_coord(exprs[1], (2, 1)) == 1 else "j"
+    return a_fast, b_fast
 
 
 def _linearise(e: E.Expr, domain, values: dict, slot_of) -> E.Expr:

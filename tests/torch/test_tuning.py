@@ -57,7 +57,8 @@ def test_the_tuner_times_each_kernel_with_its_own_loads_and_store(monkeypatch, t
     real tuner times them (zero-filled scratch buffers) and the tuned plan matches eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 16, 3, stride=2))
     x = torch.randn(2, 3, 10, 10)
     monkeypatch.setattr(matmul_tuning, "CONFIGS", (((16, 32), (4, 4)),))  # few pipelines for a CPU driver
     monkeypatch.setattr(matmul_tuning, "SPLITS", (1, 2))
