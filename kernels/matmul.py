@@ -7,9 +7,10 @@ exactly once per output element for store_c. Shapes are baked into the source as
 
 Two kernel families, chosen by shape:
 - tiled: a TILE_M x TILE_N output tile per workgroup, each thread a register block of 4x4 outputs (8 along an
-  edge of 128), held as vec4 accumulators and fed by vec4 reads of workgroup memory. K is staged in chunks
-  through padded workgroup memory, the next chunk's loads issued before the current chunk's FMAs, whose K steps
-  are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk when the problem is too
+  edge of 128; the tuner may force others, up to 128x256 tiles of 8x16 blocks), held as vec4 accumulators and fed
+  by vec4 reads of workgroup memory. K is staged in chunks through padded workgroup memory (the largest chunk whose
+  staging fits MAX_STAGED_PER_THREAD registers per thread), the next chunk's loads issued before the current
+  chunk's FMAs, whose K steps are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk when the problem is too
   small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does
   not fit the workgroup storage or invocation limit. Range checks (rows and columns past a ragged tile edge, K past
   a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written only where the shape can
@@ -35,6 +36,11 @@ from dataclasses import dataclass
 THREADS_WANTED = 256          # threads per workgroup when the device allows it
 TILE_SIZES = (128, 64, 32, 16)  # output tile edge candidates, largest first
 K_CHUNKS = (16, 8, 4)         # K chunk candidates staged per barrier, largest first
+# The largest chunk whose staging (each thread's share of the A and B chunks, held in registers while the products
+# run) stays within this many floats. H200 (.diag sweep, GPU time): 4096^3 with 128x128 tiles of 8x16 blocks (128
+# threads) 3.56 ms at chunk 16 (32 floats) against 3.29 at chunk 8 (16); 128x256 tiles (256 threads) 3.17 ms at
+# chunk 16 (24 floats) against 3.34 at chunk 8.
+MAX_STAGED_PER_THREAD = 24
 SHARED_PAD_VEC4 = 1           # vec4s of padding per shared-tile row: transposed stores spread over banks
 # Tile choice, from timings on an H200 (bench/results/h200-matmul-tiles.json): a 128 edge pays off from 128
 # workgroups on; below, 64x64-class tiles win down to about 32 workgroups; smaller problems shrink further.
@@ -74,6 +80,10 @@ class TiledPlan:
 
     def shared_floats(self) -> int:
         return self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
+
+    def staged_per_thread(self) -> int:
+        """Floats of the next K chunk that each thread holds in registers (its shares of A and B)."""
+        return -(-self.chunk_k * self.tile_m // self.threads) + -(-self.chunk_k * self.tile_n // self.threads)
 
 
 # Not a wgpu limit: set in the limits a plan is compiled for under precision "fast" (see the module docstring)
@@ -251,10 +261,10 @@ def _choose_tiled_plan(batch: int, m: int, n: int, k: int, shared_limit: int, ma
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
     chunk_cap = max(K_CHUNKS[-1], _pow2_ceil(k))  # (with a split K, slices are whole chunks of this size)
     while True:
-        for chunk in K_CHUNKS:
-            chosen = plan(tile_m, tile_n, min(chunk, chunk_cap))
-            if chosen.shared_floats() * 4 <= shared_limit:
-                return chosen
+        fitting = [chosen for chosen in (plan(tile_m, tile_n, min(chunk, chunk_cap)) for chunk in K_CHUNKS)
+                   if chosen.shared_floats() * 4 <= shared_limit]
+        if fitting:
+            return next((p for p in fitting if p.staged_per_thread() <= MAX_STAGED_PER_THREAD), fitting[-1])
         if max(tile_m, tile_n) == smallest:
             raise ValueError(f"matmul_kernel: workgroup storage limit {shared_limit} B is too small")
         tile_m, tile_n = _halve_larger(tile_m, tile_n)

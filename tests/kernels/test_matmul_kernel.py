@@ -209,7 +209,8 @@ def test_layout_hints_and_forced_tiles(device, a_fast, b_fast, tile):
 
 
 @pytest.mark.parametrize("tile, block", [((64, 64), (8, 8)), ((64, 64), (8, 4)), ((32, 64), (4, 8)),
-                                         ((128, 64), (4, 4)), ((16, 32), (8, 8))])
+                                         ((128, 64), (4, 4)), ((16, 32), (8, 8)), ((128, 128), (8, 16)),
+                                         ((128, 256), (8, 16))])
 def test_forced_register_blocks(device, tile, block):
     """Every register block is correct on ragged edges, with the thread count it implies."""
     rng = np.random.default_rng(12)
@@ -320,6 +321,20 @@ def header(batch, m, n, k):
     return re.search(r"// ---- matmul: (.*)", source).group(1)
 
 
+def test_k_chunk_keeps_each_threads_staging_within_its_register_budget():
+    big = {**LIMITS, STORAGE_LIMIT: 49152}
+
+    def forced(tile, block):
+        source, _ = matmul_kernel("", batch=1, m=4096, n=4096, k=4096, limits=big, tile=tile, block=block)
+        return re.search(r"// ---- matmul: (.*)", source).group(1)
+
+    # 256 threads share a 128x256 tile's chunk of 16: 8 floats of A and 16 of B each
+    assert forced((128, 256), (8, 16)).startswith("tiled 128x256, K chunk 16, 16x16 threads of 8x16")
+    # 128 threads would hold 16 + 16 of a 128x128 chunk of 16: the chunk halves (storage would allow 16)
+    assert forced((128, 128), (8, 16)).startswith("tiled 128x128, K chunk 8, 16x8 threads of 8x16")
+    assert forced((128, 128), (8, 8)).startswith("tiled 128x128, K chunk 16, 16x16 threads of 8x8")
+
+
 def test_tile_choice_by_shape():
     assert header(1, 4096, 4096, 4096).startswith("tiled 128x128, K chunk 8, 16x16 threads of 8x8")  # 16 KiB
     assert header(1, 1024, 1024, 1024).startswith("tiled 64x128")   # 128 workgroups
@@ -328,7 +343,7 @@ def test_tile_choice_by_shape():
     assert header(1, 128, 576, 64).startswith("tiled 32x64")        # 18 tiles of 64x64 are too few, K is short
     assert header(1, 128, 576, 320).startswith("tiled 64x64")       # K long enough: split_k makes the workgroups
     assert header(1, 128, 576, 1536).startswith("tiled 64x64")      # a long K: split_k makes the workgroups
-    assert header(1, 20, 20, 20).startswith("tiled 16x16, K chunk 16, 4x4 threads of 4x4")
+    assert header(1, 20, 20, 20).startswith("tiled 16x16, K chunk 8, 4x4 threads of 4x4")  # 16 would stage 32
     assert header(1, 7, 9, 3).startswith("tiled 16x16, K chunk 4")
     assert header(1, 1, 4096, 4096).startswith("gemv over columns, 4 outputs x 64 K lanes")
     assert header(1, 4096, 1, 64).startswith("gemv over rows, 64 outputs x 4 K lanes")

@@ -21,6 +21,15 @@ def test_candidates_start_with_the_default_and_are_distinct():
     assert {c.split for c in found} >= {1, 2, 4, 8}
 
 
+def test_every_candidate_survives_the_file():
+    """A remembered choice is read back as itself, whichever tile and register block it has."""
+    found = candidates(1, 4096, 4096, 4096, {**LIMITS, "max-compute-workgroup-storage-size": 49152})
+    assert (128, 256) in {c.tile for c in found} and (8, 16) in {c.block for c in found}
+    for choice in found:
+        entry = json.loads(json.dumps(matmul_tuning._entry(choice, 1e-4, 2e-4)))
+        assert matmul_tuning._valid(entry) and matmul_tuning._choice(entry) == choice
+
+
 def test_candidates_skip_tiles_that_are_mostly_padding():
     found = candidates(1, 20, 24, 64, LIMITS)
     assert all(c.tile is None or max(c.tile) <= 64 for c in found)
@@ -88,7 +97,7 @@ def test_entries_naming_impossible_variants_are_dropped(tmp_path):
     tuner = MatmulTuner(device, tmp_path)
     good = {"tile": [32, 64], "block": [4, 8], "split": 4, "us": 1.0, "default_us": 2.0}
     problems = {"1x2x3x4:pp": good, "1x5x6x7:pp": {**good, "tile": [3, 5]}, "1x8x9x10:pp": {**good, "split": 0},
-                "1x8x9x11:pp": {**good, "block": [4, 16]}}
+                "1x8x9x11:pp": {**good, "block": [4, 6]}}
     tuner.path.write_text(json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
                                       "kernels": tuner.kernels, "problems": problems}))
     assert list(MatmulTuner(device, tmp_path).entries) == ["1x2x3x4:pp"]
