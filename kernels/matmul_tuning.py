@@ -5,15 +5,16 @@ A problem (``MatmulProblem``) is a GEMM shape (batch, m, n, k) with its operand 
 whether f16 products are allowed (precision "fast"), and the kernel's own prelude: its bindings, the loads of its
 operands (a convolution's gather, a view's index math) and its store (a fused epilogue), as the plan compiles it.
 Its candidates are the generator's own variant (``default_choice``) and the tile / register-block shapes of
-``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups; where f16 is
-allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower
-keeps f32). Each is timed with that prelude on scratch buffers of the bindings' sizes, zero-filled (so that an
-index read from data stays in range), with ``meganeura.runtime.timing``. The gather can cost as much as the
+``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups, or partial
+sums too large for one binding; where f16 is allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay
+candidates, so a shape where f16 is slower keeps f32). Each is timed with that prelude on scratch buffers of the
+bindings' sizes, zero-filled (so that an index read from data stays in range), with ``meganeura.runtime.timing``. The gather can cost as much as the
 products: on an H200, ResNet-50's 3x3 convolution 4x256x196x2304 took about 87 us in its plan against 47 us as a
 GEMM of plain arrays, and variants timed on plain arrays misjudged it (939f8fd: 4x128x784x1152 tuned 0.45 ms a
 call against 0.34 ms for the default). The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's new
 problems are tuned together: all their candidates' pipelines compiled in one batch (side by side), then timed
-problem by problem. A problem whose buffers would not fit the device's binding limit keeps the default untimed.
+problem by problem. A problem whose own buffers (or its default's partial sums) would not fit the device's
+binding limit keeps the default untimed.
 
 The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
 only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the matmul
@@ -140,9 +141,11 @@ class MatmulTuner:
     def _variants(self, p: MatmulProblem) -> tuple[list[MatmulChoice], list[list[tuple]]]:
         """The candidates of a problem and each one's passes, (WGSL, workgroups) each; none where it is not timed."""
         limits = dict(self.device.limits, **{F16_PRODUCTS: 1}) if p.f16 else self.device.limits
+        limit = self.device.max_binding_size
         choices = candidates(p.batch, p.m, p.n, p.k, limits)
-        if max((*p.bindings, _partial_bytes(p, choices))) > self.device.max_binding_size or p.k == 0:
+        if max((*p.bindings, _partial_bytes(p, choices[:1]))) > limit or p.k == 0:
             return choices[:1], []
+        choices = [c for c in choices if _partial_bytes(p, [c]) <= limit]  # split too far for one binding
         shape = dict(batch=p.batch, m=p.m, n=p.n)
         passes = []
         for c in choices:

@@ -5,7 +5,8 @@ whose beginning and end write timestamps where the adapter offers ``timestamp-qu
 wall time of that submission, waited for (which also counts the host's submit and the wait, the same for every
 candidate). Before the first measurement the first sequence runs for ``warmup_seconds`` (at least one submit), so
 that a GPU that idled while pipelines compiled has its clocks up again (an H200 run that compiled between
-measurements timed the same matmuls 3-5x slower than one that ran them back to back). A sequence is measured ``ROUNDS`` times and its fastest round counts.
+measurements timed the same matmuls 3-5x slower than one that ran them back to back). A sequence is measured
+``ROUNDS`` times and its fastest round counts.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import wgpu
 
 from .native import timestamp_period_ns
 
-WARMUP_SECONDS = 0.05  # the default warm-up: a GPU's clocks take tens of milliseconds of work to rise
+# The default warm-up. An H200 whose GPU idled for the seconds of a tuning batch's compile timed its first matmul
+# variants 2-7x slow for about the first 0.2 s of work (.diag sweep: 1024^3 476 -> 71 us, later in the same run).
+WARMUP_SECONDS = 0.5
 ROUNDS = 2
 TARGET_SECONDS = 2e-3  # each measured pass lasts about this long: enough repetitions to rise above the noise
 MAX_REPS = 20

@@ -57,6 +57,30 @@ def test_tuner_times_a_problem_once_and_remembers_it(tmp_path, small_family):
     assert again.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0] == choice and again.tuned == 0
 
 
+def test_splits_whose_partial_sums_exceed_a_binding_are_left_out_not_the_problem(monkeypatch, small_family):
+    """A device whose binding limit holds the operands and two K slices of partial sums, not four: the problem is
+    still tuned, over the candidates that fit."""
+    device = get_device()
+    monkeypatch.setattr(matmul_tuning, "SPLITS", (1, 2, 4))
+    problem = plain_problem(1, 40, 48, 128, "p", "j")
+    slice_bytes = 4 * 40 * 48
+    monkeypatch.setattr(device, "max_binding_size", max(*problem.bindings, 2 * slice_bytes))
+    timed = []
+    real = matmul_tuning.time_sequences
+
+    def spy(dev, sequences, warmup_seconds):
+        timed.append(len(sequences))
+        return real(dev, sequences, warmup_seconds)
+
+    monkeypatch.setattr(matmul_tuning, "time_sequences", spy)
+    tuner = MatmulTuner(device, None)
+    choice = tuner.choose_all([problem])[0]
+    every = candidates(1, 40, 48, 128, device.limits)
+    fitting = [c for c in every if c.split <= 2]
+    assert {c.split for c in every} == {1, 2, 4} and timed == [len(fitting)]
+    assert choice in fitting and tuner.entries[problem.key()]["us"] is not None
+
+
 ENTRY = {plain_problem(1, 40, 48, 96, "p", "j").key(): {"tile": [16, 32], "block": [4, 4], "split": 2}}
 
 
