@@ -114,6 +114,24 @@ def test_head_sizes_up_to_64_run_the_flash_forward(monkeypatch):
     assert generated and all(shape.d == 64 for shape in generated)
 
 
+def test_flash_forward_with_head_sizes_off_the_vec4_grid(monkeypatch):
+    """Rows of 30 floats, not a multiple of 4: the flash forward reads zeros past each row's end, and values and
+    gradients match eager."""
+    generated = []
+    real = attention_kernels._flash_forward
+
+    def spy(*args, **kwargs):
+        generated.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "_flash_forward", spy)
+    torch._dynamo.reset()
+    q, k, v = torch.randn(2, 3, 70, 30), torch.randn(2, 3, 45, 30), torch.randn(2, 3, 45, 30)
+    check_gradients_against_eager(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, rtol=RTOL,
+                                  atol=ATOL, rel=REL, names="qkv", what="d 30")
+    assert [(shape.d, shape.dv) for shape in generated] == [(30, 30)]
+
+
 def test_flash_forward_plans_fit_the_adapter():
     """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks;
     no flash plan where workgroup storage cannot hold 32 rows' tiles (the blocked forward runs then)."""
