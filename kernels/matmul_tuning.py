@@ -5,16 +5,16 @@ A problem (``MatmulProblem``) is a GEMM shape (batch, m, n, k) with its operand 
 whether f16 products are allowed (precision "fast"), and the kernel's own prelude: its bindings, the loads of its
 operands (a convolution's gather, a view's index math) and its store (a fused epilogue), as the plan compiles it.
 Its candidates are the generator's own variant (``default_choice``) and the tile / register-block shapes of
-``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups, or partial
-sums too large for one binding; where f16 is allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay
-candidates, so a shape where f16 is slower keeps f32). Each is timed with that prelude on scratch buffers of the
-bindings' sizes, zero-filled (so that an index read from data stays in range), with ``meganeura.runtime.timing``. The gather can cost as much as the
-products: on an H200, ResNet-50's 3x3 convolution 4x256x196x2304 took about 87 us in its plan against 47 us as a
-GEMM of plain arrays, and variants timed on plain arrays misjudged it (939f8fd: 4x128x784x1152 tuned 0.45 ms a
-call against 0.34 ms for the default). The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's new
-problems are tuned together: all their candidates' pipelines compiled in one batch (side by side), then timed
-problem by problem. A problem whose own buffers (or its default's partial sums) would not fit the device's
-binding limit keeps the default untimed.
+``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups (tiles past
+128x128 need MIN_WORKGROUPS_BIG of them unsplit), or partial sums too large for one binding; where f16 is allowed,
+also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower keeps f32).
+Each is timed with that prelude on scratch buffers of the bindings' sizes, zero-filled (so that an index read from
+data stays in range), with ``meganeura.runtime.timing``. The gather can cost as much as the products: on an H200,
+ResNet-50's 3x3 convolution 4x256x196x2304 took about 87 us in its plan against 47 us as a GEMM of plain arrays, and
+variants timed on plain arrays misjudged it (939f8fd: 4x128x784x1152 tuned 0.45 ms a call against 0.34 ms for the
+default). The default stays unless a candidate beats it by ``MIN_GAIN``. A plan's new problems are tuned together:
+all their candidates' pipelines compiled in one batch (side by side), then timed problem by problem. A problem whose
+own buffers (or its default's partial sums) would not fit the device's binding limit keeps the default untimed.
 
 The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
 only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the matmul
@@ -37,8 +37,8 @@ from meganeura.runtime.device import SHADER_CHECKS_ENV
 from meganeura.runtime.timing import WARMUP_SECONDS, time_sequences
 
 from . import matmul as matmul_generator
-from .matmul import (F16_PRODUCTS, SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan, _max_threads,
-                     default_choice, matmul_kernel, split_reduce_kernel)
+from .matmul import (F16_PRODUCTS, MIN_WORKGROUPS_BIG, SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan,
+                     _max_threads, default_choice, matmul_kernel, split_reduce_kernel)
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs (.diag) found each of these the
 # fastest for some shape, and none of the others. The last: 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us. Tuned
@@ -217,6 +217,8 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
             continue  # mostly padding
         plan = _choose_tiled_plan(batch, m, n, k, shared, threads, tile, block)
         tiles = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
+        if plan.tile_m * plan.tile_n > 128 * 128 and tiles < MIN_WORKGROUPS_BIG:
+            continue  # a tile past 128x128 won only where it alone made enough workgroups (2048^3, 4096^3)
         for split in SPLITS:
             if split > 1 and (k // split < MIN_SLICE_K or tiles * split > MAX_WORKGROUPS):
                 continue

@@ -30,6 +30,13 @@ def test_every_candidate_survives_the_file():
         assert matmul_tuning._valid(entry) and matmul_tuning._choice(entry) == choice
 
 
+def test_tiles_past_128x128_are_tried_only_where_they_make_enough_workgroups_alone():
+    big = {**LIMITS, "max-compute-workgroup-storage-size": 49152}
+    assert (128, 256) in {c.tile for c in candidates(1, 2048, 2048, 2048, big)}  # 128 workgroups
+    for shape in ((1, 1500, 1536, 384), (4, 256, 196, 2304), (1, 1024, 1024, 1024)):  # 72, 8 and 32
+        assert all(c.tile is None or c.tile[0] * c.tile[1] <= 128 * 128 for c in candidates(*shape, big))
+
+
 def test_candidates_skip_tiles_that_are_mostly_padding():
     found = candidates(1, 20, 24, 64, LIMITS)
     assert all(c.tile is None or max(c.tile) <= 64 for c in found)
