@@ -6,16 +6,16 @@ epilogue). This module owns the loop structure and calls them only with in-range
 exactly once per output element for store_c. Shapes are baked into the source as constants.
 
 Two kernel families, chosen by shape:
-- tiled: a TILE_M x TILE_N output tile per workgroup, each thread a register block of 4x4 outputs (8 along an
-  edge of 128; the tuner may force others, up to 128x256 tiles of 8x16 blocks), held as vec4 accumulators and fed
-  by vec4 reads of workgroup memory. K is staged in chunks through padded workgroup memory (the largest chunk whose
+- tiled: a TILE_M x TILE_N output tile per workgroup, each thread a register block of 4x4 outputs (8 along an edge
+  of 128; the tuner may force others, up to 128x256 tiles of 8x16 blocks), held as vec4 accumulators and fed by
+  vec4 reads of workgroup memory. K is staged in chunks through padded workgroup memory (the largest chunk whose
   staging fits MAX_STAGED_PER_THREAD registers per thread), the next chunk's loads issued before the current
-  chunk's FMAs, whose K steps are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk when the problem is too
-  small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or the tile does
-  not fit the workgroup storage or invocation limit. Range checks (rows and columns past a ragged tile edge, K past
-  a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written only where the shape can
-  fail them: on an H200 (.diag sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53 ms, 1024^3 79 -> 71 us,
-  Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
+  chunk's FMAs, whose K steps are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk
+  when the problem is too small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for
+  any) or the tile does not fit the workgroup storage or invocation limit. Range checks (rows and columns past a
+  ragged tile edge, K past a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written
+  only where the shape can fail them: on an H200 (.diag sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
+  ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
   threads ("lanes"), then reduces the partial sums with a workgroup tree reduction. A lane loads GEMV_UNROLL
   products before adding them (in the order of a plain loop): loads in flight, not one memory latency each.
