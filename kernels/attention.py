@@ -365,14 +365,14 @@ MERGE_THREADS = 256
 UNROLL = 4
 
 
-def _vec4_loaders(s: AttentionShape, *operands: str, columns: dict[str, int] | None = None) -> str:
+def _vec4_loaders(s: AttentionShape, *operands: str) -> str:
     """``load_<x>4(b, h, r, c4)``: components 4*c4 .. 4*c4+3 of ``load_<x>``, zero past the head size, for c4 below
-    ``columns[x]`` (default: the vec4s of a row). Only components that some c4 puts past the head size are checked."""
+    the row's vec4 count (every caller's range). Only the last vec4's components past the head size are checked."""
     sizes = {"q": s.d, "k": s.d, "v": s.dv, "dout": s.dv}
     out = []
     for x in operands:
         size = sizes[x]
-        last = 4 * ((columns or {}).get(x, -(-size // 4)) - 1)  # the first component of the last c4
+        last = 4 * (-(-size // 4) - 1)  # the first component of the last vec4
         parts = ", ".join(f"select(0.0, load_{x}(b, h, r, min(c + {t}u, {size - 1}u)), c + {t}u < {size}u)"
                           if last + t >= size else f"load_{x}(b, h, r, c + {t}u)" for t in range(4))
         out.append(f"fn load_{x}4(b: u32, h: u32, r: u32, c4: u32) -> vec4<f32> {{\n  let c = 4u * c4;\n"
@@ -862,8 +862,9 @@ def _flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Flash
                          f"    qs[r * QS + c4] = load_q4(b, h, min(i0 + r, LQ - 1u), c4);\n  }}"
                          for e, guard in shares(plan.rows * d4))
 
-    def stage_kv() -> str:  # key rows as they lie: ks[j * QS + c4]; value rows: vs[j * DVP4 + c4] (the columns
-        lines = []          # past the row are not staged: their products go to outputs that are not stored)
+    def stage_kv() -> str:  # key rows as they lie: ks[j * QS + c4]; value rows: vs[j * DVP4 + c4]
+        # (value columns past the row are not staged: their products go to output columns that are not stored)
+        lines = []
         for what, width, array, stride in (("k", d4, "ks", "QS"), ("v", -(-s.dv // 4), "vs", "DVP4")):
             for e, guard in shares(FLASH_KEYS * width):
                 load = f"select(vec4<f32>(), load_{what}4(b, h, min(start + j, LK - 1u), c4), start + j < key_end)"
