@@ -135,8 +135,9 @@ def test_flash_forward_with_head_sizes_off_the_vec4_grid(monkeypatch):
 
 
 def test_flash_forward_plans_fit_the_adapter():
-    """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks;
-    no flash plan where workgroup storage cannot hold 32 rows' tiles (the blocked forward runs then)."""
+    """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks,
+    each slice at least 8 tiles long; no flash plan where workgroup storage cannot hold 32 rows' tiles (the blocked
+    forward runs then)."""
     from meganeura.kernels.attention import AttentionShape, _flash_plan, _flash_shared_bytes, attention_kernel
 
     big = {"max-compute-workgroup-storage-size": 49152, "max-compute-invocations-per-workgroup": 1024,
@@ -145,6 +146,8 @@ def test_flash_forward_plans_fit_the_adapter():
     plan = _flash_plan(whisper, big)
     assert (plan.rows, plan.splits) == (64, 4) and _flash_shared_bytes(whisper, 64) <= 49152
     assert _flash_plan(AttentionShape(1, 9, 3, 128, 128, 64, 64, 0.125, True, False), big).rows == 32
+    sd_unet = AttentionShape(2, 8, 8, 256, 256, 40, 40, 0.158, False, False)  # 8 tiles: halves would be too short
+    assert (_flash_plan(sd_unet, big).rows, _flash_plan(sd_unet, big).splits) == (32, 1)
     small = dict(big, **{"max-compute-workgroup-storage-size": 16384})
     assert _flash_plan(whisper, small) is None
     passes = attention_kernel("", "forward", whisper, ["out", "lse"], small, partial="scratch")
@@ -192,15 +195,15 @@ def test_inference_attention_is_one_fused_kernel():
 
 def test_long_other_sequence_over_few_blocks_is_cut_into_slices():
     """Whisper's shape (6 heads, 1500 frames) makes too few row blocks: every pass cuts the other sequence into
-    slices merged by a second dispatch. Causal attention over 300 rows (slices past the diagonal are empty) runs
+    slices merged by a second dispatch. Causal attention over 600 rows (slices past the diagonal are empty) runs
     the same path against eager."""
     from meganeura.kernels.attention import AttentionShape, attention_splits
     from meganeura.runtime.device import get_device
 
     whisper = AttentionShape(1, 6, 6, 1500, 1500, 64, 64, 0.125, False, False)
     assert all(attention_splits(whisper, kind, get_device().limits) > 1 for kind in ("forward", "grad_q", "grad_kv"))
-    q, k, v = (torch.randn(1, 2, 300, 64) for _ in range(3))
-    causal = AttentionShape(1, 2, 2, 300, 300, 64, 64, 0.125, True, False)
+    q, k, v = (torch.randn(1, 2, 600, 64) for _ in range(3))
+    causal = AttentionShape(1, 2, 2, 600, 600, 64, 64, 0.125, True, False)
     assert all(attention_splits(causal, kind, get_device().limits) > 1 for kind in ("forward", "grad_q", "grad_kv"))
 
     def fn(q, k, v):
