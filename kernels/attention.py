@@ -772,11 +772,14 @@ FLASH_ROWS = (64, 32)  # query rows per workgroup: 64 where that gives FLASH_MIN
 FLASH_MIN_BLOCKS = 128
 FLASH_KEYS = 32  # keys per tile
 FLASH_KEY_GROUPS = FLASH_KEYS // 4  # threads across a tile's keys (4 keys each); as many across value columns
-FLASH_TARGET_WORKGROUPS = 512  # keys are cut into slices (merged by a second dispatch) up to this many workgroups,
-# each slice at least FLASH_SLICE_MIN_TILES tiles: a shorter slice does not pay back its query staging, its partial
-# stores and the merge pass (about 5 us). H200, GPU us, slices of at least 2 tiles against 8: SD U-Net's attention
-# (2 x 8 heads, 256 x 256, d 40) 37.6 -> 27.3, the same with d 64 41.2 -> 31.1, with d 8 (16 heads) 22.0 -> 17.2,
-# SmolLM2's (causal, 128 keys) 19.1 -> 19.4; Whisper-tiny's 1500 keys keep their 4 slices (192 us).
+# Keys are cut into slices (merged by a second dispatch): slices of at least SPLIT_MIN_TILES tiles while there are
+# fewer than FLASH_MIN_BLOCKS workgroups, then slices of at least FLASH_SLICE_MIN_TILES up to FLASH_TARGET_WORKGROUPS.
+# Where the workgroups fill the GPU, a short slice does not pay back its query staging, partial stores and the merge
+# pass (about 5 us). H200, GPU us, with slices of 2 tiles against 8 past 128 workgroups: SD U-Net's attention (2 x 8
+# heads, 256 x 256, d 40) 37.6 -> 27.3, with d 8 (16 heads) 22.0 -> 17.2; Whisper-tiny's 1500 keys keep their 4
+# slices (192 us). SmolLM2's (9 heads, causal, 128 keys: 36 workgroups) needs its short slices: 19.1 against 19.4
+# unsliced; in its model, where rotary embeddings make the loads dearer, 4.89 against 4.99 ms of GPU time per call.
+FLASH_TARGET_WORKGROUPS = 512
 FLASH_SLICE_MIN_TILES = 8
 # Score columns (vec4s) per iteration of the loop over the head size. H200, GPU us, 1, 2 and 4 columns and all
 # written out: Whisper-tiny 207 / 201 / 193 / 191, SmolLM2 19.4 / 19.2 / 19.1 / 21.6, SmolVLA 14.2 / 14.0 / 14.3 /
@@ -831,8 +834,9 @@ def _flash_plan(s: AttentionShape, limits: dict) -> FlashPlan | None:
     blocks = s.batch * s.heads * -(-s.lq // rows)
     tiles = -(-s.lk // FLASH_KEYS)
     splits = 1
-    while (blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= FLASH_SLICE_MIN_TILES
-           and splits * 2 <= SPLIT_MAX):
+    while splits * 2 <= SPLIT_MAX and (
+            blocks * splits < FLASH_MIN_BLOCKS and tiles // (splits * 2) >= SPLIT_MIN_TILES
+            or blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= FLASH_SLICE_MIN_TILES):
         splits *= 2
     return FlashPlan(rows, splits, -(-tiles // splits) * FLASH_KEYS if splits > 1 else 0)
 

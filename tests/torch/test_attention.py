@@ -135,9 +135,9 @@ def test_flash_forward_with_head_sizes_off_the_vec4_grid(monkeypatch):
 
 
 def test_flash_forward_plans_fit_the_adapter():
-    """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks,
-    each slice at least 8 tiles long; no flash plan where workgroup storage cannot hold 32 rows' tiles (the blocked
-    forward runs then)."""
+    """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks:
+    short slices for very few, slices of at least 8 tiles past 128 workgroups; no flash plan where workgroup storage
+    cannot hold 32 rows' tiles (the blocked forward runs then)."""
     from meganeura.kernels.attention import AttentionShape, _flash_plan, _flash_shared_bytes, attention_kernel
 
     big = {"max-compute-workgroup-storage-size": 49152, "max-compute-invocations-per-workgroup": 1024,
@@ -145,7 +145,8 @@ def test_flash_forward_plans_fit_the_adapter():
     whisper = AttentionShape(1, 6, 6, 1500, 1500, 64, 64, 0.125, False, False)
     plan = _flash_plan(whisper, big)
     assert (plan.rows, plan.splits) == (64, 4) and _flash_shared_bytes(whisper, 64) <= 49152
-    assert _flash_plan(AttentionShape(1, 9, 3, 128, 128, 64, 64, 0.125, True, False), big).rows == 32
+    smollm2 = AttentionShape(1, 9, 3, 128, 128, 64, 64, 0.125, True, False)  # 36 blocks of 32 rows: 2 slices
+    assert (_flash_plan(smollm2, big).rows, _flash_plan(smollm2, big).splits) == (32, 2)
     sd_unet = AttentionShape(2, 8, 8, 256, 256, 40, 40, 0.158, False, False)  # 8 tiles: halves would be too short
     assert (_flash_plan(sd_unet, big).rows, _flash_plan(sd_unet, big).splits) == (32, 1)
     small = dict(big, **{"max-compute-workgroup-storage-size": 16384})
