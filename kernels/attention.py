@@ -775,9 +775,9 @@ FLASH_KEY_GROUPS = FLASH_KEYS // 4  # threads across a tile's keys (4 keys each)
 # Keys are cut into slices (merged by a second dispatch): slices of at least SPLIT_MIN_TILES tiles while there are
 # fewer than FLASH_MIN_BLOCKS workgroups, then slices of at least FLASH_SLICE_MIN_TILES up to FLASH_TARGET_WORKGROUPS.
 # Where the workgroups fill the GPU, a short slice does not pay back its query staging, partial stores and the merge
-# pass (about 5 us). H200, GPU us, with slices of 2 tiles against 8 past 128 workgroups: SD U-Net's attention (2 x 8
-# heads, 256 x 256, d 40) 37.6 -> 27.3, with d 8 (16 heads) 22.0 -> 17.2; Whisper-tiny's 1500 keys keep their 4
-# slices (192 us). SmolLM2's (9 heads, causal, 128 keys: 36 workgroups) needs its short slices: 19.1 against 19.4
+# pass (about 5 us). H200, GPU us, with slices of 2 tiles against 8 past 128 workgroups: SD U-Net's attention in the
+# benchmark (2 x 16 heads, 256 x 256, d 8) 22.0 -> 17.2, the same shape with 8 heads of d 40 37.6 -> 27.3;
+# Whisper-tiny's 1500 keys keep their 4 slices (192 us). SmolLM2's (9 heads, causal, 128 keys: 36 workgroups) needs its short slices: 19.1 against 19.4
 # unsliced; in its model, where rotary embeddings make the loads dearer, 4.89 against 4.99 ms of GPU time per call.
 FLASH_TARGET_WORKGROUPS = 512
 FLASH_SLICE_MIN_TILES = 8

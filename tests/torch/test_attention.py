@@ -147,8 +147,8 @@ def test_flash_forward_plans_fit_the_adapter():
     assert (plan.rows, plan.splits) == (64, 4) and _flash_shared_bytes(whisper, 64) <= 49152
     smollm2 = AttentionShape(1, 9, 3, 128, 128, 64, 64, 0.125, True, False)  # 36 blocks of 32 rows: 2 slices
     assert (_flash_plan(smollm2, big).rows, _flash_plan(smollm2, big).splits) == (32, 2)
-    sd_unet = AttentionShape(2, 8, 8, 256, 256, 40, 40, 0.158, False, False)  # 8 tiles: halves would be too short
-    assert (_flash_plan(sd_unet, big).rows, _flash_plan(sd_unet, big).splits) == (32, 1)
+    sd_unet = AttentionShape(2, 16, 16, 256, 256, 8, 8, 0.35, False, False)  # 128 blocks of 64 rows, 8 key tiles
+    assert (_flash_plan(sd_unet, big).rows, _flash_plan(sd_unet, big).splits) == (64, 1)
     small = dict(big, **{"max-compute-workgroup-storage-size": 16384})
     assert _flash_plan(whisper, small) is None
     passes = attention_kernel("", "forward", whisper, ["out", "lse"], small, partial="scratch")
