@@ -17,8 +17,8 @@ all their candidates' pipelines compiled in one batch (side by side), then timed
 own buffers (or its default's partial sums) would not fit the device's binding limit keeps the default untimed.
 
 The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
-only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the matmul
-generator's source and whether kernels keep naga's runtime checks). It records both, and per problem (keyed by its
+only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the sources of the
+matmul generator and of the timing, and whether kernels keep naga's runtime checks). It records both, and per problem (keyed by its
 shape, layouts and a digest of its prelude) the choice and the two times; a file that does not parse or names
 another adapter or other kernels is ignored and rewritten, so a changed generator is tuned afresh. A directory that
 cannot be written only loses the memory.
@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meganeura.runtime import timing
 from meganeura.runtime.device import SHADER_CHECKS_ENV
 from meganeura.runtime.timing import WARMUP_SECONDS, time_sequences
 
@@ -94,10 +95,10 @@ fn store_c(bi: u32, i: u32, j: u32, acc: f32) {{ c[(bi * {m}u + i) * {n}u + j] =
 
 
 def timed_kernels() -> str:
-    """A digest of what tuned timings depend on besides the adapter: the source of the matmul generator and of
-    this module, and whether kernels compile with naga's runtime checks (``MEGANEURA_SHADER_CHECKS``)."""
+    """A digest of what tuned timings depend on besides the adapter: the source of the matmul generator, of this
+    module and of the timing, and whether kernels compile with naga's runtime checks (``MEGANEURA_SHADER_CHECKS``)."""
     digest = hashlib.sha256()
-    for source in (matmul_generator.__file__, __file__):
+    for source in (matmul_generator.__file__, __file__, timing.__file__):
         digest.update(Path(source).read_bytes())
     digest.update(f"checks={os.environ.get(SHADER_CHECKS_ENV) == '1'}".encode())
     return digest.hexdigest()[:16]

@@ -3,10 +3,10 @@
 A sequence is a list of (pipeline, bind group, workgroups). Each is recorded ``reps`` times in one compute pass
 whose beginning and end write timestamps where the adapter offers ``timestamp-query``; elsewhere its time is the
 wall time of that submission, waited for (which also counts the host's submit and the wait, the same for every
-candidate). Before the first measurement the first sequence runs for ``warmup_seconds`` (at least one submit), so
-that a GPU that idled while pipelines compiled has its clocks up again (an H200 run that compiled between
-measurements timed the same matmuls 3-5x slower than one that ran them back to back). A sequence is measured
-``ROUNDS`` times and its fastest round counts.
+candidate). Before the first measurement the first sequence runs for ``warmup_seconds`` (at least one submit), in
+passes as long as the measured ones, so that a GPU that idled while pipelines compiled has its clocks up again (an
+H200 run that compiled between measurements timed the same matmuls 3-5x slower than one that ran them back to
+back). A sequence is measured ``ROUNDS`` times and its fastest round counts.
 """
 from __future__ import annotations
 
@@ -19,22 +19,39 @@ from .native import timestamp_period_ns
 
 # The default warm-up. An H200 whose GPU idled for the seconds of a tuning batch's compile timed its first matmul
 # variants 2-7x slow for about the first 0.2 s of work (.diag sweep: 1024^3 476 -> 71 us, later in the same run).
+# Warmed up by single runs, each submitted and waited for, it stayed slow: the first problem of a batch, 1024^3, timed
+# its default at 181 us and kept a variant cut in 8 slices at 100 us.
 WARMUP_SECONDS = 0.5
 ROUNDS = 2
 TARGET_SECONDS = 2e-3  # each measured pass lasts about this long: enough repetitions to rise above the noise
 MAX_REPS = 20
+MAX_WARMUP_REPS = 1000
 
 
 def time_sequences(device, sequences: list[list[tuple]], warmup_seconds: float = WARMUP_SECONDS) -> list[float]:
     """Seconds per run of each sequence (a list of (pipeline, bind group, workgroups))."""
     timer = _Timer(device)
-    end = time.perf_counter() + warmup_seconds
-    timer.measure(sequences[0], 1)
-    while time.perf_counter() < end:
-        timer.measure(sequences[0], 1)
+    _warm_up(timer, sequences[0], warmup_seconds)
     first = min(timer.measure(sequences[0], 1) for _ in range(ROUNDS))
-    reps = max(1, min(MAX_REPS, int(TARGET_SECONDS / max(first, 1e-7))))
+    reps = _reps(first, MAX_REPS)
     return [min(timer.measure(seq, reps) for _ in range(ROUNDS)) / reps for seq in sequences]
+
+
+def _warm_up(timer, sequence: list[tuple], seconds: float) -> None:
+    """Run ``sequence`` for ``seconds`` (at least once) in passes of about TARGET_SECONDS each, keeping the GPU busy
+    rather than idle between one short pass and the next."""
+    end = time.perf_counter() + seconds
+    reps = 1
+    while True:
+        per_run = timer.measure(sequence, reps) / reps
+        if time.perf_counter() >= end:
+            return
+        reps = _reps(per_run, MAX_WARMUP_REPS)
+
+
+def _reps(seconds_per_run: float, most: int) -> int:
+    """Runs per pass for a pass of about TARGET_SECONDS, between 1 and ``most``."""
+    return max(1, min(most, int(TARGET_SECONDS / max(seconds_per_run, 1e-7))))
 
 
 class _Timer:
