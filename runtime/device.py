@@ -322,11 +322,11 @@ class Device:
         self.write(buffer, 0, view, label)
         return buffer
 
-    def submit(self, encoder, label: str = "") -> None:
-        """Finish ``encoder`` and submit it."""
+    def submit(self, encoder, label: str = "", before=()) -> None:
+        """Finish ``encoder`` and submit it, after the finished command buffers ``before``, in one submit."""
         with self.checked(f"submit {label!r}"):
             commands = encoder.finish()
-            self.queue.submit([commands])
+            self.queue.submit([*before, commands])
         self.counters.submits += 1
 
     def read_mapped(self, buffer, size: int, on_unmapped) -> np.ndarray | memoryview:

@@ -125,7 +125,13 @@ def affine_plan(n: int = 64) -> Plan:
     )
 
 
-def test_params_upload_and_rebind():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_params_upload_and_rebind(monkeypatch, ahead):
+    """Params uploaded, then replaced by another buffer: the next run reads the new one (also where a run had
+    recorded the next one ahead over the old buffer)."""
+    import meganeura.runtime.program as program_module
+
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", 1 if ahead else 10**9)
     device = get_device()
     plan = affine_plan()
     program = Program(device, plan)
@@ -275,8 +281,15 @@ def gather_plan(code: int, n: int = 20, rows: int = 8) -> Plan:
     )
 
 
-def test_status_raises_then_clears():
-    program = Program(get_device(), gather_plan(1))
+@pytest.mark.parametrize("ahead", [False, True])
+def test_status_raises_then_clears(monkeypatch, ahead):
+    """A kernel's status code raises; the next run starts from cleared status words, also where the runs after the
+    first submit dispatches recorded ahead (the clears recorded with them)."""
+    import meganeura.runtime.program as program_module
+
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", 1 if ahead else 10**9)
+    device = get_device()
+    program = Program(device, gather_plan(1))
     table = RNG.standard_normal(8, dtype=np.float32)
     idx = RNG.integers(0, 8, 20)
     np.testing.assert_array_equal(program.run({"table": table, "idx": idx})["out"], table[idx])
@@ -285,7 +298,9 @@ def test_status_raises_then_clears():
     with pytest.raises(KernelStatusError, match="index out of range in embedding") as info:
         program.run({"table": table, "idx": bad})
     assert info.value.code == 1
+    before = device.counters.submits
     np.testing.assert_array_equal(program.run({"table": table, "idx": idx})["out"], table[idx])
+    assert device.counters.submits == before + 1
 
 
 def test_status_without_message_names_the_code():
@@ -411,15 +426,12 @@ def test_submission_parts_start_short_and_grow():
         assert max(sizes[:-1]) <= SUBMIT_EVERY and sizes[-1] < SUBMIT_EVERY + FIRST_PART
 
 
-def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
-    """A long plan goes to the queue in parts; each part reads what the previous one wrote."""
-    import meganeura.runtime.program as program_module
-
-    n, steps = 100, 12
+def chain_plan(n: int, steps: int) -> Plan:
+    """``steps`` dependent dispatches: out = a, then out = 2 out + a, so out = a (2^steps - 1)."""
     init = kernel([("a", "f32"), ("out", "f32")], "out[i] = a[i];")
     double_add = kernel([("a", "f32"), ("out", "f32")], "out[i] = out[i] * 2.0 + a[i];")
     bindings = (Binding("a", 0, 4 * n), Binding("out", 0, 4 * n))
-    plan = Plan(
+    return Plan(
         buffers=[BufferSpec("a", 4 * n, "input"), BufferSpec("out", 4 * n, "output")],
         inputs=[TensorSpec("a", "a", 0, (n,), "float32")], params=[],
         outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
@@ -427,15 +439,54 @@ def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
         dispatches=[Dispatch("init", bindings, groups(n), "init")]
         + [Dispatch("double_add", bindings, groups(n), f"step {k}") for k in range(1, steps)],
     )
+
+
+def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
+    """A long plan goes to the queue in parts; each part reads what the previous one wrote."""
+    import meganeura.runtime.program as program_module
+
+    n, steps = 100, 12
     monkeypatch.setattr(program_module, "FIRST_PART", 2)
     monkeypatch.setattr(program_module, "SUBMIT_EVERY", 4)
     device = get_device()
-    program = Program(device, plan)
+    program = Program(device, chain_plan(n, steps))
     a = RNG.standard_normal(n, dtype=np.float32)
     before = device.counters.submits
     out = program.run({"a": a})
     assert device.counters.submits - before == 4  # parts of 2, 4, 4 and 2 dispatches
     np.testing.assert_allclose(out["out"], a * (2**steps - 1), rtol=1e-6)
+
+
+def test_later_runs_submit_the_dispatches_recorded_ahead(monkeypatch):
+    """A run records the next run's dispatches while the GPU works; the next run submits them with its copies in one
+    submit, on its own fresh inputs. A profiled run in between still times every dispatch, and the runs after it are
+    right again."""
+    import meganeura.runtime.program as program_module
+    from meganeura.runtime.profiler import profile
+
+    n, steps = 100, 12
+    monkeypatch.setattr(program_module, "FIRST_PART", 2)
+    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 4)
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps)
+    device = get_device()
+    program = Program(device, chain_plan(n, steps))
+    for run in range(5):
+        a = RNG.standard_normal(n, dtype=np.float32)
+        before = device.counters.submits
+        if run == 2:
+            with profile(device) as prof:
+                out = program.run({"a": a})
+            assert [e["name"] for e in prof.events] == [d.label for d in program.plan.dispatches]
+        else:
+            out = program.run({"a": a})
+            assert device.counters.submits - before == (4 if run in (0, 3) else 1), run  # parts, or all ahead
+        np.testing.assert_allclose(out["out"], a * (2**steps - 1), rtol=1e-6)
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps + 1)  # a shorter plan records each run itself
+    short = Program(device, chain_plan(n, steps))
+    for _ in range(2):
+        before = device.counters.submits
+        short.run({"a": RNG.standard_normal(n, dtype=np.float32)})
+        assert device.counters.submits - before == 4
 
 
 def test_large_download_is_copied_in_slices_exactly(monkeypatch):
