@@ -70,7 +70,3 @@ class ParamStore:
             return
         del self._entries[key]
         self.device.destroy_buffer(entry.buffer)
-
-    def clear(self) -> None:
-        for key in list(self._entries):
-            self._drop(key)
