@@ -777,13 +777,14 @@ FLASH_KEY_GROUPS = FLASH_KEYS // 4  # threads across a tile's keys (4 keys each)
 # Where the workgroups fill the GPU, a short slice does not pay back its query staging, partial stores and the merge
 # pass (about 5 us). H200, GPU us, with slices of 2 tiles against 8 past 128 workgroups: SD U-Net's attention in the
 # benchmark (2 x 16 heads, 256 x 256, d 8) 22.0 -> 17.2, the same shape with 8 heads of d 40 37.6 -> 27.3;
-# Whisper-tiny's 1500 keys keep their 4 slices (192 us). SmolLM2's (9 heads, causal, 128 keys: 36 workgroups) needs its short slices: 19.1 against 19.4
-# unsliced; in its model, where rotary embeddings make the loads dearer, 4.89 against 4.99 ms of GPU time per call.
+# Whisper-tiny's 1500 keys keep their 4 slices (192 us). SmolLM2's (9 heads, causal, 128 keys: 36 workgroups) needs
+# its short slices: 19.1 against 19.4 unsliced; in its model, where rotary embeddings make the loads dearer, 4.89
+# against 4.99 ms of GPU time per call.
 FLASH_TARGET_WORKGROUPS = 512
 FLASH_SLICE_MIN_TILES = 8
 # Score columns (vec4s) per iteration of the loop over the head size. H200, GPU us, 1, 2 and 4 columns and all
 # written out: Whisper-tiny 207 / 201 / 193 / 191, SmolLM2 19.4 / 19.2 / 19.1 / 21.6, SmolVLA 14.2 / 14.0 / 14.3 /
-# 16.5, SD U-Net (d 40) 38.8 / 37.6 / 37.7 / 39.0.
+# 16.5, 2 x 8 heads of d 40 over 256 keys 38.8 / 37.6 / 37.7 / 39.0.
 QK_UNROLL = 4
 
 

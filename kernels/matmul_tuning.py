@@ -18,10 +18,10 @@ own buffers (or its default's partial sums) would not fit the device's binding l
 
 The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
 only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the sources of the
-matmul generator and of the timing, and whether kernels keep naga's runtime checks). It records both, and per problem (keyed by its
-shape, layouts and a digest of its prelude) the choice and the two times; a file that does not parse or names
-another adapter or other kernels is ignored and rewritten, so a changed generator is tuned afresh. A directory that
-cannot be written only loses the memory.
+matmul generator and of the timing, and whether kernels keep naga's runtime checks). It records both, and per
+problem (keyed by its shape, layouts and a digest of its prelude) the choice and the two times; a file that does not
+parse or names another adapter or other kernels is ignored and rewritten, so a changed generator is tuned afresh. A
+directory that cannot be written only loses the memory.
 """
 from __future__ import annotations
 
