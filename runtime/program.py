@@ -372,8 +372,7 @@ class Program:
         """Record the status clears and ``commands`` into ``encoder``: in parts, each but the last submitted as soon
         as it is recorded, or timestamped one by one for ``profiler``. Returns the encoder holding the rest."""
         dev = self.device
-        for name, _, _ in self._status_offsets:
-            encoder.clear_buffer(self._owned[name])
+        self._clear_status(encoder)
         if profiler is not None:
             self._record_profiled(encoder, commands, profiler)
             return encoder
@@ -390,12 +389,15 @@ class Program:
         """The next run's status clears and dispatches, recorded into one command buffer now, while the GPU works on
         this run: the next run submits it before its own copies, over the same buffers (a rebind drops it)."""
         encoder = self.device.wgpu_device.create_command_encoder()
-        for name, _, _ in self._status_offsets:
-            encoder.clear_buffer(self._owned[name])
+        self._clear_status(encoder)
         compute = encoder.begin_compute_pass()
         record_dispatches(compute, self._commands)
         compute.end()
         return encoder.finish()
+
+    def _clear_status(self, encoder) -> None:
+        for name, _, _ in self._status_offsets:
+            encoder.clear_buffer(self._owned[name])
 
     @staticmethod
     def _record_profiled(encoder, commands, profiler) -> None:
