@@ -22,7 +22,6 @@ import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import wgpu
 
@@ -152,6 +151,26 @@ def _spin_seconds(adapter_type: str) -> float:
     return milliseconds / 1e3
 
 
+class _Checked:
+    """``Device.checked``'s context: a class rather than a generator, as a plan run enters it a few times per call."""
+    __slots__ = ("device", "label")
+
+    def __init__(self, device: "Device", label: str):
+        self.device, self.label = device, label
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, _traceback) -> bool:
+        if kind is None or not issubclass(kind, (wgpu.GPUError, wgpu.GPUPipelineError)):
+            return False
+        text, device = str(error), self.device
+        if _LOST.search(text):
+            device.lost = True
+            raise DeviceLostError(f"{self.label}: the device {device.name} was lost\n{text}") from error
+        raise MeganeuraError(f"{self.label}: wgpu refused it\n{text}") from error
+
+
 def get_device(adapter: str | int | None = None) -> "Device":
     """The process-wide device of the chosen adapter (see the module docstring for the choice); a new one once the
     last was lost (what lived on the lost one is gone: programs built on it keep raising DeviceLostError)."""
@@ -205,19 +224,12 @@ class Device:
     def __repr__(self) -> str:
         return f"<meganeura Device {self.describe()}>"
 
-    @contextmanager
-    def checked(self, label: str):
-        """Run wgpu calls, turning wgpu errors into MeganeuraError (DeviceLostError if the device is gone)."""
+    def checked(self, label: str) -> "_Checked":
+        """A context for wgpu calls that turns wgpu errors into MeganeuraError (DeviceLostError if the device is
+        gone)."""
         if self.lost:
             raise DeviceLostError(f"{label}: the device {self.name} was lost; create a new one")
-        try:
-            yield
-        except (wgpu.GPUError, wgpu.GPUPipelineError) as e:
-            text = str(e)
-            if _LOST.search(text):
-                self.lost = True
-                raise DeviceLostError(f"{label}: the device {self.name} was lost\n{text}") from e
-            raise MeganeuraError(f"{label}: wgpu refused it\n{text}") from e
+        return _Checked(self, label)
 
     # ---- pipelines and bind groups
 
@@ -325,7 +337,7 @@ class Device:
     def submit(self, encoder, label: str = "", before=()) -> None:
         """Finish ``encoder`` and submit it, after the finished command buffers ``before``, in one submit."""
         with self.checked(f"submit {label!r}"):
-            commands = encoder.finish()
+            commands = native.finish(encoder)
             self.queue.submit([*before, commands])
         self.counters.submits += 1
 

@@ -4,8 +4,10 @@ runtime checks, with the wgpu-py API as fallback.
 wgpu-py wraps every native call in Python error capture, a few microseconds each, and a plan replay makes up to
 three calls per dispatch. Recording a compute pass cannot fail at the call: wgpu stores a recording error in the
 pass and reports it when the pass ends and the encoder finishes, and both of those still go through the checked
-API (``Device.submit``). So the dispatches are recorded with the raw functions when wgpu-py's native backend is the
-one in use, and with the public methods otherwise.
+calls (``Device.submit``). So the dispatches are recorded with the raw functions when wgpu-py's native backend is
+the one in use, and with the public methods otherwise. A run's encoder, compute passes and finished command buffer
+are also made without the descriptors (and, for a pass, the Python object) that the API builds on every call: on
+the H200 machine a one-dispatch run's host time went from 62 to 49 us (SmolLM2 inference 6.02 -> 5.90 ms).
 
 wgpu-py's ``map_sync`` submits an empty command buffer first (a workaround for buffers written through a mapping,
 which ours never are) and waits for a poll thread to resolve a promise: two thread hand-offs per call. The native
@@ -51,12 +53,51 @@ if _ffi is not None:
         _map_results.append(int(status))
 
 
+def command_encoder(wgpu_device):
+    """A new command encoder (wgpu-py's object), created without a descriptor: the API builds a labelled one per
+    call. Its recording errors are raised where it finishes, which goes through the checked API."""
+    handle = getattr(wgpu_device, "_internal", None)
+    if _lib is None or handle is None:
+        return wgpu_device.create_command_encoder()
+    return _api.GPUCommandEncoder("", _api.libf.wgpuDeviceCreateCommandEncoder(handle, _ffi.NULL), wgpu_device)
+
+
+def finish(encoder):
+    """``encoder.finish()`` without a descriptor; checked like the API's (a recording error raises here)."""
+    handle = getattr(encoder, "_internal", None)
+    if _lib is None or handle is None:
+        return encoder.finish()
+    return _api.GPUCommandBuffer("", _api.libf.wgpuCommandEncoderFinish(handle, _ffi.NULL), encoder._device)
+
+
+def compute_pass(encoder, commands) -> None:
+    """Record ``(pipeline, bind group, (x, y, z))`` commands into a new compute pass of ``encoder`` and end it.
+    With the native backend the pass is raw: begun without a descriptor and released here, with no Python object."""
+    handle = getattr(encoder, "_internal", None)
+    if _lib is None or handle is None:
+        compute = encoder.begin_compute_pass()
+        _record_with_api(compute, commands)
+        compute.end()
+        return
+    compute = _lib.wgpuCommandEncoderBeginComputePass(handle, _ffi.NULL)
+    try:
+        _record_raw(compute, commands)
+        _api.libf.wgpuComputePassEncoderEnd(compute)
+    finally:
+        _lib.wgpuComputePassEncoderRelease(compute)
+
+
 def record_dispatches(compute_pass, commands) -> None:
-    """Record ``(pipeline, bind group, (x, y, z))`` commands, skipping repeated pipelines and bind groups."""
+    """Record ``(pipeline, bind group, (x, y, z))`` commands into wgpu-py's ``compute_pass``, skipping repeated
+    pipelines and bind groups."""
     handle = getattr(compute_pass, "_internal", None)
     if _lib is None or handle is None:
         _record_with_api(compute_pass, commands)
-        return
+    else:
+        _record_raw(handle, commands)
+
+
+def _record_raw(handle, commands) -> None:
     set_pipeline = _lib.wgpuComputePassEncoderSetPipeline
     set_group = _lib.wgpuComputePassEncoderSetBindGroup
     dispatch = _lib.wgpuComputePassEncoderDispatchWorkgroups

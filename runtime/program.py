@@ -29,7 +29,7 @@ import numpy as np
 
 from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
-from .native import record_dispatches
+from .native import command_encoder, compute_pass, record_dispatches
 from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
 from .readback import ReadBackBuffers
 from .resident import DeviceArray
@@ -351,7 +351,7 @@ class Program:
             ahead = None  # recorded over the program's own buffers, without timestamps
         with dev.checked("recording the plan"):
             staging = self._read_back.take()
-            encoder = dev.wgpu_device.create_command_encoder()
+            encoder = command_encoder(dev.wgpu_device)
             if ahead is None:
                 encoder = self._record(encoder, commands, profiler)
             for source, src_offset, dst_offset, size in self._copies:
@@ -379,20 +379,16 @@ class Program:
         for start, end in submission_parts(len(commands)):
             if start:
                 dev.submit(encoder, "plan part")
-                encoder = dev.wgpu_device.create_command_encoder()
-            compute = encoder.begin_compute_pass()
-            record_dispatches(compute, commands[start:end])
-            compute.end()
+                encoder = command_encoder(dev.wgpu_device)
+            compute_pass(encoder, commands[start:end])
         return encoder
 
     def _record_ahead(self):
         """The next run's status clears and dispatches, recorded into one command buffer now, while the GPU works on
         this run: the next run submits it before its own copies, over the same buffers (a rebind drops it)."""
-        encoder = self.device.wgpu_device.create_command_encoder()
+        encoder = command_encoder(self.device.wgpu_device)
         self._clear_status(encoder)
-        compute = encoder.begin_compute_pass()
-        record_dispatches(compute, self._commands)
-        compute.end()
+        compute_pass(encoder, self._commands)
         return encoder.finish()
 
     def _clear_status(self, encoder) -> None:

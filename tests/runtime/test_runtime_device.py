@@ -155,6 +155,19 @@ def test_a_bad_kernel_among_many_is_named():
         dev.pipelines(jobs)
 
 
+def test_an_invalid_dispatch_in_a_raw_pass_raises_at_submit():
+    """The plan's passes are recorded through raw wgpu-native calls; a recording error must still raise (at
+    finish, through the checked API), not go to wgpu's log while the queue runs nothing."""
+    dev = get_device()
+    out = dev.storage_buffer(4, "out")
+    encoder = device_module.native.command_encoder(dev.wgpu_device)
+    too_many = dev.max_workgroups_per_dim + 1
+    device_module.native.compute_pass(encoder, [(dev.pipeline(_kernel(5.0), 1, "one"), dev.bind_group([(out, 0, 4)]),
+                                                 (too_many, 1, 1))])
+    with pytest.raises(MeganeuraError, match=r"(?s)submit 'raw'.*refused"):
+        dev.submit(encoder, "raw")
+
+
 def _encode_single(dev, pipeline, out):
     """An encoder holding one dispatch of ``pipeline`` (one workgroup) over the 4-byte buffer ``out``."""
     encoder = dev.wgpu_device.create_command_encoder()

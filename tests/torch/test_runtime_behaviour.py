@@ -174,17 +174,17 @@ compiled = torch.compile(model, backend="meganeura")
 with torch.no_grad():
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     first = get_device()
-    original = program_module.record_dispatches
-    def record_then_lose(compute_pass, commands):  # the device goes away while the plan is being recorded
-        original(compute_pass, commands)
+    original = program_module.compute_pass
+    def record_then_lose(encoder, commands):  # the device goes away while the plan is being recorded
+        original(encoder, commands)
         first.wgpu_device.destroy()
-    program_module.record_dispatches = record_then_lose
+    program_module.compute_pass = record_then_lose
     try:
         compiled(x)
         raise SystemExit("no error after the device was destroyed")
     except DeviceLostError as err:
         print("LOST:", str(err).splitlines()[0])
-    program_module.record_dispatches = original
+    program_module.compute_pass = original
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()), "weights changed"
     assert torch.equal(x, x_before), "input changed"
     again = compiled(x)
