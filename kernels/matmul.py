@@ -17,7 +17,8 @@ Two kernel families, chosen by shape:
   only where the shape can fail them: on an H200 (.diag sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
   ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
-  threads ("lanes"), then reduces the partial sums with a workgroup tree reduction. A lane loads GEMV_UNROLL
+  threads ("lanes", as many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a
+  workgroup tree reduction. A lane loads GEMV_UNROLL
   products before adding them (in the order of a plain loop): loads in flight, not one memory latency each.
 
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
@@ -53,8 +54,17 @@ SPLIT_MIN_K = 64
 SPLIT_MAX = 64
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
-GEMV_SHORT_K = 256            # gemv: k up to this -> many columns, few lanes per column
-GEMV_LONG_K = 4096            # gemv: k from this on -> few columns, many lanes per column
+# gemv: lanes (threads splitting K for one output) are the power of two that gives each about GEMV_PER_LANE products
+# (GEMV_PER_LANE_STRIDED where K is strided and the threads of a row follow the outputs), between 4 and
+# GEMV_MAX_LANES, and fewer while outputs x lanes exceed GEMV_MAX_THREADS. A short run per lane keeps the loads of
+# a small matrix in flight at once. H200, m = 1, weights rotated past the L2 cache (.diag/gemv_sweep.py), GB/s of the
+# weight read, before (16 lanes for K in 257..4095) -> after: 1536 x 576 634 -> 784, 576 x 1536 391 -> 791,
+# 720 x 2048 527 -> 1176, 1000 x 2048 720 -> 1487, 49152 x 576 3565 -> 3542; x @ w 1024 (strided K) 552 -> 736.
+# Minimal-batch inference, GPU ms per call (.diag/gemv_ab.py): SmolLM2 2.26 -> 1.89, SmolVLA expert 1.38 -> 1.16.
+GEMV_PER_LANE = 8
+GEMV_PER_LANE_STRIDED = 16
+GEMV_MAX_LANES = 128
+GEMV_MAX_THREADS = 1 << 21
 GEMV_UNROLL = 8               # gemv: products a lane loads before adding them up
 
 
@@ -219,6 +229,10 @@ def _thread_count(limits: dict) -> int:
 
 def _pow2_ceil(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
+
+
+def _pow2_floor(value: int) -> int:
+    return 1 << max(0, value.bit_length() - 1)
 
 
 def _header(batch: int, m: int, n: int, k: int, grid: tuple[int, int, int], total: int) -> str:
@@ -442,13 +456,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 
 
 def _choose_gemv_plan(outputs: int, k: int, threads: int, out_fastest: bool) -> GemvPlan:
-    if k <= GEMV_SHORT_K:
-        columns = threads // 4
-    elif k < GEMV_LONG_K:
-        columns = 16
-    else:
-        columns = 4
-    columns = min(columns, _pow2_ceil(outputs))
+    per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
+    lanes = max(4, min(GEMV_MAX_LANES, threads, _pow2_floor(k // per_lane)))
+    while lanes > 32 and outputs * lanes > GEMV_MAX_THREADS:
+        lanes //= 2
+    columns = min(threads // lanes, _pow2_ceil(outputs))  # (few outputs: the spare threads join the lanes)
     return GemvPlan(columns, threads // columns, out_fastest)
 
 

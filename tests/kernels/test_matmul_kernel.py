@@ -345,9 +345,20 @@ def test_tile_choice_by_shape():
     assert header(1, 128, 576, 1536).startswith("tiled 64x64")      # a long K: split_k makes the workgroups
     assert header(1, 20, 20, 20).startswith("tiled 16x16, K chunk 8, 4x4 threads of 4x4")  # 16 would stage 32
     assert header(1, 7, 9, 3).startswith("tiled 16x16, K chunk 4")
-    assert header(1, 1, 4096, 4096).startswith("gemv over columns, 4 outputs x 64 K lanes")
-    assert header(1, 4096, 1, 64).startswith("gemv over rows, 64 outputs x 4 K lanes")
-    assert header(1, 1, 1, 10000).startswith("gemv over columns, 1 outputs x 256 K lanes")
+    assert header(1, 1, 4096, 4096).startswith("gemv over columns, 2 outputs x 128 K lanes")  # at most 128 lanes
+    assert header(1, 4096, 1, 64).startswith("gemv over rows, 32 outputs x 8 K lanes")  # 8 products per lane
+    assert header(1, 1, 1, 10000).startswith("gemv over columns, 1 outputs x 256 K lanes")  # one output: all lanes
+
+
+def test_gemv_lanes_give_each_a_short_run_of_k():
+    def lanes(n, k, b_fast):
+        return re.search(r"x (\d+) K lanes", matmul_kernel("", batch=1, m=1, n=n, k=k, limits=LIMITS,
+                                                          b_fast=b_fast)[0]).group(1)
+    assert lanes(1536, 576, "p") == "64"   # contiguous K: about 8 products per lane
+    assert lanes(576, 1536, "p") == "128"  # capped
+    assert lanes(1024, 1024, "j") == "64"  # strided K: about 16 per lane
+    assert lanes(49152, 576, "p") == "32"  # many outputs: fewer lanes, more outputs per workgroup
+    assert lanes(64, 16, "p") == "4"       # at least 4
 
 
 def test_layout_hints_pick_the_thread_order():
