@@ -16,10 +16,10 @@ Two kernel families, chosen by shape:
   ragged tile edge, K past a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written
   only where the shape can fail them: on an H200 (.diag sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
   ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
-- gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its
-  threads ("lanes", as many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a
-  workgroup tree reduction. A lane loads GEMV_UNROLL
-  products before adding them (in the order of a plain loop): loads in flight, not one memory latency each.
+- gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its threads ("lanes", as
+  many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a workgroup tree reduction.
+  A lane loads GEMV_UNROLL products before adding them (in the order of a plain loop): loads in flight, not one
+  memory latency each.
 
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
 and the kernel recovers the linear workgroup index. No atomics: results are deterministic.

@@ -29,7 +29,7 @@ import numpy as np
 
 from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
-from .native import command_encoder, compute_pass, record_dispatches
+from .native import command_encoder, compute_pass, finish, record_dispatches
 from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
 from .readback import ReadBackBuffers
 from .resident import DeviceArray
@@ -389,7 +389,7 @@ class Program:
         encoder = command_encoder(self.device.wgpu_device)
         self._clear_status(encoder)
         compute_pass(encoder, self._commands)
-        return encoder.finish()
+        return finish(encoder)
 
     def _clear_status(self, encoder) -> None:
         for name, _, _ in self._status_offsets:
