@@ -361,6 +361,17 @@ def test_gemv_lanes_give_each_a_short_run_of_k():
     assert lanes(64, 16, "p") == "4"       # at least 4
 
 
+
+@pytest.mark.parametrize("b_fast, batch, n, k, lanes", [("p", 2, 41, 1100, 128), ("j", 1, 37, 1100, 64),
+                                                         ("p", 1, 300, 576, 64)])
+def test_gemv_with_many_lanes_matches(device, b_fast, batch, n, k, lanes):
+    """The lane counts the rule gives long rows (several outputs per workgroup, ragged last block) sum right."""
+    rng = np.random.default_rng(k + n)
+    a = make_operand(rng, batch, 1, k)
+    b = make_operand(rng, batch, k, n, layout="transposed" if b_fast == "p" else "contiguous")
+    source, _ = check(device, a, b, b_fast=b_fast)
+    assert f"x {lanes} K lanes" in source
+
 def test_layout_hints_pick_the_thread_order():
     source, _ = matmul_kernel("", batch=1, m=64, n=64, k=64, limits=LIMITS, a_fast="i", b_fast="p")
     assert "A along i, B along p" in source
