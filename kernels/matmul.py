@@ -139,8 +139,9 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
     so that neighbouring threads read neighbouring addresses; any value is correct, the right one is faster.
-    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each from TILE_SIZES) and ``block`` each thread's register
-    block (rows, columns; 4 or 8 each, default 8 along an edge of 128, else 4), e.g. for tuning.
+    ``tile`` forces the tiled kernel's (tile_m, tile_n) (each a multiple of its register block: an edge of
+    TILE_SIZES or of the tuner's shapes, such as 96) and ``block`` each thread's register block (rows, columns; 4 or 8
+    each, default 8 along an edge of 128, else 4), e.g. for tuning.
     With ``split`` > 1 (see ``split_k``) the kernel sums one of ``split`` slices of K and writes its partial
     sums into the array named ``partial`` (split * batch * m * n floats, slice-major) instead of calling
     store_c; ``split_reduce_kernel`` then adds the slices up and stores. ``f16`` forms the tiled kernel's products

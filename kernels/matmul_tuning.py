@@ -42,11 +42,14 @@ from .matmul import (F16_PRODUCTS, MIN_WORKGROUPS_BIG, SPLIT_MAX, TILE_SIZES, Ma
                      _max_threads, default_choice, matmul_kernel, split_reduce_kernel)
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs (.diag) found each of these the
-# fastest for some shape, and none of the others. The last: 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us. Tuned
+# fastest for some shape, and none of the others. 128x256: 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us. Tuned
 # beside it on the H200, 8x8 blocks of 64x64 and 64x128 tiles and 8x16 blocks of 128x128 tiles won none of 112
 # problems (ResNet-50, SmolLM2, SmolVLA, part of SD U-Net, the micro benchmarks) and only lengthened tuning.
+# 64x96 (384 threads, 24 across the 96): Whisper-tiny's 1500x1536x384 79 -> 70 us, 1500x384x1536 80 -> 74 us. Nine
+# other shapes with a 96 or 192 edge (96x128, 128x96, 96x96, 96x64, 192x128, 128x192, 96x192; 4x4 to 8x8 blocks)
+# won none of 12 problems besides those two.
 CONFIGS = (((64, 64), (4, 4)), ((64, 64), (8, 4)), ((64, 64), (4, 8)), ((64, 128), (4, 4)), ((128, 64), (4, 4)),
-           ((128, 128), (8, 8)), ((32, 64), (4, 4)), ((64, 32), (4, 4)), ((128, 256), (8, 16)))
+           ((128, 128), (8, 8)), ((32, 64), (4, 4)), ((64, 32), (4, 4)), ((128, 256), (8, 16)), ((64, 96), (4, 4)))
 SPLITS = (1, 2, 4, 8, 16)
 MIN_SLICE_K = 32  # each K slice at least this long
 MAX_WORKGROUPS = 4096  # more would only add partial sums to add up

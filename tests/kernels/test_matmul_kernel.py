@@ -210,7 +210,7 @@ def test_layout_hints_and_forced_tiles(device, a_fast, b_fast, tile):
 
 @pytest.mark.parametrize("tile, block", [((64, 64), (8, 8)), ((64, 64), (8, 4)), ((32, 64), (4, 8)),
                                          ((128, 64), (4, 4)), ((16, 32), (8, 8)), ((128, 128), (8, 16)),
-                                         ((128, 256), (8, 16))])
+                                         ((128, 256), (8, 16)), ((64, 96), (4, 4))])
 def test_forced_register_blocks(device, tile, block):
     """Every register block is correct on ragged edges, with the thread count it implies."""
     rng = np.random.default_rng(12)
