@@ -1,6 +1,10 @@
 """Micro benchmarks: f32 matmul, a fused pointwise chain and a copy (the bandwidth roof), a row reduction, and the
 host cost per dispatch of plan replay.
 
+Each matmul size is timed twice: one product per call (its latency: the launch and the wait count in full), and, for
+sizes up to ``BACK_TO_BACK_MAX``, ``BACK_TO_BACK`` products of distinct right operands per call, issued back to back
+with one wait at the end (the throughput: one call's launch and wait spread over several products, on both sides).
+
 meganeura's side runs a plan directly: the function is traced to aten (``make_fx``), lowered and compiled like a
 backend graph (with tuned matmul variants where ``MEGANEURA_TUNE=1``, as ``bench --tune`` sets), its operands
 uploaded once as parameters and its outputs kept on the device (``DeviceArray``s, recycled every call), so a timed
@@ -21,6 +25,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .turns import RUN_LENGTH, take_turns
 
 DISPATCH_CHAIN = 500  # dispatches in the host-cost plan
+BACK_TO_BACK = 8  # products per call in a matmul throughput row
+BACK_TO_BACK_MAX = 2048  # sizes up to this get a throughput row
 COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager")  # (a plan replay has no resident/compiled form)
 
 
@@ -41,7 +47,7 @@ class MicroResult:
 
 
 def _device_call(fn, args):
-    """Callables that replay ``fn``'s plan on the device and that return its first output; its dispatch count."""
+    """Callables that replay ``fn``'s plan on the device and that return its outputs; its dispatch count."""
     from meganeura.runtime.device import get_device
     from meganeura.runtime.program import Program
     from torch_meganeura.fx_lowering import lower_graph
@@ -64,7 +70,7 @@ def _device_call(fn, args):
         values = [arrays[name].numpy() for name in outputs]
         for array in arrays.values():
             array.release()
-        return torch.from_numpy(values[0])
+        return _flat([torch.from_numpy(v) for v in values])
 
     return run, result, len(plan.dispatches), lambda: program.host_seconds * 1e3
 
@@ -82,7 +88,7 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
     one call."""
     from .gates import rel_l2
 
-    want = fn(*args)
+    want = _flat(fn(*args))
     results, timed = [], []
     for competitor in competitors:
         res = MicroResult(name, competitor, work)
@@ -120,11 +126,24 @@ def _prepare(competitor: str, fn, args):
     device = "cuda" if competitor == "torch-cuda-eager" else "cpu"
     on = [a.to(device) for a in args]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    return (lambda: fn(*on)), sync, (lambda: fn(*on).cpu()), None, None
+    return (lambda: fn(*on)), sync, (lambda: _flat(fn(*on)).cpu()), None, None
+
+
+def _flat(outputs) -> torch.Tensor:
+    """A function's outputs (a tensor, or a tuple of them) as one flat tensor, for the correctness check."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.reshape(-1)
+    return torch.cat([t.reshape(-1) for t in outputs])
 
 
 def _matmul(a, b):
     return a @ b
+
+
+def _matmuls(*operands):
+    # independent products of distinct operands (no two share one, so the compiler cannot merge them into one GEMM):
+    # each its own kernel launch, its own dispatch
+    return tuple(a @ b for a, b in zip(operands[::2], operands[1::2]))
 
 
 def _pointwise_chain(x):
@@ -154,6 +173,10 @@ def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: in
     for n in matmul_sizes:
         a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
         results += measure(f"matmul {n}", _matmul, (a, b), "GFLOP/s", 2.0 * n**3, *timing)
+        if n <= BACK_TO_BACK_MAX:
+            operands = tuple(torch.randn(n, n, generator=gen) for _ in range(2 * BACK_TO_BACK))
+            results += measure(f"matmul {n} x{BACK_TO_BACK} back to back", _matmuls, operands, "GFLOP/s",
+                               2.0 * n**3 * BACK_TO_BACK, *timing)
     numel = stream_mib * (1 << 20) // 4
     x = torch.randn(numel, generator=gen)
     for name, fn in ((f"pointwise chain {stream_mib} MiB", _pointwise_chain), (f"copy {stream_mib} MiB", _copy)):
