@@ -365,12 +365,15 @@ MERGE_THREADS = 256
 UNROLL = 4
 
 
-def _vec4_loaders(s: AttentionShape, *operands: str) -> str:
+def _vec4_loaders(prelude: str, s: AttentionShape, *operands: str) -> str:
     """``load_<x>4(b, h, r, c4)``: components 4*c4 .. 4*c4+3 of ``load_<x>``, zero past the head size, for c4 below
-    the row's vec4 count (every caller's range). Only the last vec4's components past the head size are checked."""
+    the row's vec4 count (every caller's range), where the caller's ``prelude`` does not define it (with one vec4
+    read). Only the last vec4's components past the head size are checked."""
     sizes = {"q": s.d, "k": s.d, "v": s.dv, "dout": s.dv}
     out = []
     for x in operands:
+        if f"fn load_{x}4(" in prelude:
+            continue
         size = sizes[x]
         last = 4 * (-(-size // 4) - 1)  # the first component of the last vec4
         parts = ", ".join(f"select(0.0, load_{x}(b, h, r, min(c + {t}u, {size - 1}u)), c + {t}u < {size}u)"
@@ -506,7 +509,7 @@ var<workgroup> scores: array<f32, {plan.rows * stride}>;
   }}
 }}
 """
-    return prelude + "\n" + _vec4_loaders(s, "k", "v") + kernel, grid
+    return prelude + "\n" + _vec4_loaders(prelude, s, "k", "v") + kernel, grid
 
 
 def _blocked_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, per_block: int, kind: str) -> str:
@@ -682,7 +685,7 @@ var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
   }}
 }}
 """
-    return prelude + "\n" + _vec4_loaders(s, "q", "k", "v") + kernel, grid
+    return prelude + "\n" + _vec4_loaders(prelude, s, "q", "k", "v") + kernel, grid
 
 
 def _blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: BlockPlan, limits: dict,
@@ -763,7 +766,7 @@ var<workgroup> own_v: array<vec4<f32>, {plan.rows * (dv4 + 1)}>;
   }}
 }}
 """
-    return prelude + "\n" + _vec4_loaders(s, "q", "k", "v", "dout") + kernel, grid
+    return prelude + "\n" + _vec4_loaders(prelude, s, "q", "k", "v", "dout") + kernel, grid
 
 
 # ------------------------------------------------------------------------------------------ flash forward
@@ -1000,7 +1003,7 @@ var<workgroup> ex: array<f32, {plan.rows * (kg + 1)}>;
 {finish}
 }}
 """
-    return prelude + "\n" + _vec4_loaders(s, "q", "k", "v") + kernel, grid
+    return prelude + "\n" + _vec4_loaders(prelude, s, "q", "k", "v") + kernel, grid
 
 
 def _flash_stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: str | None, cols: range) -> str:

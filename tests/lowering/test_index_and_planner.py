@@ -10,7 +10,7 @@ from meganeura.lowering import expr as E
 from meganeura.lowering.builder import GraphBuilder, reshape_coords, unravel
 from meganeura.lowering.epilogues import fuse_epilogues
 from meganeura.lowering.fusion import fuse
-from meganeura.lowering.indexing import linear_index, simplify
+from meganeura.lowering.indexing import linear_index, quad_row_index, simplify
 from meganeura.lowering.ir import Matmul, Pointwise, Reduce, RowOutput
 from meganeura.lowering.planner import Interval, place
 from meganeura.runtime.device import get_device
@@ -39,6 +39,42 @@ def test_reshape_then_simplify_keeps_every_index(old, new):
     for c in itertools.product(*[range(s) for s in new]):
         assert evaluate(simple, c) == evaluate(index, c)
     assert E.size(simple) <= E.size(index)
+
+
+@pytest.mark.parametrize("shape, view, quad", [
+    ((2, 3, 5, 8), None, True),  # rows of 8: vec4 q of row r is 2 r + q
+    ((2, 3, 5, 6), None, False),  # rows of 6 start at odd multiples of 2
+    ((2, 3, 5, 8), "offset", False),  # rows start 1 element in
+    ((2, 3, 5, 8), "transposed", False),  # c steps by 5 rows
+    ((2, 3, 5, 8), "heads", True),  # head h // 2 of a grouped layout: an idiv atom, coefficient 160
+    ((2, 3, 5, 8), "split_c", True),  # c read through c // 2 and c % 2: folds back to c
+    ((2, 3, 5, 8), "reversed", False),  # c read from the row's end
+])
+def test_quad_row_index_only_where_a_row_is_whole_vec4s(shape, view, quad):
+    """``quad_row_index`` gives the vec4 index of a row's first element exactly where element c of every row is
+    component c % 4 of vec4 (start / 4 + c // 4), and None wherever that does not hold."""
+    coords = [E.coord(d) for d in range(4)]
+    if view == "offset":
+        index = E.add(linear_index(coords, shape), E.const(1, E.I32))
+    elif view == "transposed":
+        index = linear_index([coords[0], coords[1], coords[3], coords[2]], (2, 3, 8, 5))
+    elif view == "heads":
+        index = linear_index([coords[0], E.binary("idiv", coords[1], E.const(2, E.I32)), coords[2], coords[3]], shape)
+    elif view == "split_c":
+        two = E.const(2, E.I32)
+        halves = [E.binary("idiv", coords[3], two), E.binary("imod", coords[3], two)]
+        index = linear_index([*coords[:3], *halves], (*shape[:3], 4, 2))
+    elif view == "reversed":
+        index = linear_index([*coords[:3], E.binary("sub", E.const(shape[3] - 1, E.I32), coords[3])], shape)
+    else:
+        index = linear_index(coords, shape)
+    index = simplify(index, dict(enumerate(shape)))
+    row = quad_row_index(index, 3)
+    assert (row is not None) == quad
+    if row is not None:
+        for c in itertools.product(*[range(s) for s in shape]):
+            flat = evaluate(index, c)
+            assert flat == 4 * evaluate(row, c) + c[3]
 
 
 def test_reshape_round_trip_simplifies_to_identity():

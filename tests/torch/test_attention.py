@@ -116,6 +116,42 @@ def test_head_sizes_up_to_64_run_the_flash_forward(monkeypatch):
     assert generated and all(shape.d == 64 for shape in generated)
 
 
+def test_whole_vec4_rows_are_read_a_vec4_at_a_time(monkeypatch):
+    """Operands whose rows are whole vec4s (head size a multiple of 4, each row starting at a multiple of 4 elements)
+    are read a vec4 at a time through a second binding of the same value, in every pass; a key tensor sliced one
+    element in (rows of 64 starting at odd elements) is read element by element by the forward. Outputs and
+    gradients match eager either way. Where the adapter's storage-binding limit leaves no room, no second binding
+    is added."""
+    from meganeura.runtime.device import get_device
+
+    preludes = {}
+    real = attention_kernels.attention_kernel
+
+    def spy(prelude, kind, *args, **kwargs):
+        preludes[kind] = prelude
+        return real(prelude, kind, *args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "attention_kernel", spy)
+
+    def fn(q, k_wide, v):
+        return F.scaled_dot_product_attention(q, k_wide[..., 1:], v)
+
+    q, k_wide, v = torch.randn(2, 2, 40, 64), torch.randn(2, 2, 40, 65), torch.randn(2, 2, 40, 64)
+    check_gradients_against_eager(fn, q, k_wide, v, rtol=RTOL, atol=ATOL, rel=REL, names=["q", "k", "v"])
+    assert set(preludes) == {"forward", "grad_q", "grad_kv"}
+    vec4_reads = {kind: [x for x in ("q", "k", "v", "dout") if f"fn load_{x}4(" in p] for kind, p in preludes.items()}
+    # the forward reads k through the slice; the backward passes read the contiguous copy saved for them
+    assert vec4_reads == {"forward": ["q", "v"], "grad_q": ["q", "k", "v", "dout"], "grad_kv": ["q", "k", "v", "dout"]}
+    assert all("array<vec4<f32>>" in prelude for prelude in preludes.values())
+
+    limit = "max-storage-buffers-per-shader-stage"
+    monkeypatch.setitem(get_device().limits, limit, 8)
+    preludes.clear()
+    check_gradients_against_eager(fn, q, k_wide, v, rtol=RTOL, atol=ATOL, rel=REL, names=["q", "k", "v"])
+    for kind, prelude in preludes.items():
+        assert prelude.count("@binding(") <= 8, kind
+
+
 def test_flash_forward_with_head_sizes_off_the_vec4_grid(monkeypatch):
     """Rows of 30 floats, not a multiple of 4: the flash forward reads zeros past each row's end, and values and
     gradients match eager."""
