@@ -2,8 +2,8 @@
 host cost per dispatch of plan replay.
 
 Each matmul size is timed twice: one product per call (its latency: the launch and the wait count in full), and, for
-sizes up to ``BACK_TO_BACK_MAX``, ``BACK_TO_BACK`` products of distinct right operands per call, issued back to back
-with one wait at the end (the throughput: one call's launch and wait spread over several products, on both sides).
+sizes up to ``BACK_TO_BACK_MAX``, ``BACK_TO_BACK`` independent products (no operand shared) per call, issued back to
+back with one wait at the end (the throughput: one call's launch and wait spread over several products, both sides).
 
 meganeura's side runs a plan directly: the function is traced to aten (``make_fx``), lowered and compiled like a
 backend graph (with tuned matmul variants where ``MEGANEURA_TUNE=1``, as ``bench --tune`` sets), its operands

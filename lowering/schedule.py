@@ -254,7 +254,10 @@ def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | N
         src, groups = matmul_kernels.matmul_kernel(prelude, **dims, **shape)
     elif isinstance(node, Attention):
         partial = name(bound.index(scratch[1])) if scratch is not None else None
-        prelude = _attention_prelude(decl, exprs, node, bound, limits.get("max-storage-buffers-per-shader-stage", 8))
+        # (a vec4 binding needs its offset, a binding offset, on a 16-byte boundary)
+        vec4_bindings = limits.get("min-storage-buffer-offset-alignment", 256) % 16 == 0
+        prelude = _attention_prelude(decl, exprs, node, bound,
+                                     limits.get("max-storage-buffers-per-shader-stage", 8) if vec4_bindings else 0)
         return [(src, groups, bound) for src, groups in attention_kernels.attention_kernel(
             prelude, node.kind, _attention_shape(node), [name(s) for s in out_slots], limits, partial)]
     else:
