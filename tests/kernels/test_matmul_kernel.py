@@ -351,6 +351,8 @@ def test_tile_choice_by_shape():
 
 
 def test_gemv_lanes_give_each_a_short_run_of_k():
+    """m = 1: K is split over the power of two of lanes that gives each about 8 products (16 where K is strided),
+    between 4 and 128, fewer where the outputs are very many."""
     def lanes(n, k, b_fast):
         return re.search(r"x (\d+) K lanes", matmul_kernel("", batch=1, m=1, n=n, k=k, limits=LIMITS,
                                                           b_fast=b_fast)[0]).group(1)
@@ -359,7 +361,6 @@ def test_gemv_lanes_give_each_a_short_run_of_k():
     assert lanes(1024, 1024, "j") == "64"  # strided K: about 16 per lane
     assert lanes(49152, 576, "p") == "32"  # many outputs: fewer lanes, more outputs per workgroup
     assert lanes(64, 16, "p") == "4"       # at least 4
-
 
 
 @pytest.mark.parametrize("b_fast, batch, n, k, lanes", [("p", 2, 41, 1100, 128), ("j", 1, 37, 1100, 64),
@@ -371,6 +372,7 @@ def test_gemv_with_many_lanes_matches(device, b_fast, batch, n, k, lanes):
     b = make_operand(rng, batch, k, n, layout="transposed" if b_fast == "p" else "contiguous")
     source, _ = check(device, a, b, b_fast=b_fast)
     assert f"x {lanes} K lanes" in source
+
 
 def test_layout_hints_pick_the_thread_order():
     source, _ = matmul_kernel("", batch=1, m=64, n=64, k=64, limits=LIMITS, a_fast="i", b_fast="p")
