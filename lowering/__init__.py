@@ -19,9 +19,9 @@ from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
 
 
-def compile_graph(graph: Graph, limits: dict, choose_matmuls=None):
-    """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants
-    (see ``schedule``)."""
+def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=None):
+    """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants and
+    ``on_kernel`` hears of each kernel as it is generated (see ``schedule``)."""
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     report = fuse(graph, max_bindings)
     fuse_sibling_reductions(graph, max_bindings, report)
@@ -30,5 +30,5 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None):
     common = eliminate_common_nodes(graph)
     fuse_sibling_matmuls(graph, max_bindings, report)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common},
-                    choose_matmuls=choose_matmuls)
+                    choose_matmuls=choose_matmuls, on_kernel=on_kernel)
     return plan, report

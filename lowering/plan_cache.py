@@ -44,11 +44,12 @@ def cache_dir() -> Path | None:
     return Path(base) / "meganeura" / "plans"
 
 
-def cached_compile_graph(graph: Graph, limits: dict, choose_matmuls=None,
-                         tuned_for: str | None = None) -> tuple[Plan, FusionReport, bool]:
+def cached_compile_graph(graph: Graph, limits: dict, choose_matmuls=None, tuned_for: str | None = None,
+                         on_kernel=None) -> tuple[Plan, FusionReport, bool]:
     """``compile_graph(graph, limits, choose_matmuls)`` through the cache: (plan, report, whether it came from the
     cache). ``tuned_for`` names what ``choose_matmuls`` tunes for (an adapter), part of the key; a plan compiled
-    with ``choose_matmuls`` but no ``tuned_for`` is not cached.
+    with ``choose_matmuls`` but no ``tuned_for`` is not cached. ``on_kernel`` goes to ``compile_graph`` (a plan read
+    from the cache calls it for none).
 
     On a miss the graph is compiled (and, as always, fused in place) and the entry written; on a hit the graph is
     left as it was."""
@@ -59,7 +60,7 @@ def cached_compile_graph(graph: Graph, limits: dict, choose_matmuls=None,
         found = _read(path, key)
         if found is not None:
             return found[0], found[1], True
-    plan, report = compile_graph(graph, limits, choose_matmuls)
+    plan, report = compile_graph(graph, limits, choose_matmuls, on_kernel)
     if path is not None:
         _write(path, key, plan, report)
     return plan, report, False

@@ -28,14 +28,15 @@ def tensor_bytes(v: Value) -> int:
     return max(4 * v.numel, 4)
 
 
-def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_matmuls=None) -> Plan:
+def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_matmuls=None, on_kernel=None) -> Plan:
     """Emit the plan. Graph outputs are named ``out{i}`` for their first position in ``graph.outputs``.
 
     ``choose_matmuls(problems)`` may pick the tiled matmul kernels' variants (``MatmulChoice``s, e.g. a tuner's):
     it gets the plan's distinct GEMM problems (``MatmulProblem``s: shape, layouts, f16 allowed, and the kernel's
     own prelude), all at once, and returns a choice or None for each. Where it is absent or says None, the kernel
     generator's own rule decides.
-    f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast")."""
+    f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast"). ``on_kernel(wgsl, bindings,
+    key)`` is told of each kernel as soon as it is generated (a device can start compiling it while the rest are)."""
     alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     placement: dict[int, tuple[str, int]] = {}  # value id -> (buffer, offset)
@@ -95,7 +96,6 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
-            sources[key] = source
             bindings = []
             for vid in bound:
                 if vid == "status":
@@ -103,6 +103,9 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
                 else:
                     buf, off = placement[vid]
                     bindings.append(Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid])))
+            if key not in sources and on_kernel is not None:
+                on_kernel(source, len(bindings), key)
+            sources[key] = source
             dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label + (merge if i else "")))
 
     unplanned = sum(iv.size for iv in intervals)

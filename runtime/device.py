@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import wgpu
 
@@ -55,7 +56,7 @@ _WANTED_LIMITS = (
     "max-bindings-per-bind-group",
 )
 # Threads that compile a plan's new pipelines side by side (bounded: a driver compiler uses memory per thread).
-PIPELINE_THREADS = min(8, os.cpu_count() or 1)
+PIPELINE_THREADS = min(16, os.cpu_count() or 1)
 _WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
 _LOST = re.compile(r"device (is |was )?lost", re.IGNORECASE)
 _NO_ADAPTER_HINT = (
@@ -65,13 +66,15 @@ _NO_ADAPTER_HINT = (
 
 _adapters: list | None = None
 _devices: dict[int, "Device"] = {}
+_devices_lock = threading.RLock()  # get_device may run on prepare_device's thread and the caller's at once
 
 
 def _enumerate_adapters() -> list:
     global _adapters
-    if _adapters is None:
-        _adapters = list(wgpu.gpu.enumerate_adapters_sync())
-    return _adapters
+    with _devices_lock:
+        if _adapters is None:
+            _adapters = list(wgpu.gpu.enumerate_adapters_sync())
+        return _adapters
 
 
 def _adapter_name(adapter) -> str:
@@ -174,15 +177,29 @@ class _Checked:
 def get_device(adapter: str | int | None = None) -> "Device":
     """The process-wide device of the chosen adapter (see the module docstring for the choice); a new one once the
     last was lost (what lived on the lost one is gone: programs built on it keep raising DeviceLostError)."""
-    adapters = _enumerate_adapters()
-    choice = adapter if adapter is not None else (os.environ.get(ADAPTER_ENV) or None)
-    rank = os.environ.get(RANK_ENV, "").strip()
-    index = _choose_adapter(adapters, choice, int(rank) if rank.isdigit() else None)
-    if index not in _devices or _devices[index].lost:
-        _devices[index] = Device(adapters[index])
-        if rank.isdigit():
-            log.info("local rank %s uses adapter %d: %s", rank, index, _devices[index].describe())
-    return _devices[index]
+    with _devices_lock:
+        adapters = _enumerate_adapters()
+        choice = adapter if adapter is not None else (os.environ.get(ADAPTER_ENV) or None)
+        rank = os.environ.get(RANK_ENV, "").strip()
+        index = _choose_adapter(adapters, choice, int(rank) if rank.isdigit() else None)
+        if index not in _devices or _devices[index].lost:
+            _devices[index] = Device(adapters[index])
+            if rank.isdigit():
+                log.info("local rank %s uses adapter %d: %s", rank, index, _devices[index].describe())
+        return _devices[index]
+
+
+def prepare_device(adapter: str | int | None = None) -> None:
+    """Start ``get_device(adapter)`` on a background thread, so that creating the device (about 1 s for an H200's
+    Vulkan driver) overlaps the caller's other work; a later ``get_device`` waits for it. A failure is left for
+    that later call to raise."""
+    def create() -> None:
+        try:
+            get_device(adapter)
+        except Exception as err:  # noqa: BLE001 - raised again, with its message, by the caller's own get_device
+            log.debug("preparing the device failed: %s", err)
+
+    threading.Thread(target=create, name="meganeura-device", daemon=True).start()
 
 
 class Device:
@@ -214,6 +231,8 @@ class Device:
         self.spin_seconds = _spin_seconds(self.adapter_type)
         self._layouts: dict[int, object] = {}
         self._pipelines: dict[tuple[str, int], object] = {}
+        self._compiling: dict[tuple[str, int], Future] = {}  # compile_ahead's jobs not yet taken by pipelines
+        self._compiler: ThreadPoolExecutor | None = None  # their threads, started by the first compile_ahead
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
         self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
@@ -250,25 +269,43 @@ class Device:
         """The compute pipeline of ``wgsl`` (entry point ``main``), compiled once per WGSL text."""
         return self.pipelines([(wgsl, n_bindings, label)])[0]
 
-    def pipelines(self, kernels: list[tuple[str, int, str]]) -> list:
-        """The compute pipelines of ``kernels`` ((wgsl, binding count, label) each), compiled once per WGSL text.
+    def compile_ahead(self, kernels: list[tuple[str, int, str]]) -> None:
+        """Start compiling the pipelines of ``kernels`` ((wgsl, binding count, label) each) that are neither compiled
+        nor compiling, and return at once; ``pipelines`` takes them when they are done.
 
-        Those not compiled yet are compiled side by side on up to ``PIPELINE_THREADS`` threads: shader
-        translation and the driver's compiler make up most of a cold first call, and wgpu's device is thread-safe
-        (its calls release the GIL; wgpu-py keeps errors per thread)."""
-        missing = {(wgsl, n): label for wgsl, n, label in kernels if (wgsl, n) not in self._pipelines}
-        for n in {n for _, n in missing}:
+        They are compiled side by side on up to ``PIPELINE_THREADS`` threads, the longest sources first (the slowest
+        kernel bounds the whole): shader translation and the driver's compiler make up most of a cold first call,
+        and wgpu's device is thread-safe (its calls release the GIL; wgpu-py keeps errors per thread)."""
+        jobs = {}
+        for wgsl, n, label in kernels:
+            if (wgsl, n) not in self._pipelines and (wgsl, n) not in self._compiling:
+                jobs.setdefault((wgsl, n), label)
+        if not jobs:
+            return
+        for n in {n for _, n in jobs}:
             self.bind_group_layout(n)  # created here, not raced for by the threads
-        jobs = [(wgsl, n, label) for (wgsl, n), label in missing.items()]
-        threads = min(PIPELINE_THREADS, len(jobs))
-        if threads > 1:
-            with ThreadPoolExecutor(threads, thread_name_prefix="meganeura-pipelines") as pool:
-                built = list(pool.map(lambda job: self._compile_pipeline(*job), jobs))
-        else:
-            built = [self._compile_pipeline(*job) for job in jobs]
-        for (wgsl, n, _), pipeline in zip(jobs, built):
-            self._pipelines[(wgsl, n)] = pipeline
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="meganeura-pipelines")
+        for (wgsl, n), label in sorted(jobs.items(), key=lambda job: -len(job[0][0])):
+            self._compiling[(wgsl, n)] = self._compiler.submit(self._compile_pipeline, wgsl, n, label)
         self.counters.pipelines_created += len(jobs)
+
+    def pipelines(self, kernels: list[tuple[str, int, str]]) -> list:
+        """The compute pipelines of ``kernels`` ((wgsl, binding count, label) each), compiled once per WGSL text
+        (see ``compile_ahead``); raises the first compile error among them, naming its kernel."""
+        self.compile_ahead(kernels)
+        pending = [(key, self._compiling[key]) for key in dict.fromkeys((wgsl, n) for wgsl, n, _ in kernels)
+                   if key not in self._pipelines]
+        failure = None
+        for key, future in pending:  # every one is waited for, so that none is left compiling after a failure
+            try:
+                self._pipelines[key] = future.result()
+            except MeganeuraError as err:
+                failure = failure or err
+            finally:
+                self._compiling.pop(key, None)
+        if failure is not None:
+            raise failure
         return [self._pipelines[(wgsl, n)] for wgsl, n, _ in kernels]
 
     def _compile_pipeline(self, wgsl: str, n_bindings: int, label: str):

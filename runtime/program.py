@@ -1,8 +1,9 @@
 """A plan instantiated on a device: buffers, pipelines and bind groups built once, then replayed by ``run``.
 
 ``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
-status buffers, compiles every kernel and prepares the read-back. Param buffers come from outside
-(``bind_params`` or ``upload_params``). ``run`` then uploads the inputs, records the dispatches into compute
+status buffers, starts compiling every kernel on background threads (``Device.compile_ahead``) and prepares the
+read-back. Param buffers come from outside (``bind_params`` or ``upload_params``), uploaded while the kernels
+compile; binding the last of them waits for the kernels (``wait_pipelines``) and raises a compile error there. ``run`` then uploads the inputs, records the dispatches into compute
 passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the mapped
 memory (``meganeura.runtime.readback``), not copies. A plan of more than a few dozen
 dispatches is submitted in parts (``submission_parts``): a short first part, so that the GPU starts while the host
@@ -60,6 +61,17 @@ def submission_parts(count: int) -> list[tuple[int, int]]:
         parts.append((start, start + size))
         start, size = start + size, min(2 * size, SUBMIT_EVERY)
     return parts + [(start, count)]
+
+
+def pipeline_jobs(plan: Plan) -> list[tuple[str, int, str]]:
+    """(WGSL, binding count, kernel key) of each kernel ``plan`` dispatches, in order of first dispatch."""
+    counts: dict[str, set[int]] = {}
+    for d in plan.dispatches:
+        counts.setdefault(d.kernel, set()).add(len(d.bindings))
+    for key, n in counts.items():
+        if len(n) != 1:
+            raise ValueError(f"kernel {key!r} is dispatched with different binding counts {sorted(n)}")
+    return [(plan.kernels[key], n.pop(), key) for key, n in counts.items()]
 
 
 def to_device_array(spec: TensorSpec, value, kind: str = "input") -> np.ndarray:
@@ -167,9 +179,9 @@ class Program:
         self._swapped_commands: dict[tuple, list] = {}
         self._params: dict[str, object] = {}
         self._uploaded_params: set[str] = set()  # param buffers created by upload_params, owned by this program
-        keys = list(dict.fromkeys(d.kernel for d in plan.dispatches))
-        built = device.pipelines([(plan.kernels[key], self._n_bindings(key), key) for key in keys])
-        self._pipelines = dict(zip(keys, built))
+        self._kernel_jobs = pipeline_jobs(plan)
+        device.compile_ahead(self._kernel_jobs)  # taken by wait_pipelines: params upload meanwhile
+        self._pipelines: dict[str, object] = {}
         self._writes = self._plan_writes()
         self._plan_readback()
         self._read_back = ReadBackBuffers(device, self._staging_size, "staging")
@@ -189,11 +201,12 @@ class Program:
             if t.name not in self._alone:
                 raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")
 
-    def _n_bindings(self, kernel: str) -> int:
-        counts = {len(d.bindings) for d in self.plan.dispatches if d.kernel == kernel}
-        if len(counts) != 1:
-            raise ValueError(f"kernel {kernel!r} is dispatched with different binding counts {sorted(counts)}")
-        return counts.pop()
+    def wait_pipelines(self) -> None:
+        """Wait for the plan's pipelines, compiling since construction; raises a kernel's compile error. Binding
+        the last params (or constructing a plan that has none) waits too."""
+        if not self._pipelines:
+            built = self.device.pipelines(self._kernel_jobs)
+            self._pipelines = {key: pipeline for (_, _, key), pipeline in zip(self._kernel_jobs, built)}
 
     def _plan_writes(self) -> list[tuple]:
         """Input uploads: (buffer name, offset, [(spec, offset in host block)], host block or None)."""
@@ -250,6 +263,7 @@ class Program:
         """Build the missing bind groups, then the command and copy lists that ``run`` replays.
 
         Dispatches that bind a resident output get their group per run (``_with_swaps``); here None."""
+        self.wait_pipelines()
         self._commands = []
         for d in self.plan.dispatches:
             group = self._bind_groups.get(d.bindings)
@@ -500,7 +514,7 @@ class Program:
             by_role[b.role] = by_role.get(b.role, 0) + b.size
         return {
             "dispatches": len(self.plan.dispatches),
-            "kernels": len(self._pipelines),
+            "kernels": len(self._kernel_jobs),
             "bind_groups": len(self._bind_groups),
             "bytes_by_role": by_role,
             "staging_bytes": self._staging_size,

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from meganeura.runtime.device import get_device
+from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import DevicePartition
@@ -139,8 +139,10 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
 
 
 def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
-    """``torch.compile`` backend entry point."""
+    """``torch.compile`` backend entry point. The device is created on a background thread meanwhile: aot_autograd
+    traces the graph first, and the device is needed only at the first call."""
     opts = Options.from_user(options)
+    prepare_device(opts.adapter)
     context = BackendContext(opts)
     compiler = functools.partial(compile_graph_module, context=context)
     return aot_autograd(

@@ -186,13 +186,16 @@ class DevicePartition(torch.nn.Module):
         on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
                      if isinstance(args[i], ResidentTensor) and args[i].array.device is device]
         program = Program(device, plan, resident_outputs=resident, device_only_inputs=on_device)
+        entry = _Entry(lowered, program, key)
+        entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
+        program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start
         record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
                             plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused,
                             from_cache)
         self.context.record(record)
         log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels, seconds)
-        return _Entry(lowered, program, key)
+        return entry
 
     def _run(self, entry: _Entry, args):
         lowered, program = entry.lowered, entry.program

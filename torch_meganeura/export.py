@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from meganeura.lowering import compile_graph
 from meganeura.runtime.bundle import tensor_entry, write_bundle
-from meganeura.runtime.device import get_device
+from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.requirements import compile_limits, plan_requirements
 
 from .decompositions import decomposition_table
@@ -64,6 +64,7 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     need not be synced and are not touched. ``adapter`` picks the device whose limits the plan is generated for."""
     from .train_step import TrainStep
 
+    prepare_device(adapter)  # created while torch.export traces: only its limits are needed, after the trace
     resident = model.device_weights() if isinstance(model, TrainStep) else {}
     module = model.model if isinstance(model, TrainStep) else getattr(model, "_orig_mod", model)
     args, kwargs = _split_inputs(example_inputs)

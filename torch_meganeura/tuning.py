@@ -36,9 +36,14 @@ def tuner_for(device) -> MatmulTuner:
 
 def compile_plan(graph, device, tune: bool, f16_products: bool = False):
     """``cached_compile_graph`` for ``device``, with its tuner's matmul choices where ``tune``, and f16 products
-    allowed where ``f16_products`` (the caller checks the shader-f16 feature)."""
+    allowed where ``f16_products`` (the caller checks the shader-f16 feature). The device starts compiling each
+    kernel as soon as it is generated."""
     limits = dict(device.limits, **{F16_PRODUCTS: 1}) if f16_products else device.limits
+
+    def compile_ahead(source: str, bindings: int, key: str) -> None:
+        device.compile_ahead([(source, bindings, key)])
+
     if not tune:
-        return cached_compile_graph(graph, limits)
+        return cached_compile_graph(graph, limits, on_kernel=compile_ahead)
     tuner = tuner_for(device)
-    return cached_compile_graph(graph, limits, tuner.choose_all, tuner.fingerprint)
+    return cached_compile_graph(graph, limits, tuner.choose_all, tuner.fingerprint, on_kernel=compile_ahead)

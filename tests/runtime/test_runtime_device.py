@@ -72,6 +72,46 @@ def test_device_is_cached_and_env_var_selects(monkeypatch):
     assert get_device() is device
 
 
+def _count_device_inits(monkeypatch) -> list:
+    """Start from no device (the process-wide one is put back afterwards); the list collects each Device built."""
+    monkeypatch.setattr(device_module, "_devices", {})
+    created = []
+    real_init = Device.__init__
+
+    def counting_init(self, adapter):
+        created.append(self)
+        real_init(self, adapter)
+
+    monkeypatch.setattr(Device, "__init__", counting_init)
+    return created
+
+
+def test_prepare_device_creates_the_device_in_the_background(monkeypatch):
+    """The device prepare_device's thread creates is the one the caller's get_device returns (it waits for it); a
+    bad choice is raised, with its message, by the caller's own get_device, not lost on the thread."""
+    created = _count_device_inits(monkeypatch)
+    device_module.prepare_device()
+    device = get_device()
+    assert created == [device]
+    device_module.prepare_device("no adapter is called this")
+    with pytest.raises(NoAdapterError, match="no adapter is called this"):
+        get_device("no adapter is called this")
+
+
+def test_concurrent_first_get_device_calls_create_one_device(monkeypatch):
+    """Two threads asking for a device that does not exist yet get the same new one, created once."""
+    import threading
+
+    created = _count_device_inits(monkeypatch)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(get_device())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(created) == 1 and got == [created[0], created[0]]
+
+
 def test_device_properties():
     device = get_device()
     assert device.name in device.describe() and device.adapter_type in device.describe()
@@ -146,6 +186,39 @@ def test_pipelines_are_compiled_side_by_side_once_per_source():
     assert built[0] is built[-1] and len({id(p) for p in built}) == 6
     assert dev.pipelines([(sources[3], 1, "k3")])[0] is built[3]
     assert dev.counters.pipelines_created - before == 6
+
+
+def test_compiled_ahead_pipelines_are_taken_by_pipelines():
+    """compile_ahead returns before its pipelines are done; pipelines() then takes those same pipelines (no second
+    compile), and a source given twice is compiled once."""
+    dev = get_device()
+    before = dev.counters.pipelines_created
+    sources = [_kernel(7000.0 + i) for i in range(5)]
+    dev.compile_ahead([(s, 1, f"k{i}") for i, s in enumerate(sources)] + [(sources[1], 1, "twice")])
+    dev.compile_ahead([(sources[2], 1, "again")])
+    assert dev.counters.pipelines_created - before == 5
+    built = dev.pipelines([(s, 1, f"k{i}") for i, s in enumerate(sources)])
+    assert len({id(p) for p in built}) == 5 and not dev._compiling
+    assert dev.pipelines([(sources[4], 1, "k4")])[0] is built[4]
+    assert dev.counters.pipelines_created - before == 5
+
+
+def test_a_program_raises_a_compile_error_when_its_params_are_bound():
+    """A program's kernels compile while its params upload: a kernel that does not compile is raised, named, by the
+    bind that completes the program (and by wait_pipelines), not lost on the compiling thread."""
+    dev = get_device()
+    plan = Plan(
+        buffers=[BufferSpec("param:w", 4, "param"), BufferSpec("out0", 4, "output")],
+        inputs=[], params=[TensorSpec("w", "param:w", 0, (1,), "float32")],
+        outputs=[TensorSpec("out0", "out0", 0, (1,), "float32")],
+        kernels={"broken": "fn main( {"},
+        dispatches=[Dispatch("broken", (Binding("param:w", 0, 4), Binding("out0", 0, 4)), (1, 1, 1), "the broken one")],
+    )
+    program = Program(dev, plan)
+    with pytest.raises(MeganeuraError, match="broken"):
+        program.upload_params({"w": np.ones(1, np.float32)})
+    with pytest.raises(MeganeuraError, match="broken"):
+        program.wait_pipelines()
 
 
 def test_a_bad_kernel_among_many_is_named():
