@@ -72,11 +72,12 @@ class MatmulProblem:
     prelude: str
     bindings: tuple[int, ...]
     partial: str
+    looped: str = ""  # matmul_kernel's ``looped``: an operand fetched in a loop
 
     def key(self) -> str:
         digest = hashlib.sha256(self.prelude.encode()).hexdigest()[:12]
         return (f"{self.batch}x{self.m}x{self.n}x{self.k}:{self.a_fast}{self.b_fast}" + (":f16" if self.f16 else "")
-                + f":{digest}")
+                + (f":looped-{self.looped}" if self.looped else "") + f":{digest}")
 
 
 def plain_problem(batch: int, m: int, n: int, k: int, a_fast: str = "p", b_fast: str = "j",
@@ -155,7 +156,7 @@ class MatmulTuner:
         for c in choices:
             passes.append([matmul_kernel(p.prelude, **shape, k=p.k, limits=limits, a_fast=p.a_fast, b_fast=p.b_fast,
                                          tile=c.tile, block=c.block, split=c.split,
-                                         partial=p.partial if c.split > 1 else None, f16=c.f16)])
+                                         partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped)])
             if c.split > 1:
                 passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial,
                                                       limits=limits))

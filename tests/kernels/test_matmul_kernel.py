@@ -267,6 +267,23 @@ def test_range_checks_left_out_where_the_shape_allows(device, batch, m, n, k, sp
     assert ("live" in kernel) == (grid_limit is not None)
 
 
+@pytest.mark.parametrize("looped, batch, m, n, k, split, tile, grid_limit", [
+    ("b", 1, 16, 300, 70, 1, (16, 64), None),    # ragged columns and K: every check inside the loop
+    ("b", 1, 2, 130, 256, 4, (16, 64), None),    # K slices (the sibling projections' shape), ragged rows
+    ("a", 2, 70, 64, 33, 1, (64, 64), None),     # the A side, batched, ragged rows and K
+    ("a", 40, 32, 32, 32, 1, (32, 32), 7),       # folded grid: workgroups without a tile
+])
+def test_looped_fetch_matches(device, looped, batch, m, n, k, split, tile, grid_limit):
+    """An operand fetched in a loop (one loader call, a switch into the staging registers) gives the same products,
+    one store per element and in-range indices; its loader is called once per fetch in the source."""
+    rng = np.random.default_rng(17)
+    limits = dict(device.limits, **({GRID_LIMIT: grid_limit} if grid_limit else {}))
+    source, _ = check(device, make_operand(rng, batch, m, k), make_operand(rng, batch, k, n, layout="transposed"),
+                      split=split, tile=tile, limits=limits, looped=looped, b_fast="p")
+    kernel = source[source.index("// ---- matmul"):]
+    assert kernel.count(f"load_{looped}(") == 2  # the first chunk's fetch and the loop's
+
+
 def test_split_k_choice():
     assert split_k(1, 64, 147, 50176, LIMITS) == 64       # a convolution's weight gradient: 3 tiles, long K
     assert split_k(1, 196, 1024, 2304, LIMITS) == 16      # 64 tiles

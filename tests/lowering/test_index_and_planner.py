@@ -361,6 +361,38 @@ def test_sibling_matmuls_share_one_kernel(m, k):
         np.testing.assert_allclose(out[spec.name].reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,k", [(70, 40), (16, 512)])  # 512: K in slices
+def test_many_sibling_matmuls_fetch_their_weights_in_a_loop(m, k):
+    """Five products of one input (LOOPED_FETCH_BLOCKS or more) merge into one kernel that fetches the weights in a
+    loop, one call of their loader's chain; every output as numpy's. ``on_kernel`` hears of each kernel once, with
+    the binding count of its dispatches."""
+    from meganeura.lowering.schedule import LOOPED_FETCH_BLOCKS
+
+    widths = (50, 3, 130, 64, 20)
+    assert len(widths) >= LOOPED_FETCH_BLOCKS
+    b = GraphBuilder()
+    x = b.input("x", (m, k), "float32")
+    weights = [b.input(f"w{i}", (n, k), "float32") for i, n in enumerate(widths)]
+    for v in _projections(b, x, weights, k):
+        b.output(v)
+    heard = []
+    plan, _ = compile_graph(b.graph, get_device().limits, on_kernel=lambda *kernel: heard.append(kernel))
+    assert sorted(key for _, _, key in heard) == sorted(plan.kernels)
+    assert all(plan.kernels[key] == source for source, _, key in heard)
+    assert all(len(d.bindings) == dict((key, n) for _, n, key in heard)[d.kernel] for d in plan.dispatches)
+    (merged,) = [node for node in b.graph.nodes if isinstance(node, Matmul)]
+    assert merged.sizes == list(widths)
+    products = [source for source in plan.kernels.values() if "// ---- matmul: tiled" in source]
+    assert products and all("switch t" in source for source in products)
+    data = {"x": RNG.standard_normal((m, k)), **{f"w{i}": RNG.standard_normal((n, k)) for i, n in enumerate(widths)}}
+    data = {name: a.astype(np.float32) for name, a in data.items()}
+    out = Program(get_device(), plan).run(data)
+    x64 = data["x"].astype(np.float64)
+    for spec, i in zip(plan.outputs, range(len(widths))):
+        expected = x64 @ data[f"w{i}"].astype(np.float64).T
+        np.testing.assert_allclose(out[spec.name].reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_sibling_matmul_reading_the_first_result_is_not_merged():
     """A product whose B operand is the first product's result cannot run in the first one's kernel."""
     b = GraphBuilder()
