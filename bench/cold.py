@@ -146,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(results[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from .run import machine
+
     note = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "size": args.size, "smoke": args.smoke}
-    out.with_suffix(".json").write_text(json.dumps({"settings": note, "results": results}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": note, "results": results},
+                                                   indent=1))
     out.with_suffix(".md").write_text(
         f"# Cold first calls ({args.size} size{', smoke scale' if args.smoke else ''}, {note['date']})\n\n"
         "Each a fresh process, caches empty or off (bench/cold.py). 'of which plans': meganeura's plans (lowering, "
