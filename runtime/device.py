@@ -230,9 +230,8 @@ class Device:
         self.max_workgroups_per_dim = self.limits["max-compute-workgroups-per-dimension"]
         self.spin_seconds = _spin_seconds(self.adapter_type)
         self._layouts: dict[int, object] = {}
-        self._pipelines: dict[tuple[str, int], object] = {}
-        self._compiling: dict[tuple[str, int], Future] = {}  # compile_ahead's jobs not yet taken by pipelines
-        self._compiler: ThreadPoolExecutor | None = None  # their threads, started by the first compile_ahead
+        self._pipelines: dict[tuple[str, int], Future] = {}  # (wgsl, bindings) -> its pipeline, compiled or compiling
+        self._compiler: ThreadPoolExecutor | None = None  # the compiling threads, started by the first compile_ahead
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
         self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
@@ -278,7 +277,7 @@ class Device:
         and wgpu's device is thread-safe (its calls release the GIL; wgpu-py keeps errors per thread)."""
         jobs = {}
         for wgsl, n, label in kernels:
-            if (wgsl, n) not in self._pipelines and (wgsl, n) not in self._compiling:
+            if (wgsl, n) not in self._pipelines:
                 jobs.setdefault((wgsl, n), label)
         if not jobs:
             return
@@ -287,26 +286,24 @@ class Device:
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="meganeura-pipelines")
         for (wgsl, n), label in sorted(jobs.items(), key=lambda job: -len(job[0][0])):
-            self._compiling[(wgsl, n)] = self._compiler.submit(self._compile_pipeline, wgsl, n, label)
+            self._pipelines[(wgsl, n)] = self._compiler.submit(self._compile_pipeline, wgsl, n, label)
         self.counters.pipelines_created += len(jobs)
 
     def pipelines(self, kernels: list[tuple[str, int, str]]) -> list:
         """The compute pipelines of ``kernels`` ((wgsl, binding count, label) each), compiled once per WGSL text
-        (see ``compile_ahead``); raises the first compile error among them, naming its kernel."""
+        (see ``compile_ahead``); raises the first compile error among them, naming its kernel (a kernel that failed
+        is compiled again when asked for again)."""
         self.compile_ahead(kernels)
-        pending = [(key, self._compiling[key]) for key in dict.fromkeys((wgsl, n) for wgsl, n, _ in kernels)
-                   if key not in self._pipelines]
+        futures = {key: self._pipelines[key] for key in dict.fromkeys((wgsl, n) for wgsl, n, _ in kernels)}
         failure = None
-        for key, future in pending:  # every one is waited for, so that none is left compiling after a failure
-            try:
-                self._pipelines[key] = future.result()
-            except MeganeuraError as err:
-                failure = failure or err
-            finally:
-                self._compiling.pop(key, None)
+        for key, future in futures.items():  # every one is waited for, so that none is left compiling after a failure
+            if future.exception() is not None:
+                failure = failure or future.exception()
+                if self._pipelines.get(key) is future:
+                    del self._pipelines[key]
         if failure is not None:
             raise failure
-        return [self._pipelines[(wgsl, n)] for wgsl, n, _ in kernels]
+        return [futures[(wgsl, n)].result() for wgsl, n, _ in kernels]
 
     def _compile_pipeline(self, wgsl: str, n_bindings: int, label: str):
         with self.checked(f"kernel {label!r}"):
