@@ -190,7 +190,7 @@ def get_device(adapter: str | int | None = None) -> "Device":
 
 
 def prepare_device(adapter: str | int | None = None) -> None:
-    """Start ``get_device(adapter)`` on a background thread, so that creating the device (about 1 s for an H200's
+    """Start ``get_device(adapter)`` on a background thread, so that creating the device (0.3-1.0 s for an H200's
     Vulkan driver) overlaps the caller's other work; a later ``get_device`` waits for it. A failure is left for
     that later call to raise."""
     def create() -> None:

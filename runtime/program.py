@@ -3,8 +3,8 @@
 ``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
 status buffers, starts compiling every kernel on background threads (``Device.compile_ahead``) and prepares the
 read-back. Param buffers come from outside (``bind_params`` or ``upload_params``), uploaded while the kernels
-compile; binding the last of them waits for the kernels (``wait_pipelines``) and raises a compile error there. ``run`` then uploads the inputs, records the dispatches into compute
-passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the mapped
+compile; binding the last of them waits for the kernels (``wait_pipelines``) and raises a compile error there.
+``run`` then uploads the inputs, records the dispatches into compute passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the mapped
 memory (``meganeura.runtime.readback``), not copies. A plan of more than a few dozen
 dispatches is submitted in parts (``submission_parts``): a short first part, so that the GPU starts while the host
 records the rest, then parts doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the

@@ -1,4 +1,7 @@
 """Device: adapter choice (with fake adapters), caching, limits, buffers and error translation."""
+import threading
+import time
+
 import numpy as np
 import pytest
 import wgpu
@@ -79,7 +82,7 @@ def _count_device_inits(monkeypatch) -> list:
     real_init = Device.__init__
 
     def counting_init(self, adapter):
-        created.append(self)
+        created.append((self, threading.current_thread().name))
         real_init(self, adapter)
 
     monkeypatch.setattr(Device, "__init__", counting_init)
@@ -87,12 +90,15 @@ def _count_device_inits(monkeypatch) -> list:
 
 
 def test_prepare_device_creates_the_device_in_the_background(monkeypatch):
-    """The device prepare_device's thread creates is the one the caller's get_device returns (it waits for it); a
-    bad choice is raised, with its message, by the caller's own get_device, not lost on the thread."""
+    """prepare_device's thread creates the device, and the caller's get_device returns that one (waiting for it if
+    need be); a bad choice is raised, with its message, by the caller's own get_device, not lost on the thread."""
     created = _count_device_inits(monkeypatch)
     device_module.prepare_device()
+    deadline = time.monotonic() + 60
+    while not created and time.monotonic() < deadline:
+        time.sleep(0.001)
     device = get_device()
-    assert created == [device]
+    assert created == [(device, "meganeura-device")]
     device_module.prepare_device("no adapter is called this")
     with pytest.raises(NoAdapterError, match="no adapter is called this"):
         get_device("no adapter is called this")
@@ -100,8 +106,6 @@ def test_prepare_device_creates_the_device_in_the_background(monkeypatch):
 
 def test_concurrent_first_get_device_calls_create_one_device(monkeypatch):
     """Two threads asking for a device that does not exist yet get the same new one, created once."""
-    import threading
-
     created = _count_device_inits(monkeypatch)
     got = []
     threads = [threading.Thread(target=lambda: got.append(get_device())) for _ in range(2)]
@@ -109,7 +113,7 @@ def test_concurrent_first_get_device_calls_create_one_device(monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert len(created) == 1 and got == [created[0], created[0]]
+    assert len(created) == 1 and got == [created[0][0], created[0][0]]
 
 
 def test_device_properties():
