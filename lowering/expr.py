@@ -61,11 +61,7 @@ class Expr:
         return f"{self.op}({inner})"
 
     def children(self) -> Iterable["Expr"]:
-        for a in self.args:
-            if isinstance(a, Expr):
-                yield a
-            elif isinstance(a, tuple):
-                yield from (x for x in a if isinstance(x, Expr))
+        return _flat_args(self.args)
 
 
 # ----------------------------------------------------------------------------------------- leaves
@@ -205,7 +201,10 @@ def _fold_int(op: str, x: Expr, y: Expr):
 
 # ------------------------------------------------------------------------------------ traversal
 def substitute(e: Expr, rewrite: Callable[[Expr], Expr | None], memo: dict | None = None) -> Expr:
-    """Rebuild ``e`` bottom-up; ``rewrite(node)`` may return a replacement for a node (children first)."""
+    """Rebuild ``e`` bottom-up; ``rewrite(node)`` may return a replacement for a node (children first). Each node
+    of ``e`` is rewritten once: where rebuilding a node folds it into one of its new children (``add(x, 0)`` is
+    ``x``), that child is the result as it stands, not rewritten again (a coordinate renaming applied twice would
+    rename a renamed coordinate)."""
     memo = {} if memo is None else memo
 
     def visit(node: Expr) -> Expr:
@@ -214,6 +213,9 @@ def substitute(e: Expr, rewrite: Callable[[Expr], Expr | None], memo: dict | Non
             return memo[key][1]
         new_args = tuple(_visit_arg(a, visit) for a in node.args)
         rebuilt = node if new_args == node.args else _rebuild(node, new_args)
+        if rebuilt is not node and any(rebuilt is child for child in _flat_args(new_args)):
+            memo[key] = (node, rebuilt)
+            return rebuilt
         out = rewrite(rebuilt)
         out = rebuilt if out is None else out
         memo[key] = (node, out)  # keep node alive so its id is not reused
@@ -228,6 +230,14 @@ def _visit_arg(a, visit):
     if isinstance(a, tuple):
         return tuple(visit(x) if isinstance(x, Expr) else x for x in a)
     return a
+
+
+def _flat_args(args: tuple):
+    for a in args:
+        if isinstance(a, Expr):
+            yield a
+        elif isinstance(a, tuple):
+            yield from (x for x in a if isinstance(x, Expr))
 
 
 def _rebuild(node: Expr, args: tuple) -> Expr:

@@ -109,6 +109,67 @@ def test_unravel_split_around_another_axis_keeps_one_remainder():
         assert evaluate(simple, c) == evaluate(index, c)
 
 
+def test_renaming_coordinates_renames_each_one_once():
+    """select(0) of reshape(8, 1000 -> 1, 8, 1000): the reshape's row ``c1 + c0 * 8`` read at (0, c0, c1) is ``c0``.
+    Renaming c1 -> c0 folds ``add(c0, mul(0, 8))`` into the renamed ``c0``, which must not be renamed again (to 0):
+    the bug gave every row of a selected matmul output the first row's values."""
+    row = E.add(E.coord(1), E.mul(E.coord(0), E.const(8, E.I32)))
+    renamed = E.shift_coords(row, {0: E.const(0, E.I32), 1: E.coord(0), 2: E.coord(1)})
+    assert renamed == E.coord(0)
+    swapped = E.shift_coords(E.add(E.coord(0), E.mul(E.coord(1), E.const(0, E.I32))), {0: E.coord(1), 1: E.coord(0)})
+    assert swapped == E.coord(1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_view_chains_read_the_elements_numpy_reads(seed):
+    """A random chain of reshapes, permutes, selects and slices composed by fusion's coordinate renaming and
+    simplified reads, at every output element, the element numpy's views of the same chain read."""
+    rng = random.Random(seed)
+    shape, flat = (2, 3, 4), np.arange(24).reshape(2, 3, 4)
+    coords = [E.coord(d) for d in range(3)]  # source coordinates as expressions of the current view's
+    for _ in range(5):
+        kind = rng.choice(["reshape", "permute", "select", "slice"])
+        rank = len(shape)
+        if kind == "reshape" or rank == 0:
+            new = _random_reshape(rng, shape)
+            mapping = dict(enumerate(reshape_coords(shape, new)))
+            flat = flat.reshape(new)
+        elif kind == "permute":
+            dims = rng.sample(range(rank), rank)
+            mapping = {d: E.coord(dims.index(d)) for d in range(rank)}
+            new, flat = tuple(shape[d] for d in dims), flat.transpose(dims)
+        elif kind == "select":
+            d = rng.randrange(rank)
+            index = rng.choice([0, rng.randrange(shape[d])])  # index 0 zeroes the terms of its coordinate
+            mapping = {k: E.coord(k if k < d else k - 1) for k in range(rank)}
+            mapping[d] = E.const(index, E.I32)
+            new, flat = shape[:d] + shape[d + 1:], np.take(flat, index, axis=d)
+        else:
+            d = rng.randrange(rank)
+            start = rng.randrange(shape[d])
+            mapping = {k: E.coord(k) for k in range(rank)}
+            mapping[d] = E.add(E.coord(d), E.const(start, E.I32))
+            new = shape[:d] + (shape[d] - start,) + shape[d + 1:]
+            flat = flat[(slice(None),) * d + (slice(start, None),)]
+        bounds = dict(enumerate(new))
+        coords = [simplify(E.shift_coords(c, mapping), bounds) for c in coords]
+        shape = tuple(new)
+    index = linear_index(coords, (2, 3, 4))
+    for c in itertools.product(*(range(s) for s in shape)):
+        assert evaluate(index, c) == flat[c]
+
+
+def _random_reshape(rng, shape):
+    n = int(np.prod(shape))
+    factors = [f for f in range(1, n + 1) if n % f == 0]
+    new, left = [], n
+    while left > 1 and len(new) < 3:
+        f = rng.choice([f for f in factors if left % f == 0])
+        new.append(f)
+        left //= f
+    return tuple(new + ([left] if left > 1 or not new else []))
+
+
 def test_planner_never_overlaps_live_tensors_and_beats_unplanned():
     rng = random.Random(0)
     intervals = []
