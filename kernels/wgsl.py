@@ -77,18 +77,64 @@ HELPERS = {
   let r = a - b * (a / b);
   return select(r, r + b, r != 0 && ((r < 0) != (b < 0)));
 }""",
-    "mg_expm1": """fn mg_expm1(x: f32) -> f32 {
-  return select(exp(x) - 1.0, x * (1.0 + x * (0.5 + x * (1.0 / 6.0))), abs(x) < 1e-3);
+    # exp to about 1 ULP (the built-in may be off by 3 + 2|x| ULP): x = k ln2 + r with ln2 split in two (the high
+    # part's 16 significant bits make k * hi exact for every k that does not overflow), exp(r) for |r| <= ln2 / 2
+    # by its Taylor polynomial to r^7 (truncation below 6e-9 relative), 2^k applied in two halves (ldexp's exponent
+    # must stay within f32's range: k reaches -150 for subnormal results).
+    "mg_exp": """fn mg_exp(x: f32) -> f32 {
+  let xc = clamp(x, -104.0, 89.0);
+  let k = round(xc * 1.4426950408889634);
+  let r = (xc - k * 0.693145751953125) - k * 1.4286068203094173e-06;
+  let p = 1.0 + r * (1.0 + r * (0.5 + r * (0.16666666666666666 + r * (0.041666666666666664
+      + r * (0.008333333333333333 + r * (0.001388888888888889 + r * 0.0001984126984126984))))));
+  let ki = i32(k);
+  let half = ki / 2i;
+  return select(ldexp(ldexp(p, half), ki - half), x, mg_isnan(x));
 }""",
+    # log to about 1 ULP (the built-in's error is absolute, 2^-21, on [0.5, 2]: relative 1e-3 near 1): x = m 2^e
+    # with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) for s = (m - 1) / (m + 1), |s| < 0.172, by its series to
+    # s^11 (truncation below 3e-10); subnormal x scaled up by 2^23 first. mg_log_parts returns (e, log m); log adds
+    # e ln2 with ln2 split as in mg_exp, log2 adds e exactly. 0, negatives, inf and NaN as IEEE (mg_log_special).
+    "mg_log_parts": """fn mg_log_parts(x: f32) -> vec2<f32> {
+  let tiny = x < 1.1754943508222875e-38;
+  let parts = frexp(select(x, x * 8388608.0, tiny));
+  let low = parts.fract < 0.70710678118654752;
+  let m = select(parts.fract, parts.fract * 2.0, low);
+  let e = f32(select(parts.exp, parts.exp - 1i, low) - select(0i, 23i, tiny));
+  let s = (m - 1.0) / (m + 1.0);
+  let z = s * s;
+  let series = z * (0.3333333333333333 + z * (0.2 + z * (0.14285714285714285 + z * (0.1111111111111111
+      + z * 0.09090909090909091))));
+  return vec2<f32>(e, 2.0 * s + 2.0 * s * series);
+}""",
+    "mg_log_special": """fn mg_log_special(x: f32, y: f32) -> f32 {
+  let special = select(select(x, bitcast<f32>(0xff800000u), x == 0.0), bitcast<f32>(0x7fc00000u),
+      x < 0.0 || mg_isnan(x));
+  return select(y, special, x <= 0.0 || mg_isnan(x) || mg_isinf(x));
+}""",
+    "mg_log": """fn mg_log(x: f32) -> f32 {
+  let p = mg_log_parts(x);
+  return mg_log_special(x, p.x * 0.693145751953125 + (p.x * 1.4286068203094173e-06 + p.y));
+}""",
+    "mg_log2": """fn mg_log2(x: f32) -> f32 {
+  let p = mg_log_parts(x);
+  return mg_log_special(x, p.x + p.y * 1.4426950408889634);
+}""",
+    # log1p(x) = log(u) x / (u - 1) for u = 1 + x rounded: the factor corrects the rounding of u (Goldberg)
     "mg_log1p": """fn mg_log1p(x: f32) -> f32 {
-  return select(log(1.0 + x), x * (1.0 - x * (0.5 - x * (1.0 / 3.0))), abs(x) < 1e-3);
+  let u = 1.0 + x;
+  return select(select(mg_log(u) * (x / (u - 1.0)), mg_log(u), mg_isinf(u)), x, u == 1.0);
 }""",
+    "mg_expm1": """fn mg_expm1(x: f32) -> f32 {
+  return select(mg_exp(x) - 1.0, x * (1.0 + x * (0.5 + x * (1.0 / 6.0))), abs(x) < 1e-3);
+}""",
+
     # asin and acos through atan2: lavapipe's builtins are off by up to 4e-4 (WGSL allows atan2's error only).
     "mg_asin": "fn mg_asin(x: f32) -> f32 { return atan2(x, sqrt((1.0 - x) * (1.0 + x))); }",
     "mg_acos": "fn mg_acos(x: f32) -> f32 { return atan2(sqrt((1.0 - x) * (1.0 + x)), x); }",
     "mg_sign": "fn mg_sign(x: f32) -> f32 { return select(sign(x), x, x != x); }",
     "mg_tanh": "fn mg_tanh(x: f32) -> f32 { return select(tanh(clamp(x, -20.0, 20.0)), x, mg_isnan(x)); }",
-    "mg_sigmoid": "fn mg_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }",
+    "mg_sigmoid": "fn mg_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + mg_exp(-x)); }",
     # An integer hash with full avalanche (Wellons' lowbias32 constants), the core of the counter-based RNG.
     "mg_hash": """fn mg_hash(v: u32) -> u32 {
   var x = v;
@@ -102,13 +148,16 @@ HELPERS = {
   return f32(h >> 8u) * (1.0 / 16777216.0);
 }""",
 }
-HELPER_DEPS = {"mg_erf": ["mg_erfc_abs"], "mg_erfc": ["mg_erfc_abs"], "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"],
-               "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
+HELPER_DEPS = {"mg_exp": ["mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
+               "mg_log2": ["mg_log_parts", "mg_log_special"], "mg_log_special": ["mg_isnan", "mg_isinf"], "mg_expm1": ["mg_exp"],
+               "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs"], "mg_erfc": ["mg_erfc_abs"],
+               "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
 
 # op -> format string over arguments {0}, {1}, {2}; helpers named in the string are emitted on demand.
 FLOAT_OPS = {
-    "neg": "(-{0})", "abs": "abs({0})", "exp": "exp({0})", "exp2": "exp2({0})", "expm1": "mg_expm1({0})",
-    "log": "log({0})", "log2": "log2({0})", "log10": "(log2({0}) * 0.30102999566398120)",
+    "neg": "(-{0})", "abs": "abs({0})", "exp": "mg_exp({0})", "exp2": "exp2({0})", "expm1": "mg_expm1({0})",
+    "log": "mg_log({0})", "log2": "mg_log2({0})",
+    "log10": "(mg_log({0}) * 0.43429448190325182)",
     "log1p": "mg_log1p({0})", "sqrt": "sqrt({0})", "rsqrt": "inverseSqrt({0})", "sin": "sin({0})",
     "cos": "cos({0})", "tan": "tan({0})", "asin": "mg_asin({0})", "acos": "mg_acos({0})", "atan": "atan({0})",
     "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
