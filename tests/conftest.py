@@ -106,6 +106,19 @@ def assert_as_accurate_as_eager(got, eager, exact, *, rtol: float = 1e-3, atol: 
         assert ours <= max(rel, 4 * theirs), f"{what}: relative L2 error {ours:.3g}, eager float32's {theirs:.3g}"
 
 
+EAGER_ERROR_FACTOR = 2.0  # ours may be this many times eager float32's own distance from float64
+ERROR_FLOOR = 1e-6  # relative L2 below this is rounding noise whatever eager's error (eager can be exact)
+
+
+def assert_within_eager_error(got, eager, exact, *, factor: float = EAGER_ERROR_FACTOR, floor: float = ERROR_FLOOR,
+                              what: str = "tensor") -> None:
+    """Judged against float64: ``got``'s relative L2 distance from ``exact`` is at most ``factor`` times eager
+    float32's own (``eager``), plus ``floor``."""
+    ours, theirs = rel_l2(got, exact), rel_l2(eager, exact)
+    assert ours <= factor * theirs + floor, (f"{what}: relative L2 from float64 {ours:.3g}, eager float32's "
+                                            f"{theirs:.3g} (allowed {factor} x eager + {floor:g})")
+
+
 def check_gradients_against_eager(fn, *inputs, rtol: float = 1e-3, atol: float = 1e-4, rel: float = 1e-4,
                                   names=None, what: str = "") -> None:
     """Compile ``fn``, run it on copies of the float ``inputs`` and backward with a random upstream gradient, do

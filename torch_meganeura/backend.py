@@ -38,9 +38,10 @@ class BackendContext:
     _warned: set[str] = set()
     recorders: list = []  # explain() pushes a list here to collect records
 
-    def __init__(self, options: Options):
+    def __init__(self, options: Options, params: ParamStore | None = None):
         self.options = options
-        self._params: ParamStore | None = None
+        self._params = params  # given: parameters are bound from it (a training step's device arrays)
+        self._own_params = params is None
 
     def device(self):
         device = get_device(self.options.adapter)
@@ -50,8 +51,8 @@ class BackendContext:
 
     def params(self) -> ParamStore:
         device = self.device()
-        if self._params is None or self._params.device is not device:  # first use, or the last device was lost
-            self._params = _param_store(device)
+        if self._own_params and (self._params is None or self._params.device is not device):
+            self._params = _param_store(device)  # first use, or the last device was lost
         return self._params
 
     def f16_products(self, device) -> bool:
@@ -143,7 +144,11 @@ def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     traces the graph first, and the device is needed only at the first call."""
     opts = Options.from_user(options)
     prepare_device(opts.adapter)
-    context = BackendContext(opts)
+    return backend_with_context(gm, example_inputs, BackendContext(opts))
+
+
+def backend_with_context(gm: fx.GraphModule, example_inputs, context: BackendContext):
+    """aot_autograd over ``gm`` with the device compilers sharing ``context``."""
     compiler = functools.partial(compile_graph_module, context=context)
     return aot_autograd(
         fw_compiler=functools.partial(compiler, mode="forward"),

@@ -62,6 +62,8 @@ class _Entry:
     key: tuple
     bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
     _refs: list = field(default_factory=list)
+    _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
+    _generation: int = 0
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
@@ -72,14 +74,15 @@ class _Entry:
         return [args[i] for i in self._param_positions]
 
     def params_current(self, args) -> bool:
-        """Whether every parameter argument is the tensor the last bind used, at the same ``_version`` and storage:
-        then its buffer is bound and current (``p.data = t`` keeps the version but not the storage)."""
+        """Whether every parameter argument is the tensor the last bind used, at the same ``_version`` and storage,
+        and the store has replaced no device copy since: then its buffer is bound and current (``p.data = t`` keeps
+        the version but not the storage)."""
         if self.bound is None:
             return False
         params = self._params(args)
         ids, versions, storages = self.bound
         return (tuple(map(id, params)) == ids and tuple(map(_VERSION, params)) == versions
-                and tuple(map(_STORAGE, params)) == storages)
+                and tuple(map(_STORAGE, params)) == storages and self._store.generation == self._generation)
 
     def replays(self, args) -> bool:
         """Whether a call with ``args`` can replay this entry as bound, checked without building the signature: the
@@ -95,6 +98,7 @@ class _Entry:
         self.program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}")
                                   for i, name in self.lowered.params})
         params = self._params(args)
+        self._store, self._generation = store, store.generation
         self._refs = [weakref.ref(a, self._forget) for a in params]  # a dead one's id may be reused
         self.bound = (tuple(map(id, params)), tuple(map(_VERSION, params)), tuple(map(_STORAGE, params)))
 

@@ -7,6 +7,7 @@ addition names its reason.
 from __future__ import annotations
 
 import torch
+from torch._C import DispatchKey
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 aten = torch.ops.aten
@@ -53,3 +54,14 @@ def aot_decomposition_table() -> dict:
     """The table for aot_autograd, which differentiates before it decomposes: there detach may become alias, as
     before compile_train_step needed it whole (the min-cut partitioner's choice of saved tensors depends on it)."""
     return {**decomposition_table(), **get_decompositions([aten.detach.default])}
+
+
+def before_autograd_table() -> dict:
+    """The decompositions aot_autograd applies before it differentiates: those registered at the Autograd or
+    CompositeImplicitAutograd key (upsample's, batch norm's). The rest differentiate by their own formulas and
+    decompose after (logsumexp's backward is ``grad * exp(x - result)``; through its decomposition the gradient
+    would also pass its max, adding rounding noise). compile_train_step differentiates with torch.func, which does
+    not apply the former on its own, so it decomposes the loss graph through this table first."""
+    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
+    return {op: fn for op, fn in decomposition_table().items()
+            if any(k in getattr(op, "py_kernels", {}) for k in keys)}

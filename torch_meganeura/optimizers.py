@@ -109,3 +109,11 @@ def _adam(opts, param, grad, state, h):
     exp_avg_sq = exp_avg_sq * h["beta2"] + h["one_minus_beta2"] * grad * grad
     denom = exp_avg_sq.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
     return param - h["step_size"] * (exp_avg / denom), [exp_avg, exp_avg_sq]
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """torch.nn.utils.clip_grad_norm_: scale every gradient by min(1, max_norm / (total norm + 1e-6))."""
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    total = torch.linalg.vector_norm(norms)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef for g in grads]

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from meganeura.runtime.errors import InputError
+from meganeura.runtime.resident import DeviceArray
+
+from .registry import logical_dtype
 
 
 def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
@@ -32,6 +35,11 @@ def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     return a
 
 
+def upload_array(device, t: torch.Tensor) -> DeviceArray:
+    """A ``DeviceArray`` holding a copy of ``t`` (in device layout)."""
+    return DeviceArray.upload(device, to_device_numpy(t, "tensor"), logical_dtype(t.dtype))
+
+
 @dataclass
 class _Entry:
     ref: weakref.ref
@@ -41,6 +49,12 @@ class _Entry:
 
 
 class ParamStore:
+    """Device copies of torch tensors. ``generation`` changes when a store hands out another buffer for a tensor
+    it already served (a plan bound to the old one must bind again); this store writes changes into the same
+    buffer, so its generation stays 0."""
+
+    generation = 0
+
     def __init__(self, device):
         self.device = device
         self._entries: dict[int, _Entry] = {}

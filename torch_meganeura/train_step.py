@@ -43,10 +43,12 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from . import data_parallel, optimizers
-from .decompositions import decomposition_table
+from .decompositions import before_autograd_table, decomposition_table
+from .dynamo_capture import quiet_logging_for_dynamo
 from .fx_lowering import lower_graph
+from .params import upload_array
 from .partition import fallback_ops
-from .registry import logical_dtype
+from .train_segments import SegmentedLoss, SegmentedStep
 from .tuning import compile_plan, tuning_enabled
 
 
@@ -69,7 +71,7 @@ class TrainStep:
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
         self.micro_batches = 0  # calls since the last update (always 0 without accumulation)
-        self.device = get_device(adapter)
+        self.adapter, self.device = adapter, get_device(adapter)
         self.tune = tuning_enabled(tune)
         self._opts = optimizers.structure(optimizer)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -81,8 +83,10 @@ class TrainStep:
         self._groups = [group_of[id(p)] for _, p in named]
         self._frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         self._buffers = [n for n, _ in model.named_buffers()]
-        self._plans: dict[tuple, _CompiledStep] = {}
+        self._plans: dict[tuple, _CompiledStep | SegmentedStep] = {}
         self._spare: dict[str, DeviceArray] = {}  # by role: last step's array, which the next step overwrites
+        self._segmented: SegmentedLoss | None = None  # set where dynamo cannot capture the loss whole
+        self.arrays_generation = 0  # changes whenever an array of ``_arrays`` is replaced
         self.steps = 0
         self.load_from_module()
         if self.data_parallel is not None:
@@ -93,14 +97,21 @@ class TrainStep:
 
     # ---- device state
 
+    @property
+    def graph_breaks(self) -> list[str]:
+        """Why dynamo could not capture the loss as one graph (empty where it could): the step then runs it as
+        several device graphs with eager Python between them (``train_segments``)."""
+        return list(self._segmented.graph_breaks) if self._segmented is not None else []
+
     def load_from_module(self) -> None:
         """(Re)upload parameters, buffers and optimizer state from the torch module and optimizer."""
         self._release_spares()
+        self.arrays_generation += 1
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        self._arrays = {f"param:{n}": _upload(self.device, params[n]) for n in self._trainable}
-        self._arrays.update({f"frozen:{n}": _upload(self.device, params[n]) for n in self._frozen})
-        self._arrays.update({f"buffer:{n}": _upload(self.device, buffers[n]) for n in self._buffers})
+        self._arrays = {f"param:{n}": upload_array(self.device, params[n]) for n in self._trainable}
+        self._arrays.update({f"frozen:{n}": upload_array(self.device, params[n]) for n in self._frozen})
+        self._arrays.update({f"buffer:{n}": upload_array(self.device, buffers[n]) for n in self._buffers})
         steps = set()
         for n in self._trainable:
             state = self.optimizer.state.get(params[n], {})
@@ -109,7 +120,7 @@ class TrainStep:
             for slot in self._opts["slots"]:
                 value = state.get(slot)
                 value = torch.zeros_like(params[n]) if value is None else value
-                self._arrays[f"state:{slot}:{n}"] = _upload(self.device, value)
+                self._arrays[f"state:{slot}:{n}"] = upload_array(self.device, value)
         if len(steps) > 1:
             raise ValueError(f"optimizer state has different step counts {sorted(steps)} across parameters")
         self.steps = steps.pop() if steps else 0
@@ -117,7 +128,7 @@ class TrainStep:
                                   for n in self._trainable):
             self.steps = 1  # SGD counts no steps; a momentum buffer means the next step is not its first
         if self.accumulation_steps > 1:
-            self._arrays.update({f"acc:{n}": _upload(self.device, torch.zeros_like(params[n]))
+            self._arrays.update({f"acc:{n}": upload_array(self.device, torch.zeros_like(params[n]))
                                  for n in self._trainable})
         self.micro_batches = 0
 
@@ -138,11 +149,21 @@ class TrainStep:
                     state[slot] = _download(self._arrays[f"state:{slot}:{n}"], params[n]).clone()
                 if self._opts["kind"] != "sgd":
                     state["step"] = torch.tensor(float(self.steps))
-            for n in self._buffers:
+            for n in self._buffers if self._segmented is None else ():  # (segmented: the module's are current)
                 buffers[n].copy_(_download(self._arrays[f"buffer:{n}"], buffers[n]))
+
+    def _refresh_buffers(self) -> None:
+        """Segmented steps change the module's buffers, not the step's arrays: copy them up before reading these."""
+        if self._segmented is None:
+            return
+        buffers = dict(self.model.named_buffers())
+        for n in self._buffers:
+            self._arrays.pop(f"buffer:{n}").release()
+            self._arrays[f"buffer:{n}"] = upload_array(self.device, buffers[n])
 
     def device_weights(self) -> dict[str, np.ndarray]:
         """Parameters and buffers by state-dict name, read from the device; the module is not touched."""
+        self._refresh_buffers()
         weights = {}
         for role, array in self._arrays.items():
             kind, _, name = role.partition(":")
@@ -159,6 +180,7 @@ class TrainStep:
         """Write the device state (parameters, buffers, optimizer state) and the step count to a safetensors file."""
         from safetensors.numpy import save_file
 
+        self._refresh_buffers()
         tensors = {role: array.numpy() for role, array in self._arrays.items() if not role.startswith("frozen:")}
         save_file(tensors, str(path), metadata={"format": CHECKPOINT_FORMAT, "steps": str(self.steps),
                                                 "micro_batches": str(self.micro_batches),
@@ -185,21 +207,40 @@ class TrainStep:
             if tuple(value.shape) != old.shape:
                 raise ValueError(f"{path}: {role} has shape {tuple(value.shape)}, the model's is {old.shape}")
         self._release_spares()
+        self.arrays_generation += 1
         for role, value in loaded.items():
             dtype = self._arrays[role].dtype
             self._arrays.pop(role).release()
             self._arrays[role] = DeviceArray.upload(self.device, value, dtype)
+        if self._segmented is not None:  # the module's buffers are the segmented step's: restore them there
+            buffers = dict(self.model.named_buffers())
+            with torch.no_grad():
+                for n in self._buffers:
+                    buffers[n].copy_(_download(self._arrays[f"buffer:{n}"], buffers[n]))
         self.steps = int(meta["steps"])
         self.micro_batches = int(meta.get("micro_batches", "0"))
 
     # ---- stepping
 
-    def _compiled(self, batch: tuple, mode: str) -> "_CompiledStep":
+    def _compiled(self, batch: tuple, mode: str) -> "_CompiledStep | SegmentedStep":
+        """The step of ``mode`` for this batch signature: one captured plan, or, once dynamo could not capture the
+        loss whole, the loss through the backend beside an update plan (``train_segments``)."""
         key = (mode, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch))
         compiled = self._plans.get(key)
         if compiled is None:
-            compiled = self._plans[key] = _CompiledStep(self, batch, mode)
+            compiled = self._plans[key] = self._new_step(batch, mode)
         return compiled
+
+    def _new_step(self, batch: tuple, mode: str) -> "_CompiledStep | SegmentedStep":
+        if self._segmented is None or mode == "update":
+            try:
+                return _CompiledStep(self, batch, mode)
+            except torch._dynamo.exc.Unsupported as err:
+                if self.data_parallel is not None or mode == "update":
+                    raise NotImplementedError("a data-parallel compile_train_step needs a loss that dynamo "
+                                              f"captures as one graph: {err}") from err
+                self._segmented = SegmentedLoss(self, err)
+        return SegmentedStep(self._segmented, mode, self)
 
     def gradients(self, *batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and every trainable parameter's gradient (clipped if ``max_grad_norm``) at the current device
@@ -260,6 +301,7 @@ class TrainStep:
         for role, array in updated.items():
             self._spare[role] = self._arrays[role]
             self._arrays[role] = array
+        self.arrays_generation += 1
 
 
 def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *,
@@ -279,6 +321,8 @@ class _CompiledStep:
 
     def __init__(self, owner: TrainStep, batch: tuple, mode: str):  # no reference to owner: no cycle
         traced = _trace_update(owner) if mode == "update" else _trace(owner, batch, mode)
+        if mode != "update" and fallback_ops(traced[0]):  # a backward formula with no lowering: differentiate
+            traced = _trace(owner, batch, mode, decompose_all=True)  # the decomposed ops instead (less accurate)
         gm, self.roles, self.outputs, constants = traced
         unsupported = fallback_ops(gm)
         if unsupported:
@@ -299,7 +343,7 @@ class _CompiledStep:
         on_device = [name for role, name in self.input_names.items()
                      if role != "hyper" and not role.startswith("batch:")]
         self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
-        self.constants = {role: _upload(owner.device, value) for role, value in constants.items()}
+        self.constants = {role: upload_array(owner.device, value) for role, value in constants.items()}
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor, into: dict | None = None):
         """Run the step on the state ``arrays``; outputs of the roles in ``into`` overwrite those arrays."""
@@ -342,7 +386,8 @@ def _capture(owner: TrainStep, batch: tuple):
     call = types.FunctionType(call.__code__.replace(), call.__globals__, closure=call.__closure__)
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # the capture run updates BatchNorm stats
     try:
-        torch.compile(call, backend=grab, fullgraph=True, dynamic=False)(*batch)
+        with quiet_logging_for_dynamo():
+            torch.compile(call, backend=grab, fullgraph=True, dynamic=False)(*batch)
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -351,7 +396,7 @@ def _capture(owner: TrainStep, batch: tuple):
     return captured["gm"], sources
 
 
-def _trace(owner: TrainStep, batch: tuple, mode: str):
+def _trace(owner: TrainStep, batch: tuple, mode: str, decompose_all: bool = False):
     """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
     gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs by ``mode``:
       "step"        loss, new params, changed buffers, new optimizer state;
@@ -367,7 +412,10 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
     captured, sources = _capture(owner, batch)
     tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
     extra = [src for src in sources if isinstance(src, torch.Tensor)]
-    loss_graph = _decomposed(captured, sources, params, buffers, batch)
+    table = decomposition_table() if decompose_all else before_autograd_table()
+    loss_graph = _decomposed(captured, sources, params, buffers, batch, table)
+    read = {src for src, ph in zip(sources, captured.graph.find_nodes(op="placeholder")) if ph.users}
+    unused = frozenset(i for i, n in enumerate(owner._trainable) if f"param:{n}" not in read)
 
     k = owner.accumulation_steps
     accumulating = k > 1 and mode in ("accumulate", "apply", "local")
@@ -394,10 +442,10 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
         if mode == "local":
             return loss, list(grads), bufs, [torch.zeros_like(a) for a in acc]
         if owner.max_grad_norm is not None:
-            grads = _clip_by_global_norm(grads, owner.max_grad_norm)
+            grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
         if mode == "grads":
             return loss, list(grads)
-        new_params, flat_state = _update(owner, train, grads, state, hyper)
+        new_params, flat_state = _update(owner, train, grads, state, hyper, unused)
         if mode == "apply":
             return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
         return loss, new_params, bufs, flat_state
@@ -429,15 +477,18 @@ def _trace(owner: TrainStep, batch: tuple, mode: str):
     return gm, roles, outputs, constants
 
 
-def _update(owner: TrainStep, train: list, grads: list, state: list, hyper: torch.Tensor):
-    """The optimizer's update of every trainable parameter: (new params, new state flattened slot-major)."""
+def _update(owner: TrainStep, train: list, grads: list, state: list, hyper: torch.Tensor, unused=frozenset()):
+    """The optimizer's update of every trainable parameter: (new params, new state flattened slot-major). Those at
+    the indices ``unused`` (the loss does not read them: eager leaves their ``.grad`` None) stay as they are, as
+    torch's optimizers leave them (no weight decay, no momentum step)."""
     opts, n_train = owner._opts, len(owner._trainable)
     slots = opts["slots"]
     new_params, new_state = [], []
     fields = optimizers.group_fields(opts, hyper)
     for i, (p, g) in enumerate(zip(train, grads)):
         per_param = [state[s * n_train + i] for s in range(len(slots))]
-        p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
+        if i not in unused:
+            p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
         new_params.append(p)
         new_state.append(per_param)
     return new_params, [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
@@ -451,7 +502,7 @@ def _trace_update(owner: TrainStep):
 
     def update(train, state, hyper, grads):
         if owner.max_grad_norm is not None:
-            grads = _clip_by_global_norm(grads, owner.max_grad_norm)
+            grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
         return _update(owner, train, grads, state, hyper)
 
     trainable = [params[n].detach() for n in owner._trainable]
@@ -468,10 +519,10 @@ def _trace_update(owner: TrainStep):
     return gm, roles, outputs, constants
 
 
-def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple):
-    """The captured loss graph re-traced through the backend's decompositions, so that differentiating it
-    differentiates decomposed ops (as aot_autograd does): their backward formulas lower, where those of some
-    composite ops (upsample's, for one) have no decomposition."""
+def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple, table: dict):
+    """The captured loss graph re-traced through ``table`` before it is differentiated: the decompositions
+    aot_autograd applies before differentiating (``before_autograd_table``; upsample's backward formula has no
+    decomposition, its decomposition's does), or, where some backward formula has no lowering, all of them."""
     def value(src):
         if isinstance(src, torch.Tensor):
             return src.detach()
@@ -487,15 +538,7 @@ def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: 
         out = captured(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    return make_fx(loss, decomposition_table=decomposition_table(), tracing_mode="fake")(*map(value, sources))
-
-
-def _clip_by_global_norm(grads, max_norm: float):
-    """torch.nn.utils.clip_grad_norm_: scale every gradient by min(1, max_norm / (total norm + 1e-6))."""
-    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-    total = torch.linalg.vector_norm(norms)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return [g * coef for g in grads]
+    return make_fx(loss, decomposition_table=table, tracing_mode="fake")(*map(value, sources))
 
 
 def _lift_constants(gm: fx.GraphModule, roles: list) -> dict:
@@ -570,9 +613,6 @@ def _example(owner: TrainStep, role: str, batch: tuple):
 _TORCH_DTYPE = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
-def _upload(device, tensor: torch.Tensor) -> DeviceArray:
-    tensor = tensor.detach().cpu().contiguous()
-    return DeviceArray.upload(device, tensor.numpy(), logical_dtype(tensor.dtype))
 
 
 def _download(array: DeviceArray, like: torch.Tensor) -> torch.Tensor:

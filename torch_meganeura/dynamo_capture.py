@@ -1,0 +1,33 @@
+"""What dynamo needs to capture ordinary user code whole: logging calls that would otherwise break the graph.
+
+Dynamo refuses ``logging.Logger`` methods outside ``torch.export`` (``Unsupported: logging.Logger method not
+supported``), and HF code calls them on ordinary paths: ``logger.warning_once`` in GPT-2's ``labels=`` loss. Under
+``quiet_logging_for_dynamo()`` every logging method of ``logging.Logger`` (the standard ones and those libraries
+add to the class, such as transformers' ``warning_once``) is a no-op inside the captured code, as torch.export
+makes them: a message logged inside a captured step is not emitted.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+STANDARD_LOG_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+# Methods libraries add to logging.Logger by name: transformers' warning_once, info_once, warning_advice
+ADDED_LOG_METHOD_PREFIXES = ("warning_", "info_", "debug_", "error_")
+
+
+def logger_methods() -> set:
+    """The logging methods of ``logging.Logger`` as they are now (libraries add theirs when imported)."""
+    names = set(STANDARD_LOG_METHODS)
+    names.update(n for n in vars(logging.Logger) if n.startswith(ADDED_LOG_METHOD_PREFIXES))
+    return {getattr(logging.Logger, n) for n in names if callable(getattr(logging.Logger, n, None))}
+
+
+@contextlib.contextmanager
+def quiet_logging_for_dynamo():
+    """Dynamo treats logging calls as no-ops inside this block instead of breaking the graph on them."""
+    ignored = set(torch._dynamo.config.ignore_logging_functions) | logger_methods()
+    with torch._dynamo.config.patch(ignore_logging_functions=ignored):
+        yield
