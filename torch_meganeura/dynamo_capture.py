@@ -4,7 +4,8 @@ Dynamo refuses ``logging.Logger`` methods outside ``torch.export`` (``Unsupporte
 supported``), and HF code calls them on ordinary paths: ``logger.warning_once`` in GPT-2's ``labels=`` loss. Under
 ``quiet_logging_for_dynamo()`` every logging method of ``logging.Logger`` (the standard ones and those libraries
 add to the class, such as transformers' ``warning_once``) is a no-op inside the captured code, as torch.export
-makes them: a message logged inside a captured step is not emitted.
+makes them: a message logged inside a captured step is not emitted. A capture is first tried as it is
+(``compile_quieting_logging_if_refused``).
 """
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def quiet_logging_for_dynamo():
     ignored = set(torch._dynamo.config.ignore_logging_functions) | logger_methods()
     with torch._dynamo.config.patch(ignore_logging_functions=ignored):
         yield
+
+
+def compile_quieting_logging_if_refused(run) -> None:
+    """``run()`` (a dynamo capture); where dynamo refuses a logging call, ``run()`` again with logging calls as
+    no-ops. (Only then: torch 2.11 logs an error when it records a config holding functions.)"""
+    try:
+        run()
+        return
+    except torch._dynamo.exc.Unsupported as err:
+        if "logging" not in str(err):
+            raise
+    with quiet_logging_for_dynamo():
+        run()

@@ -44,7 +44,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from . import data_parallel, optimizers
 from .decompositions import before_autograd_table, decomposition_table
-from .dynamo_capture import quiet_logging_for_dynamo
+from .dynamo_capture import compile_quieting_logging_if_refused
 from .fx_lowering import lower_graph
 from .params import upload_array
 from .partition import fallback_ops
@@ -386,8 +386,8 @@ def _capture(owner: TrainStep, batch: tuple):
     call = types.FunctionType(call.__code__.replace(), call.__globals__, closure=call.__closure__)
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # the capture run updates BatchNorm stats
     try:
-        with quiet_logging_for_dynamo():
-            torch.compile(call, backend=grab, fullgraph=True, dynamic=False)(*batch)
+        compile_quieting_logging_if_refused(
+            lambda: torch.compile(call, backend=grab, fullgraph=True, dynamic=False)(*batch))
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
