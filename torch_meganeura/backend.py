@@ -21,6 +21,7 @@ from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import DevicePartition
 from .decompositions import aot_decomposition_table
+from .device_graph import unsupported_listing
 from .options import Options
 from .params import ParamStore
 from .partition import fallback_ops, partition
@@ -111,7 +112,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
     fallbacks = fallback_ops(gm)
     if fallbacks:
-        listing = ", ".join(f"{op} ({why})" for op, why in sorted(fallbacks.items()))
+        listing = unsupported_listing(fallbacks)
         if context.options.fallback == "error":
             raise FallbackError(f"meganeura cannot run these ops on the device: {listing}")
         new = sorted(set(fallbacks) - BackendContext._warned)

@@ -26,10 +26,11 @@ import torch.fx as fx
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
-from .fx_lowering import LoweredGraph, lower_graph
+from .device_graph import compile_device_graph, feed, program_for
+from .fx_lowering import LoweredGraph
 from .params import ParamStore
 from .resident import ResidentTensor
-from .tuning import compile_plan, tuning_enabled
+from .tuning import tuning_enabled
 
 log = logging.getLogger("torch_meganeura")
 
@@ -54,7 +55,7 @@ _STORAGE = torch.Tensor.data_ptr
 
 
 @dataclass(eq=False)
-class _Entry:
+class _BoundPlan:
     """A compiled signature, and the parameter arguments its program's buffers were last bound from."""
 
     lowered: LoweredGraph
@@ -143,8 +144,8 @@ class DevicePartition(torch.nn.Module):
         self.param_indices = set(param_indices)
         self.resident_outputs = frozenset(resident_outputs)
         self.context = context  # the backend's shared state: device, parameter store, records
-        self._plans: dict[tuple, _Entry] = {}
-        self._last: _Entry | None = None  # the entry the last call ran: the next call checks it first
+        self._plans: dict[tuple, _BoundPlan] = {}
+        self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
 
     def forward(self, *args):
         entry = self._last
@@ -154,7 +155,7 @@ class DevicePartition(torch.nn.Module):
                 return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
         return self._run(entry, args)
 
-    def _entry_for(self, args) -> _Entry | None:
+    def _entry_for(self, args) -> _BoundPlan | None:
         """The compiled entry for the signature of ``args`` (compiled now if new, or its device was lost), with its
         parameters bound; None where the partition falls back to eager PyTorch."""
         key = signature(args)
@@ -166,7 +167,7 @@ class DevicePartition(torch.nn.Module):
             entry.bind(args, self.context.params())
         return entry
 
-    def _compile_or_fall_back(self, key, args) -> _Entry | None:
+    def _compile_or_fall_back(self, key, args) -> _BoundPlan | None:
         """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
         try:
             return self._compile(key, args)
@@ -179,41 +180,32 @@ class DevicePartition(torch.nn.Module):
             self.context.record({"kind": "failed", "error": str(err)})
             return None
 
-    def _compile(self, key, args) -> _Entry:
+    def _compile(self, key, args) -> _BoundPlan:
         start = time.perf_counter()
         device = self.context.device()
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
-        lowered = lower_graph(self.gm, list(args), params)
         f16 = self.fast and self.context.f16_products(device)
-        plan, report, from_cache = compile_plan(lowered.graph, device, tuning_enabled(self.context.options.tune), f16)
+        graph = compile_device_graph(self.gm, list(args), params, device,
+                                     tune=tuning_enabled(self.context.options.tune), f16_products=f16)
+        lowered, plan, report = graph.lowered, graph.plan, graph.report
         resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
         on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
                      if isinstance(args[i], ResidentTensor) and args[i].array.device is device]
-        program = Program(device, plan, resident_outputs=resident, device_only_inputs=on_device)
-        entry = _Entry(lowered, program, key)
+        program = program_for(graph, device, resident, on_device)
+        entry = _BoundPlan(lowered, program, key)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start
         record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
                             plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused,
-                            from_cache)
+                            graph.from_cache)
         self.context.record(record)
         log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels, seconds)
         return entry
 
-    def _run(self, entry: _Entry, args):
+    def _run(self, entry: _BoundPlan, args):
         lowered, program = entry.lowered, entry.program
-        inputs, device_inputs = {}, {}
-        for i, name in lowered.inputs:
-            a = args[i]
-            if isinstance(a, ResidentTensor) and a.array.device is program.device:
-                device_inputs[name] = a.array
-            else:
-                a = a.materialize() if isinstance(a, ResidentTensor) else a
-                inputs[name] = a.detach().cpu().contiguous().numpy()
-        if lowered.rng_seed:
-            inputs[lowered.rng_seed] = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int64).int().numpy()
-        results = program.run(inputs, device_inputs)
+        results = program.run(*feed(lowered, args, program.device))
         outs = []
         for kind, item in lowered.outputs:
             if kind == "const":

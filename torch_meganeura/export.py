@@ -5,7 +5,8 @@ clear error, never graph breaks; a bundle cannot contain eager PyTorch, so a gra
 go. Its graph signature says which placeholders are parameters, buffers and constants (their values come from
 the exported program's state) and which are user inputs, with the argument names that become the bundle's
 input names. ``run_decompositions(decomposition_table())`` brings the graph to the same aten ops the backend
-lowers, and ``lower_graph`` + ``compile_graph`` turn it into one plan for the whole model. Data-dependent
+lowers, and ``device_graph.compile_device_graph`` (the backend's and the training step's pipeline) turns it into
+one plan for the whole model, through the plan cache. Data-dependent
 control flow that torch.export cannot trace is reported with torch's own error (``ExportError``).
 
 Refused, with ``ExportError`` naming the cause: ops the device cannot run (``partition.fallback_ops``), a model
@@ -30,13 +31,12 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from meganeura.lowering import compile_graph
 from meganeura.runtime.bundle import tensor_entry, write_bundle
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.requirements import compile_limits, plan_requirements
 
 from .decompositions import decomposition_table
-from .fx_lowering import LoweredGraph, lower_graph
+from .device_graph import compile_device_graph, unsupported_listing
 from .partition import fallback_ops
 from .registry import LoweringError
 
@@ -72,9 +72,9 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     gm = program.graph_module
     _drop_assertions(gm)
     _check_supported(program, gm)
-    lowered, sources = _lower(program, gm, args, kwargs)
-    limits = compile_limits(get_device(adapter).limits, portable)
-    plan, _ = compile_graph(lowered.graph, limits)
+    device = get_device(adapter)
+    limits = compile_limits(device.limits, portable)
+    lowered, plan, sources = _compile(program, gm, args, kwargs, device, limits)
     state = _state(program)
     weights = {name: resident[sources[name]] if sources[name] in resident else _to_numpy(state[sources[name]])
                for _, name in lowered.params}
@@ -130,12 +130,13 @@ def _check_supported(program: torch.export.ExportedProgram, gm: fx.GraphModule) 
                           "model.eval() first); a bundle computes outputs only")
     fallbacks = fallback_ops(gm)
     if fallbacks:
-        listing = ", ".join(f"{op} ({why})" for op, why in sorted(fallbacks.items()))
-        raise ExportError(f"the device cannot run these ops, and a bundle cannot contain eager PyTorch: {listing}")
+        raise ExportError("the device cannot run these ops, and a bundle cannot contain eager PyTorch: "
+                          + unsupported_listing(fallbacks))
 
 
-def _lower(program, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[LoweredGraph, dict[str, str]]:
-    """Lower ``gm`` with every placeholder's value; return it and plan param name -> state dict name."""
+def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, limits: dict):
+    """Lower and compile ``gm`` with every placeholder's value for ``limits``; return the lowered graph, the plan
+    and plan param name -> state dict name."""
     state = _state(program)
     kwargs_spec = _children(program.call_spec.in_spec)[1]  # torch.export orders kwargs by the signature
     user_values = iter(pytree.tree_leaves((args, {key: kwargs[key] for key in kwargs_spec.context})))
@@ -148,14 +149,15 @@ def _lower(program, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[Lowe
         else:
             values.append(next(user_values))
     try:
-        lowered = lower_graph(gm, values, state_indices)
+        graph = compile_device_graph(gm, values, state_indices, device, limits=limits)
     except LoweringError as err:
         raise ExportError(f"lowering the exported graph failed: {err}") from err
+    lowered = graph.lowered
     constants = [repr(item) for kind, item in lowered.outputs if kind == "const"]
     if constants:
         raise ExportError(f"outputs {constants} are Python constants, not tensors computed by the model; a bundle "
                           "returns tensors only")
-    return lowered, {name: targets[i] for i, name in lowered.params}
+    return lowered, graph.plan, {name: targets[i] for i, name in lowered.params}
 
 
 def _output_names(program) -> list[str]:

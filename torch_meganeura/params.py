@@ -41,7 +41,7 @@ def upload_array(device, t: torch.Tensor) -> DeviceArray:
 
 
 @dataclass
-class _Entry:
+class _DeviceCopy:
     ref: weakref.ref
     stamp: tuple  # (_version, data_ptr) of the tensor when its data was written
     buffer: object
@@ -57,7 +57,7 @@ class ParamStore:
 
     def __init__(self, device):
         self.device = device
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, _DeviceCopy] = {}
 
     def buffer(self, t: torch.Tensor, what: str = "parameter"):
         key = id(t)
@@ -75,7 +75,7 @@ class ParamStore:
             self.device.write(buf, 0, data, what)
         self._drop(key)
         ref = weakref.ref(t, lambda r, k=key: self._drop(k, r))
-        self._entries[key] = _Entry(ref, (t._version, t.data_ptr()), buf, max(data.nbytes, 4))
+        self._entries[key] = _DeviceCopy(ref, (t._version, t.data_ptr()), buf, max(data.nbytes, 4))
         return buf
 
     def _drop(self, key: int, dead_ref=None) -> None:

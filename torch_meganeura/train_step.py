@@ -39,17 +39,16 @@ from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from meganeura.runtime.device import get_device
-from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from . import data_parallel, optimizers
 from .decompositions import before_autograd_table, decomposition_table
 from .dynamo_capture import compile_quieting_logging_if_refused
-from .fx_lowering import lower_graph
+from .device_graph import compile_device_graph, feed, program_for, unsupported_listing
 from .params import upload_array
 from .partition import fallback_ops
 from .train_segments import SegmentedLoss, SegmentedStep
-from .tuning import compile_plan, tuning_enabled
+from .tuning import tuning_enabled
 
 
 CHECKPOINT_FORMAT = "meganeura-train-step-1"
@@ -326,11 +325,11 @@ class _CompiledStep:
         gm, self.roles, self.outputs, constants = traced
         unsupported = fallback_ops(gm)
         if unsupported:
-            listing = ", ".join(f"{op} ({why})" for op, why in sorted(unsupported.items()))
-            raise NotImplementedError(f"compile_train_step needs every op on the device; these are not: {listing}")
+            raise NotImplementedError("compile_train_step needs every op on the device; these are not: "
+                                      + unsupported_listing(unsupported))
         example = [constants[role] if role in constants else _example(owner, role, batch) for role in self.roles]
-        self.lowered = lower_graph(gm, example, set())
-        plan, _, _ = compile_plan(self.lowered.graph, owner.device, owner.tune)
+        graph = compile_device_graph(gm, example, set(), owner.device, tune=owner.tune)
+        self.lowered = graph.lowered
         placeholder_of = dict(self.lowered.inputs)
         self.input_names = {role: placeholder_of[i] for i, role in enumerate(self.roles) if i in placeholder_of}
         kinds = [kind for kind, _ in self.lowered.outputs]
@@ -342,27 +341,27 @@ class _CompiledStep:
         resident = [name for role, name in names.items() if not role.startswith("grad:")]
         on_device = [name for role, name in self.input_names.items()
                      if role != "hyper" and not role.startswith("batch:")]
-        self.program = Program(owner.device, plan, resident_outputs=resident, device_only_inputs=on_device)
+        self.program = program_for(graph, owner.device, resident, on_device)
         self.constants = {role: upload_array(owner.device, value) for role, value in constants.items()}
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor, into: dict | None = None):
         """Run the step on the state ``arrays``; outputs of the roles in ``into`` overwrite those arrays."""
-        host, device_inputs = {}, {}
-        for role, name in self.input_names.items():
-            if role.startswith("batch:"):
-                host[name] = batch[int(role[6:])].detach().cpu().contiguous().numpy()
-            elif role == "hyper":
-                host[name] = hyper.numpy()
-            elif role in self.constants:
-                device_inputs[name] = self.constants[role]
-            else:
-                device_inputs[name] = arrays[role]
-        if self.lowered.rng_seed:
-            host[self.lowered.rng_seed] = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int64).int().numpy()
+        used = {i for i, _ in self.lowered.inputs}
+        values = [self._value(role, arrays, batch, hyper) if i in used else None for i, role in enumerate(self.roles)]
+        host, device_inputs = feed(self.lowered, values, self.program.device)
         into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.state_outputs}
         results = self.program.run(host, device_inputs, into)
         loss = torch.from_numpy(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
         return loss, {role: results[name] for role, name in self.state_outputs.items()}
+
+
+    def _value(self, role: str, arrays: dict, batch: tuple, hyper: torch.Tensor):
+        """What feeds the placeholder of ``role``: a batch tensor, the hyperparameters, or a device array."""
+        if role.startswith("batch:"):
+            return batch[int(role[6:])]
+        if role == "hyper":
+            return hyper
+        return self.constants[role] if role in self.constants else arrays[role]
 
 
 def _capture(owner: TrainStep, batch: tuple):

@@ -34,10 +34,13 @@ def tuner_for(device) -> MatmulTuner:
     return MatmulTuner(device, cache_dir())
 
 
-def compile_plan(graph, device, tune: bool, f16_products: bool = False):
+def compile_plan(graph, device, tune: bool, f16_products: bool = False, limits: dict | None = None):
     """``cached_compile_graph`` for ``device``, with its tuner's matmul choices where ``tune``, and f16 products
     allowed where ``f16_products`` (the caller checks the shader-f16 feature). The device starts compiling each
-    kernel as soon as it is generated."""
+    kernel as soon as it is generated. With ``limits`` (a bundle's: WebGPU's defaults) the plan is compiled for
+    those instead, untuned, and the device compiles nothing."""
+    if limits is not None:
+        return cached_compile_graph(graph, limits)
     limits = dict(device.limits, **{F16_PRODUCTS: 1}) if f16_products else device.limits
 
     def compile_ahead(source: str, bindings: int, key: str) -> None:

@@ -1,0 +1,92 @@
+"""One pipeline from an fx graph of aten ops to a plan and a device program, shared by the three ways a graph
+runs: the backend (``compiled``), the resident training step (``train_step``) and export (``export``).
+
+They differ only in how they capture the graph (aot_autograd; make_fx over grad-and-update; torch.export) and what
+they do with the outputs. Everything between is here, once:
+
+- ``unsupported_listing``: the ops the device cannot run, named with their reasons (each entry point words its own
+  refusal or warning around it);
+- ``compile_device_graph``: lowering with the example values, then fusion, memory planning and kernels through the
+  persistent plan cache, with tuned matmul variants where asked (``tuning``);
+- ``program_for``: the plan instantiated on the device, outputs kept resident and inputs bound from the device where
+  asked;
+- ``feed``: one call's inputs: torch tensors as host arrays (the program checks and converts them), resident
+  tensors and device arrays bound as they are, and the random ops' seed drawn from torch's default generator.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from meganeura.lowering.fusion import FusionReport
+from meganeura.runtime.plan import Plan
+from meganeura.runtime.program import Program
+from meganeura.runtime.resident import DeviceArray
+
+from .fx_lowering import LoweredGraph, lower_graph
+from .resident import ResidentTensor
+from .tuning import compile_plan
+
+RNG_SEED_WORDS = 2  # random ops draw from a key of two int32 (``meganeura.lowering.expr.uniform``)
+
+
+def unsupported_listing(ops: dict[str, str]) -> str:
+    """``op (why), ...`` for the ops of ``partition.fallback_ops``, sorted."""
+    return ", ".join(f"{op} ({why})" for op, why in sorted(ops.items()))
+
+
+@dataclass
+class DeviceGraph:
+    """A graph lowered to the IR and compiled into a plan (not yet on a device)."""
+
+    lowered: LoweredGraph
+    plan: Plan
+    report: FusionReport
+    from_cache: bool  # the plan came from the persistent plan cache
+    seconds: float  # lowering and compiling
+
+
+def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[int], device, *,
+                         tune: bool = False, f16_products: bool = False, limits: dict | None = None) -> DeviceGraph:
+    """Lower ``gm`` with the example values of its placeholders (those at ``param_indices`` become long-lived
+    param buffers) and compile the plan for ``device`` (or for ``limits``, e.g. WebGPU's defaults for a bundle,
+    then untuned: a bundle runs on other adapters)."""
+    start = time.perf_counter()
+    lowered = lower_graph(gm, example, param_indices)
+    plan, report, from_cache = compile_plan(lowered.graph, device, tune and limits is None, f16_products, limits)
+    return DeviceGraph(lowered, plan, report, from_cache, time.perf_counter() - start)
+
+
+def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=()) -> Program:
+    """``graph``'s plan on ``device``; the kernels compile on background threads meanwhile (``Program``)."""
+    return Program(device, graph.plan, resident_outputs=list(resident_outputs),
+                   device_only_inputs=list(device_only_inputs))
+
+
+def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
+    """(host inputs, device inputs) by plan input name for one call with placeholder values ``args``: a
+    ``DeviceArray`` or a ``ResidentTensor`` on ``device`` is bound as it is, anything else goes up in device layout
+    (a resident tensor of another device is downloaded first). The seed of the random ops is added where the plan
+    has them."""
+    host, on_device = {}, {}
+    for i, name in lowered.inputs:
+        value = args[i]
+        if isinstance(value, DeviceArray):
+            on_device[name] = value
+        elif isinstance(value, ResidentTensor) and value.array.device is device:
+            on_device[name] = value.array
+        else:  # the program checks the dtype, shape and int32 range, and converts to device layout
+            value = value.materialize() if isinstance(value, ResidentTensor) else value
+            host[name] = value.detach().cpu().contiguous().numpy()
+    if lowered.rng_seed:
+        host[lowered.rng_seed] = rng_seed()
+    return host, on_device
+
+
+def rng_seed() -> np.ndarray:
+    """The key of one run's random ops, drawn from torch's default generator (``torch.manual_seed`` repeats it)."""
+    return torch.randint(-(2**31), 2**31, (RNG_SEED_WORDS,), dtype=torch.int64).int().numpy()  # all of int32
