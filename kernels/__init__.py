@@ -1,1 +1,2 @@
-"""placeholder"""
+"""meganeura.kernels: WGSL generators, one module per archetype (pointwise, reduce, matmul, attention), the
+shared rendering helpers (``wgsl``) and the matmul tuner; torch-free."""

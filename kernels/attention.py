@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .matmul import fold_grid
+from .wgsl import SPLIT_TARGET_WORKGROUPS
 
 THREADS = 64
 MASKED = -1.0e38
@@ -356,7 +357,6 @@ BLOCK_TILES = (32, 16, 8, 4)  # rows of the other sequence per tile, the largest
 BLOCK_MAX_VEC4 = 40  # per-thread vec4 registers of row state (d/4 + dv/4, so d + dv <= 160)
 # A long other sequence over too few blocks (Whisper's 1500 frames: 144 blocks) is cut into slices until the pass
 # has SPLIT_TARGET_WORKGROUPS workgroups, each slice at least SPLIT_MIN_TILES tiles long.
-SPLIT_TARGET_WORKGROUPS = 1024
 SPLIT_MIN_TILES = 2
 SPLIT_MAX = 16
 MERGE_THREADS = 256

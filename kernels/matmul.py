@@ -14,7 +14,7 @@ Two kernel families, chosen by shape:
   when the problem is too small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for
   any) or the tile does not fit the workgroup storage or invocation limit. Range checks (rows and columns past a
   ragged tile edge, K past a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written
-  only where the shape can fail them: on an H200 (.diag sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
+  only where the shape can fail them: on an H200 (a sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
   ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its threads ("lanes", as
   many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a workgroup tree reduction.
@@ -34,11 +34,13 @@ accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.9
 
 from dataclasses import dataclass
 
+from .wgsl import SPLIT_TARGET_WORKGROUPS
+
 THREADS_WANTED = 256          # threads per workgroup when the device allows it
 TILE_SIZES = (128, 64, 32, 16)  # output tile edge candidates, largest first
 K_CHUNKS = (16, 8, 4)         # K chunk candidates staged per barrier, largest first
 # The largest chunk whose staging (each thread's share of the A and B chunks, held in registers while the products
-# run) stays within this many floats. H200 (.diag sweep, GPU time): 4096^3 with 128x128 tiles of 8x16 blocks (128
+# run) stays within this many floats. H200 (a sweep, GPU time): 4096^3 with 128x128 tiles of 8x16 blocks (128
 # threads) 3.56 ms at chunk 16 (32 floats) against 3.29 at chunk 8 (16); 128x256 tiles (256 threads) 3.17 ms at
 # chunk 16 (24 floats) against 3.34 at chunk 8.
 MAX_STAGED_PER_THREAD = 24
@@ -47,9 +49,8 @@ SHARED_PAD_VEC4 = 1           # vec4s of padding per shared-tile row: transposed
 # workgroups on; below, 64x64-class tiles win down to about 32 workgroups; smaller problems shrink further.
 BIG_TILE_EDGE = 64
 # Split K until the workgroups reach SPLIT_TARGET_WORKGROUPS, while every slice keeps SPLIT_MIN_K of K. H200, the
-# workloads' projections (.diag sweep, GPU time): 50x720 @ 720x2048 43.5 -> 27.6 us (split 2 -> 8), 128x1536 @
+# workloads' projections (a sweep, GPU time): 50x720 @ 720x2048 43.5 -> 27.6 us (split 2 -> 8), 128x1536 @
 # 1536x576 48.6 -> 37.4, 1500x1536 @ 1536x384 196 -> 122 (split 1 -> 4); splits past ~1,000 workgroups gain nothing.
-SPLIT_TARGET_WORKGROUPS = 1024
 SPLIT_MIN_K = 64
 SPLIT_MAX = 64
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
@@ -57,10 +58,10 @@ MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least th
 # gemv: lanes (threads splitting K for one output) are the power of two that gives each about GEMV_PER_LANE products
 # (GEMV_PER_LANE_STRIDED where K is strided and the threads of a row follow the outputs), between 4 and
 # GEMV_MAX_LANES, and fewer while outputs x lanes exceed GEMV_MAX_THREADS. A short run per lane keeps the loads of
-# a small matrix in flight at once. H200, m = 1, weights rotated past the L2 cache (.diag/gemv_sweep.py), GB/s of the
+# a small matrix in flight at once. H200, m = 1, weights rotated past the L2 cache, GB/s of the
 # weight read, before (16 lanes for K in 257..4095) -> after: 1536 x 576 634 -> 784, 576 x 1536 391 -> 791,
 # 720 x 2048 527 -> 1176, 1000 x 2048 720 -> 1487, 49152 x 576 3565 -> 3542; x @ w 1024 (strided K) 552 -> 736.
-# Minimal-batch inference, GPU ms per call (.diag/gemv_ab.py): SmolLM2 2.26 -> 1.89, SmolVLA expert 1.38 -> 1.16.
+# Minimal-batch inference, GPU ms per call, before -> after in one run: SmolLM2 2.26 -> 1.89, SmolVLA expert 1.38 -> 1.16.
 GEMV_PER_LANE = 8
 GEMV_PER_LANE_STRIDED = 16
 GEMV_MAX_LANES = 128

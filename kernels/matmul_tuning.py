@@ -41,7 +41,7 @@ from . import matmul as matmul_generator
 from .matmul import (F16_PRODUCTS, MIN_WORKGROUPS_BIG, SPLIT_MAX, TILE_SIZES, MatmulChoice, _choose_tiled_plan,
                      _max_threads, default_choice, matmul_kernel, split_reduce_kernel)
 
-# (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs (.diag) found each of these the
+# (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs found each of these the
 # fastest for some shape, and none of the others. 128x256: 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us. Tuned
 # beside it on the H200, 8x8 blocks of 64x64 and 64x128 tiles and 8x16 blocks of 128x128 tiles won none of 112
 # problems (ResNet-50, SmolLM2, SmolVLA, part of SD U-Net, the micro benchmarks) and only lengthened tuning.

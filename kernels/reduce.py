@@ -19,6 +19,7 @@ from __future__ import annotations
 from meganeura.runtime.requirements import SUBGROUP_OPS
 
 from . import wgsl
+from .wgsl import SPLIT_TARGET_WORKGROUPS
 
 IDENTITY = {
     ("sum", "f32"): "0.0", ("sum", "i32"): "0i", ("prod", "f32"): "1.0", ("prod", "i32"): "1i",
@@ -45,7 +46,6 @@ ARG_BETTER = {
 
 SERIAL_ROW_MAX = 16
 SERIAL_WORKGROUP = 64
-SPLIT_TARGET_WORKGROUPS = 1024  # cut rows into slices until the first pass has this many workgroups...
 SPLIT_MIN_SLICE = 2048          # ...while every slice keeps at least this many elements
 SPLIT_MAX = 64
 SPLIT_OPS = ("sum", "prod", "max", "min")

@@ -23,7 +23,7 @@ from .indexing import simplify
 from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
 
 log = logging.getLogger("meganeura.lowering.fusion")
-MAX_EXPR_NODES = 1500
+MAX_EXPR_NODES = 1500  # a fused expression past this many nodes is kept apart: kernel text and its compile grow with it
 PROLOGUE_MAX_LOADS = 6
 PROLOGUE_OPS = {"load", "const", "coord", "cast", "neg", "add", "sub", "mul", "where", "maximum", "minimum",
                 "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}

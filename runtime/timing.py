@@ -18,7 +18,7 @@ import wgpu
 from .native import timestamp_period_ns
 
 # The default warm-up. An H200 whose GPU idled for the seconds of a tuning batch's compile timed its first matmul
-# variants 2-7x slow for about the first 0.2 s of work (.diag sweep: 1024^3 476 -> 71 us, later in the same run).
+# variants 2-7x slow for about the first 0.2 s of work (a sweep: 1024^3 476 -> 71 us, later in the same run).
 # Warmed up by single runs, each submitted and waited for, it stayed slow: the first problem of a batch, 1024^3, timed
 # its default at 181 us and kept a variant cut in 8 slices at 100 us.
 WARMUP_SECONDS = 0.5
