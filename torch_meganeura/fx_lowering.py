@@ -15,7 +15,7 @@ import torch.fx as fx
 from meganeura.lowering.builder import GraphBuilder
 from meganeura.lowering.ir import Graph, Value
 
-from . import lowerings  # noqa: F401  (fills the registry)
+from . import aten  # noqa: F401  (fills the registry)
 from .registry import LOWERINGS, LowerCtx, LoweringError, logical_dtype
 
 

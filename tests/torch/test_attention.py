@@ -70,7 +70,7 @@ def test_unfused_attention(monkeypatch, d, seq, variant):
     from meganeura.lowering import compile_graph
     from meganeura.runtime.device import get_device
     from torch_meganeura.fx_lowering import lower_graph
-    from torch_meganeura.lowerings import attention
+    from torch_meganeura.aten import attention
 
     monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", 1)
     monkeypatch.setattr(attention_kernels, "FLASH_MAX_HEAD", 0)  # the forward too, not only the backward
@@ -195,7 +195,7 @@ def test_flash_forward_plans_fit_the_adapter():
 def test_fully_masked_rows_give_zeros_fused_and_unfused(monkeypatch):
     """A query row whose keys are all masked out outputs zeros and passes no gradient, as in eager, on every path:
     the flash forward, the blocked one, and the unfused one."""
-    from torch_meganeura.lowerings import attention
+    from torch_meganeura.aten import attention
 
     mask = torch.rand(1, 1, 9, 600) > 0.5
     mask[:, :, 3] = False

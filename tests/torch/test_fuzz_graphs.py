@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from conftest import EAGER_ERROR_FACTOR, ERROR_FLOOR, assert_within_eager_error
 from torch_meganeura import compile_train_step
-from torch_meganeura.lowerings import attention
+from torch_meganeura.aten import attention
 
 VOCAB = 11
 FAST_SEEDS = range(6)  # the default run; the slow stage runs SLOW_SEEDS more
