@@ -15,6 +15,10 @@ and compares with eager PyTorch. Each sample is one of:
 - ``skipped``: eager PyTorch itself raises on the sample (an error-input sample), torch.compile fails the same
   way with the ``aot_eager`` backend, or the op has no sample in the dtypes tried.
 
+That is the backend path (``--path backend``, the default). ``--path step`` runs each sample through the resident
+training step instead (``compile_train_step``: loss, gradients and one SGD update; ``coverage_step``), ``--path
+both`` through both; the step's result of each sample is under its ``"step"`` key (``coverage_report.of_path``).
+
 Correctness: an element passes if it is within atol 1e-5 + rtol 1e-5 of eager float32, or, where the op runs
 in float64, within the same tolerance plus 4x eager float32's largest error of the eager float64 result.
 Random and uninitialised ops (``NONDETERMINISTIC``) are compared on shape and dtype only. Samples run in a
@@ -36,9 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from . import coverage_report
+from . import coverage_report, coverage_step
 
 STATUSES = coverage_report.STATUSES
+PATHS = {"backend": ("backend",), "step": ("step",), "both": ("backend", "step")}  # --path -> paths run
 ATOL, RTOL, EAGER_ERROR_FACTOR = 1e-5, 1e-5, 4.0
 NONDETERMINISTIC = frozenset({
     "bernoulli", "cauchy", "empty", "empty_like", "empty_permuted", "empty_strided", "exponential", "geometric",
@@ -135,23 +140,35 @@ class Result:
     outputs: list
     spec: object
     grads: list
+    loss: torch.Tensor | None = None  # sum of (outputs * cotangents), where differentiated
 
 
 def run_call(call: Call, fn, inputs: list, cotangents: list | None, backward: bool) -> tuple[Result, list | None]:
     """Call ``fn`` and, with ``backward``, differentiate (outputs * cotangents).sum(); new cotangents if None."""
     out = call.process(fn(*inputs))
     leaves, spec = pytree.tree_flatten(out)
-    grads = []
+    grads, loss = [], None
     wrt = [t for t in inputs if t.requires_grad]
-    diff = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    diff = differentiable(leaves)
     if backward and wrt and diff:
-        diff = [torch.view_as_real(x.resolve_conj()) if x.is_complex() else x for x in diff]  # a real loss
         cots = cotangents or [torch.randn(x.shape, dtype=x.dtype) for x in diff]
-        loss = sum((x * c.to(x.dtype)).sum() for x, c in zip(diff, cots))
+        loss = cotangent_loss(diff, cots)
         grads = [torch.zeros_like(t) if g is None else g
                  for t, g in zip(wrt, torch.autograd.grad(loss, wrt, allow_unused=True))]
-        cotangents = cots
-    return Result([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, grads), cotangents
+        cotangents, loss = cots, loss.detach()
+    leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+    return Result(leaves, spec, grads, loss), cotangents
+
+
+def differentiable(leaves: list) -> list:
+    """The output leaves that require grad, complex ones viewed as real (the loss is real)."""
+    diff = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    return [torch.view_as_real(x.resolve_conj()) if x.is_complex() else x for x in diff]
+
+
+def cotangent_loss(diff: list, cotangents: list) -> torch.Tensor:
+    """The loss whose gradients the sweep compares: the sum over differentiable outputs of (out * cotangent)."""
+    return sum((x * c.to(x.dtype)).sum() for x, c in zip(diff, cotangents))
 
 
 def eager_references(call: Call, op, backward: bool):
@@ -180,6 +197,18 @@ def root_cause(err: BaseException) -> BaseException:
     """The backend's own exception inside dynamo's wrappers."""
     inner = getattr(err, "inner_exception", None)
     return root_cause(inner) if inner is not None else err
+
+
+def error_entry(err: BaseException) -> dict:
+    """An "error" result for an exception of the compiled run: its type, first line and innermost frame."""
+    cause = root_cause(err)
+    return {"status": "error", "error": f"{type(cause).__name__}: {first_line(cause)}",
+            "where": traceback.format_exception(cause)[-2].strip()[:300] if cause.__traceback__ else ""}
+
+
+def is_random(op, sample) -> bool:
+    """Whether the sample's values are random or uninitialised (then only shapes and dtypes can be compared)."""
+    return op.name in NONDETERMINISTIC or RANDOM_WHEN.get(op.name, lambda _: False)(sample)
 
 
 def compiled_run(call: Call, backward: bool, cots):
@@ -256,8 +285,7 @@ def run_sample(op, sample, backward: bool) -> dict:
     start = time.perf_counter()
     call = Call.of(op, sample)
     backward = backward and op.supports_autograd and any(t.requires_grad for t in call.tensors)
-    random = op.name in NONDETERMINISTIC or RANDOM_WHEN.get(op.name, lambda _: False)(sample)
-    entry = {"backward": backward, "values": not random}
+    entry = {"backward": backward, "values": not is_random(op, sample)}
     try:
         ref32, cots, ref64 = eager_references(call, op, backward)
         try:
@@ -266,9 +294,7 @@ def run_sample(op, sample, backward: bool) -> dict:
             torch_failure = aot_eager_fails(call, backward, cots)
             if torch_failure:
                 raise EagerFailure(torch_failure) from err
-            cause = root_cause(err)
-            entry.update(status="error", error=f"{type(cause).__name__}: {first_line(cause)}",
-                         where=traceback.format_exception(cause)[-2].strip()[:300] if cause.__traceback__ else "")
+            entry.update(error_entry(err))
         else:
             entry.update(compare(got, ref32, ref64, entry["values"]), fallback_ops=fallbacks)
             if entry["status"] == "ok":
@@ -305,6 +331,11 @@ def compare(got: Result, ref32: Result, ref64: Result | None, values: bool) -> d
              for i, (g, w) in enumerate(zip(got.outputs, ref32.outputs))]
     pairs += [(f"grad {i}", g, w, None if ref64 is None else ref64.grads[i])
               for i, (g, w) in enumerate(zip(got.grads, ref32.grads))]
+    return compare_pairs(pairs, values)
+
+
+def compare_pairs(pairs: list, values: bool = True) -> dict:
+    """``compare`` over (what, got, eager float32, eager float64 or None) tuples."""
     worst = {"max_abs_error": 0.0, "rel_l2": 0.0}
     for what, g, w, w64 in pairs:
         problem = compare_leaf(g, w, w64, values, worst)
@@ -356,20 +387,45 @@ def compare_floats(got, want, want64, worst: dict) -> str | None:
 
 # ---------------------------------------------------------------------------------------------------- one op
 
-def run_op(op, max_samples: int, backward: bool) -> dict:
+def run_op(op, max_samples: int, backward: bool, paths: tuple = ("backend",)) -> dict:
+    """The op's entry: its first ``max_samples`` samples, each run through every path of ``paths`` ("backend",
+    "step"), with the op's status per path."""
     dtype = sample_dtype(op)
     if dtype is None:
-        return {"dtype": None, "samples": [{"status": "skipped", "reason": "no float32, int64 or bool dtype"}]}
-    grad = backward and op.supports_autograd and dtype == torch.float32
+        return with_statuses({"dtype": None, "samples": [
+            for_paths(paths, {"status": "skipped", "reason": "no float32, int64 or bool dtype"})]}, paths)
+    grad = (backward or "step" in paths) and op.supports_autograd and dtype == torch.float32
     try:
         samples = list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=grad), max_samples))
     except Exception as err:  # noqa: BLE001
         samples, reason = [], f"sample_inputs raises {type(err).__name__}: {first_line(err)}"
     else:
         reason = "no sample inputs"
-    results = [run_sample(op, s, backward) for s in samples]
-    return {"dtype": str(dtype).removeprefix("torch."),
-            "samples": results or [{"status": "skipped", "reason": reason}]}
+    results = []
+    for sample in samples:
+        entry = run_sample(op, sample, backward) if "backend" in paths else {}
+        if "step" in paths:
+            entry["step"] = coverage_step.run_sample(op, sample)
+        results.append(entry)
+    return with_statuses({"dtype": str(dtype).removeprefix("torch."),
+                          "samples": results or [for_paths(paths, {"status": "skipped", "reason": reason})]}, paths)
+
+
+def for_paths(paths: tuple, result: dict) -> dict:
+    """A sample entry with the same ``result`` for every path (an op without samples, a crashed worker)."""
+    entry = dict(result) if "backend" in paths else {}
+    if "step" in paths:
+        entry["step"] = dict(result)
+    return entry
+
+
+def with_statuses(entry: dict, paths: tuple) -> dict:
+    """``entry`` with its op status for each path: the backend's as "status", the step's as step.status."""
+    if "backend" in paths:
+        entry["status"] = op_status(entry["samples"])
+    if "step" in paths:
+        entry["step"] = {"status": op_status([s["step"] for s in entry["samples"]])}
+    return entry
 
 
 def op_status(samples: list[dict]) -> str:
@@ -380,7 +436,7 @@ def op_status(samples: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the worker
 
-def _worker(conn, max_samples: int, backward: bool) -> None:
+def _worker(conn, max_samples: int, backward: bool, paths: tuple) -> None:
     """Runs ops by name as the parent sends them; answers each with its report entry."""
     import logging
 
@@ -390,16 +446,16 @@ def _worker(conn, max_samples: int, backward: bool) -> None:
 
     conn.send({"adapter": get_device().describe()})
     while (name := conn.recv()) is not None:
-        conn.send(run_op(by_name[name], max_samples, backward))
+        conn.send(run_op(by_name[name], max_samples, backward, paths))
 
 
 class Worker:
     """A child process running ops (spawned, so a crash or hang in one op is contained)."""
 
-    def __init__(self, max_samples: int, backward: bool):
+    def __init__(self, max_samples: int, backward: bool, paths: tuple):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker, args=(child, max_samples, backward), daemon=True)
+        self.process = ctx.Process(target=_worker, args=(child, max_samples, backward, paths), daemon=True)
         self.process.start()
         self.adapter = self._receive(600)["adapter"]
         self.done = 0
@@ -431,7 +487,7 @@ class Worker:
 
 
 def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, restart_every: int,
-          progress=print) -> tuple[dict, str]:
+          progress=print, paths: tuple = ("backend",)) -> tuple[dict, str]:
     """Run every op in a worker (``timeout`` seconds each); restart it after a crash, a timeout or
     ``restart_every`` ops."""
     ops, worker, adapter = {}, None, ""
@@ -440,7 +496,7 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
             if worker is None or worker.done >= restart_every:
                 if worker is not None:
                     worker.stop()
-                worker = Worker(max_samples, backward)
+                worker = Worker(max_samples, backward, paths)
                 adapter = worker.adapter
             start = time.perf_counter()
             try:
@@ -448,10 +504,11 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
             except (TimeoutError, EOFError, OSError) as err:
                 why = worker.failure(err)
                 worker = None
-                entry = {"dtype": None, "samples": [{"status": "error", "error": why}]}
-            entry["status"] = op_status(entry["samples"])
+                entry = with_statuses({"dtype": None, "samples": [for_paths(paths, {"status": "error", "error": why})]},
+                                      paths)
             ops[name] = entry
-            progress(f"[{k + 1}/{len(names)}] {name}: {entry['status']} ({time.perf_counter() - start:.1f} s)")
+            statuses = ", ".join(f"{path} {coverage_report.of_path(entry, path)['status']}" for path in paths)
+            progress(f"[{k + 1}/{len(names)}] {name}: {statuses} ({time.perf_counter() - start:.1f} s)")
     finally:  # also on Ctrl-C or SIGTERM (main turns it into SystemExit): no orphaned worker
         if worker is not None:
             worker.stop()
@@ -459,18 +516,28 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
 
 
 def build_report(ops: dict, adapter: str, argv: list[str], args, seconds: float) -> dict:
+    """The JSON report: the run, then per path its counts (the backend's as "counts", the step's as
+    step.counts), then every op."""
     import wgpu
 
-    samples = [s for entry in ops.values() for s in entry["samples"]]
-    return {
+    paths = PATHS[args.path]
+    report = {
         "command": " ".join(["python -m torch_meganeura.coverage", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "torch": torch.__version__, "wgpu": wgpu.__version__, "adapter": adapter,
+        "torch": torch.__version__, "wgpu": wgpu.__version__, "adapter": adapter, "paths": list(paths),
         "max_samples": args.max_samples, "backward": not args.no_backward, "seconds": round(seconds, 1),
-        "counts": {"ops": {s: sum(e["status"] == s for e in ops.values()) for s in STATUSES},
-                   "samples": {s: sum(x["status"] == s for x in samples) for s in STATUSES}},
-        "ops": ops,
     }
+    samples = [s for entry in ops.values() for s in entry["samples"]]
+    of = coverage_report.of_path
+    for path in paths:
+        counts = {"ops": {s: sum(of(e, path)["status"] == s for e in ops.values()) for s in STATUSES},
+                  "samples": {s: sum(of(x, path)["status"] == s for x in samples) for s in STATUSES}}
+        if path == "backend":
+            report["counts"] = counts
+        else:
+            report["step"] = {"counts": counts}
+    report["ops"] = ops
+    return report
 
 
 def parse_args(argv=None):
@@ -486,10 +553,13 @@ def parse_args(argv=None):
                         help="JSON report with every sample (default coverage/opinfo.json)")
     parser.add_argument("--markdown", default="coverage/opinfo.md", metavar="PATH",
                         help="markdown table, one row per op (default coverage/opinfo.md)")
-    parser.add_argument("--no-backward", action="store_true", help="forward only (no gradients)")
+    parser.add_argument("--path", choices=sorted(PATHS), default="backend",
+                        help="what runs each sample: torch.compile(backend='meganeura') (backend, the default), "
+                             "the resident training step compile_train_step with SGD (step), or both")
+    parser.add_argument("--no-backward", action="store_true", help="backend path forward only (no gradients)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                        help="seconds per sample (an op gets S x N) before its worker counts as hung and is "
-                             "restarted (default 120)")
+                        help="seconds per sample and path (an op gets S x N x paths) before its worker counts as "
+                             "hung and is restarted (default 120)")
     parser.add_argument("--restart-every", type=int, default=40, metavar="K",
                         help="start a fresh worker after K ops, bounding memory growth (default 40)")
     return parser.parse_args(argv)
@@ -501,8 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [full_name(op) for op in select_ops(args.ops)]
     start = time.perf_counter()
-    ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout * args.max_samples,
-                         args.restart_every, progress=lambda line: print(line, flush=True))
+    paths = PATHS[args.path]
+    ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout * args.max_samples * len(paths),
+                         args.restart_every, progress=lambda line: print(line, flush=True), paths=paths)
     report = build_report(ops, adapter, argv, args, time.perf_counter() - start)
     coverage_report.write(report, args.json, args.markdown)
     print(coverage_report.summary(report))

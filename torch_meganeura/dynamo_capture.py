@@ -45,3 +45,18 @@ def compile_quieting_logging_if_refused(run) -> None:
             raise
     with quiet_logging_for_dynamo():
         run()
+
+
+# What tracing a whole step (dynamo's fullgraph capture, then make_fx over torch.func) cannot do, though the backend
+# runs the same loss: a graph break or data-dependent guard in dynamo, a data-dependent guard in make_fx (prod's
+# backward over zeros), an autograd.Function without setup_context under torch.func, a fake tensor whose data an
+# op reads (tensor_split's index tensor). compile_train_step then runs the loss through the backend instead.
+CAPTURE_LIMIT_TYPES = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                       torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
+CAPTURE_LIMIT_MESSAGES = ("autograd.Function with functorch transforms", "data is not allocated yet")
+
+
+def is_capture_limit(err: BaseException) -> bool:
+    """Whether ``err`` says the whole step cannot be traced as one graph (not that something is wrong)."""
+    return isinstance(err, CAPTURE_LIMIT_TYPES) or (
+        isinstance(err, RuntimeError) and any(m in str(err) for m in CAPTURE_LIMIT_MESSAGES))

@@ -88,8 +88,13 @@ def update(opts: dict, param, grad, state: list, h: dict) -> tuple[torch.Tensor,
     return _adam(opts, param, grad, state, h)
 
 
+def _with_weight_decay(grad, param, weight_decay):
+    """grad + weight_decay * param where weight_decay is not 0: torch skips the term at 0, and 0 * inf is NaN."""
+    return torch.where(weight_decay != 0, grad + weight_decay * param, grad)
+
+
 def _sgd(opts, param, grad, state, h):
-    grad = grad + h["weight_decay"] * param
+    grad = _with_weight_decay(grad, param, h["weight_decay"])
     if opts["slots"]:
         (buf,) = state
         buf = torch.where(h["first"] > 0.5, grad, buf * h["momentum"] + (1 - h["dampening"]) * grad)
@@ -103,7 +108,7 @@ def _adam(opts, param, grad, state, h):
     if opts["kind"] == "adamw":
         param = param * h["decay"]
     else:
-        grad = grad + h["weight_decay"] * param
+        grad = _with_weight_decay(grad, param, h["weight_decay"])
     weight = h["beta1_weight"]  # torch's lerp: start + w (end - start) for w < 0.5, else end - (end - start)(1 - w)
     exp_avg = torch.where(weight < 0.5, exp_avg + weight * (grad - exp_avg), grad - (grad - exp_avg) * (1 - weight))
     exp_avg_sq = exp_avg_sq * h["beta2"] + h["one_minus_beta2"] * grad * grad

@@ -55,7 +55,7 @@ class StepParams(ParamStore):
 
 class SegmentedLoss:
     """The loss of ``owner`` compiled with the backend (graph breaks allowed), its parameters bound from the step's
-    device arrays. ``graph_breaks`` says why dynamo split it."""
+    device arrays. ``graph_breaks`` says why the step could not be traced whole, then where dynamo split it."""
 
     def __init__(self, owner, reason: BaseException):
         self.graph_breaks = [_first_line(reason)]
@@ -83,7 +83,8 @@ class SegmentedLoss:
             self._reported = True
             self.graph_breaks += [r for r in _graph_break_reasons() if r not in self.graph_breaks]
             warnings.warn("meganeura: compile_train_step runs the loss as several device graphs with eager Python "
-                          f"between them; dynamo broke the graph: {'; '.join(self.graph_breaks)}", stacklevel=4)
+                          f"between them; it could not be traced as one graph: {'; '.join(self.graph_breaks)}",
+                          stacklevel=4)
         return loss.detach()
 
 

@@ -43,7 +43,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from . import data_parallel, optimizers
 from .decompositions import before_autograd_table, decomposition_table
-from .dynamo_capture import compile_quieting_logging_if_refused
+from .dynamo_capture import compile_quieting_logging_if_refused, is_capture_limit
 from .device_graph import compile_device_graph, feed, program_for, unsupported_listing
 from .params import upload_array
 from .partition import fallback_ops
@@ -234,7 +234,9 @@ class TrainStep:
         if self._segmented is None or mode == "update":
             try:
                 return _CompiledStep(self, batch, mode)
-            except torch._dynamo.exc.Unsupported as err:
+            except Exception as err:  # noqa: BLE001 - is_capture_limit picks what the backend can run instead
+                if not is_capture_limit(err):
+                    raise
                 if self.data_parallel is not None or mode == "update":
                     raise NotImplementedError("a data-parallel compile_train_step needs a loss that dynamo "
                                               f"captures as one graph: {err}") from err
@@ -525,7 +527,9 @@ def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: 
     def value(src):
         if isinstance(src, torch.Tensor):
             return src.detach()
-        if isinstance(src, str) and src.split(":", 1)[0] in ("param", "frozen"):
+        if isinstance(src, str) and src.split(":", 1)[0] == "param":  # traced as differentiated (embedding_bag
+            return params[src.split(":", 1)[1]].detach().requires_grad_()  # keeps what its backward needs)
+        if isinstance(src, str) and src.startswith("frozen:"):
             return params[src.split(":", 1)[1]].detach()
         if isinstance(src, str) and src.startswith("buffer:"):
             return buffers[src[7:]].detach().clone()
