@@ -1,0 +1,254 @@
+"""Tracing a training step into one fx graph: the loss captured by dynamo (fullgraph), re-traced through the
+decompositions aot_autograd applies before differentiating, then differentiated and updated functionally
+(``make_fx`` over ``torch.func.grad_and_value`` and the optimizer's update from ``optimizers``), with every
+placeholder named by its role (``"param:NAME"``, ``"state:SLOT:NAME"``, ``"batch:I"``...). ``train_step`` compiles
+the graphs these return.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import fx
+from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import optimizers
+from .decompositions import before_autograd_table, decomposition_table
+from .dynamo_capture import compile_quieting_logging_if_refused
+
+
+def _capture(owner, batch: tuple):
+    """The loss as a straight-line fx graph (dynamo, fullgraph) and what feeds each of its placeholders: a role
+    ("param:NAME", "frozen:NAME", "buffer:NAME", "batch:I") or, for anything else dynamo lifted, the tensor."""
+    model = owner.model
+    roles_by_id = {id(p): f"{'param' if p.requires_grad else 'frozen'}:{n}" for n, p in model.named_parameters()}
+    roles_by_id.update({id(b): f"buffer:{n}" for n, b in model.named_buffers()})
+    roles_by_id.update({id(t): f"batch:{i}" for i, t in enumerate(batch) if isinstance(t, torch.Tensor)})
+    captured = {}
+
+    def grab(gm, example_inputs):
+        captured["gm"], captured["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    def call(*args):
+        return owner.loss_fn(model, *args)
+
+    # dynamo caches compiled frames per code object and refuses (under fullgraph) past its recompile limit: a fresh
+    # code object per capture keeps every TrainStep's capture independent of the ones before it
+    call = types.FunctionType(call.__code__.replace(), call.__globals__, closure=call.__closure__)
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # the capture run updates BatchNorm stats
+    try:
+        compile_quieting_logging_if_refused(
+            lambda: torch.compile(call, backend=grab, fullgraph=True, dynamic=False)(*batch))
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+    sources = [roles_by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in captured["inputs"]]
+    return captured["gm"], sources
+
+
+def trace_step(owner, batch: tuple, mode: str, decompose_all: bool = False):
+    """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
+    gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs by ``mode``:
+      "step"        loss, new params, changed buffers, new optimizer state;
+      "accumulate"  loss, new accumulators (+ this micro-batch's gradients), changed buffers;
+      "apply"       as "step" with the accumulated gradients, then zeroed accumulators;
+      "grads"       loss and gradients, nothing else (buffers unchanged);
+      "local"       loss, gradients (+ the accumulated ones, unclipped), changed buffers, zeroed accumulators:
+                    a data-parallel step's first plan (``trace_update`` traces its second)."""
+    model, opts = owner.model, owner._opts
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    slots = opts["slots"]
+    captured, sources = _capture(owner, batch)
+    tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
+    extra = [src for src in sources if isinstance(src, torch.Tensor)]
+    table = decomposition_table() if decompose_all else before_autograd_table()
+    loss_graph = _decomposed(captured, sources, params, buffers, batch, table)
+    read = {src for src, ph in zip(sources, captured.graph.find_nodes(op="placeholder")) if ph.users}
+    unused = frozenset(i for i, n in enumerate(owner._trainable) if f"param:{n}" not in read)
+
+    k = owner.accumulation_steps
+    accumulating = k > 1 and mode in ("accumulate", "apply", "local")
+
+    def step(train, frozen, bufs, state, acc, hyper, batch_tensors, extra_tensors):
+        fixed = {**{f"frozen:{n}": t for n, t in zip(owner._frozen, frozen)},
+                 **{f"batch:{i}": t for i, t in zip(tensors, batch_tensors)}}
+
+        def loss_of(ps, bs):
+            # buffers are an argument (not captured) because the forward mutates them (BatchNorm statistics)
+            values = {**fixed, **{f"param:{n}": t for n, t in zip(owner._trainable, ps)},
+                      **{f"buffer:{n}": t for n, t in zip(owner._buffers, bs)}}
+            extras = iter(extra_tensors)
+            args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
+            loss = loss_graph(*args)
+            return (loss / k if accumulating else loss), list(bs)
+
+        bufs = [b.clone() for b in bufs]
+        grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
+        if mode == "accumulate":
+            return loss, [a + g for a, g in zip(acc, grads)], bufs
+        if mode in ("apply", "local") and k > 1:
+            grads = [a + g for a, g in zip(acc, grads)]
+        if mode == "local":
+            return loss, list(grads), bufs, [torch.zeros_like(a) for a in acc]
+        if owner.max_grad_norm is not None:
+            grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
+        if mode == "grads":
+            return loss, list(grads)
+        new_params, flat_state = _update(owner, train, grads, state, hyper, unused)
+        if mode == "apply":
+            return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
+        return loss, new_params, bufs, flat_state
+
+    example = ([params[n].detach() for n in owner._trainable], [params[n].detach() for n in owner._frozen],
+               [buffers[n].detach() for n in owner._buffers],
+               [torch.zeros_like(params[n]) for _ in slots for n in owner._trainable],
+               [torch.zeros_like(params[n]) for n in owner._trainable] if k > 1 else [],
+               optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), [batch[i] for i in tensors],
+               [t.detach() for t in extra])
+    gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*example)
+    roles = ([f"param:{n}" for n in owner._trainable] + [f"frozen:{n}" for n in owner._frozen]
+             + [f"buffer:{n}" for n in owner._buffers]
+             + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+             + ([f"acc:{n}" for n in owner._trainable] if k > 1 else []) + ["hyper"]
+             + [f"batch:{i}" for i in tensors] + [f"constant:extra{k}" for k in range(len(extra))])
+    accumulators = [f"acc:{n}" for n in owner._trainable]
+    updated = ([f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
+               + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
+    outputs = ["loss"] + {"step": updated, "apply": updated + accumulators,
+                          "grads": [f"grad:{n}" for n in owner._trainable],
+                          "local": ([f"grad:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
+                                    + (accumulators if k > 1 else [])),
+                          "accumulate": accumulators + [f"buffer:{n}" for n in owner._buffers]}[mode]
+    constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
+    constants.update(_lift_constants(gm, roles))
+    outputs = _drop_unchanged_outputs(gm, roles, outputs)
+    return gm, roles, outputs, constants
+
+
+def _update(owner, train: list, grads: list, state: list, hyper: torch.Tensor, unused=frozenset()):
+    """The optimizer's update of every trainable parameter: (new params, new state flattened slot-major). Those at
+    the indices ``unused`` (the loss does not read them: eager leaves their ``.grad`` None) stay as they are, as
+    torch's optimizers leave them (no weight decay, no momentum step)."""
+    opts, n_train = owner._opts, len(owner._trainable)
+    slots = opts["slots"]
+    new_params, new_state = [], []
+    fields = optimizers.group_fields(opts, hyper)
+    for i, (p, g) in enumerate(zip(train, grads)):
+        per_param = [state[s * n_train + i] for s in range(len(slots))]
+        if i not in unused:
+            p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
+        new_params.append(p)
+        new_state.append(per_param)
+    return new_params, [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
+
+
+def trace_update(owner):
+    """fx graph of a data-parallel step's update: (params, optimizer state, hyperparameters, averaged gradients)
+    -> (new params, new state), the gradients clipped first if ``max_grad_norm``. Returns what ``trace_step`` does."""
+    params = dict(owner.model.named_parameters())
+    slots = owner._opts["slots"]
+
+    def update(train, state, hyper, grads):
+        if owner.max_grad_norm is not None:
+            grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
+        return _update(owner, train, grads, state, hyper)
+
+    trainable = [params[n].detach() for n in owner._trainable]
+    example = (trainable, [torch.zeros_like(p) for _ in slots for p in trainable],
+               optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)),
+               [torch.zeros_like(p) for p in trainable])
+    gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*example)
+    roles = ([f"param:{n}" for n in owner._trainable] + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+             + ["hyper"] + [f"grad:{n}" for n in owner._trainable])
+    outputs = [f"param:{n}" for n in owner._trainable] + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+    constants = _lift_constants(gm, roles)
+    outputs = _drop_unchanged_outputs(gm, roles, outputs)
+    return gm, roles, outputs, constants
+
+
+def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple, table: dict):
+    """The captured loss graph re-traced through ``table`` before it is differentiated: the decompositions
+    aot_autograd applies before differentiating (``before_autograd_table``; upsample's backward formula has no
+    decomposition, its decomposition's does), or, where some backward formula has no lowering, all of them."""
+    def value(src):
+        if isinstance(src, torch.Tensor):
+            return src.detach()
+        if isinstance(src, str) and src.split(":", 1)[0] == "param":  # traced as differentiated (embedding_bag
+            return params[src.split(":", 1)[1]].detach().requires_grad_()  # keeps what its backward needs)
+        if isinstance(src, str) and src.startswith("frozen:"):
+            return params[src.split(":", 1)[1]].detach()
+        if isinstance(src, str) and src.startswith("buffer:"):
+            return buffers[src[7:]].detach().clone()
+        if isinstance(src, str) and src.startswith("batch:"):
+            return batch[int(src[6:])]
+        return src
+
+    def loss(*args):
+        out = captured(*args)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return make_fx(loss, decomposition_table=table, tracing_mode="fake")(*map(value, sources))
+
+
+def _lift_constants(gm: fx.GraphModule, roles: list) -> dict:
+    """Turn tensor constants (get_attr) into trailing placeholders; returns their values by role."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    constants = {}
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        value = getattr(gm, node.target)
+        role = f"constant:{node.target}"
+        with gm.graph.inserting_after(placeholders[-1]):
+            ph = gm.graph.placeholder(node.target.replace(".", "_") + "_lifted")
+        placeholders.append(ph)
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        roles.append(role)
+        constants[role] = value
+    _drop_input_copies(gm)
+    gm.recompile()
+    return constants
+
+
+def _drop_input_copies(gm: fx.GraphModule) -> None:
+    """Remove the copy_ writes that functionalization leaves: into an input at the end (the step returns those
+    values), or into an intermediate when nothing reads the destination afterwards (the copy's result is the
+    source, cast and expanded to the destination)."""
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy_.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if dst.op == "placeholder" and not node.users:
+            gm.graph.erase_node(node)
+            continue
+        if any(order[u] > order[node] for u in dst.users if u is not node):
+            raise NotImplementedError(f"compile_train_step: {dst.name} is read after an in-place copy into it")
+        want, have = dst.meta["val"], src.meta["val"]
+        with gm.graph.inserting_before(node):
+            value = src
+            if have.dtype != want.dtype:
+                value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype})
+            if tuple(have.shape) != tuple(want.shape):
+                value = gm.graph.call_function(aten.expand.default, (value, list(want.shape)))
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+
+
+def _drop_unchanged_outputs(gm: fx.GraphModule, roles: list, outputs: list) -> list:
+    """Outputs that are their own input (a buffer the forward does not change) stay as they are on the device."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0])  # make_fx returns the step's outputs flattened, in ``outputs`` order
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    role_of = {ph: roles[i] for i, ph in enumerate(placeholders)}
+    kept = [(node, name) for node, name in zip(flat, outputs) if role_of.get(node) != name]
+    out.args = (tuple(node for node, _ in kept),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return [name for _, name in kept]
