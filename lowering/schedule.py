@@ -9,11 +9,13 @@ contiguous tensors, with the index math simplified against the kernel's iteratio
 from __future__ import annotations
 
 import hashlib
+from typing import Callable, NamedTuple
 
 from meganeura.kernels import attention as attention_kernels
 from meganeura.kernels import matmul as matmul_kernels
 from meganeura.kernels.matmul_tuning import MatmulProblem
 from meganeura.kernels import pointwise as pointwise_kernels
+from meganeura.kernels.prelude import ATTENTION_ARGS, attention_prelude, matmul_prelude
 from meganeura.kernels import reduce as reduce_kernels
 from meganeura.kernels import wgsl
 from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
@@ -31,6 +33,19 @@ from .planner import Interval, place
 LOOPED_FETCH_BLOCKS = 4
 
 
+# The status buffer (and binding): 4 u32 words; kernels raise word 0 (atomicMax) and the runtime reads all back.
+STATUS_BYTES = 16
+
+
+class Slots(NamedTuple):
+    """A node's bindings, as ``_bindings`` lays them out."""
+    bound: list  # value ids (or "status", or the arena key of partial results) in slot order
+    decl: list  # (slot, WGSL name, element type) of each slot
+    exprs: list  # the node's expressions, with loads read from slots
+    out_slots: list  # the slot of each output value
+    name: Callable[[int], str]  # slot -> WGSL name
+
+
 def tensor_bytes(v: Value) -> int:
     return max(4 * v.numel, 4)
 
@@ -44,12 +59,35 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     generator's own rule decides.
     f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast"). ``on_kernel(wgsl, bindings,
     key)`` is told of each kernel as soon as it is generated (a device can start compiling it while the rest are)."""
-    alignment = limits.get("min-storage-buffer-offset-alignment", 256)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
-    placement: dict[int, tuple[str, int]] = {}  # value id -> (buffer, offset)
+    values = {v.id: v for n in graph.nodes for v in n.outs}
+    buffers, inputs, params, outputs, placement = _own_buffers(graph)
+    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, limits, choose_matmuls)
+    intervals, scratch = _arena_intervals(kernels, placement, limits, variants)
+    sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
+    offsets, arena_size = place(intervals, limits.get("min-storage-buffer-offset-alignment", 256))
+    if intervals:
+        buffers.append(BufferSpec("arena", arena_size, "arena"))
+        placement.update({key: ("arena", off) for key, off in offsets.items()})
+    if graph.status_messages:
+        buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
+
+    binding_of = _binding_table(placement, sizes, values)
+    sources, dispatches = _emit_dispatches(kernels, values, limits, scratch, variants, binding_of, on_kernel)
+    plan_stats = dict(stats or {})
+    plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
+                      dispatches=len(dispatches), kernels=len(sources))
+    plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats)
+    plan.validate()
+    return plan
+
+
+def _own_buffers(graph: Graph) -> tuple[list[BufferSpec], list, list, list, dict[int, tuple[str, int]]]:
+    """The buffers of the graph's inputs, parameters and outputs, each a buffer of its own: (buffers, input specs,
+    parameter specs, output specs, value id -> (buffer, offset))."""
+    placement: dict[int, tuple[str, int]] = {}
     buffers: list[BufferSpec] = []
     inputs, params, outputs = [], [], []
-
     for node in graph.nodes:
         if isinstance(node, Input):
             v = node.out
@@ -64,64 +102,76 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
         buffers.append(BufferSpec(buf, tensor_bytes(v), "output"))
         outputs.append(TensorSpec(buf, buf, 0, v.shape, v.dtype))
         placement[v.id] = (buf, 0)
+    return buffers, inputs, params, outputs, placement
 
+
+def _last_reads(kernels: list[Node]) -> dict[int, int]:
+    """Value id -> step (index in ``kernels``) of the last kernel that reads it."""
     last_use: dict[int, int] = {}
     for step, node in enumerate(kernels):
         for e in node.exprs():
             for ld in E.loads_of(e):
                 last_use[ld.args[0]] = step
+    return last_use
+
+
+def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
+                     variants: dict) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
+    """The lifetimes the arena holds, and node id -> (slices, arena key of their partial results) of each node cut
+    into slices. Each value without a buffer of its own lives from the step that writes it to its last read; the
+    partial results of a sliced node, keyed -1 - step (no value id collides), during its step."""
+    last_use = _last_reads(kernels)
     intervals = [
         Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
     ]
-    values = {v.id: v for n in graph.nodes for v in n.outs}
-    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, limits, choose_matmuls)
-    scratch: dict[int, tuple[int, int]] = {}  # node id -> (slices, arena key of their partial results)
+    scratch: dict[int, tuple[int, int]] = {}
     for step, node in enumerate(kernels):
         split, floats = _slices(node, limits, variants.get(id(node)))
         if split > 1:
-            scratch[id(node)] = (split, -1 - step)  # negative keys: no value id collides
+            scratch[id(node)] = (split, -1 - step)
             intervals.append(Interval(-1 - step, 4 * floats, step, step))
-    sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
-    offsets, arena_size = place(intervals, alignment)
-    if intervals:
-        buffers.append(BufferSpec("arena", arena_size, "arena"))
-        placement.update({key: ("arena", off) for key, off in offsets.items()})
-    if graph.status_messages:
-        buffers.append(BufferSpec("status", 16, "status"))
+    return intervals, scratch
 
+
+def _binding_table(placement: dict, sizes: dict, values: dict) -> dict:
+    """Bound value id (or "status", or the arena key of partial results) -> its ``Binding``."""
+    table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid]))
+             for vid, (buf, off) in placement.items()}
+    table["status"] = Binding("status", 0, STATUS_BYTES)
+    return table
+
+
+def _emit_dispatches(kernels: list[Node], values: dict, limits: dict, scratch: dict, variants: dict,
+                     binding_of: dict, on_kernel) -> tuple[dict[str, str], list[Dispatch]]:
+    """(WGSL by kernel key, dispatches in order) of the nodes that write anything; ``on_kernel`` hears of each new
+    kernel as it is generated."""
     sources: dict[str, str] = {}
     dispatches = []
     for node in kernels:
         if all(v.numel == 0 for v in node.outs):
             continue
-        label = getattr(node, "label", "") or type(node).__name__.lower()
-        if isinstance(node, Matmul):  # the GEMM shape tells matmuls apart in profiles and errors
-            m, n = node.rows, node.columns
-            label += f" {node.batch}x{m}x{n}x{node.k}" if node.batch > 1 else f" {m}x{n}x{node.k}"
+        label = _label(node)
         passes = _kernel(node, values, limits, scratch.get(id(node)), variants.get(id(node)))
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
-            bindings = []
-            for vid in bound:
-                if vid == "status":
-                    bindings.append(Binding("status", 0, 16))
-                else:
-                    buf, off = placement[vid]
-                    bindings.append(Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid])))
+            bindings = tuple(binding_of[vid] for vid in bound)
             if key not in sources and on_kernel is not None:
                 on_kernel(source, len(bindings), key)
             sources[key] = source
-            dispatches.append(Dispatch(key, tuple(bindings), tuple(groups), label + (merge if i else "")))
+            dispatches.append(Dispatch(key, bindings, tuple(groups), label + (merge if i else "")))
+    return sources, dispatches
 
-    unplanned = sum(iv.size for iv in intervals)
-    plan_stats = dict(stats or {})
-    plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=unplanned,
-                      dispatches=len(dispatches), kernels=len(sources))
-    plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats)
-    plan.validate()
-    return plan
+
+def _label(node: Node) -> str:
+    """A node's dispatch label: its own or its type's name; a matmul's adds the GEMM shape, which tells matmuls apart
+    in profiles and errors."""
+    label = getattr(node, "label", "") or type(node).__name__.lower()
+    if isinstance(node, Matmul):
+        m, n = node.rows, node.columns
+        label += f" {node.batch}x{m}x{n}x{node.k}" if node.batch > 1 else f" {m}x{n}x{node.k}"
+    return label
 
 
 def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) -> dict[int, matmul_kernels.MatmulChoice]:
@@ -146,12 +196,11 @@ _TUNING_PARTIAL = "tuning partial sums"  # the bound key of a problem's partial-
 def _matmul_problem(node: Matmul, values: dict, f16: bool) -> MatmulProblem:
     """The tuning problem of a tiled matmul node: its shape and layouts, and its kernel's prelude with a partial-sum
     binding last (as a split variant's kernel has it)."""
-    bound, decl, exprs, out_slots, name = _bindings(node, values, _TUNING_PARTIAL)
-    a_fast, b_fast = _fast_axes(exprs)
-    sizes = tuple(16 if vid == "status" else tensor_bytes(values[vid]) for vid in bound[:-1])
-    prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
-    return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16, prelude, sizes,
-                         name(len(bound) - 1), _looped_operand(node))
+    slots = _bindings(node, values, _TUNING_PARTIAL)
+    a_fast, b_fast = _fast_axes(slots.exprs)
+    sizes = tuple(STATUS_BYTES if vid == "status" else tensor_bytes(values[vid]) for vid in slots.bound[:-1])
+    return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16, _matmul_prelude(node, slots),
+                         sizes, slots.name(len(slots.bound) - 1), _looped_operand(node))
 
 
 def _looped_operand(node: Matmul) -> str:
@@ -204,10 +253,9 @@ def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
                                             node.dv, node.scale, node.causal, node.bias is not None)
 
 
-def _bindings(node: Node, values: dict, scratch_key=None):
-    """A node's bindings: (bound value ids in slot order, their declarations (slot, name, element type), the
-    node's expressions with loads read from slots, the output slots, slot -> WGSL name). A status binding follows
-    the values where an expression checks something, and ``scratch_key`` (f32 partial results) comes last."""
+def _bindings(node: Node, values: dict, scratch_key=None) -> Slots:
+    """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
+    ``scratch_key`` (f32 partial results) comes last."""
     bound: list = []
 
     def slot_of(vid) -> int:
@@ -236,86 +284,79 @@ def _bindings(node: Node, values: dict, scratch_key=None):
             decl.append((slot, name(slot), "f32"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[values[vid].compute_dtype]))
-    return bound, decl, exprs, out_slots, name
+    return Slots(bound, decl, exprs, out_slots, name)
 
 
 def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None,
             variant: matmul_kernels.MatmulChoice | None = None) -> list[tuple]:
-    """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a matmul
-    or attention pass cut into slices (``scratch``: slices and the arena key of their partial results). A matmul
-    node's kernel is ``variant``."""
-    bound, decl, exprs, out_slots, name = _bindings(node, values, scratch[1] if scratch is not None else None)
-    if isinstance(node, Pointwise):
-        outputs = [(name(s), v.compute_dtype, e) for s, v, e in zip(out_slots, node.outs, exprs)]
-        src, groups = pointwise_kernels.pointwise_kernel(bindings=decl, outputs=outputs, shape=node.out.shape,
-                                                         limits=limits)
-    elif isinstance(node, Reduce):
-        n_phases = len(node.phases)
-        phases = [(op, e) for (op, _), e in zip(node.phases, exprs[:n_phases])]
-        results = [(r.per_element, e, name(s), v.compute_dtype)
-                   for r, e, s, v in zip(node.results, exprs[n_phases:], out_slots, node.outs)]
-        split, partial = (scratch[0], name(bound.index(scratch[1]))) if scratch is not None else (1, None)
-        return [(src, groups, bound) for src, groups in reduce_kernels.reduce_kernel(
-            bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
-            split=split, partial=partial)]
-    elif isinstance(node, Matmul):
-        a_fast, b_fast = _fast_axes(exprs)
-        prelude = _matmul_prelude(decl, exprs, [name(s) for s in out_slots], node)
-        dims = dict(batch=node.batch, m=node.rows, n=node.columns)
-        shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
-                     f16=variant.f16, looped=_looped_operand(node))
-        if scratch is not None:
-            split, partial = scratch[0], name(bound.index(scratch[1]))
-            return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), bound),
-                    (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial,
-                                                         limits=limits), bound)]
-        src, groups = matmul_kernels.matmul_kernel(prelude, **dims, **shape)
-    elif isinstance(node, Attention):
-        partial = name(bound.index(scratch[1])) if scratch is not None else None
-        # (a vec4 binding needs its offset, a binding offset, on a 16-byte boundary)
-        vec4_bindings = limits.get("min-storage-buffer-offset-alignment", 256) % 16 == 0
-        prelude = _attention_prelude(decl, exprs, node, bound,
-                                     limits.get("max-storage-buffers-per-shader-stage", 8) if vec4_bindings else 0)
-        return [(src, groups, bound) for src, groups in attention_kernels.attention_kernel(
-            prelude, node.kind, _attention_shape(node), [name(s) for s in out_slots], limits, partial)]
-    else:
+    """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut
+    into slices (``scratch``: slices and the arena key of their partial results). A matmul node's kernel is
+    ``variant``. ``KERNELS`` holds the generator of each node type."""
+    slots = _bindings(node, values, scratch[1] if scratch is not None else None)
+    generate = KERNELS.get(type(node))
+    if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
-    return [(src, groups, bound)]
+    return generate(node, slots, limits, scratch, variant)
 
 
-ATTENTION_ARGS = {"q": "bhic", "k": "bhjc", "v": "bhjc", "bias": "bhij", "dout": "bhic", "lse": "bhi", "delta": "bhi"}
+def _pointwise_kernels(node: Pointwise, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
+    outputs = [(slots.name(s), v.compute_dtype, e) for s, v, e in zip(slots.out_slots, node.outs, slots.exprs)]
+    src, groups = pointwise_kernels.pointwise_kernel(bindings=slots.decl, outputs=outputs, shape=node.out.shape,
+                                                     limits=limits)
+    return [(src, groups, slots.bound)]
 
 
-def _attention_prelude(decl, exprs, node: Attention, bound: list, max_bindings: int) -> str:
-    """Binding declarations and one ``load_<operand>`` function per operand expression of ``node``; and, for a
-    head-size operand that reads f32 rows starting at multiples of 4 elements (``_quad_rows``), ``load_<operand>4``
-    reading a vec4 at once through a second binding of the same value, typed as vec4s (appended to ``bound`` and
-    ``decl``), while the bindings stay within ``max_bindings``. H200: the flash forward of 6 heads x 1500 x 1500,
-    d 64, 195 -> 183 us; 4 x 12 heads x 1024 x 1024 600 -> 585 us; 2 x 8 heads x 256 x 256, d 40 27.3 -> 24.9 us."""
-    loaders, aliases = [], set()
-    for operand, e in zip(node.operands(), exprs):
-        args = ATTENTION_ARGS[operand]
-        head = ", ".join(f"{x}: u32" for x in args)
-        casts = "".join(f"  let {x}_ = i32({x});\n" for x in args)
-        em = wgsl.Emitter([f"{x}_" for x in args])
-        value = em.value(E.cast(e, E.F32))
-        loaders.append(f"fn load_{operand}({head}) -> f32 {{\n{casts}" + "\n".join(em.lines)
-                       + f"\n  return {value};\n}}")
-        quads = _quad_rows(e, decl, node.dv if operand in ("v", "dout") else node.d) if args[-1] == "c" else None
-        if quads is not None and (quads[0] in aliases or len(bound) < max_bindings):
-            slot, row = quads
-            if slot not in aliases:  # one vec4 binding per value, however many operands read it
-                aliases.add(slot)
-                decl.append((len(bound), f"b{slot}_4", "vec4<f32>"))
-                bound.append(bound[slot])
-            em = wgsl.Emitter([f"{x}_" for x in args])
-            start = em.value(row)
-            row_args = args[:-1]
-            loaders.append(f"fn load_{operand}4({''.join(f'{x}: u32, ' for x in row_args)}c4: u32) -> vec4<f32> {{\n"
-                           + "".join(f"  let {x}_ = i32({x});\n" for x in row_args) + "\n".join(em.lines)
-                           + f"\n  return b{slot}_4[{start} + i32(c4)];\n}}")
-    body = "\n".join([wgsl.binding_decls(decl), *loaders])
-    return body + "\n" + wgsl.helpers_for(body)
+def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
+    n_phases = len(node.phases)
+    phases = [(op, e) for (op, _), e in zip(node.phases, slots.exprs[:n_phases])]
+    results = [(r.per_element, e, slots.name(s), v.compute_dtype)
+               for r, e, s, v in zip(node.results, slots.exprs[n_phases:], slots.out_slots, node.outs)]
+    split, partial = (scratch[0], slots.name(slots.bound.index(scratch[1]))) if scratch is not None else (1, None)
+    return [(src, groups, slots.bound) for src, groups in reduce_kernels.reduce_kernel(
+        bindings=slots.decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
+        split=split, partial=partial)]
+
+
+def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
+                    variant: matmul_kernels.MatmulChoice) -> list[tuple]:
+    """The matmul pass; cut into slices of K, the slices' pass and the pass summing them."""
+    a_fast, b_fast = _fast_axes(slots.exprs)
+    prelude = _matmul_prelude(node, slots)
+    dims = dict(batch=node.batch, m=node.rows, n=node.columns)
+    shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
+                 f16=variant.f16, looped=_looped_operand(node))
+    if scratch is None:
+        return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]
+    split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
+    return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), slots.bound),
+            (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial, limits=limits),
+             slots.bound)]
+
+
+def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
+    partial = slots.name(slots.bound.index(scratch[1])) if scratch is not None else None
+    # (a vec4 binding needs its offset, a binding offset, on a 16-byte boundary)
+    vec4_bindings = limits.get("min-storage-buffer-offset-alignment", 256) % 16 == 0
+    prelude = _attention_prelude(node, slots,
+                                 limits.get("max-storage-buffers-per-shader-stage", 8) if vec4_bindings else 0)
+    return [(src, groups, slots.bound) for src, groups in attention_kernels.attention_kernel(
+        prelude, node.kind, _attention_shape(node), [slots.name(s) for s in slots.out_slots], limits, partial)]
+
+
+# The kernel generator of each IR node type: (node, its Slots, limits, scratch, matmul variant) -> the passes.
+KERNELS = {Pointwise: _pointwise_kernels, Reduce: _reduce_kernels, Matmul: _matmul_kernels,
+           Attention: _attention_kernels}
+
+
+def _attention_prelude(node: Attention, slots: Slots, max_bindings: int) -> str:
+    """``kernels.prelude.attention_prelude`` of ``node``: each operand expression read as f32, with the vec4 row
+    reads of head-size operands where ``_quad_rows`` finds them (their bindings appended to the slots)."""
+    loads = []
+    for operand, e in zip(node.operands(), slots.exprs):
+        size = node.dv if operand in ("v", "dout") else node.d
+        quads = _quad_rows(e, slots.decl, size) if ATTENTION_ARGS[operand][-1] == "c" else None
+        loads.append((operand, E.cast(e, E.F32), quads))
+    return attention_prelude(slots.decl, slots.bound, loads, max_bindings)
 
 
 def _quad_rows(e: E.Expr, decl, size: int) -> tuple[int, E.Expr] | None:
@@ -330,53 +371,17 @@ def _quad_rows(e: E.Expr, decl, size: int) -> tuple[int, E.Expr] | None:
     return None if row is None else (slot, row)
 
 
-def _matmul_prelude(decl, exprs, out_names: list[str], node: Matmul) -> str:
-    """Bindings, ``load_a``, ``load_b`` and ``store_c``; with several outputs (``more_blocks``), the operand they
-    do not share and ``store_c`` pick the output's block by ``j`` (or ``i``) and index within it."""
-    axis = node.block_axis
+def _matmul_prelude(node: Matmul, slots: Slots) -> str:
+    """``kernels.prelude.matmul_prelude`` of ``node``: with several outputs (``more_blocks``), the operand they do not
+    share and the epilogue go by the output's block of ``node.block_axis``."""
+    axis, exprs = node.block_axis, slots.exprs
     starts = [sum(node.sizes[:k]) for k in range(len(node.sizes))]
     blocked = list(zip(starts, [exprs[0 if axis == "i" else 1], *exprs[3::2]]))  # the operand the outputs differ in
     a_blocks = blocked if axis == "i" else [(0, exprs[0])]
     b_blocks = blocked if axis == "j" else [(0, exprs[1])]
-    parts = [wgsl.binding_decls(decl),
-             _function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks]),
-             _function("load_b", ("b", "p", "j"), axis, [(s, e, None, None) for s, e in b_blocks])]
     epilogues = [exprs[2], *exprs[4::2]]
     stores = []
-    for s, e, out, size, v in zip(starts, epilogues, out_names, node.sizes, node.outs):
+    for s, e, slot, size, v in zip(starts, epilogues, slots.out_slots, node.sizes, node.outs):
         m, n = (size, node.n) if axis == "i" else (node.m, size)
-        stores.append((s, e, f"{out}[(b_ * {m}i + i_) * {n}i + j_] = {{}};", v.compute_dtype))
-    parts.append(_function("store_c", ("b", "i", "j"), axis, stores))
-    body = "\n".join(parts)
-    return body + "\n" + wgsl.helpers_for(body)
-
-
-def _function(name: str, args: tuple[str, ...], axis: str, blocks: list[tuple]) -> str:
-    """A WGSL function of u32 ``args`` (each also as i32 ``<arg>_``) computing one expression per block of ``axis``.
-
-    ``blocks`` holds (first index along ``axis``, expression, store, dtype) in order: a loader returns the
-    expression (store None, an f32); ``store_c`` (``acc`` in scope) writes it through its store template. With more
-    than one block, ``<axis>_`` counts from the block's first index, and a block before the last runs only below the
-    next one's first index."""
-    loader = blocks[0][2] is None
-    head = ", ".join(f"{x}: u32" for x in args) + ("" if loader else ", acc: f32")
-    lines = [f"fn {name}({head})" + (" -> f32" if loader else "") + " {"]
-    blocked = axis in args and len(blocks) > 1
-    lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
-    for k, (start, e, store, dtype) in enumerate(blocks):
-        last = k == len(blocks) - 1
-        indent = "  " if last else "    "
-        if not last:
-            lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
-        if blocked:
-            lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {start}i;" if start else ";"))
-        em = wgsl.Emitter([f"{x}_" for x in args], [] if loader else ["acc"], indent=indent)
-        value = em.value(e)
-        lines += em.lines
-        if loader:
-            lines.append(f"{indent}return {value};")
-        else:
-            lines.append(indent + store.format(wgsl.store(value, dtype)) + ("" if last else " return;"))
-        if not last:
-            lines.append("  }")
-    return "\n".join(lines + ["}"])
+        stores.append((s, e, slots.name(slot), m, n, v.compute_dtype))
+    return matmul_prelude(slots.decl, axis, a_blocks, b_blocks, stores)

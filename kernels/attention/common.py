@@ -1,0 +1,55 @@
+"""WGSL pieces shared by the attention passes: the masked-score convention (``MASKED``, ``PROB``), the kernel head
+over a folded grid, vec4 loaders over the caller's element loads, and the constants and range of a pass cut into
+slices of the other sequence."""
+from __future__ import annotations
+
+from .plans import AttentionShape, partial_layout
+
+# A score at or below this (an additive mask of -inf or the dtype's minimum) counts as masked out.
+MASKED = -1.0e38
+# The probability of a score against a row's log-sum-exp (or running max), zero where either is masked out.
+PROB = """fn prob(s: f32, lse: f32) -> f32 {
+  return select(exp(s - lse), 0.0, s <= MASKED || lse <= MASKED);
+}"""
+
+
+def entry(size: str = "T", index: str = "row", count: str = "ROWS") -> str:
+    """The kernel's head: ``index``, the linear workgroup id (folded grids), and an exit for ids past ``count``."""
+    return f"""@compute @workgroup_size({size})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {{
+  let {index} = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
+  if ({index} >= {count}) {{ return; }}  // uniform: the whole workgroup leaves
+"""
+
+
+def vec4_loaders(prelude: str, s: AttentionShape, *operands: str) -> str:
+    """``load_<x>4(b, h, r, c4)``: components 4*c4 .. 4*c4+3 of ``load_<x>``, zero past the head size, for c4 below
+    the row's vec4 count (every caller's range), where the caller's ``prelude`` does not define it (with one vec4
+    read). Only the last vec4's components past the head size are checked."""
+    sizes = {"q": s.d, "k": s.d, "v": s.dv, "dout": s.dv}
+    out = []
+    for x in operands:
+        if f"fn load_{x}4(" in prelude:
+            continue
+        size = sizes[x]
+        last = 4 * (-(-size // 4) - 1)  # the first component of the last vec4
+        parts = ", ".join(f"select(0.0, load_{x}(b, h, r, min(c + {t}u, {size - 1}u)), c + {t}u < {size}u)"
+                          if last + t >= size else f"load_{x}(b, h, r, c + {t}u)" for t in range(4))
+        out.append(f"fn load_{x}4(b: u32, h: u32, r: u32, c4: u32) -> vec4<f32> {{\n  let c = 4u * c4;\n"
+                   f"  return vec4<f32>({parts});\n}}\n")
+    return "".join(out)
+
+
+def split_constants(s: AttentionShape, kind: str, plan, grid) -> str:
+    """WGSL constants of a blocked or flash pass: its slices (``plan``: a BlockPlan or FlashPlan), output rows and
+    folded grid."""
+    rows, _ = partial_layout(s, kind)
+    return (f"const SPLITS: u32 = {plan.splits}u;\nconst CHUNK: u32 = {plan.chunk}u;\nconst ROWS: u32 = {rows}u;\n"
+            f"const GRID_X: u32 = {grid[0]}u;\nconst GRID_XY: u32 = {grid[0] * grid[1]}u;")
+
+
+def slice_bounds(what: str, end: str, start: str = "0u") -> str:
+    """WGSL: ``{what}_lo`` and ``{what}_end``, this workgroup's range of the other sequence: [start, end), cut to
+    slice ``split`` of CHUNK rows when the pass is cut into SPLITS slices (uniform across the workgroup)."""
+    return (f"  let {what}_lo = select({start}, max({start}, split * CHUNK), SPLITS > 1u);\n"
+            f"  let {what}_end = select({end}, min({end}, split * CHUNK + CHUNK), SPLITS > 1u);")

@@ -1,0 +1,29 @@
+"""``attention_kernel``: the dispatches of one attention pass, in the form its plan picks (flash forward, blocked or
+per row), followed by the merge where the pass is cut into slices."""
+from __future__ import annotations
+
+from . import blocked, blocked_grad, flash, merge, per_row
+from .plans import AttentionShape, block_plan, flash_plan
+
+
+def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
+                     partial: str | None = None) -> list[tuple[str, tuple[int, int, int]]]:
+    """WGSL and workgroup grid of each dispatch of pass ``kind`` ("forward", "grad_q" or "grad_kv"); ``outs``
+    names the output arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv. Where
+    ``attention_splits`` is above 1, ``partial`` names the scratch array and there are two dispatches: the
+    slices, then their merge."""
+    plan = flash_plan(shape, limits) if kind == "forward" else None
+    if plan is not None:
+        generate = flash.flash_forward  # read at call time: tests swap it for a spy
+    else:
+        plan = block_plan(shape, kind, limits)
+        if plan is None:
+            return [per_row.per_row_kernel(prelude, kind, shape, outs, limits)]
+        generate = {"forward": blocked.blocked_forward, "grad_q": blocked_grad.blocked_grad_q,
+                    "grad_kv": blocked_grad.blocked_grad_kv}[kind]
+    if plan.splits > 1 and partial is None:
+        raise ValueError(f"attention {kind} is cut into {plan.splits} slices and needs a partial array")
+    passes = [generate(prelude, shape, outs, plan, limits, partial)]
+    if plan.splits > 1:
+        passes.append(merge.merge_slices(prelude, shape, kind, outs, plan.splits, partial, limits))
+    return passes

@@ -1,0 +1,210 @@
+"""Per-row attention kernels, for head sizes the blocked form cannot hold in registers (d + dv above 160) or
+workgroup storage too small for its smallest tile: one workgroup per row, ``THREADS`` threads walking the other
+sequence in tiles of ``THREADS``:
+  forward  per query row (b, h, i): scores of a key tile, online softmax (running max and sum), the output
+           accumulated over value rows; writes out (b, h, i, :) and the row's log-sum-exp;
+  grad_q   per query row: recomputes the tile's probabilities from the saved log-sum-exp, dS = P (dO.V - delta),
+           dQ += dS K;
+  grad_kv  per key row (b, g, j) of KV head g: walks every query head of its group and every query row,
+           dV += P dO and dK += dS Q. Each output is owned by one workgroup: no atomics.
+"""
+from __future__ import annotations
+
+from ..matmul import fold_grid
+from .common import MASKED, PROB, entry
+from .plans import AttentionShape
+
+THREADS = 64  # threads per workgroup, and rows of the other sequence per tile
+
+
+def per_row_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str],
+                   limits: dict) -> tuple[str, tuple[int, int, int]]:
+    """WGSL and workgroup grid of pass ``kind`` ("forward", "grad_q" or "grad_kv"), one workgroup per row;
+    ``outs`` names the output arrays as ``attention_kernel`` takes them."""
+    rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
+    grid = fold_grid(rows, limits.get("max-compute-workgroups-per-dimension", 65535))
+    body = {"forward": _forward, "grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
+    source = "\n".join([prelude, _constants(shape, rows, grid), _helpers(shape), body])
+    return source, grid
+
+
+def _constants(s: AttentionShape, rows: int, grid) -> str:
+    return "\n".join([
+        f"const T: u32 = {THREADS}u;", f"const H: u32 = {s.heads}u;", f"const HKV: u32 = {s.kv_heads}u;",
+        f"const GROUP: u32 = {s.heads // s.kv_heads}u;", f"const LQ: u32 = {s.lq}u;", f"const LK: u32 = {s.lk}u;",
+        f"const D: u32 = {s.d}u;", f"const DV: u32 = {s.dv}u;", f"const ROWS: u32 = {rows}u;",
+        f"const GRID_X: u32 = {grid[0]}u;", f"const GRID_XY: u32 = {grid[0] * grid[1]}u;",
+        f"const SCALE: f32 = {s.scale!r};", f"const MASKED: f32 = {MASKED!r};",
+        f"const PER_D: u32 = {-(-s.d // THREADS)}u;", f"const PER_DV: u32 = {-(-s.dv // THREADS)}u;",
+    ])
+
+
+def _helpers(s: AttentionShape) -> str:
+    bias = "load_bias(b, h, i, j)" if s.has_bias else "0.0"
+    causal = "j > i" if s.causal else "false"
+    return f"""
+var<workgroup> row_a: array<f32, {max(s.d, s.dv)}>;
+var<workgroup> row_b: array<f32, {max(s.dv, 1)}>;
+var<workgroup> tile_p: array<f32, {THREADS}>;
+var<workgroup> tile_s: array<f32, {THREADS}>;
+
+// The scaled score of query row i against key row j (row_a holds the query row), or MASKED.
+fn score_q(b: u32, h: u32, i: u32, j: u32) -> f32 {{
+  if ({causal}) {{ return MASKED; }}
+  var dot = 0.0;
+  for (var c = 0u; c < D; c = c + 1u) {{ dot = dot + row_a[c] * load_k(b, h, j, c); }}
+  return dot * SCALE + {bias};
+}}
+
+// The scaled score of query row i (loaded) against key row j (row_a holds the key row), or MASKED.
+fn score_k(b: u32, h: u32, i: u32, j: u32) -> f32 {{
+  if ({causal}) {{ return MASKED; }}
+  var dot = 0.0;
+  for (var c = 0u; c < D; c = c + 1u) {{ dot = dot + load_q(b, h, i, c) * row_a[c]; }}
+  return dot * SCALE + {bias};
+}}
+
+{PROB}
+"""
+
+
+def _forward(s: AttentionShape, outs: list[str]) -> str:
+    out, lse = outs
+    return entry() + f"""  let b = row / (H * LQ);
+  let h = (row / LQ) % H;
+  let i = row % LQ;
+  for (var c = tid; c < D; c = c + T) {{ row_a[c] = load_q(b, h, i, c); }}
+  workgroupBarrier();
+  var m = MASKED;
+  var l = 0.0;
+  var acc: array<f32, PER_DV>;
+  for (var start = 0u; start < LK; start = start + T) {{
+    let j = start + tid;
+    var sc = MASKED;
+    if (j < LK) {{ sc = score_q(b, h, i, j); }}
+    tile_s[tid] = sc;
+    workgroupBarrier();
+    var tile_max = MASKED;
+    for (var t = 0u; t < T; t = t + 1u) {{ tile_max = max(tile_max, tile_s[t]); }}
+    let m_new = max(m, tile_max);
+    tile_p[tid] = prob(sc, m_new);
+    workgroupBarrier();
+    let alpha = select(exp(m - m_new), 1.0, m <= MASKED);
+    var tile_sum = 0.0;
+    for (var t = 0u; t < T; t = t + 1u) {{ tile_sum = tile_sum + tile_p[t]; }}
+    l = l * alpha + tile_sum;
+    for (var r = 0u; r < PER_DV; r = r + 1u) {{
+      let c = tid + r * T;
+      if (c < DV) {{
+        var a = acc[r] * alpha;
+        for (var t = 0u; t < T && start + t < LK; t = t + 1u) {{
+          a = a + tile_p[t] * load_v(b, h, start + t, c);
+        }}
+        acc[r] = a;
+      }}
+    }}
+    m = m_new;
+    workgroupBarrier();
+  }}
+  for (var r = 0u; r < PER_DV; r = r + 1u) {{
+    let c = tid + r * T;
+    if (c < DV) {{ {out}[row * DV + c] = select(acc[r] / l, 0.0, l == 0.0); }}
+  }}
+  if (tid == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}
+}}
+"""
+
+
+def _grad_q(s: AttentionShape, outs: list[str]) -> str:
+    (dq,) = outs
+    return entry() + f"""  let b = row / (H * LQ);
+  let h = (row / LQ) % H;
+  let i = row % LQ;
+  for (var c = tid; c < D; c = c + T) {{ row_a[c] = load_q(b, h, i, c); }}
+  for (var c = tid; c < DV; c = c + T) {{ row_b[c] = load_dout(b, h, i, c); }}
+  let lse = load_lse(b, h, i);
+  let delta = load_delta(b, h, i);
+  workgroupBarrier();
+  var acc: array<f32, PER_D>;
+  for (var start = 0u; start < LK; start = start + T) {{
+    let j = start + tid;
+    var ds = 0.0;
+    if (j < LK) {{
+      let p = prob(score_q(b, h, i, j), lse);
+      var dp = 0.0;
+      for (var c = 0u; c < DV; c = c + 1u) {{ dp = dp + row_b[c] * load_v(b, h, j, c); }}
+      ds = p * (dp - delta);
+    }}
+    tile_s[tid] = ds;
+    workgroupBarrier();
+    for (var r = 0u; r < PER_D; r = r + 1u) {{
+      let c = tid + r * T;
+      if (c < D) {{
+        var a = acc[r];
+        for (var t = 0u; t < T && start + t < LK; t = t + 1u) {{ a = a + tile_s[t] * load_k(b, h, start + t, c); }}
+        acc[r] = a;
+      }}
+    }}
+    workgroupBarrier();
+  }}
+  for (var r = 0u; r < PER_D; r = r + 1u) {{
+    let c = tid + r * T;
+    if (c < D) {{ {dq}[row * D + c] = acc[r] * SCALE; }}
+  }}
+}}
+"""
+
+
+def _grad_kv(s: AttentionShape, outs: list[str]) -> str:
+    dk, dv = outs
+    return entry() + f"""  let b = row / (HKV * LK);
+  let g = (row / LK) % HKV;
+  let j = row % LK;
+  for (var c = tid; c < D; c = c + T) {{ row_a[c] = load_k(b, g * GROUP, j, c); }}
+  for (var c = tid; c < DV; c = c + T) {{ row_b[c] = load_v(b, g * GROUP, j, c); }}
+  workgroupBarrier();
+  var acc_k: array<f32, PER_D>;
+  var acc_v: array<f32, PER_DV>;
+  for (var h = g * GROUP; h < (g + 1u) * GROUP; h = h + 1u) {{
+    for (var start = 0u; start < LQ; start = start + T) {{
+      let i = start + tid;
+      var p = 0.0;
+      var ds = 0.0;
+      if (i < LQ) {{
+        p = prob(score_k(b, h, i, j), load_lse(b, h, i));
+        var dp = 0.0;
+        for (var c = 0u; c < DV; c = c + 1u) {{ dp = dp + load_dout(b, h, i, c) * row_b[c]; }}
+        ds = p * (dp - load_delta(b, h, i));
+      }}
+      tile_p[tid] = p;
+      tile_s[tid] = ds;
+      workgroupBarrier();
+      for (var r = 0u; r < PER_DV; r = r + 1u) {{
+        let c = tid + r * T;
+        if (c < DV) {{
+          var a = acc_v[r];
+          for (var t = 0u; t < T && start + t < LQ; t = t + 1u) {{ a = a + tile_p[t] * load_dout(b, h, start + t, c); }}
+          acc_v[r] = a;
+        }}
+      }}
+      for (var r = 0u; r < PER_D; r = r + 1u) {{
+        let c = tid + r * T;
+        if (c < D) {{
+          var a = acc_k[r];
+          for (var t = 0u; t < T && start + t < LQ; t = t + 1u) {{ a = a + tile_s[t] * load_q(b, h, start + t, c); }}
+          acc_k[r] = a;
+        }}
+      }}
+      workgroupBarrier();
+    }}
+  }}
+  for (var r = 0u; r < PER_D; r = r + 1u) {{
+    let c = tid + r * T;
+    if (c < D) {{ {dk}[row * D + c] = acc_k[r] * SCALE; }}
+  }}
+  for (var r = 0u; r < PER_DV; r = r + 1u) {{
+    let c = tid + r * T;
+    if (c < DV) {{ {dv}[row * DV + c] = acc_v[r]; }}
+  }}
+}}
+"""

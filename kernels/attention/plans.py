@@ -1,0 +1,177 @@
+"""Attention planners: which form runs a pass (flash, blocked or per row), how many rows a workgroup takes, and how
+many slices the other sequence is cut into; with the constants they weigh and the scratch the slices need.
+
+The flash forward runs where ``flash_plan`` gives a plan, else the blocked form where ``block_plan`` does, else the
+per-row kernel. A pass cut into slices (``splits`` above 1) writes per-slice partial results to scratch laid out
+as ``partial_layout`` says; a second dispatch (``merge``) merges them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..wgsl import SPLIT_TARGET_WORKGROUPS
+
+# ---------------------------------------------------------------------------------------------- blocked passes
+BLOCK_ROWS = (64, 32, 16)  # rows per workgroup: the largest that still gives BLOCK_MIN_WORKGROUPS
+BLOCK_MIN_WORKGROUPS = 128  # fewer row blocks than this take smaller blocks (down to BLOCK_ROWS[-1]) for more
+BLOCK_TILES = (32, 16, 8, 4)  # rows of the other sequence per tile, the largest that fits the workgroup storage
+BLOCK_MAX_VEC4 = 40  # per-thread vec4 registers of row state (d/4 + dv/4, so d + dv <= 160)
+# A long other sequence over too few blocks (Whisper's 1500 frames: 144 blocks) is cut into slices until the pass
+# has SPLIT_TARGET_WORKGROUPS workgroups, each slice at least SPLIT_MIN_TILES tiles long.
+SPLIT_MIN_TILES = 2
+SPLIT_MAX = 16  # slices at most: each adds a row of partial results per output row to the scratch and the merge
+
+# ---------------------------------------------------------------------------------------------- flash forward
+FLASH_MAX_HEAD = 64  # query/key and value head sizes up to this take the flash forward (its tiles then fit 48 KiB)
+FLASH_ROWS = (64, 32)  # query rows per workgroup: 64 where that gives FLASH_MIN_BLOCKS blocks and fits, else 32
+FLASH_MIN_BLOCKS = 128  # fewer query blocks than this take 32 rows, and short key slices (SPLIT_MIN_TILES)
+FLASH_KEYS = 32  # keys per tile
+FLASH_KEY_GROUPS = FLASH_KEYS // 4  # threads across a tile's keys (4 keys each); as many across value columns
+# Keys are cut into slices (merged by a second dispatch): slices of at least SPLIT_MIN_TILES tiles while there are
+# fewer than FLASH_MIN_BLOCKS workgroups, then slices of at least FLASH_SLICE_MIN_TILES up to FLASH_TARGET_WORKGROUPS.
+# Where the workgroups fill the GPU, a short slice does not pay back its query staging, partial stores and the merge
+# pass (about 5 us). H200, GPU us, with slices of 2 tiles against 8 past 128 workgroups: SD U-Net's attention in the
+# benchmark (2 x 16 heads, 256 x 256, d 8) 22.0 -> 17.2, the same shape with 8 heads of d 40 37.6 -> 27.3;
+# Whisper-tiny's 1500 keys keep their 4 slices (192 us). SmolLM2's (9 heads, causal, 128 keys: 36 workgroups) needs
+# its short slices: 19.1 against 19.4 unsliced; in its model, where rotary embeddings make the loads dearer, 4.89
+# against 4.99 ms of GPU time per call.
+FLASH_TARGET_WORKGROUPS = 512
+FLASH_SLICE_MIN_TILES = 8
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    batch: int
+    heads: int
+    kv_heads: int
+    lq: int
+    lk: int
+    d: int  # query/key head size
+    dv: int  # value head size
+    scale: float
+    causal: bool
+    has_bias: bool
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    rows: int  # rows of the pass (query rows; key rows for grad_kv) per workgroup, one per thread
+    tile: int  # rows of the other sequence per tile staged in workgroup memory
+    splits: int = 1  # slices of the other sequence, each a workgroup of its own (merged by a second dispatch)
+    chunk: int = 0  # rows of the other sequence per slice, a multiple of ``tile`` (with splits > 1)
+
+
+@dataclass(frozen=True)
+class FlashPlan:
+    rows: int  # query rows per workgroup, 4 per thread across rows
+    splits: int = 1  # slices of the keys, each a workgroup of its own (merged by a second dispatch)
+    chunk: int = 0  # keys per slice, a multiple of FLASH_KEYS (with splits > 1)
+
+
+def attention_splits(shape: AttentionShape, kind: str, limits: dict) -> int:
+    """How many slices of the other sequence pass ``kind`` is cut into (1: not cut). The slices' partial results
+    go to scratch of ``partial_floats`` floats, and a second dispatch merges them."""
+    plan = (flash_plan(shape, limits) if kind == "forward" else None) or block_plan(shape, kind, limits)
+    return 1 if plan is None else plan.splits
+
+
+def partial_floats(shape: AttentionShape, kind: str, splits: int) -> int:
+    """Floats of scratch that ``splits`` slices of pass ``kind`` write: per slice and row, the unnormalised
+    output with its running max and sum (forward), dQ (grad_q), or dK and dV (grad_kv)."""
+    rows, width = partial_layout(shape, kind)
+    return splits * rows * width
+
+
+def partial_layout(s: AttentionShape, kind: str) -> tuple[int, int]:
+    """Rows of a pass's output and floats per row in one slice of its scratch."""
+    if kind == "forward":
+        return s.batch * s.heads * s.lq, s.dv + 2
+    if kind == "grad_q":
+        return s.batch * s.heads * s.lq, s.d
+    return s.batch * s.kv_heads * s.lk, s.d + s.dv
+
+
+# ---------------------------------------------------------------------------------------------- blocked passes
+def _block_shared_bytes(kind: str, plan: BlockPlan, d4: int, dv4: int) -> int:
+    if kind == "forward":  # key and value tiles, each thread's scores of a tile
+        return 16 * plan.tile * (d4 + dv4) + 4 * plan.rows * (plan.tile + 1)
+    if kind == "grad_q":  # key and value tiles, each thread's query row
+        return 16 * plan.tile * (d4 + dv4) + 16 * plan.rows * (d4 + 1)
+    # grad_kv: query, output-gradient, lse and delta tiles, each thread's key and value rows
+    return 16 * plan.tile * (d4 + dv4) + 8 * plan.tile + 16 * plan.rows * (d4 + dv4 + 2)
+
+
+def block_plan(s: AttentionShape, kind: str, limits: dict) -> BlockPlan | None:
+    """Rows per workgroup and tile length of a blocked pass, or None where the per-row kernel is the one to use:
+    head sizes whose per-thread registers would not fit, or workgroup storage too small for the smallest tile."""
+    d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
+    if d4 + dv4 > BLOCK_MAX_VEC4:
+        return None
+    own, other = (s.kv_heads * s.lk, s.lq) if kind == "grad_kv" else (s.heads * s.lq, s.lk)
+    length = own // (s.kv_heads if kind == "grad_kv" else s.heads)
+    rows = BLOCK_ROWS[0]
+    while rows > BLOCK_ROWS[-1] and s.batch * (own // length) * -(-length // rows) < BLOCK_MIN_WORKGROUPS:
+        rows //= 2
+    rows = min(rows, limits.get("max-compute-invocations-per-workgroup", 256),
+               limits.get("max-compute-workgroup-size-x", 256))
+    storage = limits.get("max-compute-workgroup-storage-size", 16384)
+    fits = [BlockPlan(r, min(tile, max(4, 1 << max(0, other - 1).bit_length())))
+            for r in BLOCK_ROWS if r <= rows for tile in BLOCK_TILES]  # fewer rows, then shorter tiles
+    plan = next((p for p in fits if _block_shared_bytes(kind, p, d4, dv4) <= storage), None)
+    if plan is None:
+        return None
+    blocks = s.batch * (own // length) * -(-length // plan.rows)
+    tiles = -(-other // plan.tile)
+    splits = 1
+    while (blocks * splits < SPLIT_TARGET_WORKGROUPS and tiles // (splits * 2) >= SPLIT_MIN_TILES
+           and splits * 2 <= SPLIT_MAX):
+        splits *= 2
+    return BlockPlan(plan.rows, plan.tile, splits, -(-tiles // splits) * plan.tile if splits > 1 else 0)
+
+
+# ---------------------------------------------------------------------------------------------- flash forward
+def flash_forward_fits(d: int, dv: int) -> bool:
+    """Whether head sizes ``d`` (query/key) and ``dv`` (value) take the flash forward (where the adapter's
+    workgroup storage holds its tiles; otherwise the blocked one runs, as in portable bundles generated for
+    WebGPU's 16 KiB: on an H200 about as fast as the unfused form for Whisper-tiny, 325 against 320 us a layer)."""
+    return d <= FLASH_MAX_HEAD and dv <= FLASH_MAX_HEAD
+
+
+def flash_sizes(s: AttentionShape) -> tuple[int, int, int]:
+    """(vec4 columns of a query/key row, vec4 columns of a value row padded to the column threads, vec4 columns
+    per thread)."""
+    dv4 = -(-s.dv // 4)
+    per_thread = -(-dv4 // FLASH_KEY_GROUPS)
+    return -(-s.d // 4), per_thread * FLASH_KEY_GROUPS, per_thread
+
+
+def flash_shared_bytes(s: AttentionShape, rows: int) -> int:
+    """Workgroup storage of ``rows`` query rows: the query and key tiles (rows padded by a vec4), the value tile,
+    the probabilities and the row-maximum exchange."""
+    d4, dvp4, _ = flash_sizes(s)
+    groups = rows // 4
+    vec4s = (d4 + 1) * (rows + FLASH_KEYS) + FLASH_KEYS * dvp4 + FLASH_KEYS * (groups + 1)
+    return 16 * vec4s + 4 * rows * (FLASH_KEY_GROUPS + 1)
+
+
+def flash_plan(s: AttentionShape, limits: dict) -> FlashPlan | None:
+    """Rows per workgroup and key slices of the flash forward, or None where it does not apply (head sizes above
+    FLASH_MAX_HEAD, or workgroup storage or invocations too small for 32 rows)."""
+    if not flash_forward_fits(s.d, s.dv):
+        return None
+    storage = limits.get("max-compute-workgroup-storage-size", 16384)
+    invocations = min(limits.get("max-compute-invocations-per-workgroup", 256),
+                      limits.get("max-compute-workgroup-size-x", 256))
+    fitting = [r for r in FLASH_ROWS
+               if flash_shared_bytes(s, r) <= storage and r // 4 * FLASH_KEY_GROUPS <= invocations]
+    if not fitting:
+        return None
+    rows = next((r for r in fitting if s.batch * s.heads * -(-s.lq // r) >= FLASH_MIN_BLOCKS), fitting[-1])
+    blocks = s.batch * s.heads * -(-s.lq // rows)
+    tiles = -(-s.lk // FLASH_KEYS)
+    splits = 1
+    while splits * 2 <= SPLIT_MAX and (
+            blocks * splits < FLASH_MIN_BLOCKS and tiles // (splits * 2) >= SPLIT_MIN_TILES
+            or blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= FLASH_SLICE_MIN_TILES):
+        splits *= 2
+    return FlashPlan(rows, splits, -(-tiles // splits) * FLASH_KEYS if splits > 1 else 0)
