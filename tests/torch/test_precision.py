@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import torch_meganeura.compiled as compiled_module
+import torch_meganeura.device_graph as device_graph
 from conftest import assert_grads_match, assert_same, meganeura_warnings, rel_l2
 from meganeura.runtime.device import get_device
 
@@ -36,13 +36,13 @@ def needs_f16():
 
 def _spy_compiles(monkeypatch) -> list:
     """Record the f16 flag of every plan compiled from here on."""
-    calls, real = [], compiled_module.compile_plan
+    calls, real = [], device_graph.compile_plan
 
-    def spy(graph, device, tune, f16_products=False):
+    def spy(graph, device, tune, f16_products=False, limits=None):
         calls.append(f16_products)
-        return real(graph, device, tune, f16_products)
+        return real(graph, device, tune, f16_products, limits)
 
-    monkeypatch.setattr(compiled_module, "compile_plan", spy)
+    monkeypatch.setattr(device_graph, "compile_plan", spy)
     return calls
 
 
