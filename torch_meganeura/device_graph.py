@@ -15,7 +15,6 @@ they do with the outputs. Everything between is here, once:
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +46,6 @@ class DeviceGraph:
     plan: Plan
     report: FusionReport
     from_cache: bool  # the plan came from the persistent plan cache
-    seconds: float  # lowering and compiling
 
 
 def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[int], device, *,
@@ -55,10 +53,9 @@ def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[i
     """Lower ``gm`` with the example values of its placeholders (those at ``param_indices`` become long-lived
     param buffers) and compile the plan for ``device`` (or for ``limits``, e.g. WebGPU's defaults for a bundle,
     then untuned: a bundle runs on other adapters)."""
-    start = time.perf_counter()
     lowered = lower_graph(gm, example, param_indices)
-    plan, report, from_cache = compile_plan(lowered.graph, device, tune and limits is None, f16_products, limits)
-    return DeviceGraph(lowered, plan, report, from_cache, time.perf_counter() - start)
+    plan, report, from_cache = compile_plan(lowered.graph, device, tune, f16_products, limits)
+    return DeviceGraph(lowered, plan, report, from_cache)
 
 
 def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=()) -> Program:

@@ -14,7 +14,7 @@ A parameter with no gradient (``.grad`` None: unused this step) is left as it is
 
 Buffers that the forward changes (BatchNorm statistics) are written into the torch module by the backend, so in
 this mode the module's buffers are the current ones, and the step's buffer arrays are refreshed from them before
-they are read (``refresh_buffers``).
+they are read (``TrainStep._refresh_buffers``).
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ class SegmentedStep:
         params = dict(owner.model.named_parameters())
         trainable = [params[n] for n in owner._trainable]
         scale = 1.0 / owner.accumulation_steps if self.mode in ("accumulate", "apply") else 1.0
-        if self.mode in ("step", "grads"):
-            _zero_grads(trainable)
+        if self.mode in ("step", "grads") or (self.mode == "accumulate" and owner.micro_batches == 1):
+            _zero_grads(trainable)  # a first micro-batch starts from no gradient, whatever .grad held
         kept = {n: b.detach().clone() for n, b in owner.model.named_buffers()} if self.mode == "grads" else {}
         loss = self.loss.loss_and_grads(owner, batch, scale) * scale
         _restore_buffers(owner.model, kept)  # "grads" changes nothing, BatchNorm statistics included

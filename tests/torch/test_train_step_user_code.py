@@ -170,3 +170,29 @@ def test_parameters_the_loss_does_not_read_are_left_alone():
     _, ref, losses = _train_both(model, lambda m, x: m["used"](x).square().mean(), lambda i: (x,), 3)
     _assert_trained_alike(model, ref, losses)
     assert torch.equal(model["unused"].weight.detach(), before)
+
+
+def test_gradient_accumulation_through_device_graphs_with_eager_glue():
+    """Two micro-batches per update through the segmented step (a layerdrop branch) against the usual loop of
+    ``(loss / 2).backward()`` twice then ``step()``; a stale ``.grad`` left before the first call is not added."""
+    model = _LayerDropNet(0.0).train()
+    ref = copy.deepcopy(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # left by earlier eager code: the step must not add it
+    opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
+    loss_fn = lambda m, x, t: F.cross_entropy(m(x), t)  # noqa: E731
+    batches = [(torch.randn(5, 16), torch.randint(0, 4, (5,))) for _ in range(4)]
+    with pytest.warns(UserWarning, match="Data-dependent branching"):
+        step = compile_train_step(model, loss_fn, opt, accumulation_steps=2)
+        got = [float(step(*b)) for b in batches]
+    want = []
+    for i, b in enumerate(batches):
+        loss = loss_fn(ref, *b) / 2
+        loss.backward()
+        want.append(float(loss))
+        if i % 2:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert got == pytest.approx(want, rel=1e-5)
+    step.sync_to_module()
+    _assert_trained_alike(model, ref, [])
