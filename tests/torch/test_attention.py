@@ -18,8 +18,8 @@ import meganeura.kernels.attention as attention_kernels
 import meganeura.kernels.attention.flash as flash_kernels
 import meganeura.kernels.attention.plans as attention_plans
 import torch_meganeura
-from conftest import (assert_as_accurate_as_eager, assert_grads_match, assert_same, check_gradients_against_eager,
-                      meganeura_warnings)
+from helpers.compare import (assert_as_accurate_as_eager, assert_grads_match, assert_same,
+                             check_gradients_against_eager, meganeura_warnings)
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 GRID = list(itertools.product((32, 64, 80, 128), (1, 7, 128, 300))) + [(256, 7), (256, 128)]
@@ -405,7 +405,7 @@ def test_attention_gradients_through_a_residual_on_a_transposed_view(keys):
     """diffusers' VAE attention: q, k, v from a transposed view of x, the output added back to that view. With 256
     keys (the unfused path) every gradient upstream was wrong (relative L2 from float64 1.4; eager 1e-7): fusion
     renamed a coordinate twice. Output and gradients within 2x eager float32's distance from float64."""
-    from conftest import assert_within_eager_error
+    from helpers.compare import assert_within_eager_error
 
     def f(x, wq, wk, wv):
         h = x.transpose(1, 2)

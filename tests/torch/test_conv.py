@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same, check_gradients_against_eager
+from helpers.compare import assert_same, check_gradients_against_eager
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 C = 4  # input channels; groups C makes a depthwise convolution

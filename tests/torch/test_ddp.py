@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import rel_l2
+from helpers.compare import rel_l2
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ddp_example.py"
 STEPS, PER_RANK, WORLD, LR = 10, 2, 2, 1e-3

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_meganeura
-from conftest import assert_same, check_against_eager, meganeura_warnings
+from helpers.compare import assert_same, check_against_eager, meganeura_warnings
 
 NAN, INF = float("nan"), float("inf")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import EAGER_ERROR_FACTOR, ERROR_FLOOR, assert_within_eager_error
+from helpers.compare import EAGER_ERROR_FACTOR, ERROR_FLOOR, assert_within_eager_error
 from torch_meganeura import compile_train_step
 from torch_meganeura.aten import attention
 

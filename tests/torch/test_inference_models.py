@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import check_against_eager
+from helpers.compare import check_against_eager
 
 
 def _randomize(module: nn.Module) -> nn.Module:

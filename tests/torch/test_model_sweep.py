@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import device_counters, meganeura_warnings, rel_l2
+from helpers.compare import device_counters, meganeura_warnings, rel_l2
 from torch_meganeura.backend import BackendContext
 
 pytestmark = pytest.mark.slow

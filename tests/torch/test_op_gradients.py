@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import check_gradients_against_eager
+from helpers.compare import check_gradients_against_eager
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 IDX = torch.tensor([2, 0, 2, 1])

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import check_against_eager
+from helpers.compare import check_against_eager
 from torch_meganeura import backend, coverage, coverage_step, registry, train_step
 
 LOWERED = [

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import assert_same, check_against_eager, meganeura_warnings
+from helpers.compare import assert_same, check_against_eager, meganeura_warnings
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 

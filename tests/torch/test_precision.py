@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import torch_meganeura.device_graph as device_graph
-from conftest import assert_grads_match, assert_same, meganeura_warnings, rel_l2
+from helpers.compare import assert_grads_match, assert_same, meganeura_warnings, rel_l2
 from meganeura.runtime.device import get_device
 
 # f16 operands carry a relative rounding error of 2^-11: about 1e-3 relative L2 on an output, and ReLU masks that

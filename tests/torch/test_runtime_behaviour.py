@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import torch_meganeura
-from conftest import assert_same, check_against_eager, device_counters
+from helpers.compare import assert_same, check_against_eager, device_counters
 
 BUILT = ("pipelines_created", "buffers_created", "bind_groups_created")
 

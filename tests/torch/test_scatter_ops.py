@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same, check_against_eager, device_counters, meganeura_warnings
+from helpers.compare import assert_same, check_against_eager, device_counters, meganeura_warnings
 
 aten = torch.ops.aten
 

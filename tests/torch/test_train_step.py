@@ -241,7 +241,7 @@ def test_compiled_optimizer_step_runs_on_the_device():
     """torch.compile(opt.step, backend="meganeura") lowers AdamW's update (prims.fma included): no fallback."""
     import warnings
 
-    from conftest import meganeura_warnings
+    from helpers.compare import meganeura_warnings
 
     model = torch.nn.Linear(8, 4)
     ref = copy.deepcopy(model)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_within_eager_error
+from helpers.compare import assert_within_eager_error
 from torch_meganeura import compile_train_step
 
 LOSS_RTOL = 1e-5

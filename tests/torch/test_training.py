@@ -1,8 +1,9 @@
 """Training through backend="meganeura": loss and every gradient against eager, elementwise.
 
 Tolerances for gradients (the issue's): ``assert_close`` with rtol 1e-3, atol 1e-4, and relative L2 <= 1e-4 per
-tensor (``conftest.assert_grads_match`` says how gradients that are zero in exact arithmetic are treated). Models run in train mode with dropout off where eager's random
-numbers would differ from the device's; dropout has its own test.
+tensor (``helpers.compare.assert_grads_match`` says how gradients that are zero in exact arithmetic are treated).
+Models run in train mode with dropout off where eager's random numbers would differ from the device's; dropout has
+its own test.
 """
 import copy
 import warnings
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import assert_grads_match, assert_same, meganeura_warnings
+from helpers.compare import assert_grads_match, assert_same, meganeura_warnings
 from meganeura.runtime.device import get_device
 from torch_meganeura.resident import ResidentTensor
 

@@ -3,7 +3,7 @@ bad option value is refused."""
 import pytest
 import torch
 
-from conftest import assert_same
+from helpers.compare import assert_same
 from meganeura.kernels import matmul, matmul_tuning
 from meganeura.kernels.matmul import MatmulChoice
 from meganeura.kernels.matmul_tuning import MatmulTuner

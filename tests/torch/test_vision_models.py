@@ -2,13 +2,13 @@
 
 Train mode compares logits, loss, every parameter gradient and the updated BatchNorm running statistics with
 eager. Tolerances (the issue's): rtol 1e-3, atol 1e-4 elementwise, relative L2 1e-4 per tensor; gradients
-whose RMS is below atol are zero in exact arithmetic and are checked elementwise only (conftest).
+whose RMS is below atol are zero in exact arithmetic and are checked elementwise only (helpers.compare).
 
 ResNet-50 in train mode at batch 2 and 64x64 normalises its last stage over 8 values per channel, which
 amplifies rounding enormously: eager float32 itself is 2e-4 (relative L2) from the float64 result on the logits
 and 2e-2 to 5e-2 on most parameter gradients (measured). No float32 implementation can meet 1e-4 against eager
 float32 there, so the reference is eager in float64 and each tensor may be off by the usual tolerances plus
-a multiple of eager float32's own error (``conftest.assert_as_accurate_as_eager``); ours measured 0.1x-0.9x
+a multiple of eager float32's own error (``helpers.compare.assert_as_accurate_as_eager``); ours measured 0.1x-0.9x
 eager's relative L2 error on every tensor on lavapipe, up to 2.2x on the H200.
 """
 import copy
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import torch_meganeura
-from conftest import assert_as_accurate_as_eager, assert_grads_match, assert_same, meganeura_warnings
+from helpers.compare import assert_as_accurate_as_eager, assert_grads_match, assert_same, meganeura_warnings
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 
