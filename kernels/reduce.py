@@ -16,10 +16,8 @@ subgroup size; other reductions keep the tree (a subgroup maximum's NaN handling
 """
 from __future__ import annotations
 
-from meganeura.runtime.requirements import SUBGROUP_OPS
-
 from . import wgsl
-from .wgsl import SPLIT_TARGET_WORKGROUPS
+from .wgsl import SPLIT_TARGET_WORKGROUPS, SUBGROUP_OPS
 
 IDENTITY = {
     ("sum", "f32"): "0.0", ("sum", "i32"): "0i", ("prod", "f32"): "1.0", ("prod", "i32"): "1i",

@@ -23,6 +23,9 @@ STATUS_VAR = "mg_status"
 # a second pass until the first pass has this many workgroups: on an H200 splits past about 1,000 workgroups gained
 # nothing (Whisper's 1500x1536 @ 1536x384 196 -> 122 us from split 1 to 4; 50x720 @ 720x2048 43.5 -> 27.6 us).
 SPLIT_TARGET_WORKGROUPS = 1024
+# Not a wgpu limit: set in a device's limits when its adapter has the "subgroup" feature, so that kernel generators
+# may use subgroup operations (whatever the subgroup size).
+SUBGROUP_OPS = "meganeura-subgroup-ops"
 
 # Helper functions referenced by the op table; only those used are emitted.
 HELPERS = {

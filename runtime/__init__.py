@@ -1,10 +1,12 @@
-"""The torch-free runtime: load a plan, run it on a wgpu device. Imports only numpy, wgpu and safetensors.
+"""The torch-free runtime: load a plan, run it on a wgpu device. Imports only numpy, wgpu, safetensors and
+``meganeura.kernels`` (the generators' limit names; the matmul tuner's candidates), never ``meganeura.lowering``.
 
 Modules: ``plan`` (the plan format), ``device`` (adapter choice, the process-wide device), ``program`` (a plan
 instantiated on a device), ``native`` (the replay loop's direct wgpu-native calls), ``profiler`` (per-dispatch GPU
 timestamps), ``resident`` (arrays kept on the device and their buffer pool), ``bundle`` (the deploy bundle format),
 ``requirements`` (what a plan needs of an adapter), ``model`` (``load``: a bundle as a callable), ``cli`` (the
-``meganeura`` command), ``errors``, ``counters``. ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load`` and ``Model`` are importable
+``meganeura`` command), ``timing`` and ``matmul_tuner`` (kernel variants timed on the device), ``errors``,
+``counters``. ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load`` and ``Model`` are importable
 from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
 """
 from .errors import (

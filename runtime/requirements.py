@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from meganeura.kernels.wgsl import SUBGROUP_OPS  # a device sets it; portable generation leaves it out
+
 from .errors import FeatureError, LimitError
 from .plan import Plan
 
@@ -33,9 +35,6 @@ GENERATION_LIMITS = (  # recorded as compiled for; the rest of PORTABLE_LIMITS i
     "max-compute-workgroup-storage-size",
     "min-storage-buffer-offset-alignment",
 )
-# Not a wgpu limit: set in a device's limits when its adapter has the "subgroup" feature, so that kernel generators
-# may use subgroup operations (whatever the subgroup size); portable generation leaves it out.
-SUBGROUP_OPS = "meganeura-subgroup-ops"
 # WGSL that needs a feature: a pattern in the kernel source -> the wgpu feature name.
 FEATURE_PATTERNS = {
     re.compile(r"\benable\s+f16\s*;"): "shader-f16",

@@ -2,7 +2,7 @@
 
 With ``options={"tune": True}`` (or, where the option is not given, the environment variable ``MEGANEURA_TUNE=1``)
 each tiled GEMM kernel of a plan (its shape, and its own loads and store: a convolution's gather, a fused
-epilogue) is timed once per adapter in a few variants and the fastest kept (``meganeura.kernels.matmul_tuning``).
+epilogue) is timed once per adapter in a few variants and the fastest kept (``meganeura.runtime.matmul_tuner``).
 The choices are remembered in the plan cache's directory, so the cost (on an H200 0.1-0.9 s per new kernel, mostly
 compiling the candidates) is paid once per adapter, and tuned plans are cached apart from untuned ones.
 
@@ -18,8 +18,8 @@ import functools
 import os
 
 from meganeura.kernels.matmul import F16_PRODUCTS
-from meganeura.kernels.matmul_tuning import MatmulTuner
 from meganeura.lowering.plan_cache import cache_dir, cached_compile_graph
+from meganeura.runtime.matmul_tuner import MatmulTuner
 
 TUNE_ENV = "MEGANEURA_TUNE"
 

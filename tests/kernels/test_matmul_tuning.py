@@ -1,13 +1,8 @@
-"""Tests for meganeura.kernels.matmul_tuning: candidate variants, timing on the adapter (lavapipe on CPU), and the
-file of choices per adapter and kernels (remembered; ignored when damaged, foreign or from other kernels)."""
-import json
-
-import pytest
-
+"""Tests for meganeura.kernels.matmul_tuning: the candidate variants of a problem and their passes (no device: the
+timing is meganeura.runtime.matmul_tuner's, tested in tests/runtime)."""
 from meganeura.kernels import matmul_tuning
-from meganeura.kernels.matmul import MatmulChoice, default_choice
-from meganeura.kernels.matmul_tuning import MatmulTuner, candidates, plain_problem
-from meganeura.runtime.device import get_device
+from meganeura.kernels.matmul import default_choice
+from meganeura.kernels.matmul_tuning import candidates, partial_bytes, plain_problem, variants
 
 LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,
           "max-compute-invocations-per-workgroup": 256}
@@ -21,15 +16,6 @@ def test_candidates_start_with_the_default_and_are_distinct():
     assert {c.split for c in found} >= {1, 2, 4, 8}
 
 
-def test_every_candidate_survives_the_file():
-    """A remembered choice is read back as itself, whichever tile and register block it has."""
-    found = candidates(1, 4096, 4096, 4096, {**LIMITS, "max-compute-workgroup-storage-size": 49152})
-    assert (128, 256) in {c.tile for c in found} and (8, 16) in {c.block for c in found}
-    for choice in found:
-        entry = json.loads(json.dumps(matmul_tuning._entry(choice, 1e-4, 2e-4)))
-        assert matmul_tuning._valid(entry) and matmul_tuning._choice(entry) == choice
-
-
 def test_tiles_past_128x128_are_tried_only_where_they_make_enough_workgroups_alone():
     big = {**LIMITS, "max-compute-workgroup-storage-size": 49152}
     assert (128, 256) in {c.tile for c in candidates(1, 2048, 2048, 2048, big)}  # 128 workgroups
@@ -40,124 +26,6 @@ def test_tiles_past_128x128_are_tried_only_where_they_make_enough_workgroups_alo
 def test_candidates_skip_tiles_that_are_mostly_padding():
     found = candidates(1, 20, 24, 64, LIMITS)
     assert all(c.tile is None or max(c.tile) <= 64 for c in found)
-
-
-@pytest.fixture
-def small_family(monkeypatch):
-    """Two tile shapes and two splits: few pipelines for a slow CPU driver."""
-    monkeypatch.setattr(matmul_tuning, "CONFIGS", (((32, 32), (4, 4)), ((16, 32), (4, 4))))
-    monkeypatch.setattr(matmul_tuning, "SPLITS", (1, 2))
-
-
-def test_tuner_times_a_problem_once_and_remembers_it(tmp_path, small_family):
-    device = get_device()
-    tuner = MatmulTuner(device, tmp_path)
-    choice = tuner.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0]
-    assert isinstance(choice, MatmulChoice) and tuner.tuned == 1
-    assert choice in candidates(1, 40, 48, 96, device.limits)
-    assert tuner.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0] == choice and tuner.tuned == 1
-    saved = json.loads(tuner.path.read_text())
-    entry = saved["problems"][plain_problem(1, 40, 48, 96, "p", "j").key()]
-    assert entry["us"] > 0 and entry["default_us"] > 0
-    assert entry["us"] <= entry["default_us"]
-    again = MatmulTuner(device, tmp_path)  # a new process: read from the file, not timed
-    assert again.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])[0] == choice and again.tuned == 0
-
-
-def test_splits_whose_partial_sums_exceed_a_binding_are_left_out_not_the_problem(monkeypatch, small_family):
-    """A device whose binding limit holds the operands and two K slices of partial sums, not four: the problem is
-    still tuned, over the candidates that fit."""
-    device = get_device()
-    monkeypatch.setattr(matmul_tuning, "SPLITS", (1, 2, 4))
-    problem = plain_problem(1, 40, 48, 128, "p", "j")
-    slice_bytes = 4 * 40 * 48
-    monkeypatch.setattr(device, "max_binding_size", max(*problem.bindings, 2 * slice_bytes))
-    timed = []
-    real = matmul_tuning.time_sequences
-
-    def spy(dev, sequences, warmup_seconds):
-        timed.append(len(sequences))
-        return real(dev, sequences, warmup_seconds)
-
-    monkeypatch.setattr(matmul_tuning, "time_sequences", spy)
-    tuner = MatmulTuner(device, None)
-    choice = tuner.choose_all([problem])[0]
-    every = candidates(1, 40, 48, 128, device.limits)
-    fitting = [c for c in every if c.split <= 2]
-    assert {c.split for c in every} == {1, 2, 4} and timed == [len(fitting)]
-    assert choice in fitting and tuner.entries[problem.key()]["us"] is not None
-
-
-ENTRY = {plain_problem(1, 40, 48, 96, "p", "j").key(): {"tile": [16, 32], "block": [4, 4], "split": 2}}
-
-
-@pytest.mark.parametrize("content", ["{ not json", {"adapter": "another GPU"}, {"kernels": "an older generator"}])
-def test_damaged_or_foreign_file_is_ignored_and_rewritten(tmp_path, small_family, content):
-    device = get_device()
-    tuner = MatmulTuner(device, tmp_path)
-    if isinstance(content, dict):  # a well-formed file but for another adapter or other kernels
-        content = json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
-                              "kernels": tuner.kernels, "problems": ENTRY, **content})
-    tuner.path.write_text(content)
-    fresh = MatmulTuner(device, tmp_path)
-    assert fresh.entries == {}
-    fresh.choose_all([plain_problem(1, 40, 48, 96, "p", "j")])
-    saved = json.loads(fresh.path.read_text())
-    assert fresh.tuned == 1 and (saved["adapter"], saved["kernels"]) == (fresh.adapter, fresh.kernels)
-
-
-def test_a_well_formed_file_of_this_adapter_and_kernels_is_read(tmp_path, small_family):
-    device = get_device()
-    tuner = MatmulTuner(device, tmp_path)
-    tuner.path.write_text(json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
-                                      "kernels": tuner.kernels, "problems": ENTRY}))
-    assert MatmulTuner(device, tmp_path).entries == ENTRY
-
-
-def test_kernels_with_runtime_checks_are_tuned_apart(monkeypatch):
-    """Checked kernels run slower, so their timings go to another file, and plans tuned with them to other cache
-    entries (the fingerprint is part of the plan cache key)."""
-    device = get_device()
-    unchecked = MatmulTuner(device, None).fingerprint
-    monkeypatch.setenv("MEGANEURA_SHADER_CHECKS", "1")
-    assert MatmulTuner(device, None).fingerprint != unchecked
-
-
-def test_entries_naming_impossible_variants_are_dropped(tmp_path):
-    device = get_device()
-    tuner = MatmulTuner(device, tmp_path)
-    good = {"tile": [32, 64], "block": [4, 8], "split": 4, "us": 1.0, "default_us": 2.0}
-    problems = {"1x2x3x4:pp": good, "1x5x6x7:pp": {**good, "tile": [3, 5]}, "1x8x9x10:pp": {**good, "split": 0},
-                "1x8x9x11:pp": {**good, "block": [4, 6]}}
-    tuner.path.write_text(json.dumps({"version": matmul_tuning.FILE_VERSION, "adapter": tuner.adapter,
-                                      "kernels": tuner.kernels, "problems": problems}))
-    assert list(MatmulTuner(device, tmp_path).entries) == ["1x2x3x4:pp"]
-
-
-def test_new_problems_are_compiled_in_one_batch_and_repeats_asked_once(small_family, monkeypatch):
-    device = get_device()
-    tuner = MatmulTuner(device, None)
-    batches = []
-    compile_all = device.pipelines
-
-    def recording(kernels):
-        batches.append(len(kernels))
-        return compile_all(kernels)
-
-    monkeypatch.setattr(device, "pipelines", recording)
-    problems = [plain_problem(1, 40, 48, 96, "p", "p"), plain_problem(1, 24, 40, 64, "p", "j"),
-                plain_problem(1, 40, 48, 96, "p", "p")]
-    chosen = tuner.choose_all(problems)
-    assert len(batches) == 1 and tuner.tuned == 2
-    assert chosen[0] == chosen[2] and all(isinstance(c, MatmulChoice) for c in chosen)
-    assert tuner.choose_all(problems[1:2]) == chosen[1:2] and len(batches) == 1
-
-
-def test_without_a_directory_choices_last_for_the_process(small_family):
-    tuner = MatmulTuner(get_device(), None)
-    assert tuner.path is None
-    tuner.choose_all([plain_problem(2, 33, 20, 64, "i", "p")])
-    assert tuner.tuned == 1 and plain_problem(2, 33, 20, 64, "i", "p").key() in tuner.entries
 
 
 FAST = {**LIMITS, matmul_tuning.F16_PRODUCTS: 1}
@@ -179,15 +47,29 @@ def test_fast_candidates_add_f16_variants_of_4x4_blocks_only():
     assert {c for c in fast if not c.f16} >= set(strict) - {strict[0]}  # f32 variants stay candidates
 
 
-def test_f16_problems_are_timed_and_remembered_apart(tmp_path, small_family):
-    device = get_device()
-    if "shader-f16" not in device.features:
-        pytest.skip("the adapter has no shader-f16")
-    tuner = MatmulTuner(device, tmp_path)
-    strict, fast = tuner.choose_all([plain_problem(1, 40, 48, 96, "p", "j", False),
-                                     plain_problem(1, 40, 48, 96, "p", "j", True)])
-    assert tuner.tuned == 2 and not strict.f16
-    assert fast in candidates(1, 40, 48, 96, {**device.limits, matmul_tuning.F16_PRODUCTS: 1})
-    saved = json.loads(tuner.path.read_text())["problems"]
-    fast_key = plain_problem(1, 40, 48, 96, "p", "j", True).key()
-    assert set(saved) == {plain_problem(1, 40, 48, 96, "p", "j").key(), fast_key} and saved[fast_key]["f16"] == fast.f16
+def test_variants_build_each_candidate_s_passes_within_the_binding_limit():
+    problem = plain_problem(1, 40, 48, 128, "p", "j")
+    every = candidates(1, 40, 48, 128, LIMITS)
+    limit = max(*problem.bindings, 2 * 4 * 40 * 48)  # the operands and two K slices of partial sums, not four
+    choices, passes = variants(problem, LIMITS, limit)
+    assert choices == [c for c in every if c.split <= 2] and {c.split for c in every} > {1, 2}
+    assert len(passes) == len(choices)
+    for choice, built in zip(choices, passes):
+        assert len(built) == (2 if choice.split > 1 else 1)  # the split's partial sums are added up by a second pass
+        assert all("fn main" in source and len(grid) == 3 for source, grid in built)
+    assert partial_bytes(problem, choices) == 4 * max(c.split for c in choices) * 40 * 48
+
+
+def test_a_problem_too_large_for_a_binding_keeps_its_default_untimed():
+    problem = plain_problem(1, 40, 48, 128, "p", "j")
+    assert variants(problem, LIMITS, max(problem.bindings) - 1) == ([default_choice(1, 40, 48, 128, LIMITS)], [])
+    empty = plain_problem(1, 40, 48, 0, "p", "j")
+    assert variants(empty, LIMITS, 1 << 30)[1] == []
+
+
+def test_f16_problems_get_f16_candidates():
+    strict, fast = plain_problem(1, 128, 576, 1536, "p", "j"), plain_problem(1, 128, 576, 1536, "p", "j", True)
+    assert not any(c.f16 for c in variants(strict, LIMITS, 1 << 30)[0])
+    choices, passes = variants(fast, LIMITS, 1 << 30)
+    assert any(c.f16 for c in choices)
+    assert all(("enable f16;" in built[0][0]) == c.f16 for c, built in zip(choices, passes))

@@ -1,33 +1,76 @@
-"""The runtime package never imports torch: every import statement (and literal import_module / __import__ call)
-in every module file under runtime/ is read with ``ast``."""
+"""The packages' layering, read with ``ast`` from every import statement (and literal import_module / __import__
+call) of every module file: the runtime never imports torch, and imports flow one way, torch_meganeura -> lowering
+-> kernels, with runtime beside them:
+  runtime   torch-free; may import kernels (a limit name, the matmul tuner's candidates), never lowering or
+            torch_meganeura;
+  kernels   generates WGSL from values it is given (limits, shapes): imports no other package of the project;
+  lowering  torch-free; imports kernels, and of runtime only the plan format it emits (``PLAN_FORMAT``)."""
 import ast
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = ROOT / "runtime"
+PACKAGES = {"runtime": "meganeura.runtime", "kernels": "meganeura.kernels", "lowering": "meganeura.lowering"}
+PLAN_FORMAT = ("meganeura.runtime.plan", "meganeura.runtime.dtypes")  # the plan lowering emits, and its dtypes
+FORBIDDEN = {
+    "runtime": ("torch", "torch_meganeura", "meganeura.lowering"),
+    "kernels": ("torch", "torch_meganeura", "meganeura.lowering", "meganeura.runtime"),
+    "lowering": ("torch", "torch_meganeura", "meganeura.runtime"),
+}
 
 
-def _imported_modules(tree: ast.AST):
+def _imported_modules(tree: ast.AST, package: str = ""):
+    """The modules a module imports; ``from m import a`` gives m.a (a submodule or a name in m), relative imports
+    resolved against ``package``."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            yield node.module or ""
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            yield from (f"{base}.{alias.name}" for alias in node.names)
         elif (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
               in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
             yield str(node.args[0].value)
 
 
-def test_runtime_modules_do_not_import_torch():
-    files = sorted(RUNTIME.rglob("*.py"))
-    assert len(files) >= 10  # the walk found the package (bundle, cli, model, program, ... included)
-    offenders = []
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _imports(folder: str):
+    """(file, imported module) of every import in the package in ``folder``."""
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert len(files) >= 5  # the walk found the package
     for file in files:
-        for module in _imported_modules(ast.parse(file.read_text(), str(file))):
-            if module == "torch" or module.startswith("torch."):
-                offenders.append(f"{file.relative_to(RUNTIME.parent)}: {module}")
+        parts = file.relative_to(ROOT / folder).parent.parts  # the module's package, below the package's root
+        package = ".".join([PACKAGES[folder], *parts])
+        for module in _imported_modules(ast.parse(file.read_text(), str(file)), package):
+            yield file.relative_to(ROOT), module
+
+
+def test_runtime_modules_do_not_import_torch():
+    assert len(list(RUNTIME.rglob("*.py"))) >= 10  # bundle, cli, model, program, ... included
+    offenders = [f"{file}: {module}" for file, module in _imports("runtime") if _within(module, "torch")]
     assert not offenders, f"runtime modules import torch: {offenders}"
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_imports_flow_one_way(folder):
+    offenders = [f"{file}: {module}" for file, module in _imports(folder)
+                 if any(_within(module, banned) for banned in FORBIDDEN[folder])
+                 and not (folder == "lowering" and any(_within(module, f) for f in PLAN_FORMAT))]
+    assert not offenders, f"{folder} imports what it must not: {offenders}"
 
 
 def test_the_check_sees_every_import_form():
     source = "import torch.nn\nfrom torch import nn\nimportlib.import_module('torch')\n__import__('torch.fx')"
-    assert list(_imported_modules(ast.parse(source))) == ["torch.nn", "torch", "torch", "torch.fx"]
+    assert list(_imported_modules(ast.parse(source))) == ["torch.nn", "torch.nn", "torch", "torch.fx"]
+    relative = "from ..matmul import fold_grid\nfrom . import wgsl\nfrom .plans import AttentionShape"
+    assert list(_imported_modules(ast.parse(relative), "meganeura.kernels.attention")) == [
+        "meganeura.kernels.matmul.fold_grid", "meganeura.kernels.attention.wgsl",
+        "meganeura.kernels.attention.plans.AttentionShape"]

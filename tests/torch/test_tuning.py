@@ -6,8 +6,8 @@ import torch
 from helpers.compare import assert_same
 from meganeura.kernels import matmul, matmul_tuning
 from meganeura.kernels.matmul import MatmulChoice
-from meganeura.kernels.matmul_tuning import MatmulTuner
 from meganeura.runtime.device import get_device
+from meganeura.runtime.matmul_tuner import MatmulTuner
 import torch_meganeura.tuning as tuning
 
 
