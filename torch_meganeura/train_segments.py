@@ -29,6 +29,7 @@ from .dynamo_capture import quiet_logging_for_dynamo
 from .options import Options
 from .optimizers import clip_by_global_norm
 from .params import ParamStore, upload_array
+from .roles import Mode, Role
 
 
 class StepParams(ParamStore):
@@ -40,7 +41,7 @@ class StepParams(ParamStore):
         super().__init__(owner.device)
         self._owner = weakref.ref(owner)
         params = dict(owner.model.named_parameters())
-        self._role_of = {id(params[n]): f"param:{n}" for n in owner._trainable}
+        self._role_of = {id(params[n]): Role.param(n) for n in owner._trainable}
 
     @property
     def generation(self) -> int:
@@ -91,7 +92,7 @@ class SegmentedLoss:
 class SegmentedStep:
     """A step of ``mode`` over a ``SegmentedLoss``, run like a compiled step (``run`` as ``_CompiledStep.run``)."""
 
-    def __init__(self, loss: SegmentedLoss, mode: str, owner):
+    def __init__(self, loss: SegmentedLoss, mode: Mode, owner):
         self.loss, self.mode = loss, mode
         self._owner = weakref.ref(owner)
 
@@ -99,29 +100,29 @@ class SegmentedStep:
         owner = self._owner()
         params = dict(owner.model.named_parameters())
         trainable = [params[n] for n in owner._trainable]
-        scale = 1.0 / owner.accumulation_steps if self.mode in ("accumulate", "apply") else 1.0
-        if self.mode in ("step", "grads") or (self.mode == "accumulate" and owner.micro_batches == 1):
+        scale = 1.0 / owner.accumulation_steps if self.mode in (Mode.ACCUMULATE, Mode.APPLY) else 1.0
+        if self.mode in (Mode.STEP, Mode.GRADS) or (self.mode is Mode.ACCUMULATE and owner.micro_batches == 1):
             _zero_grads(trainable)  # a first micro-batch starts from no gradient, whatever .grad held
-        kept = {n: b.detach().clone() for n, b in owner.model.named_buffers()} if self.mode == "grads" else {}
+        kept = {n: b.detach().clone() for n, b in owner.model.named_buffers()} if self.mode is Mode.GRADS else {}
         loss = self.loss.loss_and_grads(owner, batch, scale) * scale
-        _restore_buffers(owner.model, kept)  # "grads" changes nothing, BatchNorm statistics included
+        _restore_buffers(owner.model, kept)  # Mode.GRADS changes nothing, BatchNorm statistics included
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in trainable]
-        if self.mode == "accumulate":
+        if self.mode is Mode.ACCUMULATE:
             return loss, {}
-        if self.mode == "grads":
+        if self.mode is Mode.GRADS:
             if owner.max_grad_norm is not None:
                 grads = clip_by_global_norm(grads, owner.max_grad_norm)
             _zero_grads(trainable)
-            return loss, {f"grad:{n}": g.numpy() for n, g in zip(owner._trainable, grads)}
+            return loss, {Role.grad(n): g.numpy() for n, g in zip(owner._trainable, grads)}
         untouched = {n for n, p in zip(owner._trainable, trainable) if p.grad is None}  # eager skips them too
-        uploaded = {f"grad:{n}": upload_array(owner.device, g) for n, g in zip(owner._trainable, grads)}
+        uploaded = {Role.grad(n): upload_array(owner.device, g) for n, g in zip(owner._trainable, grads)}
         _zero_grads(trainable)
         try:
-            _, updated = owner._compiled((), "update").run({**arrays, **uploaded}, (), hyper, into)
+            _, updated = owner._compiled((), Mode.UPDATE).run({**arrays, **uploaded}, (), hyper, into)
         finally:
             for array in uploaded.values():
                 array.release()
-        updated = {role: a for role, a in updated.items() if role.rsplit(":", 1)[-1] not in untouched}
+        updated = {role: a for role, a in updated.items() if role.name not in untouched}
         _copy_params_down(owner, trainable, updated)
         return loss, updated
 
@@ -131,7 +132,7 @@ def _copy_params_down(owner, trainable, updated: dict) -> None:
     PyTorch, layers and all): the module's copies are kept current with the device's."""
     with torch.no_grad():
         for n, p in zip(owner._trainable, trainable):
-            array = updated.get(f"param:{n}")
+            array = updated.get(Role.param(n))
             if array is not None:
                 p.copy_(torch.from_numpy(array.numpy()).reshape(p.shape))
 

@@ -41,6 +41,7 @@ from .device_graph import compile_device_graph, feed, program_for, unsupported_l
 from .dynamo_capture import is_capture_limit
 from .params import upload_array
 from .partition import fallback_ops
+from .roles import Kind, Mode, Role
 from .train_segments import SegmentedLoss, SegmentedStep
 from .train_trace import trace_step, trace_update
 from .tuning import tuning_enabled
@@ -78,7 +79,7 @@ class TrainStep:
         self._frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         self._buffers = [n for n, _ in model.named_buffers()]
         self._plans: dict[tuple, _CompiledStep | SegmentedStep] = {}
-        self._spare: dict[str, DeviceArray] = {}  # by role: last step's array, which the next step overwrites
+        self._spare: dict[Role, DeviceArray] = {}  # by role: last step's array, which the next step overwrites
         self._segmented: SegmentedLoss | None = None  # set where dynamo cannot capture the loss whole
         self.arrays_generation = 0  # changes whenever an array of ``_arrays`` is replaced
         self.steps = 0
@@ -103,9 +104,9 @@ class TrainStep:
         self.arrays_generation += 1
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        self._arrays = {f"param:{n}": upload_array(self.device, params[n]) for n in self._trainable}
-        self._arrays.update({f"frozen:{n}": upload_array(self.device, params[n]) for n in self._frozen})
-        self._arrays.update({f"buffer:{n}": upload_array(self.device, buffers[n]) for n in self._buffers})
+        self._arrays = {Role.param(n): upload_array(self.device, params[n]) for n in self._trainable}
+        self._arrays.update({Role.frozen(n): upload_array(self.device, params[n]) for n in self._frozen})
+        self._arrays.update({Role.buffer(n): upload_array(self.device, buffers[n]) for n in self._buffers})
         steps = set()
         for n in self._trainable:
             state = self.optimizer.state.get(params[n], {})
@@ -114,7 +115,7 @@ class TrainStep:
             for slot in self._opts["slots"]:
                 value = state.get(slot)
                 value = torch.zeros_like(params[n]) if value is None else value
-                self._arrays[f"state:{slot}:{n}"] = upload_array(self.device, value)
+                self._arrays[Role.state(slot, n)] = upload_array(self.device, value)
         if len(steps) > 1:
             raise ValueError(f"optimizer state has different step counts {sorted(steps)} across parameters")
         self.steps = steps.pop() if steps else 0
@@ -122,7 +123,7 @@ class TrainStep:
                                   for n in self._trainable):
             self.steps = 1  # SGD counts no steps; a momentum buffer means the next step is not its first
         if self.accumulation_steps > 1:
-            self._arrays.update({f"acc:{n}": upload_array(self.device, torch.zeros_like(params[n]))
+            self._arrays.update({Role.acc(n): upload_array(self.device, torch.zeros_like(params[n]))
                                  for n in self._trainable})
         self.micro_batches = 0
 
@@ -137,14 +138,14 @@ class TrainStep:
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for n in self._trainable:
-                params[n].copy_(_download(self._arrays[f"param:{n}"], params[n]))
+                params[n].copy_(_download(self._arrays[Role.param(n)], params[n]))
                 state = self.optimizer.state[params[n]]
                 for slot in self._opts["slots"]:
-                    state[slot] = _download(self._arrays[f"state:{slot}:{n}"], params[n]).clone()
+                    state[slot] = _download(self._arrays[Role.state(slot, n)], params[n]).clone()
                 if self._opts["kind"] != "sgd":
                     state["step"] = torch.tensor(float(self.steps))
             for n in self._buffers if self._segmented is None else ():  # (segmented: the module's are current)
-                buffers[n].copy_(_download(self._arrays[f"buffer:{n}"], buffers[n]))
+                buffers[n].copy_(_download(self._arrays[Role.buffer(n)], buffers[n]))
 
     def _refresh_buffers(self) -> None:
         """Segmented steps change the module's buffers, not the step's arrays: copy them up before reading these."""
@@ -152,18 +153,14 @@ class TrainStep:
             return
         buffers = dict(self.model.named_buffers())
         for n in self._buffers:
-            self._arrays.pop(f"buffer:{n}").release()
-            self._arrays[f"buffer:{n}"] = upload_array(self.device, buffers[n])
+            self._arrays.pop(Role.buffer(n)).release()
+            self._arrays[Role.buffer(n)] = upload_array(self.device, buffers[n])
 
     def device_weights(self) -> dict[str, np.ndarray]:
         """Parameters and buffers by state-dict name, read from the device; the module is not touched."""
         self._refresh_buffers()
-        weights = {}
-        for role, array in self._arrays.items():
-            kind, _, name = role.partition(":")
-            if kind in ("param", "frozen", "buffer"):
-                weights[name] = array.numpy()
-        return weights
+        return {role.name: array.numpy() for role, array in self._arrays.items()
+                if role.kind in (Kind.PARAM, Kind.FROZEN, Kind.BUFFER)}
 
     def state_dict(self) -> dict:
         """The module's state dict, synced from the device first."""
@@ -175,7 +172,7 @@ class TrainStep:
         from safetensors.numpy import save_file
 
         self._refresh_buffers()
-        tensors = {role: array.numpy() for role, array in self._arrays.items() if not role.startswith("frozen:")}
+        tensors = {role.key: array.numpy() for role, array in self._arrays.items() if role.kind is not Kind.FROZEN}
         save_file(tensors, str(path), metadata={"format": CHECKPOINT_FORMAT, "steps": str(self.steps),
                                                 "micro_batches": str(self.micro_batches),
                                                 "optimizer": self._opts["kind"]})
@@ -190,12 +187,12 @@ class TrainStep:
                 raise ValueError(f"{path} is not a meganeura training checkpoint (format {meta.get('format')!r})")
             if meta.get("optimizer") != self._opts["kind"]:
                 raise ValueError(f"{path} holds {meta.get('optimizer')} state, this step uses {self._opts['kind']}")
-            expected = {role for role in self._arrays if not role.startswith("frozen:")}
-            found = set(f.keys())
+            role_of = {role.key: role for role in self._arrays if role.kind is not Kind.FROZEN}
+            expected, found = set(role_of), set(f.keys())
             if found != expected:
                 raise ValueError(f"{path} does not match this model: missing {sorted(expected - found)[:5]}, "
                                  f"unexpected {sorted(found - expected)[:5]}")
-            loaded = {role: f.get_tensor(role) for role in sorted(found)}
+            loaded = {role_of[key]: f.get_tensor(key) for key in sorted(found)}
         for role, value in loaded.items():
             old = self._arrays[role]
             if tuple(value.shape) != old.shape:
@@ -210,13 +207,13 @@ class TrainStep:
             buffers = dict(self.model.named_buffers())
             with torch.no_grad():
                 for n in self._buffers:
-                    buffers[n].copy_(_download(self._arrays[f"buffer:{n}"], buffers[n]))
+                    buffers[n].copy_(_download(self._arrays[Role.buffer(n)], buffers[n]))
         self.steps = int(meta["steps"])
         self.micro_batches = int(meta.get("micro_batches", "0"))
 
     # ---- stepping
 
-    def _compiled(self, batch: tuple, mode: str) -> "_CompiledStep | SegmentedStep":
+    def _compiled(self, batch: tuple, mode: Mode) -> "_CompiledStep | SegmentedStep":
         """The step of ``mode`` for this batch signature: one captured plan, or, once dynamo could not capture the
         loss whole, the loss through the backend beside an update plan (``train_segments``)."""
         key = (mode, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch))
@@ -225,14 +222,14 @@ class TrainStep:
             compiled = self._plans[key] = self._new_step(batch, mode)
         return compiled
 
-    def _new_step(self, batch: tuple, mode: str) -> "_CompiledStep | SegmentedStep":
-        if self._segmented is None or mode == "update":
+    def _new_step(self, batch: tuple, mode: Mode) -> "_CompiledStep | SegmentedStep":
+        if self._segmented is None or mode is Mode.UPDATE:
             try:
                 return _CompiledStep(self, batch, mode)
             except Exception as err:  # noqa: BLE001 - is_capture_limit picks what the backend can run instead
                 if not is_capture_limit(err):
                     raise
-                if self.data_parallel is not None or mode == "update":
+                if self.data_parallel is not None or mode is Mode.UPDATE:
                     raise NotImplementedError("a data-parallel compile_train_step needs a loss that dynamo "
                                               f"captures as one graph: {err}") from err
                 self._segmented = SegmentedLoss(self, err)
@@ -241,9 +238,9 @@ class TrainStep:
     def gradients(self, *batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and every trainable parameter's gradient (clipped if ``max_grad_norm``) at the current device
         state, changing nothing: no update, no BatchNorm statistics. For inspection and correctness checks."""
-        loss, grads = self._compiled(batch, "grads").run(self._arrays, batch, self._hyper(self.steps + 1))
+        loss, grads = self._compiled(batch, Mode.GRADS).run(self._arrays, batch, self._hyper(self.steps + 1))
         params = dict(self.model.named_parameters())
-        return loss, {role[5:]: torch.from_numpy(np.asarray(g).copy()).reshape(params[role[5:]].shape)
+        return loss, {role.name: torch.from_numpy(np.asarray(g).copy()).reshape(params[role.name].shape)
                       for role, g in grads.items()}
 
     def _hyper(self, step: int) -> torch.Tensor:
@@ -254,15 +251,15 @@ class TrainStep:
             return self._data_parallel_call(batch)
         self.micro_batches += 1
         if self.accumulation_steps == 1:
-            mode = "step"
+            mode = Mode.STEP
         else:
-            mode = "apply" if self.micro_batches == self.accumulation_steps else "accumulate"
+            mode = Mode.APPLY if self.micro_batches == self.accumulation_steps else Mode.ACCUMULATE
         compiled = self._compiled(batch, mode)
-        if mode != "accumulate":
+        if mode is not Mode.ACCUMULATE:
             self.steps += 1
             self.micro_batches = 0
         loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)), self._spare)
-        if mode != "accumulate":
+        if mode is not Mode.ACCUMULATE:
             self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check
         self._swap_in(updated)
         return loss
@@ -271,22 +268,22 @@ class TrainStep:
         """A call of a data-parallel step (see ``data_parallel``): local gradients, all-reduce, update."""
         dp = self.data_parallel
         if self.micro_batches == 0:
-            local = self._compiled(batch, "local")  # compiled first: it says which buffers the forward changes
-            dp.broadcast_arrays([self._arrays[r] for r in local.state_outputs if r.startswith("buffer:")])
+            local = self._compiled(batch, Mode.LOCAL)  # compiled first: it says which buffers the forward changes
+            dp.broadcast_arrays([self._arrays[r] for r in local.state_outputs if r.kind is Kind.BUFFER])
         self.micro_batches += 1
         if self.micro_batches < self.accumulation_steps:
-            loss, updated = self._compiled(batch, "accumulate").run(self._arrays, batch, self._hyper(1), self._spare)
+            loss, updated = self._compiled(batch, Mode.ACCUMULATE).run(self._arrays, batch, self._hyper(1), self._spare)
             self._swap_in(updated)
             return loss
         self.micro_batches = 0
         self.steps += 1
         hyper = self._hyper(self.steps)
-        loss, outputs = self._compiled(batch, "local").run(self._arrays, batch, hyper, self._spare)
-        grads = {role[5:]: outputs.pop(role) for role in list(outputs) if role.startswith("grad:")}
+        loss, outputs = self._compiled(batch, Mode.LOCAL).run(self._arrays, batch, hyper, self._spare)
+        grads = {role.name: outputs.pop(role) for role in list(outputs) if role.kind is Kind.GRAD}
         self._swap_in(outputs)
         averaged = dp.reducer.reduce(grads)
-        arrays = {**self._arrays, **{f"grad:{n}": a for n, a in averaged.items()}}
-        _, updated = self._compiled((), "update").run(arrays, (), hyper, self._spare)
+        arrays = {**self._arrays, **{Role.grad(n): a for n, a in averaged.items()}}
+        _, updated = self._compiled((), Mode.UPDATE).run(arrays, (), hyper, self._spare)
         self._swap_in(updated)
         self.optimizer._opt_called = True
         return loss
@@ -313,11 +310,11 @@ def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.O
 
 class _CompiledStep:
     """The traced and compiled step for one batch signature and ``mode`` (see ``train_trace.trace_step``). The loss (and the
-    gradients in mode "grads") are read back; every other output stays on the device."""
+    gradients in ``Mode.GRADS``) are read back; every other output stays on the device."""
 
-    def __init__(self, owner: TrainStep, batch: tuple, mode: str):  # no reference to owner: no cycle
-        traced = trace_update(owner) if mode == "update" else trace_step(owner, batch, mode)
-        if mode != "update" and fallback_ops(traced[0]):  # a backward formula with no lowering: differentiate
+    def __init__(self, owner: TrainStep, batch: tuple, mode: Mode):  # no reference to owner: no cycle
+        traced = trace_update(owner) if mode is Mode.UPDATE else trace_step(owner, batch, mode)
+        if mode is not Mode.UPDATE and fallback_ops(traced[0]):  # a backward formula with no lowering: differentiate
             traced = trace_step(owner, batch, mode, decompose_all=True)  # the decomposed ops instead (less accurate)
         gm, self.roles, self.outputs, constants = traced
         unsupported = fallback_ops(gm)
@@ -333,11 +330,10 @@ class _CompiledStep:
         if kinds[0] != "plan" or any(k != "plan" for k in kinds):
             raise NotImplementedError("a training step output folded to a constant; cannot keep it on the device")
         names = dict(zip(self.outputs, (name for _, name in self.lowered.outputs)))
-        self.loss_name = names.pop("loss", None)
+        self.loss_name = names.pop(Role.loss(), None)
         self.state_outputs = names
-        resident = [name for role, name in names.items() if not role.startswith("grad:")]
-        on_device = [name for role, name in self.input_names.items()
-                     if role != "hyper" and not role.startswith("batch:")]
+        resident = [name for role, name in names.items() if role.kind is not Kind.GRAD]
+        on_device = [name for role, name in self.input_names.items() if role.kind not in (Kind.HYPER, Kind.BATCH)]
         self.program = program_for(graph, owner.device, resident, on_device)
         self.constants = {role: upload_array(owner.device, value) for role, value in constants.items()}
 
@@ -352,22 +348,22 @@ class _CompiledStep:
         return loss, {role: results[name] for role, name in self.state_outputs.items()}
 
 
-    def _value(self, role: str, arrays: dict, batch: tuple, hyper: torch.Tensor):
+    def _value(self, role: Role, arrays: dict, batch: tuple, hyper: torch.Tensor):
         """What feeds the placeholder of ``role``: a batch tensor, the hyperparameters, or a device array."""
-        if role.startswith("batch:"):
-            return batch[int(role[6:])]
-        if role == "hyper":
+        if role.kind is Kind.BATCH:
+            return batch[role.index]
+        if role.kind is Kind.HYPER:
             return hyper
         return self.constants[role] if role in self.constants else arrays[role]
 
 
-def _example(owner: TrainStep, role: str, batch: tuple):
-    if role.startswith("batch:"):
-        return batch[int(role[6:])]
-    if role == "hyper":
+def _example(owner: TrainStep, role: Role, batch: tuple):
+    if role.kind is Kind.BATCH:
+        return batch[role.index]
+    if role.kind is Kind.HYPER:
         return optimizers.hyperparameters(owner.optimizer, 1)
-    if role.startswith("grad:"):
-        return torch.empty(dict(owner.model.named_parameters())[role[5:]].shape)
+    if role.kind is Kind.GRAD:
+        return torch.empty(dict(owner.model.named_parameters())[role.name].shape)
     array = owner._arrays[role]
     return torch.empty(array.shape, dtype=_TORCH_DTYPE[array.dtype])
 

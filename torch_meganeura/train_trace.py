@@ -1,8 +1,7 @@
 """Tracing a training step into one fx graph: the loss captured by dynamo (fullgraph), re-traced through the
 decompositions aot_autograd applies before differentiating, then differentiated and updated functionally
 (``make_fx`` over ``torch.func.grad_and_value`` and the optimizer's update from ``optimizers``), with every
-placeholder named by its role (``"param:NAME"``, ``"state:SLOT:NAME"``, ``"batch:I"``...). ``train_step`` compiles
-the graphs these return.
+placeholder and output named by its ``Role`` (``roles``). ``train_step`` compiles the graphs these return.
 """
 from __future__ import annotations
 
@@ -16,15 +15,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import optimizers
 from .decompositions import before_autograd_table, decomposition_table
 from .dynamo_capture import compile_quieting_logging_if_refused
+from .roles import Kind, Mode, Role
 
 
 def _capture(owner, batch: tuple):
-    """The loss as a straight-line fx graph (dynamo, fullgraph) and what feeds each of its placeholders: a role
-    ("param:NAME", "frozen:NAME", "buffer:NAME", "batch:I") or, for anything else dynamo lifted, the tensor."""
+    """The loss as a straight-line fx graph (dynamo, fullgraph) and what feeds each of its placeholders: a
+    ``Role`` (param, frozen, buffer or batch) or, for anything else dynamo lifted, the tensor."""
     model = owner.model
-    roles_by_id = {id(p): f"{'param' if p.requires_grad else 'frozen'}:{n}" for n, p in model.named_parameters()}
-    roles_by_id.update({id(b): f"buffer:{n}" for n, b in model.named_buffers()})
-    roles_by_id.update({id(t): f"batch:{i}" for i, t in enumerate(batch) if isinstance(t, torch.Tensor)})
+    roles_by_id = {id(p): Role.param(n) if p.requires_grad else Role.frozen(n) for n, p in model.named_parameters()}
+    roles_by_id.update({id(b): Role.buffer(n) for n, b in model.named_buffers()})
+    roles_by_id.update({id(t): Role.batch(i) for i, t in enumerate(batch) if isinstance(t, torch.Tensor)})
     captured = {}
 
     def grab(gm, example_inputs):
@@ -49,15 +49,11 @@ def _capture(owner, batch: tuple):
     return captured["gm"], sources
 
 
-def trace_step(owner, batch: tuple, mode: str, decompose_all: bool = False):
+def trace_step(owner, batch: tuple, mode: Mode, decompose_all: bool = False):
     """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
-    gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs by ``mode``:
-      "step"        loss, new params, changed buffers, new optimizer state;
-      "accumulate"  loss, new accumulators (+ this micro-batch's gradients), changed buffers;
-      "apply"       as "step" with the accumulated gradients, then zeroed accumulators;
-      "grads"       loss and gradients, nothing else (buffers unchanged);
-      "local"       loss, gradients (+ the accumulated ones, unclipped), changed buffers, zeroed accumulators:
-                    a data-parallel step's first plan (``trace_update`` traces its second)."""
+    gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs: the loss, then what ``mode``
+    says (``roles.Mode``; ``trace_update`` traces ``Mode.UPDATE``). Returns (graph, placeholder roles, output roles,
+    constants by role)."""
     model, opts = owner.model, owner._opts
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -68,19 +64,19 @@ def trace_step(owner, batch: tuple, mode: str, decompose_all: bool = False):
     table = decomposition_table() if decompose_all else before_autograd_table()
     loss_graph = _decomposed(captured, sources, params, buffers, batch, table)
     read = {src for src, ph in zip(sources, captured.graph.find_nodes(op="placeholder")) if ph.users}
-    unused = frozenset(i for i, n in enumerate(owner._trainable) if f"param:{n}" not in read)
+    unused = frozenset(i for i, n in enumerate(owner._trainable) if Role.param(n) not in read)
 
     k = owner.accumulation_steps
-    accumulating = k > 1 and mode in ("accumulate", "apply", "local")
+    accumulating = k > 1 and mode in (Mode.ACCUMULATE, Mode.APPLY, Mode.LOCAL)
 
     def step(train, frozen, bufs, state, acc, hyper, batch_tensors, extra_tensors):
-        fixed = {**{f"frozen:{n}": t for n, t in zip(owner._frozen, frozen)},
-                 **{f"batch:{i}": t for i, t in zip(tensors, batch_tensors)}}
+        fixed = {**{Role.frozen(n): t for n, t in zip(owner._frozen, frozen)},
+                 **{Role.batch(i): t for i, t in zip(tensors, batch_tensors)}}
 
         def loss_of(ps, bs):
             # buffers are an argument (not captured) because the forward mutates them (BatchNorm statistics)
-            values = {**fixed, **{f"param:{n}": t for n, t in zip(owner._trainable, ps)},
-                      **{f"buffer:{n}": t for n, t in zip(owner._buffers, bs)}}
+            values = {**fixed, **{Role.param(n): t for n, t in zip(owner._trainable, ps)},
+                      **{Role.buffer(n): t for n, t in zip(owner._buffers, bs)}}
             extras = iter(extra_tensors)
             args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
             loss = loss_graph(*args)
@@ -88,18 +84,18 @@ def trace_step(owner, batch: tuple, mode: str, decompose_all: bool = False):
 
         bufs = [b.clone() for b in bufs]
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
-        if mode == "accumulate":
+        if mode is Mode.ACCUMULATE:
             return loss, [a + g for a, g in zip(acc, grads)], bufs
-        if mode in ("apply", "local") and k > 1:
+        if mode in (Mode.APPLY, Mode.LOCAL) and k > 1:
             grads = [a + g for a, g in zip(acc, grads)]
-        if mode == "local":
+        if mode is Mode.LOCAL:
             return loss, list(grads), bufs, [torch.zeros_like(a) for a in acc]
         if owner.max_grad_norm is not None:
             grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
-        if mode == "grads":
+        if mode is Mode.GRADS:
             return loss, list(grads)
         new_params, flat_state = _update(owner, train, grads, state, hyper, unused)
-        if mode == "apply":
+        if mode is Mode.APPLY:
             return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
         return loss, new_params, bufs, flat_state
 
@@ -111,20 +107,21 @@ def trace_step(owner, batch: tuple, mode: str, decompose_all: bool = False):
                [t.detach() for t in extra])
     gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
                  tracing_mode="fake")(*example)
-    roles = ([f"param:{n}" for n in owner._trainable] + [f"frozen:{n}" for n in owner._frozen]
-             + [f"buffer:{n}" for n in owner._buffers]
-             + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
-             + ([f"acc:{n}" for n in owner._trainable] if k > 1 else []) + ["hyper"]
-             + [f"batch:{i}" for i in tensors] + [f"constant:extra{k}" for k in range(len(extra))])
-    accumulators = [f"acc:{n}" for n in owner._trainable]
-    updated = ([f"param:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
-               + [f"state:{s}:{n}" for s in slots for n in owner._trainable])
-    outputs = ["loss"] + {"step": updated, "apply": updated + accumulators,
-                          "grads": [f"grad:{n}" for n in owner._trainable],
-                          "local": ([f"grad:{n}" for n in owner._trainable] + [f"buffer:{n}" for n in owner._buffers]
-                                    + (accumulators if k > 1 else [])),
-                          "accumulate": accumulators + [f"buffer:{n}" for n in owner._buffers]}[mode]
-    constants = {f"constant:extra{k}": t.detach() for k, t in enumerate(extra)}
+    roles = ([Role.param(n) for n in owner._trainable] + [Role.frozen(n) for n in owner._frozen]
+             + [Role.buffer(n) for n in owner._buffers]
+             + [Role.state(s, n) for s in slots for n in owner._trainable]
+             + ([Role.acc(n) for n in owner._trainable] if k > 1 else []) + [Role.hyper()]
+             + [Role.batch(i) for i in tensors] + [Role.constant(f"extra{k}") for k in range(len(extra))])
+    accumulators = [Role.acc(n) for n in owner._trainable]
+    updated = ([Role.param(n) for n in owner._trainable] + [Role.buffer(n) for n in owner._buffers]
+               + [Role.state(s, n) for s in slots for n in owner._trainable])
+    outputs = [Role.loss()] + {
+        Mode.STEP: updated, Mode.APPLY: updated + accumulators,
+        Mode.GRADS: [Role.grad(n) for n in owner._trainable],
+        Mode.LOCAL: ([Role.grad(n) for n in owner._trainable] + [Role.buffer(n) for n in owner._buffers]
+                     + (accumulators if k > 1 else [])),
+        Mode.ACCUMULATE: accumulators + [Role.buffer(n) for n in owner._buffers]}[mode]
+    constants = {Role.constant(f"extra{k}"): t.detach() for k, t in enumerate(extra)}
     constants.update(_lift_constants(gm, roles))
     outputs = _drop_unchanged_outputs(gm, roles, outputs)
     return gm, roles, outputs, constants
@@ -164,9 +161,9 @@ def trace_update(owner):
                [torch.zeros_like(p) for p in trainable])
     gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
                  tracing_mode="fake")(*example)
-    roles = ([f"param:{n}" for n in owner._trainable] + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
-             + ["hyper"] + [f"grad:{n}" for n in owner._trainable])
-    outputs = [f"param:{n}" for n in owner._trainable] + [f"state:{s}:{n}" for s in slots for n in owner._trainable]
+    roles = ([Role.param(n) for n in owner._trainable] + [Role.state(s, n) for s in slots for n in owner._trainable]
+             + [Role.hyper()] + [Role.grad(n) for n in owner._trainable])
+    outputs = [Role.param(n) for n in owner._trainable] + [Role.state(s, n) for s in slots for n in owner._trainable]
     constants = _lift_constants(gm, roles)
     outputs = _drop_unchanged_outputs(gm, roles, outputs)
     return gm, roles, outputs, constants
@@ -179,14 +176,16 @@ def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: 
     def value(src):
         if isinstance(src, torch.Tensor):
             return src.detach()
-        if isinstance(src, str) and src.split(":", 1)[0] == "param":  # traced as differentiated (embedding_bag
-            return params[src.split(":", 1)[1]].detach().requires_grad_()  # keeps what its backward needs)
-        if isinstance(src, str) and src.startswith("frozen:"):
-            return params[src.split(":", 1)[1]].detach()
-        if isinstance(src, str) and src.startswith("buffer:"):
-            return buffers[src[7:]].detach().clone()
-        if isinstance(src, str) and src.startswith("batch:"):
-            return batch[int(src[6:])]
+        if not isinstance(src, Role):
+            return src
+        if src.kind is Kind.PARAM:  # traced as differentiated (embedding_bag keeps what its backward needs)
+            return params[src.name].detach().requires_grad_()
+        if src.kind is Kind.FROZEN:
+            return params[src.name].detach()
+        if src.kind is Kind.BUFFER:
+            return buffers[src.name].detach().clone()
+        if src.kind is Kind.BATCH:
+            return batch[src.index]
         return src
 
     def loss(*args):
@@ -202,7 +201,7 @@ def _lift_constants(gm: fx.GraphModule, roles: list) -> dict:
     constants = {}
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         value = getattr(gm, node.target)
-        role = f"constant:{node.target}"
+        role = Role.constant(node.target)
         with gm.graph.inserting_after(placeholders[-1]):
             ph = gm.graph.placeholder(node.target.replace(".", "_") + "_lifted")
         placeholders.append(ph)
