@@ -6,53 +6,14 @@ import numpy as np
 import pytest
 
 from meganeura.runtime.device import get_device
-from meganeura.runtime.errors import InputError, KernelStatusError, LimitError, MeganeuraError
+from meganeura.runtime.errors import InputError, KernelStatusError, MeganeuraError
 from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
 from meganeura.runtime.program import Program
 
+from helpers.plans import (ADD, add_plan, affine_plan, align, arena_chain_plan, chain_plan, gather_plan, groups,
+                           kernel, no_output_plan)
+
 RNG = np.random.default_rng(0)
-
-
-def kernel(params: list[tuple[str, str]], body: str) -> str:
-    """WGSL of a 1-D elementwise kernel over ``out``; params are (name, element type), bound in order."""
-    lines = [
-        f"@group(0) @binding({i}) var<storage, read_write> {name}: array<{ty}>;" for i, (name, ty) in enumerate(params)
-    ]
-    lines.append("@compute @workgroup_size(64)")
-    lines.append("fn main(@builtin(global_invocation_id) gid: vec3<u32>) {")
-    lines.append("  let i = gid.x;")
-    lines.append("  if (i >= arrayLength(&out)) { return; }")
-    lines.append(f"  {body}")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def align(n: int, a: int = 256) -> int:
-    return (n + a - 1) // a * a
-
-
-def groups(n: int) -> tuple[int, int, int]:
-    return (max(1, (n + 63) // 64), 1, 1)
-
-
-ADD = kernel([("a", "f32"), ("b", "f32"), ("out", "f32")], "out[i] = a[i] + b[i];")
-
-
-def add_plan(n: int = 100) -> Plan:
-    """out = a + b, with a and b packed into one input buffer at aligned offsets."""
-    nb, off = 4 * n, align(4 * n)
-    return Plan(
-        buffers=[BufferSpec("inputs", off + nb, "input"), BufferSpec("out", nb, "output")],
-        inputs=[TensorSpec("a", "inputs", 0, (n,), "float32"), TensorSpec("b", "inputs", off, (n,), "float32")],
-        params=[],
-        outputs=[TensorSpec("sum", "out", 0, (n,), "float32")],
-        kernels={"add": ADD},
-        dispatches=[
-            Dispatch(
-                "add", (Binding("inputs", 0, nb), Binding("inputs", off, nb), Binding("out", 0, nb)), groups(n), "add"
-            )
-        ],
-    )
 
 
 def test_add_matches_numpy():
@@ -105,26 +66,6 @@ def test_json_round_trip_gives_same_results():
     np.testing.assert_array_equal(out1["sum"], out2["sum"])
 
 
-def affine_plan(n: int = 64) -> Plan:
-    """y = x * w + bias, with w and bias in one param buffer."""
-    nb, off = 4 * n, align(4 * n)
-    body = kernel([("x", "f32"), ("w", "f32"), ("bias", "f32"), ("out", "f32")], "out[i] = x[i] * w[i] + bias[i];")
-    return Plan(
-        buffers=[BufferSpec("x", nb, "input"), BufferSpec("weights", off + nb, "param"), BufferSpec("y", nb, "output")],
-        inputs=[TensorSpec("x", "x", 0, (n,), "float32")],
-        params=[TensorSpec("w", "weights", 0, (n,), "float32"), TensorSpec("bias", "weights", off, (n,), "float32")],
-        outputs=[TensorSpec("y", "y", 0, (n,), "float32")],
-        kernels={"affine": body},
-        dispatches=[
-            Dispatch(
-                "affine",
-                (Binding("x", 0, nb), Binding("weights", 0, nb), Binding("weights", off, nb), Binding("y", 0, nb)),
-                groups(n),
-            )
-        ],
-    )
-
-
 @pytest.mark.parametrize("ahead", [False, True])
 def test_params_upload_and_rebind(monkeypatch, ahead):
     """Params uploaded, then replaced by another buffer: the next run reads the new one (also where a run had
@@ -163,19 +104,7 @@ def test_arena_chain_reuses_one_pipeline():
     """Three dispatches of one kernel through two arena tensors: out = 8 x."""
     n = 40
     nb, off = 4 * n, align(4 * n)
-    double = kernel([("src", "f32"), ("out", "f32")], "out[i] = 2.0 * src[i];")
-    plan = Plan(
-        buffers=[BufferSpec("x", nb, "input"), BufferSpec("arena", off + nb, "arena"), BufferSpec("y", nb, "output")],
-        inputs=[TensorSpec("x", "x", 0, (n,), "float32")],
-        params=[],
-        outputs=[TensorSpec("y", "y", 0, (n,), "float32")],
-        kernels={"double": double},
-        dispatches=[
-            Dispatch("double", (Binding("x", 0, nb), Binding("arena", 0, nb)), groups(n), "t0"),
-            Dispatch("double", (Binding("arena", 0, nb), Binding("arena", off, nb)), groups(n), "t1"),
-            Dispatch("double", (Binding("arena", off, nb), Binding("y", 0, nb)), groups(n), "t2"),
-        ],
-    )
+    plan = arena_chain_plan(n)
     program = Program(get_device(), plan)
     x = RNG.standard_normal(n, dtype=np.float32)
     np.testing.assert_allclose(program.run({"x": x})["y"], 8 * x, rtol=1e-6)
@@ -232,55 +161,6 @@ def test_bool_input_and_output():
     np.testing.assert_array_equal(out["pos"], (x > 0) & mask)
 
 
-GATHER = """
-@group(0) @binding(0) var<storage, read_write> table: array<f32>;
-@group(0) @binding(1) var<storage, read_write> idx: array<i32>;
-@group(0) @binding(2) var<storage, read_write> out: array<f32>;
-@group(0) @binding(3) var<storage, read_write> status: array<atomic<u32>>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-  let i = gid.x;
-  if (i >= arrayLength(&out)) { return; }
-  let j = idx[i];
-  if (j < 0 || u32(j) >= arrayLength(&table)) {
-    atomicMax(&status[0], CODE);
-    out[i] = 0.0;
-    return;
-  }
-  out[i] = table[j];
-}
-"""
-
-
-def gather_plan(code: int, n: int = 20, rows: int = 8) -> Plan:
-    return Plan(
-        buffers=[
-            BufferSpec("table", 4 * rows, "input"),
-            BufferSpec("idx", 4 * n, "input"),
-            BufferSpec("out", 4 * n, "output"),
-            BufferSpec("status", 4, "status"),
-        ],
-        inputs=[TensorSpec("table", "table", 0, (rows,), "float32"), TensorSpec("idx", "idx", 0, (n,), "int64")],
-        params=[],
-        outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
-        kernels={"gather": GATHER.replace("CODE", f"{code}u")},
-        dispatches=[
-            Dispatch(
-                "gather",
-                (
-                    Binding("table", 0, 4 * rows),
-                    Binding("idx", 0, 4 * n),
-                    Binding("out", 0, 4 * n),
-                    Binding("status", 0, 4),
-                ),
-                groups(n),
-                "embedding",
-            )
-        ],
-        status_messages={1: "index out of range in embedding"},
-    )
-
-
 @pytest.mark.parametrize("ahead", [False, True])
 def test_status_raises_then_clears(monkeypatch, ahead):
     """A kernel's status code raises; the next run starts from cleared status words, also where the runs after the
@@ -307,58 +187,6 @@ def test_status_without_message_names_the_code():
     program = Program(get_device(), gather_plan(7))
     with pytest.raises(KernelStatusError, match="status code 7"):
         program.run({"table": np.zeros(8, np.float32), "idx": np.full(20, -1, np.int64)})
-
-
-@pytest.mark.parametrize(
-    "inputs, pattern",
-    [
-        ({"a": np.zeros(100, np.float32)}, r"missing inputs \['b'\]"),
-        ({"a": np.zeros(100, np.float32), "b": np.zeros(100, np.float32), "c": 1}, r"unexpected inputs \['c'\]"),
-        ({"a": np.zeros(99, np.float32), "b": np.zeros(100, np.float32)}, r"'a' expects shape \(100,\), got \(99,\)"),
-        ({"a": np.zeros(100, np.float64), "b": np.zeros(100, np.float32)}, "'a' expects dtype float32, got float64"),
-        ({"a": [0.0] * 100, "b": np.zeros(100, np.float32)}, "'a' must be a numpy array"),
-    ],
-)
-def test_bad_inputs_raise_input_error(inputs, pattern):
-    program = Program(get_device(), add_plan())
-    with pytest.raises(InputError, match=pattern) as info:
-        program.run(inputs)
-    assert isinstance(info.value, ValueError)
-
-
-def test_binding_over_limit(monkeypatch):
-    device = get_device()
-    monkeypatch.setattr(device, "max_binding_size", 256)
-    pattern = "tensor 'a' needs 400 bytes but this adapter's max-storage-buffer-binding-size is 256"
-    with pytest.raises(LimitError, match=pattern):
-        Program(device, add_plan())
-
-
-def test_buffer_over_limit(monkeypatch):
-    device = get_device()
-    monkeypatch.setattr(device, "max_buffer_size", 512)
-    with pytest.raises(LimitError, match="buffer 'inputs' needs 912 bytes .* max-buffer-size is 512"):
-        Program(device, add_plan())
-
-
-def test_misaligned_binding_offset():
-    device = get_device()
-    plan = add_plan()
-    bindings = plan.dispatches[0].bindings
-    misaligned = (bindings[0], Binding("inputs", device.offset_alignment // 2, 400), bindings[2])
-    plan.buffers[0] = BufferSpec("inputs", 1024, "input")
-    plan.dispatches[0] = Dispatch("add", misaligned, (2, 1, 1))
-    with pytest.raises(LimitError, match="min-storage-buffer-offset-alignment") as info:
-        Program(device, plan)
-    assert info.value.limit == "min-storage-buffer-offset-alignment"
-
-
-def test_too_many_workgroups():
-    device = get_device()
-    plan = add_plan()
-    plan.dispatches[0] = Dispatch("add", plan.dispatches[0].bindings, (device.max_workgroups_per_dim + 1, 1, 1))
-    with pytest.raises(LimitError, match="max-compute-workgroups-per-dimension"):
-        Program(device, plan)
 
 
 def test_empty_tensors():
@@ -394,15 +222,7 @@ def test_release_frees_buffers():
 
 
 def test_plan_without_outputs_still_waits():
-    double = kernel([("src", "f32"), ("out", "f32")], "out[i] = 2.0 * src[i];")
-    plan = Plan(
-        buffers=[BufferSpec("x", 64, "input"), BufferSpec("arena", 64, "arena")],
-        inputs=[TensorSpec("x", "x", 0, (16,), "float32")],
-        params=[],
-        outputs=[],
-        kernels={"double": double},
-        dispatches=[Dispatch("double", (Binding("x", 0, 64), Binding("arena", 0, 64)), (1, 1, 1))],
-    )
+    plan = no_output_plan()
     device = get_device()
     program = Program(device, plan)
     before = device.counters.snapshot()
@@ -424,21 +244,6 @@ def test_submission_parts_start_short_and_grow():
         assert all(FIRST_PART <= size for size in sizes)
         assert all(b == min(2 * a, SUBMIT_EVERY) for a, b in zip(sizes[:-2], sizes[1:-1]))
         assert max(sizes[:-1]) <= SUBMIT_EVERY and sizes[-1] < SUBMIT_EVERY + FIRST_PART
-
-
-def chain_plan(n: int, steps: int) -> Plan:
-    """``steps`` dependent dispatches: out = a, then out = 2 out + a, so out = a (2^steps - 1)."""
-    init = kernel([("a", "f32"), ("out", "f32")], "out[i] = a[i];")
-    double_add = kernel([("a", "f32"), ("out", "f32")], "out[i] = out[i] * 2.0 + a[i];")
-    bindings = (Binding("a", 0, 4 * n), Binding("out", 0, 4 * n))
-    return Plan(
-        buffers=[BufferSpec("a", 4 * n, "input"), BufferSpec("out", 4 * n, "output")],
-        inputs=[TensorSpec("a", "a", 0, (n,), "float32")], params=[],
-        outputs=[TensorSpec("out", "out", 0, (n,), "float32")],
-        kernels={"init": init, "double_add": double_add},
-        dispatches=[Dispatch("init", bindings, groups(n), "init")]
-        + [Dispatch("double_add", bindings, groups(n), f"step {k}") for k in range(1, steps)],
-    )
 
 
 def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
