@@ -309,8 +309,8 @@ def compile_train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.O
 
 
 class _CompiledStep:
-    """The traced and compiled step for one batch signature and ``mode`` (see ``train_trace.trace_step``). The loss (and the
-    gradients in ``Mode.GRADS``) are read back; every other output stays on the device."""
+    """The traced and compiled step for one batch signature and ``mode`` (see ``train_trace.trace_step``). The loss
+    (and the gradients in ``Mode.GRADS``) are read back; every other output stays on the device."""
 
     def __init__(self, owner: TrainStep, batch: tuple, mode: Mode):  # no reference to owner: no cycle
         traced = trace_update(owner) if mode is Mode.UPDATE else trace_step(owner, batch, mode)

@@ -54,34 +54,39 @@ def trace_step(owner, batch: tuple, mode: Mode, decompose_all: bool = False):
     gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs: the loss, then what ``mode``
     says (``roles.Mode``; ``trace_update`` traces ``Mode.UPDATE``). Returns (graph, placeholder roles, output roles,
     constants by role)."""
-    model, opts = owner.model, owner._opts
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    slots = opts["slots"]
+    params = dict(owner.model.named_parameters())
+    buffers = dict(owner.model.named_buffers())
     captured, sources = _capture(owner, batch)
     tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
     extra = [src for src in sources if isinstance(src, torch.Tensor)]
     table = decomposition_table() if decompose_all else before_autograd_table()
     loss_graph = _decomposed(captured, sources, params, buffers, batch, table)
-    read = {src for src, ph in zip(sources, captured.graph.find_nodes(op="placeholder")) if ph.users}
-    unused = frozenset(i for i, n in enumerate(owner._trainable) if Role.param(n) not in read)
+    step = _functional_step(owner, mode, loss_graph, sources, tensors, _unused_params(owner, captured, sources))
+    gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*_step_example(owner, batch, tensors, extra))
+    roles = _step_input_roles(owner, tensors, len(extra))
+    constants = {Role.constant(f"extra{k}"): t.detach() for k, t in enumerate(extra)}
+    constants.update(_lift_constants(gm, roles))
+    outputs = _drop_unchanged_outputs(gm, roles, [Role.loss()] + _step_output_roles(owner, mode))
+    return gm, roles, outputs, constants
 
+
+def _unused_params(owner, captured: fx.GraphModule, sources: list) -> frozenset:
+    """Indices of the trainable parameters that the loss does not read (eager leaves their ``.grad`` None)."""
+    read = {src for src, ph in zip(sources, captured.graph.find_nodes(op="placeholder")) if ph.users}
+    return frozenset(i for i, n in enumerate(owner._trainable) if Role.param(n) not in read)
+
+
+def _functional_step(owner, mode: Mode, loss_graph, sources: list, tensors: list, unused: frozenset):
+    """The step of ``mode`` as a function of tensors (``_step_example`` gives its arguments): gradients and loss by
+    ``torch.func.grad_and_value``, then accumulation, clipping and the update; returns the outputs in the order of
+    ``_step_output_roles``."""
     k = owner.accumulation_steps
-    accumulating = k > 1 and mode in (Mode.ACCUMULATE, Mode.APPLY, Mode.LOCAL)
 
     def step(train, frozen, bufs, state, acc, hyper, batch_tensors, extra_tensors):
         fixed = {**{Role.frozen(n): t for n, t in zip(owner._frozen, frozen)},
                  **{Role.batch(i): t for i, t in zip(tensors, batch_tensors)}}
-
-        def loss_of(ps, bs):
-            # buffers are an argument (not captured) because the forward mutates them (BatchNorm statistics)
-            values = {**fixed, **{Role.param(n): t for n, t in zip(owner._trainable, ps)},
-                      **{Role.buffer(n): t for n, t in zip(owner._buffers, bs)}}
-            extras = iter(extra_tensors)
-            args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
-            loss = loss_graph(*args)
-            return (loss / k if accumulating else loss), list(bs)
-
+        loss_of = _loss_function(owner, mode, loss_graph, sources, fixed, extra_tensors)
         bufs = [b.clone() for b in bufs]
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
         if mode is Mode.ACCUMULATE:
@@ -99,32 +104,62 @@ def trace_step(owner, batch: tuple, mode: Mode, decompose_all: bool = False):
             return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
         return loss, new_params, bufs, flat_state
 
-    example = ([params[n].detach() for n in owner._trainable], [params[n].detach() for n in owner._frozen],
-               [buffers[n].detach() for n in owner._buffers],
-               [torch.zeros_like(params[n]) for _ in slots for n in owner._trainable],
-               [torch.zeros_like(params[n]) for n in owner._trainable] if k > 1 else [],
-               optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), [batch[i] for i in tensors],
-               [t.detach() for t in extra])
-    gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
-                 tracing_mode="fake")(*example)
-    roles = ([Role.param(n) for n in owner._trainable] + [Role.frozen(n) for n in owner._frozen]
-             + [Role.buffer(n) for n in owner._buffers]
-             + [Role.state(s, n) for s in slots for n in owner._trainable]
-             + ([Role.acc(n) for n in owner._trainable] if k > 1 else []) + [Role.hyper()]
-             + [Role.batch(i) for i in tensors] + [Role.constant(f"extra{k}") for k in range(len(extra))])
+    return step
+
+
+def _loss_function(owner, mode: Mode, loss_graph, sources: list, fixed: dict, extra_tensors: list):
+    """``loss_of(params, buffers) -> (loss, buffers)``: the decomposed loss graph fed by role (``fixed`` holds the
+    frozen parameters and batch tensors) and, for what dynamo lifted, by ``extra_tensors`` in order. Divided by
+    ``accumulation_steps`` in the modes that accumulate gradients."""
+    k = owner.accumulation_steps
+    accumulating = k > 1 and mode in (Mode.ACCUMULATE, Mode.APPLY, Mode.LOCAL)
+
+    def loss_of(ps, bs):
+        # buffers are an argument (not captured) because the forward mutates them (BatchNorm statistics)
+        values = {**fixed, **{Role.param(n): t for n, t in zip(owner._trainable, ps)},
+                  **{Role.buffer(n): t for n, t in zip(owner._buffers, bs)}}
+        extras = iter(extra_tensors)
+        args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
+        loss = loss_graph(*args)
+        return (loss / k if accumulating else loss), list(bs)
+
+    return loss_of
+
+
+def _step_example(owner, batch: tuple, tensors: list, extra: list) -> tuple:
+    """Example arguments of ``_functional_step``'s step, for make_fx."""
+    params = dict(owner.model.named_parameters())
+    buffers = dict(owner.model.named_buffers())
+    return ([params[n].detach() for n in owner._trainable], [params[n].detach() for n in owner._frozen],
+            [buffers[n].detach() for n in owner._buffers],
+            [torch.zeros_like(params[n]) for _ in owner._opts["slots"] for n in owner._trainable],
+            [torch.zeros_like(params[n]) for n in owner._trainable] if owner.accumulation_steps > 1 else [],
+            optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), [batch[i] for i in tensors],
+            [t.detach() for t in extra])
+
+
+def _state_roles(owner) -> list[Role]:
+    """The optimizer state tensors' roles, slot-major as ``_update`` flattens them."""
+    return [Role.state(s, n) for s in owner._opts["slots"] for n in owner._trainable]
+
+
+def _step_input_roles(owner, tensors: list, n_extra: int) -> list[Role]:
+    """The roles of ``trace_step``'s placeholders, in ``_step_example``'s order (lifted constants are added after)."""
+    accumulators = [Role.acc(n) for n in owner._trainable] if owner.accumulation_steps > 1 else []
+    return ([Role.param(n) for n in owner._trainable] + [Role.frozen(n) for n in owner._frozen]
+            + [Role.buffer(n) for n in owner._buffers] + _state_roles(owner) + accumulators + [Role.hyper()]
+            + [Role.batch(i) for i in tensors] + [Role.constant(f"extra{k}") for k in range(n_extra)])
+
+
+def _step_output_roles(owner, mode: Mode) -> list[Role]:
+    """The roles of the outputs of ``mode``'s step after the loss, in the order ``_functional_step`` returns them."""
+    grads = [Role.grad(n) for n in owner._trainable]
+    buffers = [Role.buffer(n) for n in owner._buffers]
     accumulators = [Role.acc(n) for n in owner._trainable]
-    updated = ([Role.param(n) for n in owner._trainable] + [Role.buffer(n) for n in owner._buffers]
-               + [Role.state(s, n) for s in slots for n in owner._trainable])
-    outputs = [Role.loss()] + {
-        Mode.STEP: updated, Mode.APPLY: updated + accumulators,
-        Mode.GRADS: [Role.grad(n) for n in owner._trainable],
-        Mode.LOCAL: ([Role.grad(n) for n in owner._trainable] + [Role.buffer(n) for n in owner._buffers]
-                     + (accumulators if k > 1 else [])),
-        Mode.ACCUMULATE: accumulators + [Role.buffer(n) for n in owner._buffers]}[mode]
-    constants = {Role.constant(f"extra{k}"): t.detach() for k, t in enumerate(extra)}
-    constants.update(_lift_constants(gm, roles))
-    outputs = _drop_unchanged_outputs(gm, roles, outputs)
-    return gm, roles, outputs, constants
+    updated = [Role.param(n) for n in owner._trainable] + buffers + _state_roles(owner)
+    return {Mode.STEP: updated, Mode.APPLY: updated + accumulators, Mode.GRADS: grads,
+            Mode.LOCAL: grads + buffers + (accumulators if owner.accumulation_steps > 1 else []),
+            Mode.ACCUMULATE: accumulators + buffers}[mode]
 
 
 def _update(owner, train: list, grads: list, state: list, hyper: torch.Tensor, unused=frozenset()):
@@ -161,9 +196,9 @@ def trace_update(owner):
                [torch.zeros_like(p) for p in trainable])
     gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
                  tracing_mode="fake")(*example)
-    roles = ([Role.param(n) for n in owner._trainable] + [Role.state(s, n) for s in slots for n in owner._trainable]
-             + [Role.hyper()] + [Role.grad(n) for n in owner._trainable])
-    outputs = [Role.param(n) for n in owner._trainable] + [Role.state(s, n) for s in slots for n in owner._trainable]
+    trained = [Role.param(n) for n in owner._trainable]
+    roles = trained + _state_roles(owner) + [Role.hyper()] + [Role.grad(n) for n in owner._trainable]
+    outputs = trained + _state_roles(owner)
     constants = _lift_constants(gm, roles)
     outputs = _drop_unchanged_outputs(gm, roles, outputs)
     return gm, roles, outputs, constants
