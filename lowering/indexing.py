@@ -58,10 +58,7 @@ def simplify(e: E.Expr, bounds: dict[int, int]) -> E.Expr:
             return None
         if node.op in ("idiv", "imod") and E.is_const(node.args[1]) and node.args[1].args[0] > 0:
             terms, const = _affine(node.args[0])
-            divisor = node.args[1].args[0]
-            if node.op == "idiv":
-                return _divide(terms, const, divisor, bounds)
-            return _modulo(terms, const, divisor, bounds)
+            return _divide_or_modulo(node.op, terms, const, node.args[1].args[0], bounds)
         terms, const = _affine(node)
         return _build(_fold_div_mod(terms), const)
 
@@ -137,31 +134,20 @@ def _split(terms, const, d):
     return quotient, const // d, rest, const % d
 
 
-def _divide(terms, const, d, bounds):
+def _divide_or_modulo(op, terms, const, d, bounds):
+    """The affine form ``terms + const`` ``op`` ("idiv" or "imod") ``d`` > 0. Where the form is non-negative, split it
+    (``_split``) into d * quotient + rest: with the rest in [0, d), the quotient (idiv) or the rest (imod) alone; with
+    the rest non-negative, quotient + rest idiv d, or rest imod d. Otherwise unchanged."""
     full_range = _affine_range(terms, const, bounds)
-    if full_range is None or full_range[0] < 0:
-        return E.binary("idiv", _build(terms, const), E.const(d, E.I32))
-    quotient, qconst, rest, rconst = _split(terms, const, d)
-    rest_range = _affine_range(rest, rconst, bounds)
-    if rest_range is not None and 0 <= rest_range[0] and rest_range[1] < d:
-        return _build(quotient, qconst)
-    if rest_range is not None and rest_range[0] >= 0:
-        q = E.binary("idiv", _build(rest, rconst), E.const(d, E.I32))
-        return E.add(_build(quotient, qconst), q)
-    return E.binary("idiv", _build(terms, const), E.const(d, E.I32))
-
-
-def _modulo(terms, const, d, bounds):
-    full_range = _affine_range(terms, const, bounds)
-    if full_range is None or full_range[0] < 0:
-        return E.binary("imod", _build(terms, const), E.const(d, E.I32))
-    _, _, rest, rconst = _split(terms, const, d)
-    rest_range = _affine_range(rest, rconst, bounds)
-    if rest_range is not None and 0 <= rest_range[0] and rest_range[1] < d:
-        return _build(rest, rconst)
-    if rest_range is not None and rest_range[0] >= 0:
-        return E.binary("imod", _build(rest, rconst), E.const(d, E.I32))
-    return E.binary("imod", _build(terms, const), E.const(d, E.I32))
+    if full_range is not None and full_range[0] >= 0:
+        quotient, qconst, rest, rconst = _split(terms, const, d)
+        rest_range = _affine_range(rest, rconst, bounds)
+        if rest_range is not None and 0 <= rest_range[0] and rest_range[1] < d:
+            return _build(quotient, qconst) if op == "idiv" else _build(rest, rconst)
+        if rest_range is not None and rest_range[0] >= 0:
+            part = E.binary(op, _build(rest, rconst), E.const(d, E.I32))
+            return E.add(_build(quotient, qconst), part) if op == "idiv" else part
+    return E.binary(op, _build(terms, const), E.const(d, E.I32))
 
 
 def _fold_div_mod(terms: dict) -> dict:

@@ -11,7 +11,7 @@ merges them.
 from __future__ import annotations
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB, entry, slice_bounds, split_constants, vec4_loaders
+from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
 from .plans import AttentionShape, BlockPlan
 
 # Forward: keys whose scores a thread computes together (independent dot products in flight). H200, Whisper: the
@@ -70,17 +70,9 @@ def partial_stores(partial: str, parts: list[tuple[str, int, int]], tail: tuple[
 
 def blocked_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, per_block: int, kind: str) -> str:
     """WGSL constants of a blocked gradient pass (``kind``), and ``prob``."""
-    return f"""const H: u32 = {s.heads}u;
-const HKV: u32 = {s.kv_heads}u;
-const GROUP: u32 = {s.heads // s.kv_heads}u;
-const LQ: u32 = {s.lq}u;
-const LK: u32 = {s.lk}u;
-const D: u32 = {s.d}u;
-const DV: u32 = {s.dv}u;
-const BLOCK: u32 = {plan.rows}u;
-const TILE: u32 = {plan.tile}u;
-const PER_BLOCK: u32 = {per_block}u;
-const BLOCKS: u32 = {blocks}u;
+    sizes = u32_constants(H=s.heads, HKV=s.kv_heads, GROUP=s.heads // s.kv_heads, LQ=s.lq, LK=s.lk, D=s.d, DV=s.dv,
+                          BLOCK=plan.rows, TILE=plan.tile, PER_BLOCK=per_block, BLOCKS=blocks)
+    return f"""{sizes}
 {split_constants(s, kind, plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};
@@ -103,12 +95,7 @@ def blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     o_regs = "\n".join(f"  var o{c} = vec4<f32>();" for c in range(dv4))
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     kernel = _forward_header(s, plan, blocks, grid, stride) + f"""
-{entry("BQ", "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
-  let split = wid % SPLITS;
-  let bh = blk / QBLOCKS;
-  let b = bh / H;
-  let h = bh % H;
-  let i0 = (blk % QBLOCKS) * BQ;
+{block_entry("BQ", "BQ", "QBLOCKS")}
   let i = i0 + tid;
   let iq = min(i, LQ - 1u);  // rows past the end compute on the last row and store nothing
 {q_regs}
@@ -137,15 +124,9 @@ def _forward_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, strid
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     return f"""
 // ---- attention forward: {plan.rows} query rows per workgroup, key tiles of {plan.tile}
-const H: u32 = {s.heads}u;
-const LQ: u32 = {s.lq}u;
-const LK: u32 = {s.lk}u;
-const DV: u32 = {s.dv}u;
-const BQ: u32 = {plan.rows}u;
+{u32_constants(H=s.heads, LQ=s.lq, LK=s.lk, DV=s.dv, BQ=plan.rows)}
 const BLOCK: u32 = BQ;
-const BK: u32 = {plan.tile}u;
-const QBLOCKS: u32 = {-(-s.lq // plan.rows)}u;
-const BLOCKS: u32 = {blocks}u;
+{u32_constants(BK=plan.tile, QBLOCKS=-(-s.lq // plan.rows), BLOCKS=blocks)}
 {split_constants(s, "forward", plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};

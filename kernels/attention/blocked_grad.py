@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..matmul import fold_grid
 from .blocked import blocked_header, partial_stores, row_dot, row_stores, stage, vec4_load
-from .common import entry, slice_bounds, vec4_loaders
+from .common import block_entry, slice_bounds, vec4_loaders
 from .plans import AttentionShape, BlockPlan
 
 
@@ -33,12 +33,7 @@ var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
 var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> own_q: array<vec4<f32>, {plan.rows * (d4 + 1)}>;
 
-{entry("BLOCK", "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
-  let split = wid % SPLITS;
-  let bh = blk / PER_BLOCK;
-  let b = bh / H;
-  let h = bh % H;
-  let i0 = (blk % PER_BLOCK) * BLOCK;
+{block_entry("BLOCK", "BLOCK", "PER_BLOCK")}
   let i = i0 + tid;
   let iq = min(i, LQ - 1u);  // rows past the end compute on the last row and store nothing
   let mine = tid * {d4 + 1}u;
@@ -102,12 +97,7 @@ def blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     else:
         stores = partial_stores(partial, [("gk", d4, s.d), ("gv", dv4, s.dv)])
     kernel = _grad_kv_header(s, plan, blocks, grid, per_block) + f"""
-{entry("BLOCK", "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
-  let split = wid % SPLITS;
-  let bg = blk / PER_BLOCK;
-  let b = bg / HKV;
-  let g = bg % HKV;
-  let j0 = (blk % PER_BLOCK) * BLOCK;
+{block_entry("BLOCK", "BLOCK", "PER_BLOCK", over="key")}
   let j = j0 + tid;
   let jk = min(j, LK - 1u);  // rows past the end compute on the last row and store nothing
   let mine_k = tid * {d4 + 1}u;

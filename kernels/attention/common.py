@@ -1,5 +1,5 @@
 """WGSL pieces shared by the attention passes: the masked-score convention (``MASKED``, ``PROB``), the kernel head
-over a folded grid, vec4 loaders over the caller's element loads, and the constants and range of a pass cut into
+over a folded grid (and over blocks of rows), vec4 loaders over the caller's element loads, and the constants and range of a pass cut into
 slices of the other sequence."""
 from __future__ import annotations
 
@@ -20,6 +20,29 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let {index} = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
   if ({index} >= {count}) {{ return; }}  // uniform: the whole workgroup leaves
 """
+
+
+def u32_constants(**values: int) -> str:
+    """WGSL: ``const NAME: u32 = value;``, a line for each of ``values`` in order."""
+    return "\n".join(f"const {name}: u32 = {value}u;" for name, value in values.items())
+
+
+# The names block_entry gives a block's batch-and-head index, its head, the head count and the block's first row.
+BLOCK_NAMES = {"query": ("bh", "h", "H", "i0"), "key": ("bg", "g", "HKV", "j0")}
+
+
+def block_entry(threads: str, rows: str, blocks_per_head: str, over: str = "query") -> str:
+    """The head of a kernel over blocks of ``rows`` rows (query or key rows, ``over``), ``blocks_per_head`` blocks
+    per head and each maybe cut into SPLITS slices: from the workgroup's id ``wid``, its block ``blk`` and slice
+    ``split``, batch ``b``, the head (``h`` of H query heads, or ``g`` of HKV KV heads) and the block's first row
+    (``i0`` or ``j0``)."""
+    pair, head, heads, first = BLOCK_NAMES[over]
+    return entry(threads, "wid", "BLOCKS * SPLITS") + f"""  let blk = wid / SPLITS;
+  let split = wid % SPLITS;
+  let {pair} = blk / {blocks_per_head};
+  let b = {pair} / {heads};
+  let {head} = {pair} % {heads};
+  let {first} = (blk % {blocks_per_head}) * {rows};"""
 
 
 def vec4_loaders(prelude: str, s: AttentionShape, *operands: str) -> str:

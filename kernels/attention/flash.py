@@ -9,7 +9,7 @@ took the inference GPU time of Whisper-tiny from 3.13 to 2.75 ms (against the un
 from __future__ import annotations
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB, entry, slice_bounds, split_constants, vec4_loaders
+from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, FlashPlan, flash_sizes
 
 # Score columns (vec4s) per iteration of the loop over the head size. H200, GPU us, 1, 2 and 4 columns and all
@@ -43,12 +43,7 @@ def flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashP
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     o_regs = "\n".join(f"  var o{r}_{w} = vec4<f32>();" for r in ROWS4 for w in cols)
     kernel = _header(s, plan, blocks, grid) + f"""
-{entry(str(groups * FLASH_KEY_GROUPS), "wid", "BLOCKS * SPLITS")}  let blk = wid / SPLITS;
-  let split = wid % SPLITS;
-  let bh = blk / QBLOCKS;
-  let b = bh / H;
-  let h = bh % H;
-  let i0 = (blk % QBLOCKS) * BQ;
+{block_entry(str(groups * FLASH_KEY_GROUPS), "BQ", "QBLOCKS")}
   let kg = tid % KG;
   let rg = tid / KG;
 {_stage_q(s, plan)}
@@ -79,19 +74,8 @@ def _header(s: AttentionShape, plan: FlashPlan, blocks: int, grid) -> str:
     groups, kg = plan.rows // 4, FLASH_KEY_GROUPS
     return f"""
 // ---- attention forward (flash): {plan.rows} query rows per workgroup, key tiles of {FLASH_KEYS}, 4x4 per thread
-const H: u32 = {s.heads}u;
-const LQ: u32 = {s.lq}u;
-const LK: u32 = {s.lk}u;
-const DV: u32 = {s.dv}u;
-const BQ: u32 = {plan.rows}u;
-const BK: u32 = {FLASH_KEYS}u;
-const GROUPS: u32 = {groups}u;
-const KG: u32 = {kg}u;
-const QS: u32 = {d4 + 1}u;
-const DVP4: u32 = {dvp4}u;
-const EXS: u32 = {kg + 1}u;
-const QBLOCKS: u32 = {-(-s.lq // plan.rows)}u;
-const BLOCKS: u32 = {blocks}u;
+{u32_constants(H=s.heads, LQ=s.lq, LK=s.lk, DV=s.dv, BQ=plan.rows, BK=FLASH_KEYS, GROUPS=groups, KG=kg, QS=d4 + 1,
+               DVP4=dvp4, EXS=kg + 1, QBLOCKS=-(-s.lq // plan.rows), BLOCKS=blocks)}
 {split_constants(s, "forward", plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};

@@ -10,6 +10,8 @@ sequence in tiles of ``THREADS``:
 """
 from __future__ import annotations
 
+import textwrap
+
 from ..matmul import fold_grid
 from .common import MASKED, PROB, entry
 from .plans import AttentionShape
@@ -106,10 +108,7 @@ def _forward(s: AttentionShape, outs: list[str]) -> str:
     m = m_new;
     workgroupBarrier();
   }}
-  for (var r = 0u; r < PER_DV; r = r + 1u) {{
-    let c = tid + r * T;
-    if (c < DV) {{ {out}[row * DV + c] = select(acc[r] / l, 0.0, l == 0.0); }}
-  }}
+{_store_columns(out, "select(acc[r] / l, 0.0, l == 0.0)", "DV")}
   if (tid == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}
 }}
 """
@@ -137,20 +136,10 @@ def _grad_q(s: AttentionShape, outs: list[str]) -> str:
     }}
     tile_s[tid] = ds;
     workgroupBarrier();
-    for (var r = 0u; r < PER_D; r = r + 1u) {{
-      let c = tid + r * T;
-      if (c < D) {{
-        var a = acc[r];
-        for (var t = 0u; t < T && start + t < LK; t = t + 1u) {{ a = a + tile_s[t] * load_k(b, h, start + t, c); }}
-        acc[r] = a;
-      }}
-    }}
+{_accumulate("acc", "tile_s", "load_k", "D", "LK", "    ")}
     workgroupBarrier();
   }}
-  for (var r = 0u; r < PER_D; r = r + 1u) {{
-    let c = tid + r * T;
-    if (c < D) {{ {dq}[row * D + c] = acc[r] * SCALE; }}
-  }}
+{_store_columns(dq, "acc[r] * SCALE", "D")}
 }}
 """
 
@@ -179,32 +168,34 @@ def _grad_kv(s: AttentionShape, outs: list[str]) -> str:
       tile_p[tid] = p;
       tile_s[tid] = ds;
       workgroupBarrier();
-      for (var r = 0u; r < PER_DV; r = r + 1u) {{
-        let c = tid + r * T;
-        if (c < DV) {{
-          var a = acc_v[r];
-          for (var t = 0u; t < T && start + t < LQ; t = t + 1u) {{ a = a + tile_p[t] * load_dout(b, h, start + t, c); }}
-          acc_v[r] = a;
-        }}
-      }}
-      for (var r = 0u; r < PER_D; r = r + 1u) {{
-        let c = tid + r * T;
-        if (c < D) {{
-          var a = acc_k[r];
-          for (var t = 0u; t < T && start + t < LQ; t = t + 1u) {{ a = a + tile_s[t] * load_q(b, h, start + t, c); }}
-          acc_k[r] = a;
-        }}
-      }}
+{_accumulate("acc_v", "tile_p", "load_dout", "DV", "LQ", "      ")}
+{_accumulate("acc_k", "tile_s", "load_q", "D", "LQ", "      ")}
       workgroupBarrier();
     }}
   }}
-  for (var r = 0u; r < PER_D; r = r + 1u) {{
-    let c = tid + r * T;
-    if (c < D) {{ {dk}[row * D + c] = acc_k[r] * SCALE; }}
-  }}
-  for (var r = 0u; r < PER_DV; r = r + 1u) {{
-    let c = tid + r * T;
-    if (c < DV) {{ {dv}[row * DV + c] = acc_v[r]; }}
-  }}
+{_store_columns(dk, "acc_k[r] * SCALE", "D")}
+{_store_columns(dv, "acc_v[r]", "DV")}
 }}
 """
+
+
+def _accumulate(acc: str, weights: str, load: str, size: str, other: str, indent: str) -> str:
+    """WGSL: for each of the thread's columns c (tid + r * T, below ``size``: D or DV), ``acc[r]`` += the tile's
+    ``weights[t] * load(b, h, start + t, c)`` over its rows t (below ``other``, the sequence's length)."""
+    return textwrap.indent(f"""for (var r = 0u; r < PER_{size}; r = r + 1u) {{
+  let c = tid + r * T;
+  if (c < {size}) {{
+    var a = {acc}[r];
+    for (var t = 0u; t < T && start + t < {other}; t = t + 1u) {{ a = a + {weights}[t] * {load}(b, h, start + t, c); }}
+    {acc}[r] = a;
+  }}
+}}""", indent)
+
+
+def _store_columns(out: str, value: str, size: str) -> str:
+    """WGSL: ``value`` (of ``acc[r]``) into the thread's columns c (tid + r * T, below ``size``: D or DV) of row
+    ``row`` of ``out``."""
+    return f"""  for (var r = 0u; r < PER_{size}; r = r + 1u) {{
+    let c = tid + r * T;
+    if (c < {size}) {{ {out}[row * {size} + c] = {value}; }}
+  }}"""

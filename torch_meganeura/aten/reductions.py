@@ -7,6 +7,7 @@ from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput, Value, numel
 
 from ..registry import lowering
+from .norms import normalized_rows
 
 aten = torch.ops.aten
 
@@ -160,17 +161,7 @@ def _layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     axes = tuple(range(rank - k, rank))
     n = numel(normalized_shape)
     v = _element(ctx, x, E.F32)
-    mean = E.binary("div", E.acc(0), E.const(n, E.F32))
-    dev = E.binary("sub", v, mean)
-    rstd = E.unary("rsqrt", E.add(E.binary("div", E.acc(1), E.const(n, E.F32)), E.const(eps, E.F32)))
-    out = E.mul(dev, rstd)
-    inner = [E.coord(d) for d in axes]
-    if weight is not None:
-        out = E.mul(out, b.load(weight, inner))
-    if bias is not None:
-        out = E.add(out, b.load(bias, inner))
-    phases = [("sum", v), ("sum", E.mul(dev, dev))]
-    results = [RowOutput(True, out), RowOutput(False, mean), RowOutput(False, rstd)]
+    phases, results = normalized_rows(b, v, n, eps, weight, bias, [E.coord(d) for d in axes])
     y, m, r = b.reduce(x.shape, axes, phases, results, ["float32"] * 3, "layer_norm")
     stat_shape = list(x.shape[: rank - k]) + [1] * k
     return y, b.reshape(m, stat_shape), b.reshape(r, stat_shape)
