@@ -25,31 +25,34 @@ def elements_per_thread(total: int) -> int:
 
 
 def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
-    """Return (WGSL, workgroups) computing, at every coordinate of ``shape``, each (name, dtype, expr) of
+    """Return (WGSL, workgroups) computing, at every coordinate of ``shape``, each (name, dtype, expr, storage) of
     ``outputs`` into buffer ``name`` at the coordinate's linear index.
 
-    ``bindings`` lists (slot, name, storage type) for every buffer the kernel uses (outputs included).
+    ``bindings`` lists (slot, name, storage type) for every buffer the kernel uses (outputs included). Where an output
+    is stored in half precision (``storage`` "bf16" or "f16"), each thread computes element pairs and stores each
+    pair as one u32 word: two threads never write the same word.
     """
     total = 1
     for s in shape:
         total *= s
-    copies = elements_per_thread(total)
-    groups = wgsl.grid(-(-total // (WORKGROUP * copies)), limits["max-compute-workgroups-per-dimension"])
+    lanes = 2 if any(storage in wgsl.HALF_STORAGE for *_, storage in outputs) else 1
+    units = -(-total // lanes)  # what a thread's copy stores: an element, or an element pair
+    copies = elements_per_thread(units)
+    groups = wgsl.grid(-(-units // (WORKGROUP * copies)), limits["max-compute-workgroups-per-dimension"])
     groups_total = groups[0] * groups[1] * groups[2]
-    coords = [f"c{d}" for d in range(len(shape))]
     declared, computed, stored = [], [], []
     for copy in range(copies):
-        linear = f"first + {copy * WORKGROUP}u" if copy else "first"
-        em = wgsl.Emitter(coords, indent="    ")
-        values = [wgsl.store(em.value(expr), dtype) for _, dtype, expr in outputs]
-        results = [f"r{k}_{copy}" for k in range(len(outputs))]
-        declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};" for r, (_, dtype, _) in zip(results, outputs)]
-        lines = (wgsl.unravel_lines("idx", coords, shape, indent="    ") + em.lines
-                 + [f"    {r} = {v};" for r, v in zip(results, values)])
-        index = f"min({linear}, {max(total - 1, 0)}u)" if copies * WORKGROUP * groups_total > total else linear
-        computed.append(f"  {{\n    let idx = i32({index});\n" + "\n".join(lines) + "\n  }")
-        stored += [f"  if ({linear} < {total}u) {{ {name}[{linear}] = {r}; }}"
-                   for r, (name, _, _) in zip(results, outputs)]
+        unit = f"first + {copy * WORKGROUP}u" if copy else "first"
+        clamp = copies * WORKGROUP * groups_total * lanes > total
+        results = [[f"r{k}_{copy}" + (f"_{lane}" if lanes > 1 else "") for lane in range(lanes)]
+                   for k in range(len(outputs))]
+        declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};"
+                     for rs, (_, dtype, _, _) in zip(results, outputs) for r in rs]
+        for lane in range(lanes):
+            element = f"{unit} * {lanes}u + {lane}u" if lanes > 1 else unit
+            index = f"min({element}, {max(total - 1, 0)}u)" if clamp else element
+            computed.append(_compute(outputs, [rs[lane] for rs in results], index, shape))
+        stored += [_store(name, storage, rs, unit, lanes, total) for rs, (name, _, _, storage) in zip(results, outputs)]
     body = "\n".join(declared + computed + stored)
     source = f"""{wgsl.binding_decls(bindings)}
 {wgsl.helpers_for(body)}
@@ -60,3 +63,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 }}
 """
     return source, groups
+
+
+def _compute(outputs, results: list[str], index: str, shape) -> str:
+    """A block that evaluates every output's expression at linear element ``index`` into ``results``."""
+    coords = [f"c{d}" for d in range(len(shape))]
+    em = wgsl.Emitter(coords, indent="    ")
+    values = [wgsl.store(em.value(expr), dtype) for _, dtype, expr, _ in outputs]
+    lines = (wgsl.unravel_lines("idx", coords, shape, indent="    ") + em.lines
+             + [f"    {r} = {v};" for r, v in zip(results, values)])
+    return f"  {{\n    let idx = i32({index});\n" + "\n".join(lines) + "\n  }"
+
+
+def _store(name: str, storage: str, results: list[str], unit: str, lanes: int, total: int) -> str:
+    """The guarded stores of one output's ``results`` for store unit ``unit`` (an element, or a pair of them)."""
+    if storage in wgsl.HALF_STORAGE:  # the pair as one word; an odd tail's upper half is the tensor's padding
+        return f"  if ({unit} < {-(-total // 2)}u) {{ {name}[{unit}] = mg_pack_{storage}({results[0]}, {results[1]}); }}"
+    if lanes == 1:
+        return f"  if ({unit} < {total}u) {{ {name}[{unit}] = {results[0]}; }}"
+    return "\n".join(f"  if ({unit} * 2u + {lane}u < {total}u) {{ {name}[{unit} * 2u + {lane}u] = {r}; }}"
+                     for lane, r in enumerate(results))

@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 import struct
 
-STORAGE_TYPE = {"f32": "f32", "i32": "i32", "bool": "u32"}
+# Storage kind -> WGSL element type of its buffers. Half precisions are two to a u32 word (see ``HALF_HELPERS``).
+STORAGE_TYPE = {"f32": "f32", "i32": "i32", "bool": "u32", "u32": "u32", "bf16": "u32", "f16": "u32"}
+HALF_STORAGE = ("bf16", "f16")
 VALUE_TYPE = {"f32": "f32", "i32": "i32", "bool": "bool"}
 STATUS_VAR = "mg_status"
 # Kernels cut their work (K of a matmul, long rows of a reduction, attention's other sequence) into slices merged by
@@ -155,7 +157,44 @@ HELPERS = {
   return f32(h >> 8u) * (1.0 / 16777216.0);
 }""",
 }
-HELPER_DEPS = {"mg_exp": ["mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
+# Half precision storage without the shader-f16 feature: element 2k of a tensor in the low 16 bits of word k.
+# Widening is exact; narrowing rounds to nearest even, keeps NaN (quiet) and infinities, and overflows to infinity
+# as torch's conversions do (pack2x16float leaves out-of-range values undefined, so f16 is narrowed by hand).
+HALF_HELPERS = {
+    "mg_widen_bf16": """fn mg_widen_bf16(w: u32, hi: u32) -> f32 {
+  return bitcast<f32>(select(w << 16u, w & 0xffff0000u, hi == 1u));
+}""",
+    "mg_widen_f16": """fn mg_widen_f16(w: u32, hi: u32) -> f32 {
+  let v = unpack2x16float(w);
+  return select(v.x, v.y, hi == 1u);
+}""",
+    "mg_bf16_bits": """fn mg_bf16_bits(x: f32) -> u32 {
+  let u = bitcast<u32>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { return (u >> 16u) | 0x40u; }
+  return (u + 0x7fffu + ((u >> 16u) & 1u)) >> 16u;
+}""",
+    "mg_f16_bits": """fn mg_f16_bits(x: f32) -> u32 {
+  let u = bitcast<u32>(x);
+  let sign = (u >> 16u) & 0x8000u;
+  let a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) { return sign | 0x7e00u; }
+  if (a >= 0x477ff000u) { return sign | 0x7c00u; }
+  if (a >= 0x38800000u) {
+    let r = a - 0x38000000u;
+    return sign | ((r + 0xfffu + ((r >> 13u) & 1u)) >> 13u);
+  }
+  return sign | u32(round(bitcast<f32>(a) * 16777216.0));
+}""",
+    "mg_round_bf16": "fn mg_round_bf16(x: f32) -> f32 { return mg_widen_bf16(mg_bf16_bits(x), 0u); }",
+    "mg_round_f16": "fn mg_round_f16(x: f32) -> f32 { return mg_widen_f16(mg_f16_bits(x), 0u); }",
+    "mg_pack_bf16": "fn mg_pack_bf16(a: f32, b: f32) -> u32 { return mg_bf16_bits(a) | (mg_bf16_bits(b) << 16u); }",
+    "mg_pack_f16": "fn mg_pack_f16(a: f32, b: f32) -> u32 { return mg_f16_bits(a) | (mg_f16_bits(b) << 16u); }",
+}
+HELPERS.update(HALF_HELPERS)
+
+HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16": ["mg_widen_f16", "mg_f16_bits"],
+               "mg_pack_bf16": ["mg_bf16_bits"], "mg_pack_f16": ["mg_f16_bits"],
+               "mg_exp": ["mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
                "mg_log2": ["mg_log_parts", "mg_log_special"], "mg_log_special": ["mg_isnan", "mg_isinf"], "mg_expm1": ["mg_exp"],
                "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs"], "mg_erfc": ["mg_erfc_abs"],
                "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
@@ -170,6 +209,7 @@ FLOAT_OPS = {
     "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
     "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "erfc": "mg_erfc({0})",
     "sigmoid": "mg_sigmoid({0})", "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
+    "round_bf16": "mg_round_bf16({0})", "round_f16": "mg_round_f16({0})",
     "sign": "mg_sign({0})", "reciprocal": "(1.0 / {0})", "frac": "({0} - trunc({0}))",
     "isnan": "mg_isnan({0})", "isinf": "mg_isinf({0})", "isfinite": "(!mg_isnan({0}) && !mg_isinf({0}))",
     "signbit": "((bitcast<u32>({0}) & 0x80000000u) != 0u)",
@@ -266,7 +306,10 @@ class Emitter:
     def _render(self, e) -> str:
         op, dt = e.op, e.dtype
         if op == "read":
-            slot, index = e.args
+            slot, index, *half = e.args
+            if half:  # two elements to a word: the word, then the element's half of it
+                at = f"u32({self.value(index)})"
+                return f"mg_widen_{half[0]}({self.buffer_names(slot)}[{at} >> 1u], {at} & 1u)"
             ref = f"{self.buffer_names(slot)}[{self.value(index)}]"
             return f"({ref} != 0u)" if dt == "bool" else ref
         if op == "check":

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from . import expr as E
-from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, numel
+from .ir import FLOAT_DTYPES, Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, numel
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
@@ -197,7 +197,7 @@ class GraphBuilder:
 
     def reduce_simple(self, v: Value, axes, op: str, dtype: str, finish=None, label: str = "") -> Value:
         """Reduce ``v`` over ``axes`` with ``op``; ``finish(acc)`` post-processes the row result."""
-        value = E.cast(self.load(v, [E.coord(d) for d in range(len(v.shape))]), E.F32 if dtype == "float32" else v.compute_dtype)
+        value = E.cast(self.load(v, [E.coord(d) for d in range(len(v.shape))]), E.F32 if dtype in FLOAT_DTYPES else v.compute_dtype)
         acc_dtype = E.I32 if op in ("argmax", "argmin") else value.dtype
         result = E.acc(0, acc_dtype)
         if finish is not None:

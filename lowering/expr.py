@@ -19,6 +19,7 @@ UNARY_FLOAT = {
     "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
     "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc", "sigmoid",
     "floor", "ceil", "round", "trunc", "sign", "reciprocal", "isnan", "isinf", "isfinite", "frac", "signbit",
+    "round_bf16", "round_f16",  # to the nearest bfloat16 / float16 (ties to even), kept in f32
 }
 UNARY_BOOL_RESULT = {"isnan", "isinf", "isfinite", "signbit"}
 BITWISE = {"bitand", "bitor", "bitxor", "bitnot"}  # on i32 (int64 values that fit, sign-extended: exact)
@@ -87,8 +88,10 @@ def load(value_id: int, coords: tuple[Expr, ...], dtype: str) -> Expr:
     return Expr("load", (value_id, tuple(coords)), dtype)
 
 
-def read(slot: int, index: Expr, dtype: str) -> Expr:
-    return Expr("read", (slot, index), dtype)
+def read(slot: int, index: Expr, dtype: str, storage: str = "") -> Expr:
+    """Element ``index`` of the buffer bound at ``slot``; ``storage`` names a half precision ("bf16", "f16") that
+    the kernel widens to f32 as it loads."""
+    return Expr("read", (slot, index, storage) if storage else (slot, index), dtype)
 
 
 def uniform(key0: Expr, key1: Expr, stream: int, counter: Expr) -> Expr:

@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 
 from . import expr as E
 
-LOGICAL_TO_COMPUTE = {"float32": E.F32, "int64": E.I32, "int32": E.I32, "bool": E.BOOL}
+# Logical dtype -> the dtype its expressions compute in: every float in f32 (half precisions are widened on load and
+# rounded only where a value is stored in half precision or cast to it).
+LOGICAL_TO_COMPUTE = {"float32": E.F32, "bfloat16": E.F32, "float16": E.F32, "int64": E.I32, "int32": E.I32,
+                      "bool": E.BOOL}
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 REDUCE_OPS = ("sum", "prod", "max", "min", "argmax", "argmin")
 
 
@@ -37,7 +41,7 @@ def numel(shape) -> int:
 class Value:
     id: int
     shape: tuple[int, ...]
-    dtype: str  # logical: float32 | int64 | int32 | bool
+    dtype: str  # logical: a key of LOGICAL_TO_COMPUTE
 
     @property
     def compute_dtype(self) -> str:

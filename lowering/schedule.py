@@ -18,6 +18,7 @@ from meganeura.kernels import pointwise as pointwise_kernels
 from meganeura.kernels.prelude import ATTENTION_ARGS, attention_prelude, matmul_prelude
 from meganeura.kernels import reduce as reduce_kernels
 from meganeura.kernels import wgsl
+from meganeura.runtime.dtypes import HALF_STORAGE, STORAGE, storage_bytes
 from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
 
 from . import expr as E
@@ -41,12 +42,17 @@ class Slots(NamedTuple):
     """A node's bindings, as ``_bindings`` lays them out."""
     bound: list  # value ids (or "status", or the arena key of partial results) in slot order
     decl: list  # (slot, WGSL name, element type) of each slot
+    storage: list  # how each slot's value is stored (a key of wgsl.STORAGE_TYPE; "" for status and partial sums)
     exprs: list  # the node's expressions, with loads read from slots
     out_slots: list  # the slot of each output value
     name: Callable[[int], str]  # slot -> WGSL name
 
 
-def tensor_bytes(v: Value) -> int:
+def tensor_bytes(v: Value, stored: dict | None = None) -> int:
+    """Bytes of ``v`` in a buffer of its own when it is one of ``stored`` (in its dtype's storage), else in the arena
+    (every element in 32 bits: intermediates of half precision graphs stay in f32 and round only at the outputs)."""
+    if stored is not None and v.id in stored:
+        return max(storage_bytes(v.numel, v.dtype), 4)
     return max(4 * v.numel, 4)
 
 
@@ -59,10 +65,12 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     generator's own rule decides.
     f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast"). ``on_kernel(wgsl, bindings,
     key)`` is told of each kernel as soon as it is generated (a device can start compiling it while the rest are)."""
+    graph = _narrowed_outputs(graph)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     values = {v.id: v for n in graph.nodes for v in n.outs}
     buffers, inputs, params, outputs, placement = _own_buffers(graph)
-    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, limits, choose_matmuls)
+    stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
+    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls)
     intervals, scratch = _arena_intervals(kernels, placement, limits, variants)
     sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
     offsets, arena_size = place(intervals, limits.get("min-storage-buffer-offset-alignment", 256))
@@ -72,14 +80,34 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     if graph.status_messages:
         buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
 
-    binding_of = _binding_table(placement, sizes, values)
-    sources, dispatches = _emit_dispatches(kernels, values, limits, scratch, variants, binding_of, on_kernel)
+    binding_of = _binding_table(placement, sizes, values, stored)
+    sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel)
     plan_stats = dict(stats or {})
     plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
                       dispatches=len(dispatches), kernels=len(sources))
     plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats)
     plan.validate()
     return plan
+
+
+def _narrowed_outputs(graph: Graph) -> Graph:
+    """``graph`` where each half precision output that a non-pointwise node computes is copied out by a pointwise
+    node of its own: only the pointwise kernel stores half precision (two elements to a thread, one u32 word), and
+    the copy reads the producer's f32 result from the arena."""
+    producers = graph.producers()
+    narrow = {v.id for v in graph.outputs
+              if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Input))}
+    if not narrow:
+        return graph
+    next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
+    copies: dict[int, Value] = {}
+    for vid in sorted(narrow):
+        v = producers[vid].outs[[o.id for o in producers[vid].outs].index(vid)]
+        copies[vid] = Value(next_id + len(copies), v.shape, v.dtype)
+    nodes = graph.nodes + [Pointwise([copies[vid]], E.load(vid, tuple(E.coord(d) for d in range(len(c.shape))), E.F32),
+                                     "narrow") for vid, c in copies.items()]
+    outputs = [copies.get(v.id, v) for v in graph.outputs]
+    return Graph(nodes, outputs, graph.status_messages)
 
 
 def _own_buffers(graph: Graph) -> tuple[list[BufferSpec], list, list, list, dict[int, tuple[str, int]]]:
@@ -92,14 +120,14 @@ def _own_buffers(graph: Graph) -> tuple[list[BufferSpec], list, list, list, dict
         if isinstance(node, Input):
             v = node.out
             buf = f"{node.role}:{node.name}"
-            buffers.append(BufferSpec(buf, tensor_bytes(v), node.role))
+            buffers.append(BufferSpec(buf, max(storage_bytes(v.numel, v.dtype), 4), node.role))
             (inputs if node.role == "input" else params).append(TensorSpec(node.name, buf, 0, v.shape, v.dtype))
             placement[v.id] = (buf, 0)
     for i, v in enumerate(graph.outputs):
         if v.id in placement:
             continue
         buf = f"out{i}"
-        buffers.append(BufferSpec(buf, tensor_bytes(v), "output"))
+        buffers.append(BufferSpec(buf, max(storage_bytes(v.numel, v.dtype), 4), "output"))
         outputs.append(TensorSpec(buf, buf, 0, v.shape, v.dtype))
         placement[v.id] = (buf, 0)
     return buffers, inputs, params, outputs, placement
@@ -134,15 +162,15 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
     return intervals, scratch
 
 
-def _binding_table(placement: dict, sizes: dict, values: dict) -> dict:
+def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict) -> dict:
     """Bound value id (or "status", or the arena key of partial results) -> its ``Binding``."""
-    table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid]))
+    table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid], stored))
              for vid, (buf, off) in placement.items()}
     table["status"] = Binding("status", 0, STATUS_BYTES)
     return table
 
 
-def _emit_dispatches(kernels: list[Node], values: dict, limits: dict, scratch: dict, variants: dict,
+def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: dict, scratch: dict, variants: dict,
                      binding_of: dict, on_kernel) -> tuple[dict[str, str], list[Dispatch]]:
     """(WGSL by kernel key, dispatches in order) of the nodes that write anything; ``on_kernel`` hears of each new
     kernel as it is generated."""
@@ -152,7 +180,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, limits: dict, scratch: d
         if all(v.numel == 0 for v in node.outs):
             continue
         label = _label(node)
-        passes = _kernel(node, values, limits, scratch.get(id(node)), variants.get(id(node)))
+        passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)))
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
@@ -174,14 +202,15 @@ def _label(node: Node) -> str:
     return label
 
 
-def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) -> dict[int, matmul_kernels.MatmulChoice]:
+def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: dict,
+                     choose) -> dict[int, matmul_kernels.MatmulChoice]:
     """Node id -> kernel variant of each matmul node: ``choose``'s for a tiled problem where it gives one, else the
     default."""
     variants = {id(n): matmul_kernels.default_choice(n.batch, n.rows, n.columns, n.k, limits) for n in nodes}
     if choose is None:
         return variants
     f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
-    problems = {id(n): _matmul_problem(n, values, f16) for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
+    problems = {id(n): _matmul_problem(n, values, stored, f16) for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
     distinct = list(dict.fromkeys(problems.values()))
     chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
     for node_id, problem in problems.items():
@@ -193,12 +222,12 @@ def _matmul_variants(nodes: list[Matmul], values: dict, limits: dict, choose) ->
 _TUNING_PARTIAL = "tuning partial sums"  # the bound key of a problem's partial-sum binding
 
 
-def _matmul_problem(node: Matmul, values: dict, f16: bool) -> MatmulProblem:
+def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool) -> MatmulProblem:
     """The tuning problem of a tiled matmul node: its shape and layouts, and its kernel's prelude with a partial-sum
     binding last (as a split variant's kernel has it)."""
-    slots = _bindings(node, values, _TUNING_PARTIAL)
+    slots = _bindings(node, values, stored, _TUNING_PARTIAL)
     a_fast, b_fast = _fast_axes(slots.exprs)
-    sizes = tuple(STATUS_BYTES if vid == "status" else tensor_bytes(values[vid]) for vid in slots.bound[:-1])
+    sizes = tuple(STATUS_BYTES if vid == "status" else tensor_bytes(values[vid], stored) for vid in slots.bound[:-1])
     return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16, _matmul_prelude(node, slots),
                          sizes, slots.name(len(slots.bound) - 1), _looped_operand(node))
 
@@ -219,15 +248,17 @@ def _fast_axes(exprs: list[E.Expr]) -> tuple[str, str]:
     return a_fast, b_fast
 
 
-def _linearise(e: E.Expr, domain, values: dict, slot_of) -> E.Expr:
-    """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index."""
+def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr:
+    """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index (widened
+    from half precision where the value is ``stored`` so)."""
     bounds = dict(enumerate(domain))
 
     def rewrite(n: E.Expr):
         if n.op == "load":
             vid, coords = n.args
             index = simplify(linear_index(coords, values[vid].shape), bounds)
-            return E.read(slot_of(vid), index, n.dtype)
+            half = stored.get(vid) if stored.get(vid) in HALF_STORAGE else ""
+            return E.read(slot_of(vid), index, n.dtype, half)
         return None
 
     return E.substitute(e, rewrite)
@@ -253,7 +284,7 @@ def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
                                             node.dv, node.scale, node.causal, node.bias is not None)
 
 
-def _bindings(node: Node, values: dict, scratch_key=None) -> Slots:
+def _bindings(node: Node, values: dict, stored: dict, scratch_key=None) -> Slots:
     """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
     ``scratch_key`` (f32 partial results) comes last."""
     bound: list = []
@@ -266,7 +297,7 @@ def _bindings(node: Node, values: dict, scratch_key=None) -> Slots:
     own = {v.id for v in node.outs} & {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
     if own:  # other threads may not have written it yet: a race on GPUs that a serial CPU driver hides
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
-    exprs = [_linearise(e, d, values, slot_of) for e, d in zip(node.exprs(), node.domains())]
+    exprs = [_linearise(e, d, values, stored, slot_of) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
     if any(n.op == "check" for e in exprs for n in E.walk(e)):
         slot_of("status")
@@ -276,31 +307,39 @@ def _bindings(node: Node, values: dict, scratch_key=None) -> Slots:
 
     if scratch_key is not None:
         slot_of(scratch_key)
-    decl = []
+    decl, storage = [], []
     for slot, vid in enumerate(bound):
+        kind = "" if vid == "status" or (scratch_key is not None and vid == scratch_key) else _storage(values[vid], stored)
+        storage.append(kind)
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
-        elif scratch_key is not None and vid == scratch_key:
-            decl.append((slot, name(slot), "f32"))
         else:
-            decl.append((slot, name(slot), wgsl.STORAGE_TYPE[values[vid].compute_dtype]))
-    return Slots(bound, decl, exprs, out_slots, name)
+            decl.append((slot, name(slot), wgsl.STORAGE_TYPE[kind] if kind else "f32"))
+    return Slots(bound, decl, storage, exprs, out_slots, name)
 
 
-def _kernel(node: Node, values: dict, limits: dict, scratch: tuple[int, int] | None = None,
+def _storage(v: Value, stored: dict) -> str:
+    """How ``v`` is stored where this plan keeps it: its dtype's storage in a buffer of its own, else in 32 bits."""
+    return stored.get(v.id, "u32" if v.compute_dtype == E.BOOL else v.compute_dtype)
+
+
+def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple[int, int] | None = None,
             variant: matmul_kernels.MatmulChoice | None = None) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut
     into slices (``scratch``: slices and the arena key of their partial results). A matmul node's kernel is
     ``variant``. ``KERNELS`` holds the generator of each node type."""
-    slots = _bindings(node, values, scratch[1] if scratch is not None else None)
+    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None)
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
+    if not isinstance(node, Pointwise) and any(stored.get(v.id) in HALF_STORAGE for v in node.outs):
+        raise TypeError(f"{type(node).__name__} node stores half precision (only pointwise kernels do)")
     return generate(node, slots, limits, scratch, variant)
 
 
 def _pointwise_kernels(node: Pointwise, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
-    outputs = [(slots.name(s), v.compute_dtype, e) for s, v, e in zip(slots.out_slots, node.outs, slots.exprs)]
+    outputs = [(slots.name(s), v.compute_dtype, e, slots.storage[s])
+               for s, v, e in zip(slots.out_slots, node.outs, slots.exprs)]
     src, groups = pointwise_kernels.pointwise_kernel(bindings=slots.decl, outputs=outputs, shape=node.out.shape,
                                                      limits=limits)
     return [(src, groups, slots.bound)]
@@ -364,8 +403,8 @@ def _quad_rows(e: E.Expr, decl, size: int) -> tuple[int, E.Expr] | None:
     coordinate) of rows of ``size`` elements that start at multiples of 4 elements; None otherwise."""
     if e.op != "read" or e.dtype != E.F32 or size % 4:
         return None
-    slot, index = e.args
-    if decl[slot][2] != "f32":
+    slot, index = e.args[:2]
+    if len(e.args) > 2 or decl[slot][2] != "f32":
         return None
     row = quad_row_index(index, 3)
     return None if row is None else (slot, row)

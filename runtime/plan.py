@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .dtypes import STORAGE, storage_bytes
+
 FORMAT_VERSION = 1
 
-# Logical dtypes and how they are stored on the device (4 bytes per element for every dtype today).
-DEVICE_DTYPE = {"float32": "f32", "int32": "i32", "int64": "i32", "bool": "u32"}
+DEVICE_DTYPE = STORAGE  # logical dtype -> how the device stores it (see dtypes)
 BUFFER_ROLES = ("input", "param", "output", "arena", "status")
 
 
@@ -51,7 +52,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.numel
+        return storage_bytes(self.numel, self.dtype)
 
 
 @dataclass(frozen=True)

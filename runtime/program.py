@@ -31,7 +31,8 @@ import numpy as np
 from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
 from .native import command_encoder, compute_pass, finish, record_dispatches
-from .plan import DEVICE_DTYPE, Binding, Plan, TensorSpec
+from .dtypes import HOST_DTYPE, from_storage, host_words
+from .plan import Binding, Plan, TensorSpec
 from .readback import ReadBackBuffers
 from .resident import DeviceArray
 
@@ -49,8 +50,8 @@ SUBMIT_EVERY = 128
 # against 3.46, SmolLM2 (402) 5.10 against 5.30; a one-dispatch plan (a 1024^3 matmul) 0.64 against 0.53.
 AHEAD_MIN_DISPATCHES = 2 * FIRST_PART
 
-_HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
 _INT32 = np.iinfo(np.int32)
+_HOST_FORM = {"bfloat16": " (its raw bits as uint16; numpy has no bfloat16)"}
 
 
 def submission_parts(count: int) -> list[tuple[int, int]]:
@@ -80,8 +81,9 @@ def to_device_array(spec: TensorSpec, value, kind: str = "input") -> np.ndarray:
         raise InputError(
             f"{kind} {spec.name!r} must be a numpy array ({spec.dtype}, shape {spec.shape}), got {type(value).__name__}"
         )
-    if value.dtype != np.dtype(spec.dtype):
-        raise InputError(f"{kind} {spec.name!r} expects dtype {spec.dtype}, got {value.dtype}")
+    if value.dtype != HOST_DTYPE[spec.dtype]:
+        raise InputError(f"{kind} {spec.name!r} expects dtype {spec.dtype}{_HOST_FORM.get(spec.dtype, '')}, "
+                         f"got {value.dtype}")
     if tuple(value.shape) != spec.shape:
         raise InputError(f"{kind} {spec.name!r} expects shape {spec.shape}, got {tuple(value.shape)}")
     if spec.dtype == "int64" and value.size:
@@ -90,19 +92,12 @@ def to_device_array(spec: TensorSpec, value, kind: str = "input") -> np.ndarray:
             raise InputError(
                 f"{kind} {spec.name!r} holds values in [{low}, {high}], outside int32; the device stores int64 as int32"
             )
-    return np.ascontiguousarray(value, dtype=_HOST_DTYPE[DEVICE_DTYPE[spec.dtype]])
+    return host_words(value, spec.dtype)
 
 
 def from_device_bytes(spec: TensorSpec, data, offset: int) -> np.ndarray:
-    """The tensor ``spec`` read from host bytes ``data`` at ``offset``, in its logical dtype."""
-    if spec.numel == 0:
-        return np.empty(spec.shape, dtype=spec.dtype)
-    words = np.frombuffer(data, _HOST_DTYPE[DEVICE_DTYPE[spec.dtype]], spec.numel, offset).reshape(spec.shape)
-    if spec.dtype == "int64":
-        return words.astype(np.int64)
-    if spec.dtype == "bool":
-        return words != 0
-    return words
+    """The tensor ``spec`` read from host bytes ``data`` at ``offset``, in its host form."""
+    return from_storage(data, spec.dtype, spec.shape, offset)
 
 
 def check_limits(dev: Device, plan: Plan) -> None:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import DEVICE_DTYPE
-
-_HOST_DTYPE = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32), "u32": np.dtype(np.uint32)}
+from .dtypes import HOST_DTYPE, from_storage, host_words, storage_bytes
 
 
-def buffer_bytes(shape: tuple[int, ...]) -> int:
-    """Bytes of a contiguous tensor on the device (every device dtype is 4 bytes); at least 4."""
+def buffer_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a contiguous tensor of logical ``dtype`` on the device; at least 4."""
     n = 1
     for s in shape:
         n *= s
-    return max(4 * n, 4)
+    return max(storage_bytes(n, dtype), 4)
 
 
 def _alive(buffer) -> bool:
@@ -71,30 +69,31 @@ class DeviceArray:
         self.shape = tuple(shape)
         self.dtype = dtype
         self._pool = pool
-        self.buffer = pool.acquire(buffer_bytes(self.shape))
+        self.buffer = pool.acquire(buffer_bytes(self.shape, dtype))
 
     @classmethod
     def upload(cls, device, array: np.ndarray, dtype: str) -> "DeviceArray":
-        """A new device array of logical ``dtype`` holding ``array`` (int64 is stored as int32, bool as u32)."""
+        """A new device array of logical ``dtype`` holding ``array`` (its host form, see ``dtypes``)."""
         result = cls(device.pool, tuple(array.shape), dtype)
-        host = np.ascontiguousarray(array, dtype=_HOST_DTYPE[DEVICE_DTYPE[dtype]])
+        host = host_words(array, dtype)
         if host.size:
-            device.write(result.buffer, 0, host.reshape(-1), "device array")
+            device.write(result.buffer, 0, host, "device array")
         return result
 
     @property
     def nbytes(self) -> int:
-        return buffer_bytes(self.shape)
+        return buffer_bytes(self.shape, self.dtype)
 
     def numpy(self) -> np.ndarray:
-        """Download the contents as a numpy array of the logical dtype (int64 from int32, bool from u32)."""
+        """Download the contents as a numpy array in the dtype's host form (int64 from int32, bool from u32,
+        bfloat16 as raw uint16 bits)."""
         if self.buffer is None:
             raise ValueError("this device array was released")
         n = 1
         for s in self.shape:
             n *= s
         if n == 0:
-            return np.empty(self.shape, dtype=self.dtype)
+            return np.empty(self.shape, dtype=HOST_DTYPE[self.dtype])
         dev = self.device
         staging = dev.staging_buffer(self.nbytes, "download")
         try:
@@ -105,12 +104,7 @@ class DeviceArray:
             data = dev.read_staging(staging, self.nbytes)
         finally:
             dev.destroy_buffer(staging)
-        words = np.frombuffer(data, _HOST_DTYPE[DEVICE_DTYPE[self.dtype]], n).reshape(self.shape)
-        if self.dtype == "int64":
-            return words.astype(np.int64)
-        if self.dtype == "bool":
-            return words != 0
-        return words.copy()
+        return from_storage(data, self.dtype, self.shape).copy()
 
     def release(self) -> None:
         """Give the buffer back to the pool; the array cannot be used afterwards."""

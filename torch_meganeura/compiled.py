@@ -19,7 +19,6 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.fx as fx
 
@@ -28,7 +27,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import compile_device_graph, feed, program_for
 from .fx_lowering import LoweredGraph
-from .params import ParamStore
+from .params import ParamStore, tensor_from_host
 from .resident import ResidentTensor
 from .tuning import tuning_enabled
 
@@ -213,5 +212,5 @@ class DevicePartition(torch.nn.Module):
             elif isinstance(results[item], DeviceArray):
                 outs.append(ResidentTensor(results[item]))
             else:  # a numpy array, or a numpy scalar for a 0-d bool (``words != 0`` of a 0-d array)
-                outs.append(torch.from_numpy(np.asarray(results[item])))
+                outs.append(tensor_from_host(results[item]))
         return tuple(outs) if lowered.returns_tuple else outs[0]

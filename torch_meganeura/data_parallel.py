@@ -31,11 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meganeura.runtime.plan import DEVICE_DTYPE
+from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DeviceArray
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
-_HOST_DTYPE = {"f32": np.float32, "i32": np.int32, "u32": np.uint32}
 
 
 def resolve(model: torch.nn.Module, process_group) -> tuple[torch.nn.Module, "DataParallel | None"]:
@@ -133,7 +132,7 @@ class GradientReducer:
 
 def overwrite(array: DeviceArray, values: np.ndarray) -> None:
     """Write ``values`` (any shape with the array's element count) into ``array``'s device buffer."""
-    host = np.ascontiguousarray(values, dtype=_HOST_DTYPE[DEVICE_DTYPE[array.dtype]]).reshape(-1)
+    host = host_words(values, array.dtype)
     if host.size:
         array.device.write(array.buffer, 0, host, "data-parallel update")
 

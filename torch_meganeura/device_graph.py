@@ -27,6 +27,7 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .fx_lowering import LoweredGraph, lower_graph
+from .params import host_form
 from .resident import ResidentTensor
 from .tuning import compile_plan
 
@@ -78,7 +79,7 @@ def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
             on_device[name] = value.array
         else:  # the program checks the dtype, shape and int32 range, and converts to device layout
             value = value.materialize() if isinstance(value, ResidentTensor) else value
-            host[name] = value.detach().cpu().contiguous().numpy()
+            host[name] = host_form(value)
     if lowered.rng_seed:
         host[lowered.rng_seed] = rng_seed()
     return host, on_device

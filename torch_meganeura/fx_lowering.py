@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from meganeura.lowering.builder import GraphBuilder
-from meganeura.lowering.ir import Graph, Value
+from meganeura.lowering import expr as E
+from meganeura.lowering.ir import FLOAT_DTYPES, Graph, Value
 
 from . import aten  # noqa: F401  (fills the registry)
 from .registry import LOWERINGS, LowerCtx, LoweringError, logical_dtype
@@ -60,9 +61,7 @@ def lower_graph(gm: fx.GraphModule, args: list, param_indices: set[int]) -> Lowe
         fn = LOWERINGS.get(node.target)
         if fn is None:
             raise LoweringError(f"no lowering for {node.target}")
-        value = fn(LowerCtx(b, node), *args_, **kwargs_)
-        _check_shapes(node, value)
-        env[node] = value
+        env[node] = _checked(b, node, fn(LowerCtx(b, node), *args_, **kwargs_))
         ops[str(node.target)] = ops.get(str(node.target), 0) + 1
 
     outputs = []
@@ -79,14 +78,26 @@ def lower_graph(gm: fx.GraphModule, args: list, param_indices: set[int]) -> Lowe
     return LoweredGraph(b.graph, inputs, params, outputs, ops, isinstance(result, (tuple, list)), b.rng_seed)
 
 
-def _check_shapes(node: fx.Node, value) -> None:
+def _checked(b: GraphBuilder, node: fx.Node, value):
+    """``value`` checked against the traced shapes and dtypes; a float value of another float dtype than torch's is
+    relabelled (lowerings of norms, attention and reductions compute and label their results in float32 whatever
+    the graph's float dtype: an intermediate of a half precision graph stays in f32, see ``runtime.dtypes``)."""
     val = node.meta.get("val")
-    pairs = zip(value, val) if isinstance(value, (tuple, list)) and isinstance(val, (tuple, list)) else [(value, val)]
-    for got, want in pairs:
-        if not isinstance(got, Value) or not isinstance(want, torch.Tensor):
-            continue
-        shape = tuple(want.shape)
-        if all(isinstance(s, int) for s in shape) and shape != got.shape:
-            raise LoweringError(f"lowering of {node.target} produced shape {got.shape}, torch says {shape}")
-        if logical_dtype(want.dtype) != got.dtype:
-            raise LoweringError(f"lowering of {node.target} produced dtype {got.dtype}, torch says {want.dtype}")
+    many = isinstance(value, (tuple, list)) and isinstance(val, (tuple, list))
+    pairs = list(zip(value, val)) if many else [(value, val)]
+    checked = [_checked_one(b, node, got, want) for got, want in pairs]
+    return type(value)(checked) if many else checked[0]
+
+
+def _checked_one(b: GraphBuilder, node: fx.Node, got, want):
+    if not isinstance(got, Value) or not isinstance(want, torch.Tensor):
+        return got
+    shape = tuple(want.shape)
+    if all(isinstance(s, int) for s in shape) and shape != got.shape:
+        raise LoweringError(f"lowering of {node.target} produced shape {got.shape}, torch says {shape}")
+    dtype = logical_dtype(want.dtype)
+    if dtype == got.dtype:
+        return got
+    if dtype in FLOAT_DTYPES and got.dtype in FLOAT_DTYPES:
+        return b.pointwise(got.shape, dtype, b.load(got, [E.coord(d) for d in range(len(got.shape))]), "relabel")
+    raise LoweringError(f"lowering of {node.target} produced dtype {got.dtype}, torch says {want.dtype}")

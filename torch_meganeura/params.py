@@ -14,25 +14,40 @@ import numpy as np
 import torch
 
 from meganeura.runtime.errors import InputError
+from meganeura.runtime.dtypes import host_words, storage_bytes
 from meganeura.runtime.resident import DeviceArray
 
 from .registry import logical_dtype
 
 
-def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
-    """Contiguous numpy data in device layout (int64 -> int32 with a range check, bool -> uint32)."""
+def host_form(t: torch.Tensor) -> np.ndarray:
+    """``t``'s data as the runtime's host form of its dtype: a contiguous numpy array (bfloat16 as its raw bits,
+    ``np.uint16``: numpy has no bfloat16)."""
     a = t.detach()
     if a.device.type != "cpu":
         a = a.cpu()
-    a = a.contiguous().numpy()
-    if a.dtype == np.int64:
-        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise InputError(f"{what} holds int64 values outside the int32 range the device computes in "
-                             f"(min {a.min()}, max {a.max()})")
-        return a.astype(np.int32)
-    if a.dtype == np.bool_:
-        return a.astype(np.uint32)
-    return a
+    a = a.contiguous()
+    if a.dtype == torch.bfloat16:
+        return a.view(torch.int16).numpy().view(np.uint16)
+    return a.numpy()
+
+
+def tensor_from_host(array) -> torch.Tensor:
+    """The torch tensor of a runtime result in host form (``np.uint16`` is bfloat16's bits; no other dtype is)."""
+    array = np.asarray(array)
+    if array.dtype == np.uint16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
+    """``t``'s data as the words the device stores (int64 -> int32 with a range check, bool -> uint32, half
+    precisions two to a word)."""
+    a = host_form(t)
+    if a.dtype == np.int64 and a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+        raise InputError(f"{what} holds int64 values outside the int32 range the device computes in "
+                         f"(min {a.min()}, max {a.max()})")
+    return host_words(a, logical_dtype(t.dtype))
 
 
 def upload_array(device, t: torch.Tensor) -> DeviceArray:
@@ -62,7 +77,7 @@ class ParamStore:
     def buffer(self, t: torch.Tensor, what: str = "parameter"):
         key = id(t)
         entry = self._entries.get(key)
-        if entry is not None and entry.ref() is t and entry.nbytes == max(t.numel() * 4, 4):
+        if entry is not None and entry.ref() is t and entry.nbytes == max(storage_bytes(t.numel(), logical_dtype(t.dtype)), 4):
             if entry.stamp != (t._version, t.data_ptr()):
                 data = to_device_numpy(t, what)
                 if data.size:

@@ -19,7 +19,9 @@ from meganeura.lowering.builder import GraphBuilder
 LOWERINGS: dict = {}
 SUPPORT_CHECKS: dict = {}
 
-TORCH_TO_LOGICAL = {torch.float32: "float32", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+TORCH_TO_LOGICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                    torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+DEVICE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # all computed in f32 on the device
 INT32_RANGE = (-(2**31), 2**31 - 1)
 
 

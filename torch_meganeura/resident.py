@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from meganeura.runtime.resident import DeviceArray
 
+from .params import tensor_from_host
 from .registry import TORCH_TO_LOGICAL
 
 log = logging.getLogger("torch_meganeura")
@@ -43,7 +44,7 @@ class ResidentTensor(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """A host copy of the data."""
-        return torch.from_numpy(self.array.numpy())
+        return tensor_from_host(self.array.numpy())
 
     def __repr__(self) -> str:
         return f"ResidentTensor({self.array!r})"

@@ -28,7 +28,7 @@ from meganeura.kernels.attention import flash_forward_fits
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput
 
-from ..registry import lowering
+from ..registry import DEVICE_FLOATS, lowering
 
 aten = torch.ops.aten
 UNFUSED_MAX_SCORE_BYTES = 64 << 20  # one (batch * heads, lq, lk) float32 score matrix at most
@@ -45,8 +45,8 @@ def _supported(q_arg: int, dropout_arg: int):
             return "attention on the device takes (batch, heads, seq, head_dim) tensors"
         if q.shape[1] % k.shape[1]:
             return "query heads are not a multiple of key/value heads"
-        if any(a.meta["val"].dtype not in (torch.float32, torch.bool) for a in node.all_input_nodes):
-            return "attention on the device computes float32 only"
+        if any(a.meta["val"].dtype not in (*DEVICE_FLOATS, torch.bool) for a in node.all_input_nodes):
+            return "attention on the device takes floating point and bool operands only"
         return None
     return check
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from meganeura.lowering import expr as E
+from meganeura.lowering.ir import FLOAT_DTYPES
 
 from ..registry import lowering
 
@@ -43,6 +44,6 @@ def _arange(ctx, start, end=None, step=1, **kwargs):
     n = len(range(start, end, step)) if all(isinstance(v, int) for v in (start, end, step)) \
         else int(torch.arange(start, end, step).numel())
     dtype = ctx.out_dtype
-    kind = E.F32 if dtype == "float32" else E.I32
+    kind = E.F32 if dtype in FLOAT_DTYPES else E.I32
     expr = E.add(E.mul(E.cast(E.coord(0), kind), E.const(step, kind)), E.const(start, kind))
     return ctx.b.pointwise((n,), dtype, expr, "arange")

@@ -5,13 +5,13 @@ import torch
 
 from meganeura.lowering import expr as E
 
-from ..registry import lowering
+from ..registry import DEVICE_FLOATS, lowering
 
 aten = torch.ops.aten
 
 
 def _float_only(node) -> str | None:
-    return None if node.meta["val"].dtype == torch.float32 else "integer matmul is not lowered"
+    return None if node.meta["val"].dtype in DEVICE_FLOATS else "integer matmul is not lowered"
 
 
 @lowering(aten.mm.default, aten.bmm.default, aten.dot.default, aten.mv.default, supports=_float_only)

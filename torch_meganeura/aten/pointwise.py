@@ -6,13 +6,14 @@ import math
 import torch
 
 from meganeura.lowering import expr as E
-from meganeura.lowering.ir import Value
+from meganeura.lowering.ir import FLOAT_DTYPES, LOGICAL_TO_COMPUTE, Value
 
 from ..registry import LowerCtx, lowering
 
 aten = torch.ops.aten
 
-COMPUTE = {"float32": E.F32, "int64": E.I32, "int32": E.I32, "bool": E.BOOL}
+COMPUTE = LOGICAL_TO_COMPUTE
+ROUND_TO = {"bfloat16": "round_bf16", "float16": "round_f16"}  # a cast to half precision rounds (kept in f32)
 
 
 def promoted(*operands) -> str:
@@ -61,7 +62,7 @@ for _op, _name in UNARY.items():
 @lowering(aten.isnan.default, aten.isinf.default)
 def _isnan(ctx, x):
     op = str(ctx.node.target).split(".")[1]
-    if x.dtype != "float32":
+    if x.dtype not in FLOAT_DTYPES:
         return ctx.b.map(lambda a: E.const(False, E.BOOL), x, dtype="bool")
     return ctx.b.map(lambda a: E.unary(op, a), x, dtype="bool", compute=E.F32)
 
@@ -286,10 +287,19 @@ def _elu(ctx, x, alpha=1.0, scale=1.0, input_scale=1.0):
 @lowering(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default,
           aten.detach.default)
 def _copy(ctx, x, **kwargs):
-    return ctx.b.map(lambda a: a, x, dtype=ctx.out_dtype, compute=COMPUTE[x.dtype], label="copy")
+    return ctx.b.map(lambda a: _converted(a, ctx.out_dtype), x, dtype=ctx.out_dtype, compute=COMPUTE[x.dtype],
+                     label="copy")
 
 
 @lowering(aten.copy.default)
 def _copy_into(ctx, dst, src, non_blocking=False):
-    return ctx.b.map(lambda d, s: s, dst, src, dtype=ctx.out_dtype, compute=COMPUTE[ctx.out_dtype], label="copy")
+    return ctx.b.map(lambda d, s: _converted(s, ctx.out_dtype), dst, src, dtype=ctx.out_dtype, compute="keep",
+                     label="copy")
+
+
+def _converted(e: E.Expr, dtype: str) -> E.Expr:
+    """``e`` converted to logical ``dtype`` as torch converts: to the compute dtype, and to the nearest half
+    precision value for bfloat16 and float16."""
+    e = E.cast(e, COMPUTE[dtype])
+    return E.unary(ROUND_TO[dtype], e) if dtype in ROUND_TO else e
 

@@ -20,7 +20,7 @@ import torch
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput, Value
 
-from ..registry import lowering
+from ..registry import DEVICE_FLOATS, lowering
 
 aten = torch.ops.aten
 
@@ -236,44 +236,44 @@ def _avg_pool_backward(ctx, grad: Value, x: Value, ah, aw, divisor, label: str) 
 
 
 # ------------------------------------------------------------------------------------------- lowerings
-def _float32(node) -> str | None:
+def _floating(node) -> str | None:
     """Pooling loads compute in f32 (-inf and NaN masks): other input dtypes stay in eager PyTorch."""
     dtype = node.args[0].meta["val"].dtype
-    return None if dtype == torch.float32 else f"{node.target} on {dtype} is not lowered"
+    return None if dtype in DEVICE_FLOATS else f"{node.target} on {dtype} is not lowered"
 
 
-@lowering(aten.max_pool2d_with_indices.default, supports=_float32)
+@lowering(aten.max_pool2d_with_indices.default, supports=_floating)
 def _max_pool2d(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     ah, aw = _strided_axes(x, _out_hw(ctx), kernel_size, stride, padding, dilation)
     return _max_pool(ctx, x, ah, aw, "max_pool2d")
 
 
-@lowering(aten.max_pool2d_with_indices_backward.default, supports=_float32)
+@lowering(aten.max_pool2d_with_indices_backward.default, supports=_floating)
 def _max_pool2d_backward(ctx, grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     ah, aw = _strided_axes(x, grad.shape[-2:], kernel_size, stride, padding, dilation)
     return _max_pool_backward(ctx, grad, x, indices, ah, aw, "max_pool2d_backward")
 
 
-@lowering(aten.adaptive_max_pool2d.default, supports=_float32)
+@lowering(aten.adaptive_max_pool2d.default, supports=_floating)
 def _adaptive_max_pool2d(ctx, x, output_size):
     ah, aw = _adaptive_axes(x, _out_hw(ctx))
     return _max_pool(ctx, x, ah, aw, "adaptive_max_pool2d")
 
 
-@lowering(aten.adaptive_max_pool2d_backward.default, supports=_float32)
+@lowering(aten.adaptive_max_pool2d_backward.default, supports=_floating)
 def _adaptive_max_pool2d_backward(ctx, grad, x, indices):
     ah, aw = _adaptive_axes(x, grad.shape[-2:])
     return _max_pool_backward(ctx, grad, x, indices, ah, aw, "adaptive_max_pool2d_backward")
 
 
-@lowering(aten.avg_pool2d.default, supports=_float32)
+@lowering(aten.avg_pool2d.default, supports=_floating)
 def _avg_pool2d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                 divisor_override=None):
     ah, aw = _strided_axes(x, _out_hw(ctx), kernel_size, stride, padding)
     return _avg_pool(ctx, x, ah, aw, _avg_divisor(ah, aw, count_include_pad, divisor_override), "avg_pool2d")
 
 
-@lowering(aten.avg_pool2d_backward.default, supports=_float32)
+@lowering(aten.avg_pool2d_backward.default, supports=_floating)
 def _avg_pool2d_backward(ctx, grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
                          divisor_override):
     ah, aw = _strided_axes(x, grad.shape[-2:], kernel_size, stride, padding)
@@ -281,13 +281,13 @@ def _avg_pool2d_backward(ctx, grad, x, kernel_size, stride, padding, ceil_mode, 
     return _avg_pool_backward(ctx, grad, x, ah, aw, divisor, "avg_pool2d_backward")
 
 
-@lowering(aten._adaptive_avg_pool2d.default, supports=_float32)
+@lowering(aten._adaptive_avg_pool2d.default, supports=_floating)
 def _adaptive_avg_pool2d(ctx, x, output_size):
     ah, aw = _adaptive_axes(x, _out_hw(ctx))
     return _avg_pool(ctx, x, ah, aw, _avg_divisor(ah, aw, False, None), "adaptive_avg_pool2d")
 
 
-@lowering(aten._adaptive_avg_pool2d_backward.default, supports=_float32)
+@lowering(aten._adaptive_avg_pool2d_backward.default, supports=_floating)
 def _adaptive_avg_pool2d_backward(ctx, grad, x):
     ah, aw = _adaptive_axes(x, grad.shape[-2:])
     divisor = _avg_divisor(ah, aw, False, None)

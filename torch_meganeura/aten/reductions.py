@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from meganeura.lowering import expr as E
-from meganeura.lowering.ir import RowOutput, Value, numel
+from meganeura.lowering.ir import FLOAT_DTYPES, RowOutput, Value, numel
 
 from ..registry import lowering
 from .norms import normalized_rows
@@ -38,7 +38,7 @@ def _reduce(ctx, x, dims, keepdim, phases_fn, result_fn, dtype=None, compute=Non
     axes = _axes(x, dims)
     dtype = dtype or ctx.out_dtype
     n = numel([x.shape[a] for a in axes])
-    compute = compute or (E.F32 if dtype == "float32" else E.I32 if dtype != "bool" else E.BOOL)
+    compute = compute or (E.F32 if dtype in FLOAT_DTYPES else E.I32 if dtype != "bool" else E.BOOL)
     value = _element(ctx, x, compute)
     (out,) = ctx.b.reduce(x.shape, axes, phases_fn(value), [RowOutput(False, result_fn(n))], [dtype],
                           str(ctx.node.target).split(".")[1])
@@ -47,7 +47,7 @@ def _reduce(ctx, x, dims, keepdim, phases_fn, result_fn, dtype=None, compute=Non
 
 @lowering(aten.sum.dim_IntList, aten.sum.default)
 def _sum(ctx, x, dims=None, keepdim=False, dtype=None):
-    return _reduce(ctx, x, dims, keepdim, lambda v: [("sum", v)], lambda n: E.acc(0, E.F32 if ctx.out_dtype == "float32" else E.I32))
+    return _reduce(ctx, x, dims, keepdim, lambda v: [("sum", v)], lambda n: E.acc(0, E.F32 if ctx.out_dtype in FLOAT_DTYPES else E.I32))
 
 
 @lowering(aten.mean.dim, aten.mean.default)
@@ -59,12 +59,12 @@ def _mean(ctx, x, dims=None, keepdim=False, dtype=None):
 @lowering(aten.prod.dim_int, aten.prod.default)
 def _prod(ctx, x, dim=None, keepdim=False, dtype=None):
     return _reduce(ctx, x, dim, keepdim, lambda v: [("prod", v)],
-                   lambda n: E.acc(0, E.F32 if ctx.out_dtype == "float32" else E.I32))
+                   lambda n: E.acc(0, E.F32 if ctx.out_dtype in FLOAT_DTYPES else E.I32))
 
 
 def _extreme(op):
     def lower(ctx, x, dims=None, keepdim=False):
-        kind = E.F32 if x.dtype == "float32" else E.I32 if x.dtype != "bool" else E.BOOL
+        kind = E.F32 if x.dtype in FLOAT_DTYPES else E.I32 if x.dtype != "bool" else E.BOOL
         return _reduce(ctx, x, dims, keepdim, lambda v: [(op, v)], lambda n: E.acc(0, kind))
     return lower
 
@@ -82,7 +82,7 @@ def _any(ctx, x, dims=None, keepdim=False):
 
 def _arg(op):
     def lower(ctx, x, dim=None, keepdim=False):
-        kind = E.F32 if x.dtype == "float32" else E.I32
+        kind = E.F32 if x.dtype in FLOAT_DTYPES else E.I32
         if dim is None:
             flat = ctx.b.reshape(x, [x.numel])
             out = _reduce(ctx, flat, [0], False, lambda v: [(op, v)], lambda n: E.acc(0, E.I32), compute=kind)
@@ -99,7 +99,7 @@ lowering(aten.argmin.default)(_arg("argmin"))
 def _value_and_index(op):
     def lower(ctx, x, dim, keepdim=False):
         axes = _axes(x, dim)
-        kind = E.F32 if x.dtype == "float32" else E.I32
+        kind = E.F32 if x.dtype in FLOAT_DTYPES else E.I32
         value = _element(ctx, x, kind)
         results = [RowOutput(False, E.acc(0, kind)), RowOutput(False, E.acc(1, E.I32))]
         outs = ctx.b.reduce(x.shape, axes, [(op, value), ("arg" + op, value)], results, ctx.out_dtypes(), op)
@@ -198,7 +198,7 @@ def _scan(op: str, identity):
         if rank == 0:
             return ctx.b.map(lambda v: v, x, dtype=ctx.out_dtype)
         dim %= rank
-        kind = E.F32 if ctx.out_dtype == "float32" else E.I32
+        kind = E.F32 if ctx.out_dtype in FLOAT_DTYPES else E.I32
         coords = [E.coord(rank) if d == dim else E.coord(d) for d in range(rank)]
         value = E.cast(ctx.b.load(x, coords), kind)
         inside = E.binary("le", E.coord(rank), E.coord(dim))

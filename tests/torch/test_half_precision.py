@@ -1,0 +1,197 @@
+"""bfloat16 and float16 graphs on the device: stored in 16 bits, computed in f32, rounded as torch rounds.
+
+Conversions are checked bit for bit against torch's over every 16-bit pattern (widening) and 220,000 float32 bit
+patterns with the special values (narrowing). Models are judged against float64: ours may be at most
+``EAGER_ERROR_FACTOR`` times eager's own error in the same dtype (ours keeps intermediates in f32, so it is
+usually closer). HF models are built the way users get them: saved in bfloat16 and loaded with
+``from_pretrained``'s default dtype.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from helpers.compare import assert_within_eager_error, device_counters, meganeura_warnings
+
+HALVES = [torch.bfloat16, torch.float16]
+SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99, 65520.0, 6e-8, 3e-8, 2.98e-8,
+           1e-40, 3.4e38, -3.4e38, 1.0000001, 5.96e-8, 1.00390625, 1.01171875]
+
+
+def _compiled_run(fn, *args):
+    """``fn`` through the backend: its result, after checking nothing fell back and the device ran it."""
+    torch._dynamo.reset()
+    before = device_counters()["submits"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="meganeura")(*args)
+    assert not meganeura_warnings(caught), meganeura_warnings(caught)
+    assert device_counters()["submits"] > before, "nothing ran on the device"
+    return out
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_widening_is_exact_for_every_bit_pattern(dtype):
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    got, want = _compiled_run(lambda t: t.float() * 1.0, bits), bits.float()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_narrowing_rounds_as_torch_does(dtype):
+    gen = torch.Generator().manual_seed(1)
+    patterns = torch.randint(-2**31, 2**31 - 1, (200_000,), dtype=torch.int32, generator=gen).view(torch.float32)
+    x = torch.cat([patterns, torch.tensor(SPECIAL), torch.randn(10_000, generator=gen) * 1e-5,
+                   torch.randn(10_000, generator=gen) * 1e4])
+    got, want = _compiled_run(lambda t: (t * 1.0).to(dtype), x), x.to(dtype)
+    assert got.dtype == dtype
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    differ = got.view(torch.int16)[~nan] != want.view(torch.int16)[~nan]
+    assert not differ.any(), f"{int(differ.sum())} of {x.numel()} conversions differ from torch's"
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("numel", [1, 7, 1000])
+def test_odd_sizes_and_mixed_outputs(dtype, numel):
+    """Half outputs of odd length (a padded last word), beside a float32 output of the same kernel, reading a
+    half and a float32 input."""
+    a, b = torch.randn(numel).to(dtype), torch.randn(numel)
+
+    def fn(a, b):
+        s = a.float() * b
+        return s.to(dtype), s.exp(), (a + 1).sum()
+
+    got = _compiled_run(fn, a, b)
+    want = fn(a, b)
+    exact = fn(a.double(), b.double())
+    for g, w, x in zip(got, want, exact):
+        assert g.dtype == w.dtype
+        assert_within_eager_error(g, w, x, floor=1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_layers_against_float64(dtype):
+    """Matmul, convolution, norms, attention and reductions in a half precision graph: outputs in the dtype,
+    within eager's error of float64."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+    lin = torch.nn.Linear(8, 8)
+    norm = torch.nn.LayerNorm(8)
+
+    def fn(x, q, k, v):
+        y = torch.nn.functional.group_norm(conv(x), 2).mean((2, 3))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return norm(lin(y)).softmax(-1), att, y.amax(-1)
+
+    inputs = [torch.randn(2, 3, 8, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)]
+    for m in (conv, lin, norm):
+        m.to(dtype)
+    got = _compiled_run(fn, *[t.to(dtype) for t in inputs])
+    want = fn(*[t.to(dtype) for t in inputs])
+    for m in (conv, lin, norm):
+        m.double()
+    exact = fn(*[t.to(dtype).double() for t in inputs])
+    for i, (g, w, x) in enumerate(zip(got, want, exact)):
+        assert g.dtype == dtype, f"output {i} is {g.dtype}"
+        assert_within_eager_error(g, w, x, what=f"output {i}")
+
+
+def _saved_and_loaded(tmp_path, model):
+    """``model`` saved in bfloat16 and loaded back as a user loads a checkpoint (default dtype: as stored)."""
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    return type(model).from_pretrained(tmp_path)
+
+
+def test_llama_checkpoint_in_bfloat16(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = _saved_and_loaded(tmp_path, LlamaForCausalLM(config)).eval()
+    assert model.dtype == torch.bfloat16  # what transformers 5 gives by default
+    ids = torch.randint(0, 96, (2, 10))
+    got = _compiled_run(lambda i: model(i, use_cache=False).logits, ids)
+    want = model(ids, use_cache=False).logits
+    exact = model.double()(ids, use_cache=False).logits
+    assert got.dtype == torch.bfloat16
+    assert_within_eager_error(got, want, exact, what="logits")
+
+
+def test_training_in_bfloat16_with_labels(tmp_path):
+    """bf16 parameters trained directly through the backend with HF's own loss: loss and every gradient within
+    eager bf16's error of float64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = _saved_and_loaded(tmp_path, LlamaForCausalLM(config)).train()
+    exact = LlamaForCausalLM(config).double().train()
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ids = torch.randint(0, 96, (2, 8))
+    loss = _compiled_run(lambda i: model(i, labels=i).loss, ids)
+    loss.backward()
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    eager_loss = model(ids, labels=ids).loss
+    eager_loss.backward()
+    exact_loss = exact(ids, labels=ids).loss
+    exact_loss.backward()
+    assert loss.dtype == eager_loss.dtype  # HF computes the loss on logits cast to float32
+    assert_within_eager_error(loss, eager_loss, exact_loss, what="loss")
+    for name, p in model.named_parameters():
+        assert ours[name].dtype == torch.bfloat16
+        assert_within_eager_error(ours[name], p.grad, dict(exact.named_parameters())[name].grad, what=f"d {name}")
+
+
+def test_autocast_region_runs_on_the_device():
+    """A CPU autocast region (bf16 matmuls, f32 elsewhere), forward and backward, f32 master weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(6, 16)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().square().mean()
+
+    loss = _compiled_run(step, x)
+    loss.backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    eager = step(x)
+    eager.backward()
+    exact = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).double()
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    exact_loss = exact(x.double()).square().mean()
+    exact_loss.backward()
+    assert_within_eager_error(loss, eager, exact_loss, what="loss")
+    for p, got, e in zip(model.parameters(), ours, exact.parameters()):
+        assert got.dtype == torch.float32
+        assert_within_eager_error(got, p.grad, e.grad, what="gradient")
+
+
+def test_half_storage_needs_no_shader_f16(monkeypatch):
+    """The kernels of a half precision graph declare no f16 type: they run on adapters without ``shader-f16``."""
+    from torch_meganeura import device_graph
+
+    plans = []
+    original = device_graph.compile_plan
+
+    def spy(*args, **kwargs):
+        compiled = original(*args, **kwargs)
+        plans.append(compiled[0])
+        return compiled
+
+    monkeypatch.setattr(device_graph, "compile_plan", spy)
+    x, w = torch.randn(4, 8).to(torch.float16), torch.randn(8, 8).to(torch.float16)
+    got = _compiled_run(lambda x, w: torch.nn.functional.silu(x @ w).sum(0), x, w)
+    assert got.dtype == torch.float16 and plans
+    sources = [src for plan in plans for src in plan.kernels.values()]
+    assert any("mg_widen_f16" in src for src in sources) and any("mg_pack_f16" in src for src in sources)
+    assert not any("enable f16" in src or "f16>" in src or ": f16" in src for src in sources)
