@@ -92,6 +92,12 @@ class TiledPlan:
     def shared_floats(self) -> int:
         return self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
 
+    def sums(self) -> list[tuple[int, int, int]]:
+        """Each thread's vec4 sums (g, i, h): thread (tx, ty) owns rows 4 * (ty + threads_m * g) + i and columns
+        4 * (tx + threads_n * h) + j."""
+        return [(g, i, h) for g in range(self.rows_per_thread // 4) for i in range(4)
+                for h in range(self.cols_per_thread // 4)]
+
     def staged_per_thread(self) -> int:
         """Floats of the next K chunk that each thread holds in registers (its shares of A and B)."""
         return -(-self.chunk_k * self.tile_m // self.threads) + -(-self.chunk_k * self.tile_n // self.threads)
@@ -254,6 +260,11 @@ LINEAR_WORKGROUP = """    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
 # ---------------------------------------------------------------- tiled
 
 
+def _shared_row(edge: int) -> int:
+    """vec4s per K step of a tile's operand in shared memory: ``edge`` rows (or columns), padded."""
+    return edge // 4 + SHARED_PAD_VEC4
+
+
 def _tile_edge(size: int) -> int:
     return next((t for t in reversed(TILE_SIZES) if t >= size), TILE_SIZES[0])
 
@@ -370,7 +381,7 @@ class _Staging:
     }}"""
 
     def store(self, element: str) -> str:
-        row = self.edge // 4 + SHARED_PAD_VEC4
+        row = _shared_row(self.edge)
         lines = []
         for t in range(self.count):
             value = f"stage_{self.name}{t}" if element == "f32" else f"{element}(stage_{self.name}{t})"
@@ -398,7 +409,6 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                               block)
     element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
-    row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     tiles_m, tiles_n = -(-m // plan.tile_m), -(-n // plan.tile_n)
     total = split * batch * tiles_m * tiles_n
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
@@ -406,43 +416,17 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     k_slice = -(-per_slice // plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
     checks = _Checks(live=grid[0] * grid[1] * grid[2] != total, rows=m % plan.tile_m != 0,
                      cols=n % plan.tile_n != 0, k=k == 0 or k % (split * plan.chunk_k) != 0)
-    a_row, b_row = plan.tile_m // 4 + SHARED_PAD_VEC4, plan.tile_n // 4 + SHARED_PAD_VEC4
+    a_row, b_row = _shared_row(plan.tile_m), _shared_row(plan.tile_n)
     stage_a, stage_b = _Staging(plan, True, a_fast, looped == "a"), _Staging(plan, False, b_fast, looped == "b")
-    rows = [(g, i) for g in range(row_groups) for i in range(4)]
 
-    # Thread (tx, ty) owns rows 4 * (ty + tm * g) + i and columns 4 * (tx + tn * h) + j: one vec4 read of shared
-    # memory per group, the reads of neighbouring threads adjacent (B) or identical (A, a broadcast).
-    acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i in rows for h in range(col_groups))
-    a_regs = "\n".join(f"            let a{g} = tile_a[p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
-    b_regs = "\n".join(f"            let b{h} = tile_b[p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
-    target = "chunk" if f16 else "acc"  # f16: the chunk's products go to f16 sums, added to acc after the chunk
-    fmas = "\n".join(f"            {target}_{g}_{i}_{h} = fma(vec4<{element}>(a{g}[{i}]), b{h}, {target}_{g}_{i}_{h});"
-                     for g, i in rows for h in range(col_groups))
-    # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and
-    # 4096^3 5.30 -> 4.84 ms on an H200 against the same code in a loop, which the driver did not unroll.
-    inner = "\n".join(f"        {{\n            let p = {p}u;\n{a_regs}\n{b_regs}\n{fmas}\n        }}"
-                      for p in range(plan.chunk_k))
-    if f16:
-        sums = [(g, i, h) for g, i in rows for h in range(col_groups)]
-        inner = "\n".join([*(f"        var chunk_{g}_{i}_{h} = vec4<f16>();" for g, i, h in sums), inner,
-                           *(f"        acc_{g}_{i}_{h} += vec4<f32>(chunk_{g}_{i}_{h});" for g, i, h in sums)])
-    slots = [(g, i, h) for g, i in rows for h in range(col_groups)]
+    slots = plan.sums()
+    acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i, h in slots)
     if split > 1:
-        stores = []
-        for g, i, h in slots:
-            row = f"row0 + 4u * (ty + {tm * g}u) + {i}u"
-            for j in range(4):
-                col = f"col0 + 4u * (tx + {tn * h}u) + {j}u"
-                store = f"{partial}[((slice * BATCH + batch_index) * M + {row}) * N + {col}] = acc_{g}_{i}_{h}[{j}];"
-                conds = (["live"] if checks.live else []) + ([f"{row} < M"] if checks.rows else []) + (
-                    [f"{col} < N"] if checks.cols else [])
-                stores.append(f"    if ({' && '.join(conds)}) {{ {store} }}" if conds else f"    {{ {store} }}")
-        epilogue = "\n".join(stores)
+        epilogue = _partial_stores(slots, tm, tn, checks, partial)
     else:
         epilogue = _store_loop(slots, tm, tn, checks)
 
     live = LINEAR_WORKGROUP if checks.live else "    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;\n"
-    first_fetch = (f"{stage_a.fetch('k_begin', checks)}\n{stage_b.fetch('k_begin', checks)}" if k > 0 else "")
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
 {plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}
@@ -465,7 +449,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let tx = lid % {tn}u;
     let ty = lid / {tn}u;
 {acc_decl}
-{stage_a.declare()}
+{_k_loop(plan, stage_a, stage_b, checks, f16, k > 0)}
+{epilogue}
+}}
+"""
+    return ("enable f16;\n" if f16 else "") + prelude + kernel, grid
+
+
+def _k_loop(plan: TiledPlan, stage_a: _Staging, stage_b: _Staging, checks: _Checks, f16: bool,
+            fetch_first: bool) -> str:
+    """The tiled kernel's walk over its K slice: staging registers for A and B, the first chunk fetched (where K is
+    not empty), then per chunk: stored into shared memory, the next one fetched (its loads overlap the products),
+    and the products (``_chunk_products``)."""
+    element = "f16" if f16 else "f32"
+    first_fetch = (f"{stage_a.fetch('k_begin', checks)}\n{stage_b.fetch('k_begin', checks)}" if fetch_first else "")
+    return f"""{stage_a.declare()}
 {stage_b.declare()}
 {first_fetch}
     for (var k0 = k_begin; k0 < k_end; k0 += {plan.chunk_k}u) {{
@@ -478,12 +476,47 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 {stage_a.fetch("k_next", checks)}
 {stage_b.fetch("k_next", checks)}
         }}
-{inner}
-    }}
-{epilogue}
-}}
-"""
-    return ("enable f16;\n" if f16 else "") + prelude + kernel, grid
+{_chunk_products(plan, f16)}
+    }}"""
+
+
+def _chunk_products(plan: TiledPlan, f16: bool) -> str:
+    """The tiled kernel's products of one K chunk staged in shared memory: each thread's register block of sums.
+    One vec4 read of shared memory per group of 4 rows or columns, the reads of neighbouring threads adjacent (B) or
+    identical (A, a broadcast). With ``f16`` the chunk's products go to f16 sums, added to the f32 ones after the
+    chunk."""
+    tm, tn = plan.threads_m, plan.threads_n
+    a_row, b_row = _shared_row(plan.tile_m), _shared_row(plan.tile_n)
+    row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
+    sums = plan.sums()
+    element, target = ("f16", "chunk") if f16 else ("f32", "acc")
+    a_regs = "\n".join(f"            let a{g} = tile_a[p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
+    b_regs = "\n".join(f"            let b{h} = tile_b[p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
+    fmas = "\n".join(f"            {target}_{g}_{i}_{h} = fma(vec4<{element}>(a{g}[{i}]), b{h}, {target}_{g}_{i}_{h});"
+                     for g, i, h in sums)
+    # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and
+    # 4096^3 5.30 -> 4.84 ms on an H200 against the same code in a loop, which the driver did not unroll.
+    inner = "\n".join(f"        {{\n            let p = {p}u;\n{a_regs}\n{b_regs}\n{fmas}\n        }}"
+                      for p in range(plan.chunk_k))
+    if not f16:
+        return inner
+    return "\n".join([*(f"        var chunk_{g}_{i}_{h} = vec4<f16>();" for g, i, h in sums), inner,
+                      *(f"        acc_{g}_{i}_{h} += vec4<f32>(chunk_{g}_{i}_{h});" for g, i, h in sums)])
+
+
+def _partial_stores(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: _Checks, partial: str) -> str:
+    """The stores of a tiled kernel whose K is cut into slices: each sum, written out per component, into this
+    slice's partial sums (``split_reduce_kernel`` adds the slices up and calls ``store_c``)."""
+    stores = []
+    for g, i, h in slots:
+        row = f"row0 + 4u * (ty + {tm * g}u) + {i}u"
+        for j in range(4):
+            col = f"col0 + 4u * (tx + {tn * h}u) + {j}u"
+            store = f"{partial}[((slice * BATCH + batch_index) * M + {row}) * N + {col}] = acc_{g}_{i}_{h}[{j}];"
+            conds = (["live"] if checks.live else []) + ([f"{row} < M"] if checks.rows else []) + (
+                [f"{col} < N"] if checks.cols else [])
+            stores.append(f"    if ({' && '.join(conds)}) {{ {store} }}" if conds else f"    {{ {store} }}")
+    return "\n".join(stores)
 
 
 def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: _Checks) -> str:
@@ -523,6 +556,25 @@ def _choose_gemv_plan(outputs: int, k: int, threads: int, out_fastest: bool) -> 
     return GemvPlan(columns, threads // columns, out_fastest)
 
 
+def _gemv_lane(plan: GemvPlan, operands: tuple[str, str]) -> str:
+    """The lane's share of the dot product, every ``plan.lanes``-th p from its own (the two ``operands``' loads,
+    formatted with ``p``): GEMV_UNROLL products loaded first (in flight together), then added in the plain loop's
+    order, and the rest one by one."""
+    steps = [f"p + {u * plan.lanes}u" if u else "p" for u in range(GEMV_UNROLL)]
+    loads = "\n".join(f"            let x{u} = {operands[0].format(p=q)};\n            let y{u} = {operands[1].format(p=q)};"
+                      for u, q in enumerate(steps))
+    fmas = "\n".join(f"            acc = fma(x{u}, y{u}, acc);" for u in range(GEMV_UNROLL))
+    single = ", ".join(o.format(p="p") for o in operands)
+    return f"""        var p = lane;
+        for (; p + {(GEMV_UNROLL - 1) * plan.lanes}u < K; p += {GEMV_UNROLL * plan.lanes}u) {{
+{loads}
+{fmas}
+        }}
+        for (; p < K; p += {plan.lanes}u) {{
+            acc = fma({single}, acc);
+        }}"""
+
+
 def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
                  contiguous_k: bool) -> tuple[str, tuple[int, int, int]]:
     # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
@@ -541,12 +593,6 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     else:
         operands = "load_a(batch_index, out_index, {p})", "load_b(batch_index, {p}, 0u)"
         store = "store_c(batch_index, out_index, 0u, partial[lid]);"
-    # GEMV_UNROLL of the lane's products loaded first (in flight together), then added in the plain loop's order
-    steps = [f"p + {u * plan.lanes}u" if u else "p" for u in range(GEMV_UNROLL)]
-    loads = "\n".join(f"            let x{u} = {operands[0].format(p=q)};\n            let y{u} = {operands[1].format(p=q)};"
-                      for u, q in enumerate(steps))
-    fmas = "\n".join(f"            acc = fma(x{u}, y{u}, acc);" for u in range(GEMV_UNROLL))
-    single = ", ".join(o.format(p="p") for o in operands)
     if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
         decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
         partner_step = plan.columns
@@ -568,14 +614,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let has_output = live && out_index < OUTPUTS;
     var acc = 0.0;
     if (has_output) {{
-        var p = lane;
-        for (; p + {(GEMV_UNROLL - 1) * plan.lanes}u < K; p += {GEMV_UNROLL * plan.lanes}u) {{
-{loads}
-{fmas}
-        }}
-        for (; p < K; p += {plan.lanes}u) {{
-            acc = fma({single}, acc);
-        }}
+{_gemv_lane(plan, operands)}
     }}
     partial[lid] = acc;
     workgroupBarrier();

@@ -86,40 +86,16 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, producers,
     """Merge ``consumer`` into ``producer`` if it reads ``vid`` element for element: (None, the producer's row
     results the consumer read), else (why not, empty)."""
     domain = producer.domain if isinstance(producer, Reduce) else (producer.batch, producer.m, producer.n)
-    shape = consumer.out.shape
     index = next(i for i, v in enumerate(producer.outs) if v.id == vid)
-    row_result = _is_row_result(producer, index)
     per_row = (isinstance(producer, Reduce) and consumer.out.numel == _numel(producer.row_shape)
                and consumer.out.numel != _numel(domain))
     if consumer.out.numel != _numel(domain) and not per_row:
         return "consumer covers neither the producer's iteration domain nor its rows", set()
-    # Consumer coordinates as functions of the producer's, through the shared linear index (of the rows' shape
-    # for a per-row consumer).
-    dbounds = dict(enumerate(domain))
-    domain_coords = [E.coord(d) for d in range(len(domain))]
-    if per_row:
-        outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
-        to_consumer = unravel(linear_index(outer, producer.row_shape), shape)
-    else:
-        to_consumer = unravel(linear_index(domain_coords, domain), shape)
-    moved = simplify(E.shift_coords(consumer.expr, dict(enumerate(to_consumer))), dbounds)
-    # Every result of the producer that C reads (not only ``vid``: layer norm's mean and rstd) becomes the result's
-    # expression inside the producer's kernel, so it must be read at the element (or row) the kernel is computing:
-    # a load from the kernel's own output would race with the thread that writes it.
+    moved = _at_producer(consumer, producer, domain, per_row)
     own = {v.id: i for i, v in enumerate(producer.outs)}
-    for ld in E.loads_of(moved):
-        i = own.get(ld.args[0])
-        if i is None:
-            continue
-        if per_row and not _is_row_result(producer, i):
-            return "a per-row consumer reads an element result", set()
-        if _is_row_result(producer, i):
-            outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
-            want = simplify(linear_index(outer, producer.outs[i].shape), dbounds)
-        else:
-            want = simplify(linear_index(domain_coords, domain), dbounds)
-        if simplify(linear_index(ld.args[1], producer.outs[i].shape), dbounds) != want:
-            return "consumer reads a result of the producer at other elements", set()
+    reason = _own_results_refusal(moved, producer, domain, per_row, own)
+    if reason is not None:
+        return reason, set()
     start = position[vid]
     others = {ld.args[0] for ld in E.loads_of(moved)} - set(own)
     if any(position[o] > start and not isinstance(producers[o], Input) for o in others):
@@ -127,30 +103,68 @@ def _try_merge(graph, consumer: Pointwise, producer, vid, position, producers,
     existing = {ld.args[0] for e in producer.exprs() for ld in E.loads_of(e)}
     if len(existing | others) + len(producer.outs) + 2 > max_bindings:
         return f"more than {max_bindings} storage bindings", set()
-
-    def result_expr(i):
-        return producer.epilogue if isinstance(producer, Matmul) else producer.results[i].expr
-
     read_rows = {ld.args[0] for ld in E.loads_of(moved)
                  if ld.args[0] in own and _is_row_result(producer, own[ld.args[0]])}
+    merged = simplify(E.substitute(moved, _results_of(producer, own)), dict(enumerate(domain)))
+    _merge(graph, consumer, producer, index, merged, per_row)
+    return None, read_rows
 
+
+def _at_producer(consumer: Pointwise, producer, domain, per_row: bool) -> E.Expr:
+    """The consumer's expression at the producer's coordinates, through the shared linear index (of the rows' shape
+    for a per-row consumer)."""
+    if per_row:
+        outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
+        to_consumer = unravel(linear_index(outer, producer.row_shape), consumer.out.shape)
+    else:
+        to_consumer = unravel(linear_index([E.coord(d) for d in range(len(domain))], domain), consumer.out.shape)
+    return simplify(E.shift_coords(consumer.expr, dict(enumerate(to_consumer))), dict(enumerate(domain)))
+
+
+def _own_results_refusal(moved: E.Expr, producer, domain, per_row: bool, own: dict[int, int]) -> str | None:
+    """Why the moved consumer cannot read the producer's results as it does, or None. Every result of the producer
+    that it reads (not only the one it was found through: layer norm's mean and rstd) becomes the result's
+    expression inside the producer's kernel, so it must be read at the element (or row) the kernel is computing:
+    a load from the kernel's own output would race with the thread that writes it."""
+    dbounds = dict(enumerate(domain))
+    for ld in E.loads_of(moved):
+        i = own.get(ld.args[0])
+        if i is None:
+            continue
+        if per_row and not _is_row_result(producer, i):
+            return "a per-row consumer reads an element result"
+        if _is_row_result(producer, i):
+            outer = [E.coord(d) for d in range(len(domain)) if d not in producer.axes]
+            want = simplify(linear_index(outer, producer.outs[i].shape), dbounds)
+        else:
+            want = simplify(linear_index([E.coord(d) for d in range(len(domain))], domain), dbounds)
+        if simplify(linear_index(ld.args[1], producer.outs[i].shape), dbounds) != want:
+            return "consumer reads a result of the producer at other elements"
+    return None
+
+
+def _results_of(producer, own: dict[int, int]):
+    """``E.substitute``'s rewrite: a load of one of the producer's results becomes that result's expression."""
     def replace(node):
         if node.op == "load" and node.args[0] in own:
-            return result_expr(own[node.args[0]])
+            return producer.epilogue if isinstance(producer, Matmul) else producer.results[own[node.args[0]]].expr
         return None
+    return replace
 
-    merged = simplify(E.substitute(moved, replace), dbounds)
+
+def _merge(graph, consumer: Pointwise, producer, index: int, merged: E.Expr, per_row: bool) -> None:
+    """``consumer`` (computing ``merged`` in the producer's terms) moves into ``producer``: the matmul's epilogue, a
+    new result of the reduction (where it read a row result), or the result ``index`` it replaces."""
     if isinstance(producer, Matmul):
         producer.epilogue = merged
         producer.outs = [consumer.out]
-    elif row_result:
+    elif _is_row_result(producer, index):
         producer.results.append(RowOutput(not per_row, merged))
         producer.outs.append(consumer.out)
     else:
         producer.results[index] = RowOutput(True, merged)
         producer.outs[index] = consumer.out
     graph.nodes.remove(consumer)
-    return None, read_rows
 
 
 def _is_row_result(producer, index: int) -> bool:

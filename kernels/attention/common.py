@@ -1,6 +1,6 @@
 """WGSL pieces shared by the attention passes: the masked-score convention (``MASKED``, ``PROB``), the kernel head
-over a folded grid (and over blocks of rows), vec4 loaders over the caller's element loads, and the constants and range of a pass cut into
-slices of the other sequence."""
+over a folded grid (and over blocks of rows), u32 constants, vec4 loaders over the caller's element loads, and the
+constants and range of a pass cut into slices of the other sequence."""
 from __future__ import annotations
 
 from .plans import AttentionShape, partial_layout
