@@ -13,6 +13,10 @@ file (no pickle); ``load(path)`` restores them into a step built over the same m
 resumed in a fresh process continues exactly. The optimizer's hyperparameters and any LR scheduler are the
 caller's (schedulers have plain-number state dicts).
 
+Every update runs inside a call of ``optimizer.step`` (as its closure; torch's own update finds no gradient), so
+what watches that method sees it: LR schedulers (no warning that ``lr_scheduler.step()`` came first), step pre- and
+post-hooks (a pre-hook's change of the learning rate applies to that update), the profiler.
+
 ``max_grad_norm`` clips the gradients by their global L2 norm before the update, as
 ``torch.nn.utils.clip_grad_norm_`` does. ``accumulation_steps=k`` accumulates gradients over k calls (micro-batches)
 in device buffers and updates on every k-th call, like the usual loop of ``(loss / k).backward()`` k times then
@@ -255,14 +259,17 @@ class TrainStep:
         else:
             mode = Mode.APPLY if self.micro_batches == self.accumulation_steps else Mode.ACCUMULATE
         compiled = self._compiled(batch, mode)
-        if mode is not Mode.ACCUMULATE:
-            self.steps += 1
-            self.micro_batches = 0
-        loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)), self._spare)
-        if mode is not Mode.ACCUMULATE:
-            self.optimizer._opt_called = True  # an optimizer step happened, as LR schedulers check
-        self._swap_in(updated)
-        return loss
+
+        def run() -> torch.Tensor:
+            loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)), self._spare)
+            self._swap_in(updated)
+            return loss
+
+        if mode is Mode.ACCUMULATE:
+            return run()
+        self.steps += 1
+        self.micro_batches = 0
+        return _as_optimizer_step(self.optimizer, run)
 
     def _data_parallel_call(self, batch: tuple) -> torch.Tensor:
         """A call of a data-parallel step (see ``data_parallel``): local gradients, all-reduce, update."""
@@ -277,16 +284,20 @@ class TrainStep:
             return loss
         self.micro_batches = 0
         self.steps += 1
-        hyper = self._hyper(self.steps)
-        loss, outputs = self._compiled(batch, Mode.LOCAL).run(self._arrays, batch, hyper, self._spare)
+        loss, outputs = self._compiled(batch, Mode.LOCAL).run(self._arrays, batch, self._hyper(self.steps),
+                                                              self._spare)
         grads = {role.name: outputs.pop(role) for role in list(outputs) if role.kind is Kind.GRAD}
         self._swap_in(outputs)
         averaged = dp.reducer.reduce(grads)
-        arrays = {**self._arrays, **{Role.grad(n): a for n, a in averaged.items()}}
-        _, updated = self._compiled((), Mode.UPDATE).run(arrays, (), hyper, self._spare)
-        self._swap_in(updated)
-        self.optimizer._opt_called = True
-        return loss
+        update = self._compiled((), Mode.UPDATE)
+
+        def run() -> torch.Tensor:
+            arrays = {**self._arrays, **{Role.grad(n): a for n, a in averaged.items()}}
+            _, updated = update.run(arrays, (), self._hyper(self.steps), self._spare)
+            self._swap_in(updated)
+            return loss
+
+        return _as_optimizer_step(self.optimizer, run)
 
     def _swap_in(self, updated: dict) -> None:
         """Take ``updated`` arrays in; each replaced array receives the next step's output of its role, so the plan
@@ -355,6 +366,35 @@ class _CompiledStep:
         if role.kind is Kind.HYPER:
             return hyper
         return self.constants[role] if role in self.constants else arrays[role]
+
+
+def _as_optimizer_step(optimizer: torch.optim.Optimizer, update) -> torch.Tensor:
+    """Run ``update()`` (a device update; it returns the loss) as the closure of a call of ``optimizer.step``, so that
+    what watches ``optimizer.step`` sees the step taken on the device: the step pre-hooks run before the update (a
+    change they make to the param groups applies to it) and the post-hooks after it, an LR scheduler records that
+    the optimizer stepped, the profiler times it under ``Optimizer.step#...``. torch's own update then finds no
+    gradient and changes nothing: once ``update`` has run, every ``.grad`` of the optimizer's parameters is hidden
+    from it, and given back after. SGD, Adam and AdamW (what ``optimizers.check`` accepts) call the closure first,
+    once."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    hidden, result = [], []
+
+    def closure() -> torch.Tensor:
+        result.append(update())
+        hidden.extend(p.grad for p in params)
+        for p in params:
+            p.grad = None
+        return result[0]
+
+    try:
+        optimizer.step(closure)
+    finally:
+        for p, grad in zip(params, hidden):
+            p.grad = grad
+    if not result:
+        raise RuntimeError("compile_train_step runs its update as the closure of optimizer.step, which did not call "
+                           "it: was optimizer.step replaced?")
+    return result[0]
 
 
 def _example(owner: TrainStep, role: Role, batch: tuple):

@@ -323,6 +323,54 @@ def test_gradient_accumulation_matches_the_usual_loop():
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+def test_lr_scheduler_and_step_hooks_see_every_update():
+    """Each update runs inside optimizer.step: an LR scheduler stepped after it warns of nothing and gives eager's
+    learning rates; the step hooks run once an update (not on accumulating micro-batches), and a pre-hook's change of
+    the learning rate applies to that update, as in eager. A stale .grad is neither applied nor lost."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref_opt)]
+    calls = []
+
+    def pre_hook(optimizer, args, kwargs):
+        calls.append(("pre", optimizer is opt))
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.8
+
+    def post_hook(optimizer, args, kwargs):
+        calls.append(("post", optimizer is opt))
+
+    for o in (opt, ref_opt):
+        o.register_step_pre_hook(pre_hook)
+        o.register_step_post_hook(post_hook)
+    step = compile_train_step(model, lambda m, x: m(x).pow(2).mean(), opt, accumulation_steps=2)
+    stale = model.weight.grad = torch.full_like(model.weight, 100.0)
+    lrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(6):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+            step(x)
+            (ref(x).pow(2).mean() / 2).backward()
+            if i % 2:
+                ref_opt.step()
+                ref_opt.zero_grad()
+                for scheduler in schedulers:
+                    scheduler.step()
+                lrs.append((opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"]))
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+    assert calls == [("pre", True), ("post", True), ("pre", False), ("post", False)] * 3, calls
+    assert all(got == want for got, want in lrs), lrs
+    assert model.weight.grad is stale and bool((stale == 100.0).all())
+    step.sync_to_module()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_many_train_steps_in_one_process():
     """Each step's dynamo capture is independent: more steps than dynamo's recompile limit (8) all compile."""
     for _ in range(10):
