@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as load_safetensors
-from safetensors.numpy import save as save_safetensors
+import safetensors
+from safetensors import SafetensorError, deserialize, serialize
 
 from .errors import BundleError
+from .dtypes import HOST_DTYPE
 from .plan import Plan, TensorSpec
 
 FORMAT_NAME = "meganeura-bundle"
@@ -74,7 +74,7 @@ def write_bundle(path, plan: Plan, description: dict, weights: dict[str, np.ndar
     path = Path(path)
     plan_dict = plan.to_dict()
     plan_dict["kernels"] = sorted(plan.kernels)
-    files = {PLAN_FILE: json.dumps(plan_dict, indent=1).encode(), WEIGHTS_FILE: save_safetensors(weights)}
+    files = {PLAN_FILE: json.dumps(plan_dict, indent=1).encode(), WEIGHTS_FILE: _weights_file(weights, plan)}
     files.update({kernel_file(name): wgsl.encode() for name, wgsl in plan.kernels.items()})
     manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **description,
                 "kernels": sorted(plan.kernels), "files": {name: _sha256(data) for name, data in sorted(files.items())}}
@@ -216,17 +216,40 @@ def _check_against_plan(manifest: dict, plan: Plan) -> None:
                                   f"{entry['shape']}, the plan says {spec.dtype}{list(spec.shape)}")
 
 
+# Logical dtype <-> safetensors' header name. safetensors' numpy API has no bfloat16 (numpy has none), so weights go
+# through its framework-free serialize/deserialize, with bfloat16 in its host form (raw bits as uint16).
+SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int32": "I32",
+                     "bool": "BOOL"}
+
+
+def _weights_file(weights: dict[str, np.ndarray], plan: Plan) -> bytes:
+    """``weights`` (host forms of the plan's params) as a safetensors file that names each one's real dtype."""
+    dtypes = {t.name: t.dtype for t in plan.params}
+    arrays = {name: np.array(array, HOST_DTYPE[dtypes[name]], order="C") for name, array in weights.items()}  # 0-d stays 0-d
+    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.8 serializes raw memory, dtypes spelled as numpy's
+        return serialize({name: safetensors.TensorSpec(dtype=dtypes[name], shape=list(a.shape), data_ptr=a.ctypes.data,
+                                                       data_len=a.nbytes) for name, a in arrays.items()})
+    return serialize({name: {"dtype": SAFETENSORS_DTYPE[dtypes[name]], "shape": list(a.shape), "data": a.tobytes()}
+                      for name, a in arrays.items()})
+
+
 def _read_weights(data: bytes, plan: Plan) -> dict[str, np.ndarray]:
+    """The weights in ``data`` (a safetensors file) in host form, each checked against its plan param."""
     try:
-        weights = load_safetensors(data)
+        entries = dict(deserialize(data))
     except (SafetensorError, ValueError) as err:
         raise BundleError(f"{WEIGHTS_FILE} is not a valid safetensors file: {err}") from err
     specs = {t.name: t for t in plan.params}
-    if sorted(weights) != sorted(specs):
-        raise BundleError(f"{WEIGHTS_FILE} holds {sorted(weights)}, the plan's params are {sorted(specs)}")
-    for name, array in weights.items():
+    if sorted(entries) != sorted(specs):
+        raise BundleError(f"{WEIGHTS_FILE} holds {sorted(entries)}, the plan's params are {sorted(specs)}")
+    weights = {}
+    for name, entry in entries.items():
         spec = specs[name]
-        if array.shape != spec.shape or array.dtype != np.dtype(spec.dtype):
-            raise BundleError(f"weight {name!r} is {array.dtype}{list(array.shape)}, the plan needs "
-                              f"{spec.dtype}{list(spec.shape)}")
+        if tuple(entry["shape"]) != spec.shape or entry["dtype"] != SAFETENSORS_DTYPE[spec.dtype]:
+            raise BundleError(f"weight {name!r} is {entry['dtype']}{list(entry['shape'])}, the plan needs "
+                              f"{SAFETENSORS_DTYPE[spec.dtype]}{list(spec.shape)} ({spec.dtype})")
+        try:
+            weights[name] = np.frombuffer(entry["data"], HOST_DTYPE[spec.dtype]).reshape(spec.shape)
+        except ValueError as err:
+            raise BundleError(f"weight {name!r}: {err}") from err
     return weights

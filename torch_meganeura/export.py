@@ -37,6 +37,7 @@ from meganeura.runtime.requirements import compile_limits, plan_requirements
 
 from .decompositions import decomposition_table
 from .device_graph import compile_device_graph, unsupported_listing
+from .params import host_form
 from .partition import fallback_ops
 from .registry import LoweringError
 
@@ -76,7 +77,7 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     limits = compile_limits(device.limits, portable)
     lowered, plan, sources = _compile(program, gm, args, kwargs, device, limits)
     state = _state(program)
-    weights = {name: resident[sources[name]] if sources[name] in resident else _to_numpy(state[sources[name]])
+    weights = {name: resident[sources[name]] if sources[name] in resident else host_form(state[sources[name]])
                for _, name in lowered.params}
     specs = {t.name: t for t in plan.inputs + plan.outputs + plan.params}
     input_specs = program.graph_signature.input_specs
@@ -199,7 +200,3 @@ def _producer(module) -> dict:
 
     return {"package": "torch-meganeura", "version": __version__, "torch": torch.__version__,
             "model": type(module).__name__}
-
-
-def _to_numpy(t: torch.Tensor):
-    return t.detach().cpu().contiguous().numpy()

@@ -40,19 +40,24 @@ def tensor_from_host(array) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
-    """``t``'s data as the words the device stores (int64 -> int32 with a range check, bool -> uint32, half
-    precisions two to a word)."""
+def checked_host_form(t: torch.Tensor, what: str) -> np.ndarray:
+    """``host_form(t)``, refusing int64 values outside the int32 range the device computes in."""
     a = host_form(t)
     if a.dtype == np.int64 and a.size and (a.min() < -(2**31) or a.max() >= 2**31):
         raise InputError(f"{what} holds int64 values outside the int32 range the device computes in "
                          f"(min {a.min()}, max {a.max()})")
-    return host_words(a, logical_dtype(t.dtype))
+    return a
+
+
+def to_device_numpy(t: torch.Tensor, what: str) -> np.ndarray:
+    """``t``'s data as the flat words the device stores (int64 -> int32 with a range check, bool -> uint32, half
+    precisions two to a word)."""
+    return host_words(checked_host_form(t, what), logical_dtype(t.dtype))
 
 
 def upload_array(device, t: torch.Tensor) -> DeviceArray:
     """A ``DeviceArray`` holding a copy of ``t`` (in device layout)."""
-    return DeviceArray.upload(device, to_device_numpy(t, "tensor"), logical_dtype(t.dtype))
+    return DeviceArray.upload(device, checked_host_form(t, "tensor"), logical_dtype(t.dtype))
 
 
 @dataclass

@@ -222,10 +222,10 @@ BAD = {
         lambda p: _edit_manifest(p, lambda m: m["kernels"].pop()), "lists files"),
     "weight of the wrong shape": (
         lambda p: _edit_weights(p, lambda w: w.update({k: np.zeros((3, 5), np.float32) for k in w if w[k].ndim == 2})),
-        "is float32[3, 5], the plan needs float32[3, 4]"),
+        "is F32[3, 5], the plan needs F32[3, 4]"),
     "weight of the wrong dtype": (
         lambda p: _edit_weights(p, lambda w: w.update({k: v.astype(np.float64) for k, v in w.items()})),
-        "is float64[3"),
+        "is F64[3"),
     "unsafe output name": (lambda p: _edit_manifest(p, lambda m: m["outputs"][0].update(name="../x")),
                            "not a plain name"),
     "not a bundle": (lambda p: (p / "manifest.json").unlink(), "no manifest.json"),

@@ -8,8 +8,12 @@ usually closer). HF models are built the way users get them: saved in bfloat16 a
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,3 +199,46 @@ def test_half_storage_needs_no_shader_f16(monkeypatch):
     sources = [src for plan in plans for src in plan.kernels.values()]
     assert any("mg_widen_f16" in src for src in sources) and any("mg_pack_f16" in src for src in sources)
     assert not any("enable f16" in src or "f16>" in src or ": f16" in src for src in sources)
+
+
+TORCH_FREE_RUN = textwrap.dedent("""\
+    import sys
+    sys.modules["torch"] = None  # importing torch now raises ImportError
+    import numpy as np
+    from meganeura.runtime import load
+    bundle, ids, out = sys.argv[1:]
+    outputs = load(bundle)(input_ids=np.load(ids))
+    np.savez(out, **outputs)
+""")
+
+
+def test_bundle_keeps_bfloat16_and_runs_without_torch(tmp_path):
+    """A bf16 checkpoint exports with bf16 weights (safetensors BF16: half the bytes) and runs torch-free, its
+    bf16 logits (raw bits in uint16) within eager bf16's error of float64."""
+    from safetensors import deserialize
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torch_meganeura
+    from meganeura.runtime.dtypes import bfloat16_values
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = _saved_and_loaded(tmp_path / "checkpoint", LlamaForCausalLM(config)).eval()
+    ids = torch.randint(0, 96, (1, 8))
+    manifest = torch_meganeura.export(model, {"input_ids": ids}, tmp_path / "bundle")
+    weights_file = (tmp_path / "bundle" / "weights.safetensors").read_bytes()
+    stored = {name: entry["dtype"] for name, entry in deserialize(weights_file)}
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for param in manifest["params"]:  # the weights in bf16, rotary frequencies (a float32 buffer) in float32
+        want = {torch.bfloat16: "BF16", torch.float32: "F32"}[tensors[param["source"]].dtype]
+        assert stored[param["plan_name"]] == want, param
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    subprocess.run([sys.executable, "-c", TORCH_FREE_RUN, str(tmp_path / "bundle"), str(tmp_path / "ids.npy"),
+                    str(tmp_path / "out.npz")], check=True, timeout=300)
+    logits = np.load(tmp_path / "out.npz")["logits"]
+    assert logits.dtype == np.uint16
+    with torch.no_grad():
+        eager = model(ids).logits
+        exact = model.double()(ids).logits
+    assert_within_eager_error(torch.from_numpy(bfloat16_values(logits)), eager, exact, what="logits")
