@@ -43,8 +43,9 @@ from meganeura.runtime.resident import DeviceArray
 from . import data_parallel, optimizers
 from .device_graph import compile_device_graph, feed, program_for, unsupported_listing
 from .dynamo_capture import is_capture_limit
-from .params import upload_array
+from .params import tensor_from_host, upload_array
 from .partition import fallback_ops
+from .resident import TORCH_DTYPE
 from .roles import Kind, Mode, Role
 from .train_segments import SegmentedLoss, SegmentedStep
 from .train_trace import trace_step, trace_update
@@ -403,16 +404,12 @@ def _example(owner: TrainStep, role: Role, batch: tuple):
     if role.kind is Kind.HYPER:
         return optimizers.hyperparameters(owner.optimizer, 1)
     if role.kind is Kind.GRAD:
-        return torch.empty(dict(owner.model.named_parameters())[role.name].shape)
+        param = dict(owner.model.named_parameters())[role.name]
+        return torch.empty(param.shape, dtype=param.dtype)
     array = owner._arrays[role]
-    return torch.empty(array.shape, dtype=_TORCH_DTYPE[array.dtype])
-
-
-_TORCH_DTYPE = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
-
-
+    return torch.empty(array.shape, dtype=TORCH_DTYPE[array.dtype])
 
 
 def _download(array: DeviceArray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(array.numpy()).to(like.dtype).reshape(like.shape)
+    return tensor_from_host(array.numpy()).to(like.dtype).reshape(like.shape)
 

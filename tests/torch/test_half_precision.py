@@ -242,3 +242,45 @@ def test_bundle_keeps_bfloat16_and_runs_without_torch(tmp_path):
         eager = model(ids).logits
         exact = model.double()(ids).logits
     assert_within_eager_error(torch.from_numpy(bfloat16_values(logits)), eager, exact, what="logits")
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "autocast"])
+def test_resident_step_in_half_precision(mode):
+    """compile_train_step on bf16 parameters, and on f32 master weights under CPU autocast: after three SGD steps
+    with momentum, every parameter within eager's error of float64 (same loop in float64)."""
+    import torch_meganeura
+
+    torch.manual_seed(0)
+    layers = lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),  # noqa: E731
+                                         torch.nn.Linear(32, 4))
+    dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    ours, eager, exact = layers().to(dtype), layers(), layers()
+    eager.load_state_dict(ours.state_dict())
+    exact.load_state_dict(ours.state_dict())
+    eager.to(dtype)
+    exact.double()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def loss_fn(model, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = torch_meganeura.compile_train_step(ours, loss_fn, sgd(ours))
+        for _ in range(3):
+            step(x.to(dtype), y)
+        step.sync_to_module()
+    assert not meganeura_warnings(caught), meganeura_warnings(caught)
+    for model, batch in ((eager, x.to(dtype)), (exact, x.double())):
+        opt = sgd(model)
+        for _ in range(3):
+            opt.zero_grad()
+            loss_fn(model, batch, y).backward()
+            opt.step()
+    for (name, got), want, truth in zip(ours.named_parameters(), eager.parameters(), exact.parameters()):
+        assert got.dtype == dtype
+        assert_within_eager_error(got, want, truth, what=name)
