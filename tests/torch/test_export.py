@@ -25,8 +25,7 @@ from meganeura.runtime.bundle import read_bundle
 from meganeura.runtime.cli import main as cli
 from meganeura.runtime.device import get_device
 from meganeura.runtime.requirements import PORTABLE_LIMITS, compile_limits, plan_requirements
-from test_inference_models import _llama, _randomize
-from test_vision_models import resnet50
+from helpers.models import llama, randomize_layer_norms, resnet50
 
 # torch.export deep-copies TreeSpecs, which warns inside torch 2.13 (copyreg): not ours, and noise in reports.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -60,7 +59,7 @@ def _bert():
 
     config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=64, initializer_range=0.1)
-    return _randomize(BertModel(config))
+    return randomize_layer_norms(BertModel(config))
 
 
 def _exported(model, inputs: dict, path: Path) -> dict:
@@ -87,7 +86,7 @@ def cases(tmp_path_factory):
     types = torch.zeros(2, 16, dtype=torch.long)
     types[:, 8:] = 1
     return {
-        "llama": _exported(_llama(), {"input_ids": ids, "attention_mask": mask}, tmp_path_factory.mktemp("llama")),
+        "llama": _exported(llama(), {"input_ids": ids, "attention_mask": mask}, tmp_path_factory.mktemp("llama")),
         "bert": _exported(_bert(), {"input_ids": ids, "attention_mask": bert_mask, "token_type_ids": types},
                           tmp_path_factory.mktemp("bert")),
         "resnet50": _exported(resnet50().eval(), {"pixel_values": torch.randn(1, 3, 32, 32)},

@@ -5,16 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers.compare import check_against_eager
-
-
-def _randomize(module: nn.Module) -> nn.Module:
-    """Non-trivial LayerNorm affine parameters (the defaults 1 and 0 would hide a wrong load)."""
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.normal_(1.0, 0.5)
-                m.bias.normal_(0.0, 0.5)
-    return module.eval()
+from helpers.models import llama, randomize_layer_norms
 
 
 class MLP(nn.Module):
@@ -35,7 +26,7 @@ class MLP(nn.Module):
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_mlp_layernorm_gelu(approximate):
-    model = _randomize(MLP(approximate))
+    model = randomize_layer_norms(MLP(approximate))
     check_against_eager(model, torch.randn(2, 3, 12) * 2)
 
 
@@ -171,23 +162,8 @@ def test_diagonal_views():
     check_against_eager(diagonals, torch.randn(3, 4, 5))
 
 
-LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, use_cache=False)
-
-
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
-    with torch.no_grad():  # RMSNorm weights start at 1: randomize them so their loads are tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    return model
-
-
 def test_llama_causal_lm_logits():
-    model = _llama()
+    model = llama()
     ids = torch.randint(0, 128, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
 
@@ -199,7 +175,7 @@ def test_llama_causal_lm_logits():
 
 def test_llama_without_mask():
     """Without an attention mask transformers looks for packed sequences with ``cumsum``: on the device too."""
-    model = _llama()
+    model = llama()
     ids = torch.randint(0, 128, (1, 16))
     check_against_eager(lambda ids: model(input_ids=ids).logits, ids)
 
@@ -209,7 +185,7 @@ def test_bert_with_padding_mask():
 
     config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=64, initializer_range=0.1)
-    model = _randomize(BertModel(config))
+    model = randomize_layer_norms(BertModel(config))
     ids = torch.randint(0, 128, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[0, 11:] = 0

@@ -58,7 +58,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_vision_models import resnet50
+from helpers.models import resnet50
 from torch_meganeura import compile_train_step
 
 pytestmark = pytest.mark.slow

@@ -20,27 +20,9 @@ import torch.nn as nn
 
 import torch_meganeura
 from helpers.compare import assert_as_accurate_as_eager, assert_grads_match, assert_same, meganeura_warnings
+from helpers.models import randomize_norms, resnet50
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
-
-
-def _randomize_norms(model: nn.Module) -> nn.Module:
-    """Non-trivial affine parameters and running statistics (the defaults 1 and 0 would hide a wrong load)."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0.0, 0.2)
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.normal_(0.0, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-    return model
-
-
-def resnet50():
-    from transformers import ResNetConfig, ResNetForImageClassification
-
-    return _randomize_norms(ResNetForImageClassification(ResNetConfig()))
 
 
 def _compiled_step(model, loss_fn, *inputs):
@@ -103,7 +85,7 @@ def test_resnet50_explain_training_step():
 def test_unet2d_forward_and_backward():
     UNet2DModel = pytest.importorskip("diffusers").UNet2DModel  # a test extra; absent on the GPU machine
 
-    unet = _randomize_norms(UNet2DModel(
+    unet = randomize_norms(UNet2DModel(
         sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
         down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
         norm_num_groups=8)).train()
