@@ -10,6 +10,11 @@ error as the allowance (see ``gates``): the inference output, or the training lo
 the first step, before any optimizer update), by relative L2 per tensor. A cell that fails its gate keeps its
 timings but is marked failed, never reported as a win. ``meganeura-fast`` is the backend with precision "fast"
 (f16 products in the forward matmuls), gated at ``FAST_TOLERANCE``.
+A cell also has a dtype (``DTYPES``): in bfloat16 or float16 the model and the batch's float tensors are cast with
+``.to(dtype)`` (token ids, labels and integer timesteps stay as they are), the float64 reference is that same
+half-precision model and batch in float64, and the allowance is ``HALF_FACTOR`` times eager's own error at the dtype.
+Half dtypes are measured in latency and inference (``HALF_MODES``) by the competitors that take any model as it is
+(``HALF_COMPETITORS``); precision "fast" and the resident training step stay float32.
 Competitors are timed in turns of consecutive calls after a warm-up (``turns``: a call right after the other GPU
 API's pays a context switch); both sides are synchronised (a CUDA synchronize; meganeura returns host tensors, so
 its calls end when the results are read back).
@@ -24,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .gates import FAST_TOLERANCE, TOLERANCE, Gate, gate_gradients, gate_output
+from .gates import (EAGER_FACTOR, FAST_TOLERANCE, HALF_FACTOR, HALF_TOLERANCE, TOLERANCE, Gate, gate_gradients,
+                    gate_output)
 from .turns import RUN_LENGTH, take_turns
 from .workloads import Workload
 
@@ -32,6 +38,9 @@ MODES = ("latency", "inference", "training")
 COMPETITORS = ("meganeura", "meganeura-fast", "meganeura-resident", "torch-cpu-eager", "torch-cuda-eager",
                "torch-cuda-inductor")
 TRAINING_ONLY = ("meganeura-resident",)  # compile_train_step: forward, backward and AdamW in one device plan
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF_MODES = ("latency", "inference")
+HALF_COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
 
 
 @dataclass
@@ -39,6 +48,7 @@ class Cell:
     workload: str
     mode: str
     competitor: str
+    dtype: str = "float32"  # the model's and the float inputs' dtype, a key of DTYPES
     samples_ms: list[float] = field(default_factory=list)
     median_ms: float | None = None
     compile_s: float | None = None  # first call: trace + compile + one run
@@ -49,6 +59,7 @@ class Cell:
     transfer_bytes_per_call: int | None = None  # meganeura: host<->device bytes per timed call
     gpu_ms_per_call: float | None = None  # meganeura, with --profile: summed kernel time of a call
     top_kernels: list | None = None  # meganeura, with --profile: [{name, ms_per_call, share}] by GPU time
+    fallback_ops: list | None = None  # meganeura: ops (or failed partitions) that ran in eager PyTorch instead
     error: str | None = None
 
 
@@ -127,10 +138,15 @@ class Runner:
         return (time.perf_counter() - start) * 1e3
 
 
+def cast(batch: tuple, dtype: torch.dtype) -> tuple:
+    """The batch with its float tensors in ``dtype``; integer tensors (token ids, labels) as they are."""
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
 def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple, dtype=torch.float32):
     """Eager PyTorch on the CPU in ``dtype``: the output, or (loss, gradients) of the first training step."""
     model = copy.deepcopy(base).to(dtype).train(mode == "training" and workload.train_mode)
-    batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    batch = cast(batch, dtype)
     if mode != "training":
         with torch.no_grad():
             return workload.output(model, *batch)
@@ -140,25 +156,30 @@ def reference(workload: Workload, base: torch.nn.Module, mode: str, batch: tuple
 
 
 def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, repeats: int,
-            smoke: bool = False, seed: int = 0, profile_calls: int = 0, run_length: int = RUN_LENGTH) -> list[Cell]:
-    """The cells of one (workload, mode), competitors timed in turns of ``run_length`` calls; then, if
+            smoke: bool = False, seed: int = 0, profile_calls: int = 0, run_length: int = RUN_LENGTH,
+            dtype: str = "float32") -> list[Cell]:
+    """The cells of one (workload, mode, dtype), competitors timed in turns of ``run_length`` calls; then, if
     ``profile_calls``, that many more calls of each meganeura competitor under the profiler (per-dispatch GPU time,
-    not the timed calls)."""
+    not the timed calls). In a half dtype only ``HALF_COMPETITORS`` run, and only in ``HALF_MODES``."""
+    half = dtype != "float32"
+    if half and mode not in HALF_MODES:
+        raise ValueError(f"{dtype} cells are measured in {HALF_MODES}, not {mode}")
     torch.manual_seed(seed)
-    base = workload.build(smoke).float()
+    base = workload.build(smoke).to(DTYPES[dtype])
     size = "minimal" if mode == "latency" else "full"
-    batch = workload.batch(size, torch.Generator().manual_seed(seed + 1), smoke)
+    batch = cast(workload.batch(size, torch.Generator().manual_seed(seed + 1), smoke), DTYPES[dtype])
+    competitors = [c for c in competitors if (mode == "training" or c not in TRAINING_ONLY)
+                   and (not half or c in HALF_COMPETITORS)]
     try:
         exact = reference(workload, base, mode, batch, torch.float64)
-        eager = reference(workload, base, mode, batch)
+        eager = reference(workload, base, mode, batch, DTYPES[dtype])
     except Exception as err:  # noqa: BLE001 - a workload that eager cannot run fails every cell of its mode
-        return [Cell(workload.name, mode, c, error=f"eager reference failed: {type(err).__name__}: {err}"[:2000])
-                for c in competitors]
-    competitors = [c for c in competitors if mode == "training" or c not in TRAINING_ONLY]
+        why = f"eager reference failed: {type(err).__name__}: {err}"[:2000]
+        return [Cell(workload.name, mode, c, dtype, error=why) for c in competitors]
     cells, runners = [], []
     torch._dynamo.reset()  # every Runner compiles the same code object: start each (workload, mode) afresh
     for competitor in competitors:
-        cell = Cell(workload.name, mode, competitor)
+        cell = Cell(workload.name, mode, competitor, dtype)
         cells.append(cell)
         try:
             with _Meter(competitor) as meter:  # construction, first call and one step: the peak-memory window
@@ -170,8 +191,7 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
                 plans = [p.program.plan for p in runner.resident._plans.values()]
                 cell.dispatches = len(plans[-1].dispatches)  # the training plan (the last compiled)
                 cell.planned_bytes = plans[-1].stats["arena_bytes"]
-            tolerance = FAST_TOLERANCE if competitor == "meganeura-fast" else TOLERANCE
-            cell.gate = _gate(got, exact, eager, mode == "training", tolerance).as_dict()
+            cell.gate = _gate(got, exact, eager, mode == "training", *_allowance(competitor, half)).as_dict()
             runners.append((runner, cell))
         except Exception as err:  # noqa: BLE001 - a competitor that cannot run this cell is reported, not fatal
             cell.error = f"{type(err).__name__}: {err}"[:2000]
@@ -224,11 +244,18 @@ def _profile(runner: Runner, cell: Cell, calls: int, top: int = 5) -> None:
                         for k in prof.top(top)]
 
 
-def _gate(got, exact, eager, training: bool, tolerance: float) -> Gate:
+def _allowance(competitor: str, half: bool) -> tuple[float, float]:
+    """(tolerance, factor of eager's own error) of a cell's gate (see ``gates``)."""
+    if half:
+        return HALF_TOLERANCE, HALF_FACTOR
+    return (FAST_TOLERANCE if competitor == "meganeura-fast" else TOLERANCE), EAGER_FACTOR
+
+
+def _gate(got, exact, eager, training: bool, tolerance: float, factor: float) -> Gate:
     if not training:
-        return gate_output(got, exact, eager, tolerance)
+        return gate_output(got, exact, eager, tolerance, factor)
     (loss, grads), (exact_loss, exact_grads), (eager_loss, eager_grads) = got, exact, eager
-    return gate_gradients(loss, grads, exact_loss, exact_grads, eager_loss, eager_grads, tolerance)
+    return gate_gradients(loss, grads, exact_loss, exact_grads, eager_loss, eager_grads, tolerance, factor)
 
 
 class _Meter:
@@ -266,6 +293,10 @@ class _Meter:
     def report(self, cell: Cell) -> None:
         cell.peak_memory_bytes = self.peak
         plans = [r for r in self.records if not isinstance(r, dict)]
+        graphs = [r for r in self.records if isinstance(r, dict)]
+        if graphs:
+            failed = {"a partition that failed to compile" for r in graphs if r["kind"] == "failed"}
+            cell.fallback_ops = sorted({op for r in graphs for op in r.get("fallback_ops", ())} | failed)
         if plans:
             cell.dispatches = sum(r.dispatches for r in plans)
             cell.planned_bytes = sum(r.arena_bytes for r in plans)

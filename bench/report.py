@@ -3,7 +3,9 @@ file, next to it; with ``--readme``, also the compact table between the README's
 ``<!-- /bench:TAG -->`` markers (TAG is the results file's name).
 
 All of it is generated from the JSON only. Ratios are meganeura's median time over a competitor's (below 1: meganeura
-is faster). A cell whose gate failed, or that raised, shows as such and has no ratio.
+is faster). A cell whose gate failed, or that raised, shows as such and has no ratio. The float32 cells make the main
+tables; cells in a half dtype (``--dtypes``; a cell without a ``dtype`` is float32) have a table of their own, each
+beside the competitors at the same dtype and beside meganeura's float32 time of the same run.
 """
 from __future__ import annotations
 
@@ -16,8 +18,27 @@ MODES = ("latency", "inference", "training")
 BASELINES = ("torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
 
 
-def _cells(data: dict) -> dict:
-    return {(c["workload"], c["mode"], c["competitor"]): c for c in data["cells"]}
+def _dtype(cell: dict) -> str:
+    return cell.get("dtype", "float32")  # results from before the dtype axis are float32
+
+
+def _cells(data: dict, dtype: str = "float32") -> dict:
+    """The cells of one dtype by (workload, mode, competitor)."""
+    return {(c["workload"], c["mode"], c["competitor"]): c for c in data["cells"] if _dtype(c) == dtype}
+
+
+def _half_dtypes(data: dict) -> list[str]:
+    return list(dict.fromkeys(_dtype(c) for c in data["cells"] if _dtype(c) != "float32"))
+
+
+def _baselines(data: dict) -> list[str]:
+    return [b for b in BASELINES if any(c["competitor"] == b for c in data["cells"])]
+
+
+def _what(cell: dict) -> str:
+    """A cell's name in lists: workload, mode, competitor, and the dtype where it is not float32."""
+    dtype = "" if _dtype(cell) == "float32" else f" {_dtype(cell)}"
+    return f"{cell['workload']} {cell['mode']}{dtype} {cell['competitor']}"
 
 
 def _ok(cell: dict | None) -> bool:
@@ -37,6 +58,10 @@ def ratio(cells: dict, workload: str, mode: str, baseline: str, ours: str = "meg
     if not (_ok(ours) and _ok(theirs)):
         return None
     return ours["median_ms"] / theirs["median_ms"]
+
+
+def _ratio_text(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
 
 
 def _mib(n) -> str:
@@ -101,11 +126,15 @@ def markdown(data: dict) -> str:
             lines.append("| " + " | ".join(row) + " |")
     lines += _resident_table(cells, baselines)
     lines += _fast_table(cells, baselines)
+    lines += _half_table(data)
     errors = [c for c in data["cells"] if c["error"] or (c["gate"] and not c["gate"]["passed"])]
     if errors:
         lines += ["", "Failures:", ""]
-        lines += [f"- {c['workload']} {c['mode']} {c['competitor']}: {c['error'] or c['gate']['reason']}"
-                  for c in errors]
+        lines += [f"- {_what(c)}: {c['error'] or c['gate']['reason']}" for c in errors]
+    fell_back = [c for c in data["cells"] if c.get("fallback_ops")]
+    if fell_back:
+        lines += ["", "Ran partly in eager PyTorch on the host (no device lowering; timed as they ran):", ""]
+        lines += [f"- {_what(c)}: {', '.join(c['fallback_ops'])}" for c in fell_back]
     lines += _profile_lines(data["cells"])
     if data.get("recompile"):
         lines += ["", "Second compile of the training step after `torch._dynamo.reset()` (on-disk caches kept):", ""]
@@ -133,7 +162,8 @@ def _profile_lines(cells: list) -> list[str]:
              "| workload | mode | competitor | GPU ms per call | top kernels: ms per call (share) |", "|---|---|---|---|---|"]
     for c in profiled:
         top = "; ".join(f"{k['name']} {k['ms_per_call']:.2f} ({100 * k['share']:.0f}%)" for k in c["top_kernels"])
-        lines.append(f"| {c['workload']} | {c['mode']} | {c['competitor']} | {c['gpu_ms_per_call']:.2f} | {top} |")
+        competitor = c["competitor"] + ("" if _dtype(c) == "float32" else f" {_dtype(c)}")
+        lines.append(f"| {c['workload']} | {c['mode']} | {competitor} | {c['gpu_ms_per_call']:.2f} | {top} |")
     return lines
 
 
@@ -158,6 +188,52 @@ def _fast_table(cells: dict, baselines: list) -> list[str]:
             r = ratio(cells, w, mode, b, ours="meganeura-fast")
             row += [_status(cells.get((w, mode, b))), "-" if r is None else f"{r:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _half_table(data: dict) -> list[str]:
+    """meganeura in bfloat16 / float16 beside its own float32 time and the competitors at the same dtype."""
+    halves = _half_dtypes(data)
+    if not halves:
+        return []
+    f32 = _cells(data)
+    by_dtype = {d: _cells(data, d) for d in halves}
+    baselines = [b for b in BASELINES if any(k[2] == b for cells in by_dtype.values() for k in cells)]
+    header = ["workload", "mode", "dtype", "meganeura ms", "meganeura float32 ms", "vs float32"]
+    header += [x for b in baselines for x in (f"{b} ms", "ratio")]
+    header += ["output rel L2 (meganeura / eager at dtype)", "gates"]
+    lines = ["", "Half precision (`--dtypes`): the model and its float inputs cast with `.to(dtype)`; every cell gated "
+             "against float64 of the same half-precision model and inputs, within 1.5x eager PyTorch's own error "
+             "(on the CPU) at that dtype. vs float32 = meganeura at the dtype / meganeura float32 of the same run; "
+             "ratio = meganeura / competitor, both at the dtype:", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    at_or_below = {(d, b): [0, 0] for d in halves for b in baselines}  # inference cells: [ratio <= 1, with a ratio]
+    for w in dict.fromkeys(c["workload"] for c in data["cells"]):
+        for mode in MODES:
+            for d in halves:
+                cells = by_dtype[d]
+                ours = cells.get((w, mode, "meganeura"))
+                if ours is None:
+                    continue
+                mine = f32.get((w, mode, "meganeura"))
+                vs_f32 = ours["median_ms"] / mine["median_ms"] if _ok(ours) and _ok(mine) else None
+                row = [w, mode, d, _status(ours), _status(mine), _ratio_text(vs_f32)]
+                for b in baselines:
+                    r = ratio(cells, w, mode, b)
+                    row += [_status(cells.get((w, mode, b))), _ratio_text(r)]
+                    if mode == "inference" and r is not None:
+                        at_or_below[(d, b)][0] += r <= 1.0
+                        at_or_below[(d, b)][1] += 1
+                gate = ours["gate"] or {}
+                errors = [gate.get("output_rel_l2"), gate.get("eager_rel_l2")]
+                row.append(" / ".join("-" if e is None else f"{e:.1e}" for e in errors))
+                failed = [c["competitor"] for k, c in cells.items() if k[:2] == (w, mode) and not _ok(c)]
+                row.append("all pass" if not failed else "FAILED: " + ", ".join(failed))
+                lines.append("| " + " | ".join(row) + " |")
+    counts = [f"{d} vs {b} {n} of {total}" for (d, b), (n, total) in at_or_below.items() if total]
+    if counts:
+        lines += ["", "Inference cells at or below 1.0 (meganeura as fast or faster, gates passed): "
+                  + ", ".join(counts) + "."]
     return lines
 
 
@@ -190,16 +266,22 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = _cells(data)
-    baselines = [b for b in BASELINES if any(k[2] == b for k in cells)]
-    groups = [(w, mode) for w in dict.fromkeys(c["workload"] for c in data["cells"]) for mode in MODES
-              if (w, mode, "meganeura") in cells]
+    by_dtype = {d: _cells(data, d) for d in ["float32", *_half_dtypes(data)]}
+    series = _baselines(data) + (["meganeura float32"] if len(by_dtype) > 1 else [])
+    groups = [(w, mode, d) for w in dict.fromkeys(c["workload"] for c in data["cells"]) for mode in MODES
+              for d in by_dtype if (w, mode, "meganeura") in by_dtype[d]]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(groups) + 2), 4.5))
-    width = 0.8 / max(len(baselines), 1)
-    for k, b in enumerate(baselines):
+    width = 0.8 / max(len(series), 1)
+    for k, b in enumerate(series):
         xs, ys, missing = [], [], []
-        for i, (w, mode) in enumerate(groups):
-            r = ratio(cells, w, mode, b)
+        for i, (w, mode, d) in enumerate(groups):
+            if b == "meganeura float32":  # a half dtype's time over our own float32's
+                if d == "float32":
+                    continue
+                ours, mine = by_dtype[d][(w, mode, "meganeura")], by_dtype["float32"].get((w, mode, "meganeura"))
+                r = ours["median_ms"] / mine["median_ms"] if _ok(ours) and _ok(mine) else None
+            else:
+                r = ratio(by_dtype[d], w, mode, b)
             (xs if r is not None else missing).append(i + k * width)
             if r is not None:
                 ys.append(r)
@@ -209,10 +291,12 @@ def plot(data: dict, path: Path) -> None:
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_ylabel("time ratio (below 1: meganeura faster)")
-    ax.set_xticks([i + width * (len(baselines) - 1) / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{w}\n{mode}" for w, mode in groups], rotation=60, ha="right", fontsize=7)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{w}\n{mode}" + ("" if d == "float32" else f"\n{d}") for w, mode, d in groups],
+                       rotation=60, ha="right", fontsize=7)
     adapter = data["machine"].get("adapter", {}).get("name", "?")
-    ax.set_title(f"meganeura on {adapter} vs PyTorch (x: failed gate or error)", fontsize=9)
+    dtypes = "; each competitor at the cell's dtype" if len(by_dtype) > 1 else ""
+    ax.set_title(f"meganeura on {adapter} vs PyTorch (x: failed gate or error{dtypes})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -228,9 +312,10 @@ def write(results: Path) -> None:
 
 def summary(data: dict, image: str) -> str:
     """The compact table for the README: median ms per competitor and meganeura's ratio to each, and the plot.
-    Training has a second row for the device-resident step (``meganeura-resident``) where it was measured."""
-    cells = _cells(data)
-    baselines = [b for b in BASELINES if any(k[2] == b for k in cells)]
+    Training has a second row for the device-resident step (``meganeura-resident``) where it was measured, and a
+    mode measured in a half dtype a row per dtype (ratios to the competitors at that dtype)."""
+    by_dtype = {d: _cells(data, d) for d in ["float32", *_half_dtypes(data)]}
+    baselines = _baselines(data)
     m = data["machine"]
     header = ["workload", "mode", "meganeura ms"] + [x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates"]
     lines = [f"{m.get('adapter', {}).get('name', '?')} vs PyTorch {m['versions'].get('torch')} "
@@ -238,11 +323,14 @@ def summary(data: dict, image: str) -> str:
              f"{m['date'][:10]}; ratio = meganeura / competitor, below 1 is faster."
              + (f" {data['settings']['note']}" if data["settings"].get("note") else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = [(mode, "meganeura", d, mode if d == "float32" else f"{mode}, {d}") for mode in MODES for d in by_dtype]
+    rows += [("training", "meganeura-resident", "float32", "training, resident")]
     for w in dict.fromkeys(c["workload"] for c in data["cells"]):
-        for mode, ours in [(mode, "meganeura") for mode in MODES] + [("training", "meganeura-resident")]:
+        for mode, ours, dtype, label in rows:
+            cells = by_dtype[dtype]
             if (w, mode, ours) not in cells:
                 continue
-            row = [w, mode if ours == "meganeura" else "training, resident", _status(cells[(w, mode, ours)])]
+            row = [w, label, _status(cells[(w, mode, ours)])]
             for b in baselines:
                 r = ratio(cells, w, mode, b, ours)
                 row += [_status(cells.get((w, mode, b))), "-" if r is None else f"{r:.2f}"]

@@ -2,7 +2,8 @@
 
 The JSON (``bench/results/<tag>.json``) holds the machine (CPU, adapter, CUDA device, library versions, TF32
 setting), the settings, every cell with every sample, and the micro results; ``bench.report`` makes the markdown
-table and the PNG plot from it. All timings are f32 with TF32 off.
+table and the PNG plot from it. Timings are f32 with TF32 off; with ``--dtypes`` the latency and inference cells are
+also measured with the models in bfloat16 and/or float16 (each dtype's cells gated at that dtype, see ``cells``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cells import COMPETITORS, MODES
+    from .cells import COMPETITORS, DTYPES, HALF_COMPETITORS, HALF_MODES, MODES
     from .turns import RUN_LENGTH
     from .workloads import WORKLOADS
 
@@ -34,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--competitors", default=None,
                    help=f"comma-separated, from {', '.join(COMPETITORS)} (default: the CPU ones, and the CUDA ones "
                         "when CUDA is present)")
+    p.add_argument("--dtypes", default="float32",
+                   help=f"comma-separated, from {', '.join(DTYPES)} (default: float32). Half dtypes run the "
+                        f"{' and '.join(HALF_MODES)} modes with {', '.join(HALF_COMPETITORS)}, models and float inputs "
+                        "cast with .to(dtype), each gated within 1.5x eager's own error at that dtype")
     p.add_argument("--smoke", action="store_true",
                    help="smoke scale: every workload shrunk (same architectures) to check the path, not to time it")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per competitor before timing (>= 1)")
@@ -126,22 +131,30 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if set(modes) - set(cells.MODES):
         raise SystemExit(f"unknown modes {sorted(set(modes) - set(cells.MODES))}; choose from {cells.MODES}")
+    dtypes = args.dtypes.split(",")
+    if set(dtypes) - set(cells.DTYPES):
+        raise SystemExit(f"unknown dtypes {sorted(set(dtypes) - set(cells.DTYPES))}; choose from {list(cells.DTYPES)}")
+    runs = [(mode, dtype) for mode in modes for dtype in dtypes if dtype == "float32" or mode in cells.HALF_MODES]
+    skipped = sorted({f"{mode} in {dtype}" for mode in modes for dtype in dtypes} - {f"{m} in {d}" for m, d in runs})
+    if skipped:
+        print(f"not measured (half dtypes run {', '.join(cells.HALF_MODES)} only): {', '.join(skipped)}", flush=True)
 
     path = RESULTS / f"{args.tag}.json"
     result = json.loads(path.read_text()) if args.merge and path.exists() else {"cells": [], "micro": [],
                                                                                    "recompile": []}
     result["machine"] = machine()
     result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "run_length": args.run_length,
-                          "competitors": competitors,
+                          "competitors": competitors, "dtypes": dtypes,
                           "scale": "smoke" if args.smoke else "full", "note": args.note,
                           "tuned": args.tune}
     print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
     for name in workloads:
-        for mode in modes:
+        for mode, dtype in runs:
             done = cells.measure(WORKLOADS[name], mode, competitors, args.warmup, args.repeats, args.smoke,
-                                 profile_calls=args.profile, run_length=args.run_length)
+                                 profile_calls=args.profile, run_length=args.run_length, dtype=dtype)
             result["cells"] = [c for c in result["cells"]
-                               if (c["workload"], c["mode"]) != (name, mode) or c["competitor"] not in competitors]
+                               if (c["workload"], c["mode"], c.get("dtype", "float32")) != (name, mode, dtype)
+                               or c["competitor"] not in competitors]
             result["cells"] += [dataclasses.asdict(c) for c in done]
             for c in done:
                 _print_cell(c)
@@ -175,12 +188,12 @@ def _write(path: Path, result: dict) -> None:
 
 
 def _print_cell(c) -> None:
+    what = f"{c.workload:15s} {c.mode:9s} {c.dtype:8s} {c.competitor:20s}"
     if c.error:
-        print(f"{c.workload:15s} {c.mode:9s} {c.competitor:20s} ERROR {c.error[:300]}", flush=True)
+        print(f"{what} ERROR {c.error[:300]}", flush=True)
         return
     gate = "ok" if c.gate and c.gate["passed"] else f"GATE FAILED {c.gate and c.gate['reason']}"
-    print(f"{c.workload:15s} {c.mode:9s} {c.competitor:20s} {c.median_ms:10.2f} ms  first call {c.compile_s:7.2f} s"
-          f"  {gate}", flush=True)
+    print(f"{what} {c.median_ms:10.2f} ms  first call {c.compile_s:7.2f} s  {gate}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Each workload builds a fresh model (seeded, float32, on the CPU), makes a batch at the ``minimal`` size (batch 1,
 one token, action chunk 1) or at the workload's ``full`` size, and says what a call computes: ``output`` (the
 tensor inference returns and the correctness gate compares) and ``loss`` (the scalar a training step
-differentiates). Dropout is off everywhere so that every competitor computes the same function.
+differentiates). Dropout is off everywhere so that every competitor computes the same function. Every model also
+runs as ``model.to(dtype)`` in bfloat16 and float16, fed the batch's float tensors in that dtype.
 
 At the ``smoke`` scale every workload keeps its architecture but shrinks depth, widths or inputs, so that CI can
 run the whole benchmark path (compile, gates, report) on a CPU Vulkan driver in seconds; timings at that scale
@@ -139,8 +140,8 @@ class ActionExpert(nn.Module):
     def forward(self, actions, context, t):
         half = self.width // 2
         freqs = torch.exp(-torch.arange(half, dtype=torch.float32, device=t.device) * (9.210340371976184 / half))
-        angle = t[:, None] * freqs[None]
-        temb = self.time_mlp(torch.cat([angle.sin(), angle.cos()], dim=-1))
+        angle = t[:, None] * freqs[None]  # float32 (promoted from a half t): then in the model's dtype
+        temb = self.time_mlp(torch.cat([angle.sin(), angle.cos()], dim=-1).to(actions.dtype))
         x = self.action_in(actions) + temb[:, None]
         for block in self.blocks:
             x = block(x, context)

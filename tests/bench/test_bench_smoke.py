@@ -76,6 +76,41 @@ def test_fast_tolerance_admits_f16_rounding_only():
     assert not gates.gate_output((exact * 1.02).float(), exact, eager, gates.FAST_TOLERANCE).passed
 
 
+def test_half_dtype_cells_are_gated_at_their_dtype_and_reported_beside_float32(tmp_path):
+    """A bfloat16 cell: model and float inputs cast (token ids kept), only the competitors that take a half model
+    run, the gate compares with eager bf16's own error (not f32's), and the report shows the dtype, the ratio to
+    our float32 cell of the same run and the ratio to eager at the same dtype."""
+    workload, competitors = WORKLOADS["smollm2"], ["meganeura", "meganeura-fast", "torch-cpu-eager"]
+    f32 = cells.measure(workload, "latency", competitors[::2], warmup=1, repeats=1, smoke=True)
+    half = cells.measure(workload, "latency", competitors, warmup=1, repeats=1, smoke=True, dtype="bfloat16")
+    assert [(c.competitor, c.dtype) for c in half] == [("meganeura", "bfloat16"), ("torch-cpu-eager", "bfloat16")]
+    for cell in f32 + half:
+        assert cell.error is None and cell.gate["passed"], cell.error or cell.gate["reason"]
+    ours, eager = half
+    assert eager.gate["output_rel_l2"] == eager.gate["eager_rel_l2"]  # eager bf16 is the yardstick itself
+    assert eager.gate["eager_rel_l2"] > 10 * f32[0].gate["eager_rel_l2"]  # rounded to bf16, not f32
+    assert ours.gate["output_rel_l2"] < gates.HALF_FACTOR * ours.gate["eager_rel_l2"]
+    with pytest.raises(ValueError, match="bfloat16"):
+        cells.measure(workload, "training", competitors, warmup=1, repeats=1, smoke=True, dtype="bfloat16")
+    results = _report(tmp_path / "dtypes.json", f32 + half)
+    table = results.with_suffix(".md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| smollm2 | latency | bfloat16 |"))
+    cols = [c.strip() for c in row.split("|")[1:-1]]
+    assert cols[3] == f"{ours.median_ms:.2f}" and cols[4] == f"{f32[0].median_ms:.2f}"
+    assert cols[5] == f"{ours.median_ms / f32[0].median_ms:.2f}"  # vs our own float32
+    assert cols[7] == f"{ours.median_ms / eager.median_ms:.2f}" and cols[-1] == "all pass"  # vs eager bf16
+    assert "| smollm2 | latency, bfloat16 |" in report.summary(json.loads(results.read_text()), "x.png")
+
+
+def test_half_gate_allows_one_and_a_half_times_eager_error_at_the_dtype():
+    exact = torch.randn(1000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    eager = exact * (1 + 4e-3)  # eager's own error at the dtype: 4e-3 relative
+    half = (gates.HALF_TOLERANCE, gates.HALF_FACTOR)
+    assert gates.gate_output(exact * (1 + 5e-3), exact, eager, *half).passed
+    assert not gates.gate_output(exact * (1 + 7e-3), exact, eager, *half).passed  # 1.75x eager's
+    assert gates.gate_output(exact, exact, exact, *half).passed  # exact, where eager is exact too
+
+
 def test_micro_benchmarks_check_every_row_and_keep_back_to_back_products_apart(tmp_path):
     """Each micro benchmark's meganeura result matches PyTorch; the throughput row's products run as separate
     dispatches (distinct operands, so the compiler cannot merge them into one wider GEMM), and the report renders
