@@ -42,9 +42,26 @@ ADDED = {
 }
 
 
+def _weight_norm_interface(v, g, dim=0):
+    """torch's decomposition with the norms' dtype of its CPU kernel: float32 for both half precisions (torch's
+    keeps float16's in float16). The backward, ``_weight_norm_interface_backward``, has no lowering and runs that
+    kernel in eager, which refuses float16 norms."""
+    keep = tuple(i for i in range(v.dim()) if i != dim)
+    norm_dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
+    norm = v.norm(2, keep, keepdim=True, dtype=norm_dtype)
+    return v * (g / norm.to(g.dtype)), norm
+
+
+OWN = {
+    aten._weight_norm_interface.default: (_weight_norm_interface, "torch's keeps float16 norms in float16, which its "
+                                          "own backward kernel refuses"),
+}
+
+
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(list(ADDED)))
+    table.update({op: fn for op, (fn, _) in OWN.items()})
     for op in KEEP_WHOLE:
         table.pop(op, None)
     return table

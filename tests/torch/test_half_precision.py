@@ -180,6 +180,35 @@ def test_autocast_region_runs_on_the_device():
         assert_within_eager_error(got, p.grad, e.grad, what="gradient")
 
 
+@pytest.mark.parametrize("dtype", HALVES)
+def test_weight_norm_backward_gets_float32_norms(dtype):
+    """A weight-normed convolution (wav2vec2's positional one) trained in half precision. Its forward decomposes
+    onto the device and its backward (no lowering) runs torch's CPU kernel, which takes the forward's norms in
+    float32 for both halves: torch's decomposition kept float16's in float16 and that kernel raised "expected scalar
+    type Float but found Half". Output and gradients within eager's error of float64."""
+    torch.manual_seed(0)
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 6, 3, padding=1), dim=2)
+    conv.to(dtype)
+    eager = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 6, 3, padding=1), dim=2)
+    exact = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 6, 3, padding=1), dim=2).double()
+    eager.to(dtype).load_state_dict(conv.state_dict())
+    exact.load_state_dict({k: v.double() for k, v in conv.state_dict().items()})
+    x = torch.randn(2, 4, 8).to(dtype)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(conv, backend="meganeura")(x)
+        out.double().square().sum().backward()
+    assert all("_weight_norm_interface_backward" in w for w in meganeura_warnings(caught)), meganeura_warnings(caught)
+    want, truth = eager(x), exact(x.double())
+    want.double().square().sum().backward()
+    truth.square().sum().backward()
+    assert_within_eager_error(out, want, truth, what="output")
+    for (name, p), q, r in zip(conv.named_parameters(), eager.parameters(), exact.parameters()):
+        assert p.grad.dtype == dtype
+        assert_within_eager_error(p.grad, q.grad, r.grad, what=f"d {name}")
+
+
 def test_half_storage_needs_no_shader_f16(monkeypatch):
     """The kernels of a half precision graph declare no f16 type: they run on adapters without ``shader-f16``."""
     from torch_meganeura import device_graph
