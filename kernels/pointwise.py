@@ -49,7 +49,7 @@ def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
         declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};"
                      for rs, (_, dtype, _, _) in zip(results, outputs) for r in rs]
         for lane in range(lanes):
-            element = f"{unit} * {lanes}u + {lane}u" if lanes > 1 else unit
+            element = f"({unit}) * {lanes}u + {lane}u" if lanes > 1 else unit
             index = f"min({element}, {max(total - 1, 0)}u)" if clamp else element
             computed.append(_compute(outputs, [rs[lane] for rs in results], index, shape))
         stored += [_store(name, storage, rs, unit, lanes, total) for rs, (name, _, _, storage) in zip(results, outputs)]
@@ -81,5 +81,5 @@ def _store(name: str, storage: str, results: list[str], unit: str, lanes: int, t
         return f"  if ({unit} < {-(-total // 2)}u) {{ {name}[{unit}] = mg_pack_{storage}({results[0]}, {results[1]}); }}"
     if lanes == 1:
         return f"  if ({unit} < {total}u) {{ {name}[{unit}] = {results[0]}; }}"
-    return "\n".join(f"  if ({unit} * 2u + {lane}u < {total}u) {{ {name}[{unit} * 2u + {lane}u] = {r}; }}"
+    return "\n".join(f"  if (({unit}) * 2u + {lane}u < {total}u) {{ {name}[({unit}) * 2u + {lane}u] = {r}; }}"
                      for lane, r in enumerate(results))

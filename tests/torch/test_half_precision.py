@@ -78,6 +78,23 @@ def test_odd_sizes_and_mixed_outputs(dtype, numel):
         assert_within_eager_error(g, w, x, floor=1e-6)
 
 
+def test_large_outputs_take_several_pairs_per_thread():
+    """Past ``MIN_WORKGROUPS`` workgroups a thread stores several element pairs, a workgroup width apart (a pair
+    index times two is an element index: the H200's SmolLM2 logits came out wrong when it was not bracketed)."""
+    from meganeura.kernels.pointwise import MIN_WORKGROUPS, WORKGROUP
+
+    n = 2 * 2 * WORKGROUP * MIN_WORKGROUPS + 3  # two pairs a thread, an odd tail
+    a = torch.randn(n).to(torch.bfloat16)
+
+    def fn(a):
+        s = a.float() * 2 + 1
+        return s.to(torch.bfloat16), s.sin()
+
+    got, want = _compiled_run(fn, a), fn(a)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 def test_half_layers_against_float64(dtype):
     """Matmul, convolution, norms, attention and reductions in a half precision graph: outputs in the dtype,
