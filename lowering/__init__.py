@@ -1,6 +1,7 @@
 """Torch-free compiler middle: typed static IR, fusion into archetype kernels, memory planning, the plan.
 
-``compile_graph(graph, limits)`` runs the passes in order: fuse (inline producers into consumers) ->
+``compile_graph(graph, limits)`` runs the passes in order: fit_bindings (the nodes lowering made wider than the
+adapter's storage-buffer limit brought within it) -> fuse (inline producers into consumers) ->
 fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilogues (consumers into reductions
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
 eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
@@ -9,6 +10,7 @@ side in one matmul) -> schedule (memory plan + WGSL + dispatches).
 """
 from __future__ import annotations
 
+from .bindings import fit_bindings
 from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
 from .fusion import FusionReport, fuse
@@ -23,6 +25,7 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants and
     ``on_kernel`` hears of each kernel as it is generated (see ``schedule``)."""
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
+    fit_bindings(graph, max_bindings)
     report = fuse(graph, max_bindings)
     fuse_sibling_reductions(graph, max_bindings, report)
     fuse_epilogues(graph, max_bindings, report)

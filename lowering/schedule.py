@@ -22,6 +22,7 @@ from meganeura.runtime.dtypes import HALF_STORAGE, STORAGE, storage_bytes
 from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
 
 from . import expr as E
+from .bindings import checks, kernel_bindings
 from .indexing import linear_index, quad_row_index, simplify, unit_stride_coord
 from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value
 from .planner import Interval, place
@@ -176,6 +177,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
     kernel as it is generated."""
     sources: dict[str, str] = {}
     dispatches = []
+    max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     for node in kernels:
         if all(v.numel == 0 for v in node.outs):
             continue
@@ -183,6 +185,9 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)))
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
+            if len(bound) > max_bindings:  # a pass fusion or a generator let grow past the limit: never sent to wgpu
+                raise ValueError(f"kernel {label!r} needs {len(bound)} storage buffers but the limits' "
+                                 f"max-storage-buffers-per-shader-stage is {max_bindings}")
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
             bindings = tuple(binding_of[vid] for vid in bound)
             if key not in sources and on_kernel is not None:
@@ -267,6 +272,8 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr
 def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
+    if kernel_bindings(node) >= limits.get("max-storage-buffers-per-shader-stage", 8):
+        return 1, 0  # no binding left for the partial results: one pass
     if isinstance(node, Matmul):
         return variant.split, variant.split * node.batch * node.rows * node.columns
     if isinstance(node, Attention):
@@ -299,7 +306,7 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None) -> Slots
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
     exprs = [_linearise(e, d, values, stored, slot_of) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
-    if any(n.op == "check" for e in exprs for n in E.walk(e)):
+    if checks(exprs):
         slot_of("status")
 
     def name(slot):

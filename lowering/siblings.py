@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from . import expr as E
+from .bindings import checks
 from .fusion import FusionReport, _name
 from .ir import Graph, Node
 
@@ -56,7 +57,8 @@ def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings) -> str
             tainted |= {v.id for v in n.outs}
     if loads[id(later)] & tainted:
         return "the second reads a result of the first"
-    if len(loads[id(earlier)] | loads[id(later)]) + len(earlier.outs) + len(later.outs) + 2 > max_bindings:
+    status = checks([*earlier.exprs(), *later.exprs()])  # and one binding spare for partial results (.bindings)
+    if len(loads[id(earlier)] | loads[id(later)]) + len(earlier.outs) + len(later.outs) + 1 + status > max_bindings:
         return f"more than {max_bindings} storage bindings"
     between = nodes[start + 1 : end]
     graph.nodes = (nodes[:start] + [n for n in between if id(n) not in dependent] + [later]

@@ -15,6 +15,13 @@ out-of-range access from other faults.
 Waiting for the GPU at a read-back polls without blocking for up to ``MEGANEURA_SPIN_WAIT_MS`` milliseconds (default
 20 on a GPU; 0 on a CPU adapter, whose own threads need the cores), then blocks: a thread woken from a blocking wait
 comes back late, by 0.2-0.3 ms per call of ResNet-50 and Whisper-tiny on the H200 machine. ``0`` always blocks.
+
+A device gets the adapter's maximal limits and the optional features meganeura uses (shader-f16, subgroups,
+timestamp queries). ``MEGANEURA_LIMITS=webgpu-default`` (or ``get_device(limits="webgpu-default")``) holds it to
+WebGPU's default limits and none of the features that shape kernels instead, as on many Apple, Intel and mobile
+adapters: wgpu itself then refuses whatever exceeds them, and every plan is generated for them (the plan cache keys
+on the limits, so such plans are kept apart). Timestamp queries stay where the adapter has them: they shape no
+kernel, and profiling may be asked for after the device exists (the ``profile`` option, ``torch_meganeura.profile``).
 """
 from __future__ import annotations
 
@@ -30,13 +37,15 @@ from . import native
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
 from .profiler import profiler_from_env
-from .requirements import SUBGROUP_OPS
+from .requirements import SUBGROUP_OPS, default_limits
 from .resident import BufferPool
 
 ADAPTER_ENV = "MEGANEURA_ADAPTER"
 SHADER_CHECKS_ENV = "MEGANEURA_SHADER_CHECKS"  # "1": compile kernels with naga's index clamps and loop bounds
 SPIN_WAIT_ENV = "MEGANEURA_SPIN_WAIT_MS"  # how long a read-back polls before it blocks
 SPIN_WAIT_MS = 20.0  # its default on GPU adapters
+LIMITS_ENV = "MEGANEURA_LIMITS"  # "webgpu-default": request WebGPU's default limits, no shader-f16 or subgroups
+ADAPTER_LIMITS, DEFAULT_LIMITS = "adapter", "webgpu-default"  # its values ("adapter" when unset)
 RANK_ENV = "LOCAL_RANK"  # set by torchrun: with no adapter chosen, each process of a host takes its own GPU
 log = logging.getLogger("meganeura.runtime")
 STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
@@ -57,7 +66,8 @@ _WANTED_LIMITS = (
 )
 # Threads that compile a plan's new pipelines side by side (bounded: a driver compiler uses memory per thread).
 PIPELINE_THREADS = min(16, os.cpu_count() or 1)
-_WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
+_TIMESTAMP_FEATURES = ("timestamp-query", "timestamp-query-inside-passes")
+_WANTED_FEATURES = ("shader-f16", "subgroup", *_TIMESTAMP_FEATURES)
 _LOST = re.compile(r"device (is |was )?lost", re.IGNORECASE)
 _NO_ADAPTER_HINT = (
     "Install a Vulkan driver (on Debian/Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1, which also gives "
@@ -65,7 +75,7 @@ _NO_ADAPTER_HINT = (
 )
 
 _adapters: list | None = None
-_devices: dict[int, "Device"] = {}
+_devices: dict[tuple[int, str], "Device"] = {}  # (adapter index, limits) -> its device
 _devices_lock = threading.RLock()  # get_device may run on prepare_device's thread and the caller's at once
 
 
@@ -174,19 +184,30 @@ class _Checked:
         raise MeganeuraError(f"{self.label}: wgpu refused it\n{text}") from error
 
 
-def get_device(adapter: str | int | None = None) -> "Device":
-    """The process-wide device of the chosen adapter (see the module docstring for the choice); a new one once the
-    last was lost (what lived on the lost one is gone: programs built on it keep raising DeviceLostError)."""
+def _limits_choice(limits: str | None) -> str:
+    """``limits``, else ``MEGANEURA_LIMITS``, else "adapter"; checked."""
+    choice = (limits if limits is not None else os.environ.get(LIMITS_ENV, "")).strip() or ADAPTER_LIMITS
+    if choice not in (ADAPTER_LIMITS, DEFAULT_LIMITS):
+        raise MeganeuraError(f"limits {choice!r} (from {'the argument' if limits is not None else LIMITS_ENV}) is "
+                             f"not one of {ADAPTER_LIMITS!r}, {DEFAULT_LIMITS!r}")
+    return choice
+
+
+def get_device(adapter: str | int | None = None, limits: str | None = None) -> "Device":
+    """The process-wide device of the chosen adapter and limits (see the module docstring for the choices); a new
+    one once the last was lost (what lived on the lost one is gone: programs built on it keep raising
+    DeviceLostError)."""
     with _devices_lock:
         adapters = _enumerate_adapters()
         choice = adapter if adapter is not None else (os.environ.get(ADAPTER_ENV) or None)
         rank = os.environ.get(RANK_ENV, "").strip()
         index = _choose_adapter(adapters, choice, int(rank) if rank.isdigit() else None)
-        if index not in _devices or _devices[index].lost:
-            _devices[index] = Device(adapters[index])
+        key = (index, _limits_choice(limits))
+        if key not in _devices or _devices[key].lost:
+            _devices[key] = Device(adapters[index], key[1])
             if rank.isdigit():
-                log.info("local rank %s uses adapter %d: %s", rank, index, _devices[index].describe())
-        return _devices[index]
+                log.info("local rank %s uses adapter %d: %s", rank, index, _devices[key].describe())
+        return _devices[key]
 
 
 def prepare_device(adapter: str | int | None = None) -> None:
@@ -203,21 +224,27 @@ def prepare_device(adapter: str | int | None = None) -> None:
 
 
 class Device:
-    """An adapter's wgpu device and queue, requested with the adapter's maximal limits."""
+    """An adapter's wgpu device and queue, requested with the adapter's maximal limits, or with ``limits`` =
+    "webgpu-default" with WebGPU's default limits and no shader-f16 or subgroups (see the module docstring)."""
 
-    def __init__(self, adapter):
+    def __init__(self, adapter, limits: str = ADAPTER_LIMITS):
         info = adapter.info
         self.adapter = adapter
         self.name = _adapter_name(adapter)
         self.adapter_type = info["adapter_type"]
         self.backend = info["backend_type"]
+        self.restricted = limits == DEFAULT_LIMITS  # held to WebGPU's default limits, no shader-f16 or subgroups
         self.counters = Counters()
         self.lost = False
-        features = [f for f in _WANTED_FEATURES if f in adapter.features]
-        limits = {k: adapter.limits[k] for k in _WANTED_LIMITS if k in adapter.limits}
+        if self.restricted:
+            features = [f for f in _TIMESTAMP_FEATURES if f in adapter.features]
+            required = default_limits(adapter.limits)  # all of them: wgpu-py fills the rest with the adapter's
+        else:
+            features = [f for f in _WANTED_FEATURES if f in adapter.features]
+            required = {k: adapter.limits[k] for k in _WANTED_LIMITS if k in adapter.limits}
         with self.checked(f"device request on {self.name}"):
             self.wgpu_device = adapter.request_device_sync(
-                label="meganeura", required_features=features, required_limits=limits
+                label="meganeura", required_features=features, required_limits=required
             )
         self.queue = self.wgpu_device.queue
         self.features = set(self.wgpu_device.features)
@@ -237,7 +264,8 @@ class Device:
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
 
     def describe(self) -> str:
-        return f"{self.name} ({self.adapter_type}, {self.backend})"
+        held = ", WebGPU default limits" if self.restricted else ""
+        return f"{self.name} ({self.adapter_type}, {self.backend}{held})"
 
     def __repr__(self) -> str:
         return f"<meganeura Device {self.describe()}>"

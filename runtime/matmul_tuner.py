@@ -12,8 +12,9 @@ timed problem by problem. A problem whose own buffers (or its default's partial 
 binding limit keeps the default untimed.
 
 The file is ``matmul-tuning-<digest>.json`` in the directory the caller gives (None: remembered for the process
-only), the digest over the adapter and what the timings depend on besides it (``timed_kernels``: the sources of the
-matmul generator, its candidates, this tuner and the timing, and whether kernels keep naga's runtime checks). It
+only), the digest over the adapter with the device's limits (a choice made under the adapter's own limits may not fit
+WebGPU's defaults, ``MEGANEURA_LIMITS``) and what the timings depend on besides it (``timed_kernels``: the sources of
+the matmul generator, its candidates, this tuner and the timing, and whether kernels keep naga's runtime checks). It
 records both, and per problem (keyed by its shape, layouts and a digest of its prelude) the choice and the two
 times; a file that does not parse or names another adapter or other kernels is ignored and rewritten, so a changed
 generator is tuned afresh. A directory that cannot be written only loses the memory.
@@ -57,7 +58,7 @@ class MatmulTuner:
     def __init__(self, device, directory: Path | None):
         self.device = device
         info = dict(device.adapter.info)
-        self.adapter = json.dumps({k: info[k] for k in sorted(info)}, default=str)
+        self.adapter = json.dumps(dict(info, limits=device.limits), sort_keys=True, default=str)
         self.kernels = timed_kernels()
         self.fingerprint = hashlib.sha256(f"{self.adapter}|{self.kernels}".encode()).hexdigest()[:16]
         self.path = Path(directory) / f"matmul-tuning-{self.fingerprint}.json" if directory is not None else None

@@ -20,15 +20,50 @@ from meganeura.kernels.wgsl import SUBGROUP_OPS  # a device sets it; portable ge
 from .errors import FeatureError, LimitError
 from .plan import Plan
 
-# WebGPU's default limits (guaranteed by every adapter) for the limits the kernel generators read.
-PORTABLE_LIMITS = {
+# WebGPU's default limits (https://www.w3.org/TR/webgpu/#limits): what every adapter provides, and what a browser
+# gives a page that asks for nothing more (Apple, Intel and mobile adapters often offer little more).
+WEBGPU_DEFAULT_LIMITS = {
+    "max-texture-dimension-1d": 8192,
+    "max-texture-dimension-2d": 8192,
+    "max-texture-dimension-3d": 2048,
+    "max-texture-array-layers": 256,
+    "max-bind-groups": 4,
+    "max-bind-groups-plus-vertex-buffers": 24,
+    "max-bindings-per-bind-group": 1000,
+    "max-dynamic-uniform-buffers-per-pipeline-layout": 8,
+    "max-dynamic-storage-buffers-per-pipeline-layout": 4,
+    "max-sampled-textures-per-shader-stage": 16,
+    "max-samplers-per-shader-stage": 16,
+    "max-storage-buffers-per-shader-stage": 8,
+    "max-storage-textures-per-shader-stage": 4,
+    "max-uniform-buffers-per-shader-stage": 12,
+    "max-uniform-buffer-binding-size": 65536,
+    "max-storage-buffer-binding-size": 134217728,
+    "min-uniform-buffer-offset-alignment": 256,
+    "min-storage-buffer-offset-alignment": 256,
+    "max-vertex-buffers": 8,
+    "max-buffer-size": 268435456,
+    "max-vertex-attributes": 16,
+    "max-vertex-buffer-array-stride": 2048,
+    "max-inter-stage-shader-variables": 16,
+    "max-color-attachments": 8,
+    "max-color-attachment-bytes-per-sample": 32,
+    "max-compute-workgroup-storage-size": 16384,
     "max-compute-invocations-per-workgroup": 256,
     "max-compute-workgroup-size-x": 256,
-    "max-compute-workgroup-storage-size": 16384,
+    "max-compute-workgroup-size-y": 256,
+    "max-compute-workgroup-size-z": 64,
     "max-compute-workgroups-per-dimension": 65535,
-    "max-storage-buffers-per-shader-stage": 8,
-    "min-storage-buffer-offset-alignment": 256,
 }
+# The default limits the kernel generators read.
+PORTABLE_LIMITS = {name: WEBGPU_DEFAULT_LIMITS[name] for name in (
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroup-storage-size",
+    "max-compute-workgroups-per-dimension",
+    "max-storage-buffers-per-shader-stage",
+    "min-storage-buffer-offset-alignment",
+)}
 GENERATION_LIMITS = (  # recorded as compiled for; the rest of PORTABLE_LIMITS is measured on the plan
     "max-compute-invocations-per-workgroup",
     "max-compute-workgroup-size-x",
@@ -55,6 +90,17 @@ def compile_limits(device_limits: dict, portable: bool) -> dict:
         for name, value in PORTABLE_LIMITS.items():
             pick = max if is_alignment(name) else min
             limits[name] = pick(limits.get(name, value), value)
+    return limits
+
+
+def default_limits(adapter_limits: dict) -> dict:
+    """The limits to request of an adapter for a device held to WebGPU's defaults: each default, or the adapter's
+    own value where it is stricter (a default above the adapter's maximum could not be requested)."""
+    limits = {}
+    for name, value in WEBGPU_DEFAULT_LIMITS.items():
+        if name in adapter_limits:
+            pick = max if is_alignment(name) else min
+            limits[name] = pick(adapter_limits[name], value)
     return limits
 
 

@@ -81,9 +81,9 @@ def _count_device_inits(monkeypatch) -> list:
     created = []
     real_init = Device.__init__
 
-    def counting_init(self, adapter):
+    def counting_init(self, adapter, *limits):
         created.append((self, threading.current_thread().name))
-        real_init(self, adapter)
+        real_init(self, adapter, *limits)
 
     monkeypatch.setattr(Device, "__init__", counting_init)
     return created
@@ -338,3 +338,29 @@ def test_read_back_spins_then_blocks(monkeypatch, spin_seconds, blocks):
     assert np.frombuffer(data, np.float32)[0] == 4001.0 + spin_seconds
     assert recorder.waits  # it polled
     assert (True in recorder.waits) == blocks  # a 30 s spin returns on the callback, long before it would block
+
+
+def test_a_device_held_to_webgpu_defaults_gets_them_and_wgpu_enforces_them():
+    """``get_device(limits="webgpu-default")`` (``MEGANEURA_LIMITS=webgpu-default``) is a device of its own, requested
+    with WebGPU's default limits and no shader-f16 or subgroups; wgpu refuses what exceeds them."""
+    from meganeura.runtime.requirements import SUBGROUP_OPS, WEBGPU_DEFAULT_LIMITS, is_alignment
+
+    held = get_device(limits="webgpu-default")
+    assert held is get_device(limits="webgpu-default") and held is not get_device()
+    assert held.restricted and "WebGPU default limits" in held.describe()
+    adapter = held.adapter.limits
+    for name, default in WEBGPU_DEFAULT_LIMITS.items():
+        if name in adapter and name != "max-bind-groups-plus-vertex-buffers":  # wgpu-native reports 0 for it
+            assert held.limits[name] == (max if is_alignment(name) else min)(adapter[name], default), name
+    assert held.limits["max-storage-buffers-per-shader-stage"] == 8
+    assert held.limits["max-compute-workgroup-storage-size"] == 16384
+    assert not {"shader-f16", "subgroup"} & held.features and SUBGROUP_OPS not in held.limits
+    with pytest.raises(MeganeuraError, match="limit is 8, count was 9"):
+        held.bind_group_layout(9)
+    with pytest.raises(MeganeuraError, match="maximum buffer size"):
+        held.storage_buffer(WEBGPU_DEFAULT_LIMITS["max-buffer-size"] + 4, "too large")
+    wide = "@compute @workgroup_size(512) fn main() {}"
+    with pytest.raises(MeganeuraError, match="workgroup size"):
+        held.pipeline(wide, 1, "512 threads")
+    with pytest.raises(MeganeuraError, match="not one of"):
+        get_device(limits="unlimited")
