@@ -34,6 +34,7 @@ accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.9
 
 from dataclasses import dataclass
 
+from .matmul_staging import SHARED_PAD_VEC4, Checks, Staging, shared_row
 from .wgsl import SPLIT_TARGET_WORKGROUPS
 
 THREADS_WANTED = 256          # threads per workgroup when the device allows it
@@ -44,7 +45,6 @@ K_CHUNKS = (16, 8, 4)         # K chunk candidates staged per barrier, largest f
 # threads) 3.56 ms at chunk 16 (32 floats) against 3.29 at chunk 8 (16); 128x256 tiles (256 threads) 3.17 ms at
 # chunk 16 (24 floats) against 3.34 at chunk 8.
 MAX_STAGED_PER_THREAD = 24
-SHARED_PAD_VEC4 = 1           # vec4s of padding per shared-tile row: transposed stores spread over banks
 # Tile choice, from timings on an H200 (bench/results/h200-matmul-tiles.json): a 128 edge pays off from 128
 # workgroups on; below, 64x64-class tiles win down to about 32 workgroups; smaller problems shrink further.
 BIG_TILE_EDGE = 64
@@ -260,11 +260,6 @@ LINEAR_WORKGROUP = """    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
 # ---------------------------------------------------------------- tiled
 
 
-def _shared_row(edge: int) -> int:
-    """vec4s per K step of a tile's operand in shared memory: ``edge`` rows (or columns), padded."""
-    return edge // 4 + SHARED_PAD_VEC4
-
-
 def _tile_edge(size: int) -> int:
     return next((t for t in reversed(TILE_SIZES) if t >= size), TILE_SIZES[0])
 
@@ -304,104 +299,6 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
     return (tile_m // 2, tile_n) if tile_m >= tile_n else (tile_m, tile_n // 2)
 
 
-class _Staging:
-    """WGSL that fetches one K chunk of A (or B) from memory into registers and stores it into shared memory.
-
-    Each thread takes elements ``lid + t * threads``; ``fast`` names the operand's unit-stride axis, which
-    varies fastest across threads so that the fetch is coalesced."""
-
-    def __init__(self, plan: TiledPlan, a_side: bool, fast: str, looped: bool = False):
-        self.plan, self.a_side, self.looped = plan, a_side, looped
-        self.edge = plan.tile_m if a_side else plan.tile_n
-        self.total = self.edge * plan.chunk_k
-        self.count = -(-self.total // plan.threads)
-        self.name = "a" if a_side else "b"
-        self.along_k = fast == "p"  # p varies fastest across threads
-
-    def _decode(self, t: int) -> str:
-        chunk, e = self.plan.chunk_k, f"(lid + {t * self.plan.threads}u)"
-        if self.along_k:
-            return f"let p{t} = {e} % {chunk}u;\n        let r{t} = {e} / {chunk}u;"
-        return f"let r{t} = {e} % {self.edge}u;\n        let p{t} = {e} / {self.edge}u;"
-
-    def declare(self) -> str:
-        return "\n".join(f"    var stage_{self.name}{t} = 0.0;" for t in range(self.count))
-
-    def fetch(self, k0: str, checks: "_Checks") -> str:
-        """Load the chunk at ``k0`` into the staging registers (zero where out of range)."""
-        if self.looped:
-            return self._fetch_loop(k0, checks)
-        lines = []
-        for t in range(self.count):
-            reg = f"stage_{self.name}{t}"
-            conds = []
-            if (t + 1) * self.plan.threads > self.total:
-                conds.append(f"lid + {t * self.plan.threads}u < {self.total}u")
-            if checks.live:
-                conds.append("live")
-            edge = "row0 + r{t} < M" if self.a_side else "col0 + r{t} < N"
-            if (checks.rows if self.a_side else checks.cols):
-                conds.append(edge.format(t=t))
-            if checks.k:
-                conds.append(f"{k0} + p{t} < k_end")
-            load = (f"load_a(batch_index, row0 + r{t}, {k0} + p{t})" if self.a_side else
-                    f"load_b(batch_index, {k0} + p{t}, col0 + r{t})")
-            body = f"{reg} = {load};"
-            if conds:
-                body = f"{reg} = 0.0;\n        if ({' && '.join(conds)}) {{ {body} }}"
-            lines.append(f"""    {{
-        {self._decode(t)}
-        {body}
-    }}""")
-        return "\n".join(lines)
-
-    def _fetch_loop(self, k0: str, checks: "_Checks") -> str:
-        """``fetch`` as one loop over the staging registers (a switch writes each), so that the operand's loader,
-        a chain over sibling tensors, is written once rather than once per register."""
-        plan, e = self.plan, f"(lid + t * {self.plan.threads}u)"
-        decode = (f"let p = {e} % {plan.chunk_k}u;\n        let r = {e} / {plan.chunk_k}u;" if self.along_k else
-                  f"let r = {e} % {self.edge}u;\n        let p = {e} / {self.edge}u;")
-        conds = [f"{e} < {self.total}u"] if self.count * plan.threads > self.total else []
-        conds += ["live"] if checks.live else []
-        if checks.rows if self.a_side else checks.cols:
-            conds.append("row0 + r < M" if self.a_side else "col0 + r < N")
-        conds += [f"{k0} + p < k_end"] if checks.k else []
-        load = (f"load_a(batch_index, row0 + r, {k0} + p)" if self.a_side else
-                f"load_b(batch_index, {k0} + p, col0 + r)")
-        fetch = f"if ({' && '.join(conds)}) {{ v = {load}; }}" if conds else f"v = {load};"
-        cases = "\n".join(f"            case {t}u: {{ stage_{self.name}{t} = v; }}" for t in range(self.count))
-        return f"""    for (var t = 0u; t < {self.count}u; t++) {{
-        {decode}
-        var v = 0.0;
-        {fetch}
-        switch t {{
-{cases}
-            default: {{}}
-        }}
-    }}"""
-
-    def store(self, element: str) -> str:
-        row = _shared_row(self.edge)
-        lines = []
-        for t in range(self.count):
-            value = f"stage_{self.name}{t}" if element == "f32" else f"{element}(stage_{self.name}{t})"
-            guard = f"if (lid + {t * self.plan.threads}u < {self.total}u) " if (t + 1) * self.plan.threads > self.total else ""
-            lines.append(f"""    {guard}{{
-        {self._decode(t)}
-        tile_{self.name}[p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};
-    }}""")
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class _Checks:
-    """The range checks a tiled kernel needs: each is left out where the shape makes it always true."""
-    live: bool  # the grid was folded and rounded up: some workgroups have no tile
-    rows: bool  # M is not a multiple of the tile's rows
-    cols: bool  # N is not a multiple of the tile's columns
-    k: bool     # some K slice does not end on a whole chunk
-
-
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
                   partial: str | None, f16: bool, looped: str) -> tuple[str, tuple[int, int, int]]:
@@ -414,10 +311,10 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     per_slice = -(-k // split)
     k_slice = -(-per_slice // plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
-    checks = _Checks(live=grid[0] * grid[1] * grid[2] != total, rows=m % plan.tile_m != 0,
+    checks = Checks(live=grid[0] * grid[1] * grid[2] != total, rows=m % plan.tile_m != 0,
                      cols=n % plan.tile_n != 0, k=k == 0 or k % (split * plan.chunk_k) != 0)
-    a_row, b_row = _shared_row(plan.tile_m), _shared_row(plan.tile_n)
-    stage_a, stage_b = _Staging(plan, True, a_fast, looped == "a"), _Staging(plan, False, b_fast, looped == "b")
+    a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
+    stage_a, stage_b = Staging(plan, True, a_fast, looped == "a"), Staging(plan, False, b_fast, looped == "b")
 
     slots = plan.sums()
     acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i, h in slots)
@@ -456,7 +353,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     return ("enable f16;\n" if f16 else "") + prelude + kernel, grid
 
 
-def _k_loop(plan: TiledPlan, stage_a: _Staging, stage_b: _Staging, checks: _Checks, f16: bool,
+def _k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: Checks, f16: bool,
             fetch_first: bool) -> str:
     """The tiled kernel's walk over its K slice: staging registers for A and B, the first chunk fetched (where K is
     not empty), then per chunk: stored into shared memory, the next one fetched (its loads overlap the products),
@@ -486,7 +383,7 @@ def _chunk_products(plan: TiledPlan, f16: bool) -> str:
     identical (A, a broadcast). With ``f16`` the chunk's products go to f16 sums, added to the f32 ones after the
     chunk."""
     tm, tn = plan.threads_m, plan.threads_n
-    a_row, b_row = _shared_row(plan.tile_m), _shared_row(plan.tile_n)
+    a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     sums = plan.sums()
     element, target = ("f16", "chunk") if f16 else ("f32", "acc")
@@ -504,7 +401,7 @@ def _chunk_products(plan: TiledPlan, f16: bool) -> str:
                       *(f"        acc_{g}_{i}_{h} += vec4<f32>(chunk_{g}_{i}_{h});" for g, i, h in sums)])
 
 
-def _partial_stores(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: _Checks, partial: str) -> str:
+def _partial_stores(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Checks, partial: str) -> str:
     """The stores of a tiled kernel whose K is cut into slices: each sum, written out per component, into this
     slice's partial sums (``split_reduce_kernel`` adds the slices up and calls ``store_c``)."""
     stores = []
@@ -519,7 +416,7 @@ def _partial_stores(slots: list[tuple[int, int, int]], tm: int, tn: int, checks:
     return "\n".join(stores)
 
 
-def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: _Checks) -> str:
+def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Checks) -> str:
     """The tiled kernel's stores: a loop over the thread's accumulators (a switch picks one, with its row and first
     column), then over its 4 columns, so that ``store_c`` is written once. Written out per component, its 64 copies
     in an 8x8 block with a normalisation and residual epilogue made the H200 driver's compile of ResNet-50's
