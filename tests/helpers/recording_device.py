@@ -26,22 +26,9 @@ import numpy as np
 
 from meganeura.runtime.counters import Counters
 from meganeura.runtime.errors import DeviceLostError, MeganeuraError
+from meganeura.runtime.requirements import WEBGPU_DEFAULT_LIMITS  # every adapter has at least these
 from meganeura.runtime.resident import BufferPool
 
-# WebGPU's default limits (every adapter has at least these): plans generated for them are the portable ones.
-WEBGPU_DEFAULT_LIMITS = {
-    "max-storage-buffer-binding-size": 128 << 20,
-    "max-buffer-size": 256 << 20,
-    "max-storage-buffers-per-shader-stage": 8,
-    "max-compute-workgroup-storage-size": 16384,
-    "max-compute-invocations-per-workgroup": 256,
-    "max-compute-workgroup-size-x": 256,
-    "max-compute-workgroup-size-y": 256,
-    "max-compute-workgroup-size-z": 64,
-    "max-compute-workgroups-per-dimension": 65535,
-    "max-bindings-per-bind-group": 1000,
-    "min-storage-buffer-offset-alignment": 256,
-}
 _BINDING = re.compile(r"@group\(0\)\s*@binding\((\d+)\)")
 
 
