@@ -314,9 +314,9 @@ def test_autocast_adamw_follows_eager_loss_curve():
     f32, so it starts 2.8e-4 away: the spread at one step is one sample of a random distance, zero at the start.
     It bounds the curve as a whole instead: ours's RMS relative distance from eager at most 4x the permuted run's
     (measured 6.7e-4 against 9.9e-4; ours differs in precision as well as in order, which may put it further).
-    1e-2 per step is 2.5 bf16 ulps, above both runs' worst (2.5e-3 ours) and still discriminating: eager runs that
-    skip the update of one matrix (layer 1's down projection) or of the RMSNorm weights leave the curve by 20% and
-    11%."""
+    1e-2 per step is 2.5 times bf16's unit roundoff (2^-8), above both runs' worst (2.5e-3 ours) and still
+    discriminating: eager runs that skip the update of one matrix (layer 1's down projection) or of the RMSNorm
+    weights leave the curve by 20% and 11%."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
