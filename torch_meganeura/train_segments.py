@@ -28,7 +28,7 @@ from .backend import BackendContext, backend_with_context
 from .dynamo_capture import quiet_logging_for_dynamo
 from .options import Options
 from .optimizers import clip_by_global_norm
-from .params import ParamStore, upload_array
+from .params import ParamStore, tensor_from_host, upload_array
 from .roles import Mode, Role
 
 
@@ -134,7 +134,7 @@ def _copy_params_down(owner, trainable, updated: dict) -> None:
         for n, p in zip(owner._trainable, trainable):
             array = updated.get(Role.param(n))
             if array is not None:
-                p.copy_(torch.from_numpy(array.numpy()).reshape(p.shape))
+                p.copy_(tensor_from_host(array.numpy()).reshape(p.shape))
 
 
 def _restore_buffers(model, kept: dict) -> None:

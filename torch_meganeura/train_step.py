@@ -245,7 +245,7 @@ class TrainStep:
         state, changing nothing: no update, no BatchNorm statistics. For inspection and correctness checks."""
         loss, grads = self._compiled(batch, Mode.GRADS).run(self._arrays, batch, self._hyper(self.steps + 1))
         params = dict(self.model.named_parameters())
-        return loss, {role.name: torch.from_numpy(np.asarray(g).copy()).reshape(params[role.name].shape)
+        return loss, {role.name: tensor_from_host(np.asarray(g).copy()).reshape(params[role.name].shape)
                       for role, g in grads.items()}
 
     def _hyper(self, step: int) -> torch.Tensor:
@@ -356,9 +356,8 @@ class _CompiledStep:
         host, device_inputs = feed(self.lowered, values, self.program.device)
         into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.state_outputs}
         results = self.program.run(host, device_inputs, into)
-        loss = torch.from_numpy(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
+        loss = tensor_from_host(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
         return loss, {role: results[name] for role, name in self.state_outputs.items()}
-
 
     def _value(self, role: Role, arrays: dict, batch: tuple, hyper: torch.Tensor):
         """What feeds the placeholder of ``role``: a batch tensor, the hyperparameters, or a device array."""

@@ -327,6 +327,8 @@ def test_resident_step_in_half_precision(mode):
             opt.zero_grad()
             loss_fn(model, batch, y).backward()
             opt.step()
+    grads_loss, grads = step.gradients(x.to(dtype), y)  # read back in the parameters' dtype, not raw bits
+    assert grads_loss.dtype == torch.float32 and all(g.dtype == dtype for g in grads.values())
     for (name, got), want, truth in zip(ours.named_parameters(), eager.parameters(), exact.parameters()):
         assert got.dtype == dtype
         assert_within_eager_error(got, want, truth, what=name)
