@@ -24,7 +24,7 @@ class Kind(Enum):
     LOSS = "loss"  # the step's loss (an output)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Role:
     """One input or output of a step's graph: a ``kind`` and what it is of (a parameter, buffer or constant's
     ``name``, an optimizer state's ``slot``, a batch argument's ``index``)."""
@@ -34,45 +34,67 @@ class Role:
     slot: str = ""
     index: int = -1
 
+    def __post_init__(self):
+        # Roles key the step's dicts of device arrays, looked up thousands of times a step: the generated hash (of
+        # an Enum, in Python) cost milliseconds a step on the H200. Hash and compare a plain tuple, hashed once.
+        object.__setattr__(self, "_ident", (self.kind.value, self.name, self.slot, self.index))
+        object.__setattr__(self, "_hash", hash(self._ident))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Role) and self._ident == other._ident)
+
+    @classmethod
+    def _of(cls, kind: Kind, name: str = "", slot: str = "", index: int = -1) -> Role:
+        """The one Role of these fields (the constructors below share it): a dict finds an identical key without
+        calling ``__eq__``."""
+        ident = (kind.value, name, slot, index)
+        role = _INTERNED.get(ident)
+        if role is None:
+            role = _INTERNED[ident] = cls(kind, name, slot, index)
+        return role
+
     @classmethod
     def param(cls, name: str) -> Role:
-        return cls(Kind.PARAM, name)
+        return cls._of(Kind.PARAM, name)
 
     @classmethod
     def frozen(cls, name: str) -> Role:
-        return cls(Kind.FROZEN, name)
+        return cls._of(Kind.FROZEN, name)
 
     @classmethod
     def buffer(cls, name: str) -> Role:
-        return cls(Kind.BUFFER, name)
+        return cls._of(Kind.BUFFER, name)
 
     @classmethod
     def state(cls, slot: str, name: str) -> Role:
-        return cls(Kind.STATE, name, slot=slot)
+        return cls._of(Kind.STATE, name, slot=slot)
 
     @classmethod
     def acc(cls, name: str) -> Role:
-        return cls(Kind.ACC, name)
+        return cls._of(Kind.ACC, name)
 
     @classmethod
     def grad(cls, name: str) -> Role:
-        return cls(Kind.GRAD, name)
+        return cls._of(Kind.GRAD, name)
 
     @classmethod
     def batch(cls, index: int) -> Role:
-        return cls(Kind.BATCH, index=index)
+        return cls._of(Kind.BATCH, index=index)
 
     @classmethod
     def hyper(cls) -> Role:
-        return cls(Kind.HYPER)
+        return cls._of(Kind.HYPER)
 
     @classmethod
     def constant(cls, name: str) -> Role:
-        return cls(Kind.CONSTANT, name)
+        return cls._of(Kind.CONSTANT, name)
 
     @classmethod
     def loss(cls) -> Role:
-        return cls(Kind.LOSS)
+        return cls._of(Kind.LOSS)
 
     @property
     def key(self) -> str:
@@ -87,6 +109,9 @@ class Role:
 
     def __str__(self) -> str:
         return self.key
+
+
+_INTERNED: dict[tuple, Role] = {}  # Role._of's instances, by their fields
 
 
 class Mode(Enum):
