@@ -1,10 +1,10 @@
 """OpInfo coverage: run torch's operator database through ``backend="meganeura"`` and classify every sample.
 
 ``python -m torch_meganeura.coverage`` takes each OpInfo of ``op_db`` (or those named by ``--ops``), a few of its
-CPU sample inputs (float32; int64 or bool where the op has no float32), compiles a fresh function calling the op
-with ``torch.compile(backend="meganeura")``, runs it forward and, for differentiable ops, backward (gradients of
-``(out * cotangent).sum()`` for a fixed random cotangent, with respect to every float input that requires grad),
-and compares with eager PyTorch. Each sample is one of:
+CPU sample inputs (float32; int64 or bool where the op has no float32; or, with ``--dtype``, bfloat16 or float16),
+compiles a fresh function calling the op with ``torch.compile(backend="meganeura")``, runs it forward and, for
+differentiable ops, backward (gradients of ``(out * cotangent).sum()`` for a fixed random cotangent, with respect
+to every float input that requires grad), and compares with eager PyTorch. Each sample is one of:
 
 - ``lowered``: every aten op of every graph ran on the device, outputs and gradients are correct;
 - ``fell-back``: correct, but some op ran in eager PyTorch (the backend's own fallback records, or a graph
@@ -19,8 +19,9 @@ That is the backend path (``--path backend``, the default). ``--path step`` runs
 training step instead (``compile_train_step``: loss, gradients and one SGD update; ``coverage_step``), ``--path
 both`` through both; the step's result of each sample is under its ``"step"`` key (``coverage_report.of_path``).
 
-Correctness: an element passes if it is within atol 1e-5 + rtol 1e-5 of eager float32, or, where the op runs
-in float64, within the same tolerance plus 4x eager float32's largest error of the eager float64 result.
+Correctness (``coverage_compare``): an element passes if it is within atol 1e-5 + rtol of eager in the sample's
+dtype (1e-5 in float32, one unit in the last place in a half dtype), or, where the op runs in float64, within the
+same tolerance plus 4x eager's largest error of the eager float64 result.
 Random and uninitialised ops (``NONDETERMINISTIC``) are compared on shape and dtype only. Samples run in a
 worker process, so a hang or crash costs one op, not the sweep. The JSON report has every sample; the markdown
 report (``coverage/opinfo.md``) has one row per op.
@@ -41,10 +42,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import coverage_report, coverage_step
+from .coverage_compare import compare
 
 STATUSES = coverage_report.STATUSES
 PATHS = {"backend": ("backend",), "step": ("step",), "both": ("backend", "step")}  # --path -> paths run
-ATOL, RTOL, EAGER_ERROR_FACTOR = 1e-5, 1e-5, 4.0
 NONDETERMINISTIC = frozenset({
     "bernoulli", "cauchy", "empty", "empty_like", "empty_permuted", "empty_strided", "exponential", "geometric",
     "log_normal", "multinomial", "new_empty", "new_empty_strided", "normal", "rand_like", "randint",
@@ -90,10 +91,16 @@ def select_ops(names: list[str] | None) -> list:
     return chosen
 
 
-def sample_dtype(op) -> torch.dtype | None:
-    for dtype in (torch.float32, torch.int64, torch.bool):
-        if dtype in op.dtypes:
-            return dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype
+WIDENED = (torch.float32, torch.bfloat16, torch.float16)  # sample dtypes whose float64 reference is computed
+
+
+def sample_dtype(op, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+    """The dtype of the op's samples in a sweep of ``dtype``: float32's sweep takes int64 or bool where the op has
+    no float32; a half dtype's sweep takes only that dtype."""
+    for candidate in (dtype, torch.int64, torch.bool) if dtype == torch.float32 else (dtype,):
+        if candidate in op.dtypes:
+            return candidate
     return None
 
 
@@ -123,11 +130,12 @@ class Call:
         return cls(fn, [leaves[i] for i in slots], sample.output_process_fn_grad)
 
     def inputs(self, to64: bool = False) -> list:
-        """Fresh copies of the tensors (float32 ones as float64 with ``to64``), requires_grad as sampled."""
+        """Fresh copies of the tensors (float32 and half ones as float64 with ``to64``), requires_grad as
+        sampled."""
         out = []
         for t in self.tensors:
             copy = t.detach().clone()
-            if to64 and copy.dtype == torch.float32:
+            if to64 and copy.dtype in WIDENED:
                 copy = copy.double()
             out.append(copy.requires_grad_(t.requires_grad))
         return out
@@ -172,14 +180,15 @@ def cotangent_loss(diff: list, cotangents: list) -> torch.Tensor:
 
 
 def eager_references(call: Call, op, backward: bool):
-    """Eager float32 results, the cotangents used, and float64 results where the op runs in float64."""
+    """Eager results (in the sample's dtype), the cotangents used, and float64 results where the op runs in
+    float64."""
     torch.manual_seed(0)
     try:
         ref32, cots = run_call(call, call.fn, call.inputs(), None, backward)
     except Exception as err:  # noqa: BLE001 - an error-input sample
         raise EagerFailure(f"eager raises {type(err).__name__}: {first_line(err)}") from err
     ref64 = None
-    if torch.float64 in op.dtypes and any(t.dtype == torch.float32 for t in call.tensors):
+    if torch.float64 in op.dtypes and any(t.dtype in WIDENED for t in call.tensors):
         try:
             ref64, _ = run_call(call, call.fn, call.inputs(to64=True), cots, backward)
         except Exception:  # noqa: BLE001 - some samples mix dtypes that float64 breaks; float32 alone then
@@ -321,80 +330,18 @@ def status_when_correct(fallbacks: dict, call: Call, backward: bool, cots) -> di
     return {"status": "fell-back" if fallbacks else "lowered"}
 
 
-# ---------------------------------------------------------------------------------------------------- comparison
-
-def compare(got: Result, ref32: Result, ref64: Result | None, values: bool) -> dict:
-    """status "ok" or "wrong" (with the first mismatch), and the worst errors over all outputs and gradients."""
-    if got.spec != ref32.spec or len(got.grads) != len(ref32.grads):
-        return {"status": "wrong", "mismatch": f"output structure {got.spec} vs eager {ref32.spec}"}
-    pairs = [(f"output {i}", g, w, None if ref64 is None else ref64.outputs[i])
-             for i, (g, w) in enumerate(zip(got.outputs, ref32.outputs))]
-    pairs += [(f"grad {i}", g, w, None if ref64 is None else ref64.grads[i])
-              for i, (g, w) in enumerate(zip(got.grads, ref32.grads))]
-    return compare_pairs(pairs, values)
-
-
-def compare_pairs(pairs: list, values: bool = True) -> dict:
-    """``compare`` over (what, got, eager float32, eager float64 or None) tuples."""
-    worst = {"max_abs_error": 0.0, "rel_l2": 0.0}
-    for what, g, w, w64 in pairs:
-        problem = compare_leaf(g, w, w64, values, worst)
-        if problem:
-            return {"status": "wrong", "mismatch": f"{what}: {problem}", **worst}
-    return {"status": "ok", **worst}
-
-
-def compare_leaf(got, want, want64, values: bool, worst: dict) -> str | None:
-    if not isinstance(want, torch.Tensor):
-        return None if got == want or not values else f"{got!r} != eager {want!r}"
-    if not isinstance(got, torch.Tensor):
-        return f"got {type(got).__name__}, eager gives a tensor"
-    if got.shape != want.shape or got.dtype != want.dtype or got.layout != want.layout:
-        return f"{got.dtype}{list(got.shape)} {got.layout} vs eager {want.dtype}{list(want.shape)} {want.layout}"
-    if want.layout != torch.strided:
-        got, want, want64 = got.to_dense(), want.to_dense(), None if want64 is None else want64.to_dense()
-    if not values or got.numel() == 0:
-        return None
-    if not (want.is_floating_point() or want.is_complex()):
-        return None if torch.equal(got, want) else f"{int((got != want).sum())} of {got.numel()} elements differ"
-    return compare_floats(got, want, want64, worst)
-
-
-def compare_floats(got, want, want64, worst: dict) -> str | None:
-    wide = torch.complex128 if got.is_complex() else torch.float64
-    got, want = got.to(wide), want.to(wide)
-    exact = want if want64 is None or want64.shape != want.shape else want64.to(wide)
-    same_special = (torch.isnan(got) & torch.isnan(want)) | (got == want)
-    finite = torch.isfinite(exact) & torch.isfinite(want)
-    err = (got - exact).abs()
-    eager_err = (want - exact).abs()[finite]
-    slack = EAGER_ERROR_FACTOR * eager_err.max().item() if eager_err.numel() else 0.0
-    near32 = (got - want).abs() <= ATOL + RTOL * want.abs()
-    near64 = err <= ATOL + RTOL * exact.abs() + slack
-    ok = same_special | near32 | near64
-    finite_err = err[finite & torch.isfinite(got)]
-    worst["max_abs_error"] = max(worst["max_abs_error"], finite_err.max().item() if finite_err.numel() else 0.0)
-    norm = exact[finite].abs().norm().item()
-    diff = (got - exact)[finite].abs().norm().item()
-    if diff == diff:  # not NaN
-        worst["rel_l2"] = max(worst["rel_l2"], diff / norm if norm else diff)
-    if bool(ok.all()):
-        return None
-    bad = (~ok).nonzero()[0].tolist()
-    return (f"{int((~ok).sum())} of {ok.numel()} elements off (first at {bad}: {got[tuple(bad)].item():.6g} vs "
-            f"eager {want[tuple(bad)].item():.6g}); max abs error {worst['max_abs_error']:.3g}")
-
-
 # ---------------------------------------------------------------------------------------------------- one op
 
-def run_op(op, max_samples: int, backward: bool, paths: tuple = ("backend",)) -> dict:
-    """The op's entry: its first ``max_samples`` samples, each run through every path of ``paths`` ("backend",
-    "step"), with the op's status per path."""
-    dtype = sample_dtype(op)
+def run_op(op, max_samples: int, backward: bool, paths: tuple = ("backend",),
+           sweep_dtype: torch.dtype = torch.float32) -> dict:
+    """The op's entry: its first ``max_samples`` samples in ``sweep_dtype`` (``sample_dtype``), each run through
+    every path of ``paths`` ("backend", "step"), with the op's status per path."""
+    dtype = sample_dtype(op, sweep_dtype)
     if dtype is None:
+        tried = "float32, int64 or bool" if sweep_dtype == torch.float32 else str(sweep_dtype).removeprefix("torch.")
         return with_statuses({"dtype": None, "samples": [
-            for_paths(paths, {"status": "skipped", "reason": "no float32, int64 or bool dtype"})]}, paths)
-    grad = (backward or "step" in paths) and op.supports_autograd and dtype == torch.float32
+            for_paths(paths, {"status": "skipped", "reason": f"no {tried} dtype"})]}, paths)
+    grad = (backward or "step" in paths) and op.supports_autograd and dtype in WIDENED
     try:
         samples = list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=grad), max_samples))
     except Exception as err:  # noqa: BLE001
@@ -436,7 +383,7 @@ def op_status(samples: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the worker
 
-def _worker(conn, max_samples: int, backward: bool, paths: tuple) -> None:
+def _worker(conn, max_samples: int, backward: bool, paths: tuple, dtype: torch.dtype) -> None:
     """Runs ops by name as the parent sends them; answers each with its report entry."""
     import logging
 
@@ -446,16 +393,16 @@ def _worker(conn, max_samples: int, backward: bool, paths: tuple) -> None:
 
     conn.send({"adapter": get_device().describe()})
     while (name := conn.recv()) is not None:
-        conn.send(run_op(by_name[name], max_samples, backward, paths))
+        conn.send(run_op(by_name[name], max_samples, backward, paths, dtype))
 
 
 class Worker:
     """A child process running ops (spawned, so a crash or hang in one op is contained)."""
 
-    def __init__(self, max_samples: int, backward: bool, paths: tuple):
+    def __init__(self, max_samples: int, backward: bool, paths: tuple, dtype: torch.dtype):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker, args=(child, max_samples, backward, paths), daemon=True)
+        self.process = ctx.Process(target=_worker, args=(child, max_samples, backward, paths, dtype), daemon=True)
         self.process.start()
         self.adapter = self._receive(600)["adapter"]
         self.done = 0
@@ -487,7 +434,7 @@ class Worker:
 
 
 def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, restart_every: int,
-          progress=print, paths: tuple = ("backend",)) -> tuple[dict, str]:
+          progress=print, paths: tuple = ("backend",), dtype: torch.dtype = torch.float32) -> tuple[dict, str]:
     """Run every op in a worker (``timeout`` seconds each); restart it after a crash, a timeout or
     ``restart_every`` ops."""
     ops, worker, adapter = {}, None, ""
@@ -496,7 +443,7 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
             if worker is None or worker.done >= restart_every:
                 if worker is not None:
                     worker.stop()
-                worker = Worker(max_samples, backward, paths)
+                worker = Worker(max_samples, backward, paths, dtype)
                 adapter = worker.adapter
             start = time.perf_counter()
             try:
@@ -525,7 +472,8 @@ def build_report(ops: dict, adapter: str, argv: list[str], args, seconds: float)
         "command": " ".join(["python -m torch_meganeura.coverage", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch": torch.__version__, "wgpu": wgpu.__version__, "adapter": adapter, "paths": list(paths),
-        "max_samples": args.max_samples, "backward": not args.no_backward, "seconds": round(seconds, 1),
+        "max_samples": args.max_samples, "backward": not args.no_backward, "dtype": args.dtype,
+        "seconds": round(seconds, 1),
     }
     samples = [s for entry in ops.values() for s in entry["samples"]]
     of = coverage_report.of_path
@@ -557,12 +505,18 @@ def parse_args(argv=None):
                         help="what runs each sample: torch.compile(backend='meganeura') (backend, the default), "
                              "the resident training step compile_train_step with SGD (step), or both")
     parser.add_argument("--no-backward", action="store_true", help="backend path forward only (no gradients)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="the samples' dtype: float32 (int64 or bool where an op has none; the default) or a "
+                             "half dtype (ops without it are skipped; backend path only)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="seconds per sample and path (an op gets S x N x paths) before its worker counts as "
                              "hung and is restarted (default 120)")
     parser.add_argument("--restart-every", type=int, default=40, metavar="K",
                         help="start a fresh worker after K ops, bounding memory growth (default 40)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.dtype != "float32" and args.path != "backend":
+        parser.error("--dtype bfloat16 or float16 sweeps the backend path only (--path backend)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     paths = PATHS[args.path]
     ops, adapter = sweep(names, args.max_samples, not args.no_backward, args.timeout * args.max_samples * len(paths),
-                         args.restart_every, progress=lambda line: print(line, flush=True), paths=paths)
+                         args.restart_every, progress=lambda line: print(line, flush=True), paths=paths,
+                         dtype=DTYPES[args.dtype])
     report = build_report(ops, adapter, argv, args, time.perf_counter() - start)
     coverage_report.write(report, args.json, args.markdown)
     print(coverage_report.summary(report))

@@ -7,7 +7,7 @@ backend path's, the sum over differentiable outputs of ``(out * cotangent).sum()
 cotangents (captured constants). Through ``compile_train_step`` with ``torch.optim.SGD(lr=0.1)`` the loss and every
 gradient (``gradients()``) are compared with eager PyTorch, then one step runs and its loss, the updated parameters
 (``sync_to_module``) and buffers are compared with eager's ``p - 0.1 * grad`` and eager's buffers after one call, by
-the backend path's rules (``coverage.compare_pairs``). Each sample is one of:
+the backend path's rules (``coverage_compare.compare_pairs``). Each sample is one of:
 
 - ``lowered``: the step compiled into one device plan and everything compared is correct;
 - ``fell-back``: compile_train_step refused the sample because some ops have no device lowering (``fallback_ops``
@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from . import coverage
+from . import coverage, coverage_compare
 
 LR = 0.1
 REFUSAL = "compile_train_step needs every op on the device; these are not: "
@@ -105,7 +105,7 @@ def _run(op, sample) -> dict:
         return coverage.error_entry(err)
     pairs = comparisons(call, trained, got, ref32, ref64)
     pairs += [(f"buffer t{i} after the step", got["buffers"][i], value, None) for i, value in changed.items()]
-    result = coverage.compare_pairs(pairs)
+    result = coverage_compare.compare_pairs(pairs)
     if result["status"] == "ok":
         result.update(coverage.status_when_correct(got["fallbacks"], call, True, cots))
     return {**result, "fallback_ops": got["fallbacks"]}

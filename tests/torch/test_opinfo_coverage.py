@@ -52,13 +52,16 @@ MAY_FALL_BACK = [
     "cummax", "digamma", "erfinv", "isin", "linalg.det", "median", "nn.functional.conv3d",
     "nn.functional.pad.replicate", "searchsorted", "sort", "topk",
 ]
+HALF_OPS = ["add", "mul", "exp", "softmax", "nn.functional.layer_norm", "nn.functional.rms_norm", "matmul",
+            "nn.functional.linear", "sum", "amax", "transpose", "nn.functional.silu", "nn.functional.embedding",
+            "nn.functional.conv2d", "nn.functional.cross_entropy"]  # what half-precision models are made of
 STEP_OPS = ["add", "mul", "sum", "amax", "softmax", "matmul", "nn.functional.linear", "select", "transpose",
             "logsumexp", "exp", "nn.functional.batch_norm", "cummax"]  # batch_norm: running statistics as buffers
 
 
 @pytest.fixture(scope="module")
 def op_infos():
-    return {coverage.full_name(op): op for op in coverage.select_ops(LOWERED + MAY_FALL_BACK)}
+    return {coverage.full_name(op): op for op in coverage.select_ops(LOWERED + MAY_FALL_BACK)}  # HALF_OPS among them
 
 
 def describe(name: str, sample: dict) -> str:
@@ -73,6 +76,17 @@ def test_opinfo_sample(name, op_infos):
     entry = coverage.run_op(op_infos[name], max_samples=1, backward=True)
     for sample in entry["samples"]:
         assert sample["status"] in allowed, describe(name, sample)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", HALF_OPS)
+def test_opinfo_sample_in_half_precision(name, dtype, op_infos):
+    """A half-precision sample runs on the device, forward and backward, within one unit in the last place of eager
+    in that dtype or of float64 by eager's own error (``coverage_compare``); the full sweep is ``--dtype``."""
+    entry = coverage.run_op(op_infos[name], max_samples=1, backward=True, sweep_dtype=coverage.DTYPES[dtype])
+    assert entry["dtype"] == dtype
+    for sample in entry["samples"]:
+        assert sample["status"] == "lowered", describe(name, sample)
 
 
 @pytest.mark.parametrize("name", STEP_OPS)
