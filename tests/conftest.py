@@ -18,24 +18,23 @@ import torch
 logging.getLogger("torch.__trace").setLevel(logging.WARNING)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _long_lived_objects_frozen():
-    """What the test modules imported (torch, transformers, OpInfo's database: ~500,000 objects) lives for the
-    whole session: frozen out of the collector, each test's collection below scans only newer objects (0.5 s a
-    test otherwise, a tenth of the suite on the 2-core machine)."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+FULL_COLLECTION_EVERY = 50  # tests; a frozen object that dies in a reference cycle is reclaimed only by these
+_tests_since_full_collection = 0
 
 
 @pytest.fixture(autouse=True)
-def _no_gc_during_test(_long_lived_objects_frozen):
+def _no_gc_during_test():
     """Garbage collection frees device copies of dead tensors (weakref callbacks) at arbitrary points;
     collect before each test and pause it during, so tests that assert on device counters are exact. What
-    survives the collection is frozen too: the next test's collection scans only what this test made (a full
-    collection of what earlier tests left, dynamo's caches of their compiled functions among it, took 0.3-0.6 s a
-    test: half of the suite's time on the 2-core machine)."""
+    survives the collection is frozen out of the collector: the next test's collection scans only what this test
+    made. A full collection of everything (torch, transformers and OpInfo's database are ~500,000 objects, and
+    dynamo's caches of earlier tests' compiled functions grow) took 0.3-0.6 s a test: half of the suite's time on
+    the 2-core machine."""
+    global _tests_since_full_collection
+    _tests_since_full_collection += 1
+    if _tests_since_full_collection >= FULL_COLLECTION_EVERY:  # frozen objects that died since: reclaimed
+        _tests_since_full_collection = 0
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
     gc.disable()
