@@ -4,6 +4,10 @@ An element passes if it is within ATOL + RTOL of eager's result, or, where the o
 tolerance plus 4x eager's largest error of the float64 result. RTOL is that of the result's dtype: 1e-5 in
 float32, one unit in the last place at 1.0 in bfloat16 and float16 (eager rounds each op's result to the half
 dtype and so may we, at another point of a fused chain).
+
+Beside the verdict, ``precision`` is the worst over a sample's outputs and gradients of our relative L2 distance
+from float64 over eager's (eager's taken as at least PRECISION_FLOOR): above PRECISION_BOUND, ours is correct by
+the tolerances yet less accurate than eager's own error allows.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import torch
 ATOL, EAGER_ERROR_FACTOR = 1e-5, 4.0
 RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # a half dtype's spacing at 1.0
 RTOL_FLOAT32 = 1e-5
+PRECISION_FLOOR = 1e-7  # relative L2 from float64 that counts as exact: eager's error, where smaller, is taken as this
+PRECISION_BOUND = 2.0  # issue 39's bound on ``precision``: ours at most twice eager's distance from float64
 
 
 def compare(got, ref32, ref64, values: bool) -> dict:
@@ -71,6 +77,9 @@ def compare_floats(got, want, want64, worst: dict) -> str | None:
     diff = (got - exact)[finite].abs().norm().item()
     if diff == diff:  # not NaN
         worst["rel_l2"] = max(worst["rel_l2"], diff / norm if norm else diff)
+        if exact is not want and norm:
+            eager_rel = (want - exact)[finite].abs().norm().item() / norm
+            worst["precision"] = max(worst.get("precision", 0.0), diff / norm / max(eager_rel, PRECISION_FLOOR))
     if bool(ok.all()):
         return None
     bad = (~ok).nonzero()[0].tolist()

@@ -10,6 +10,8 @@ import json
 import os
 import re
 
+from .coverage_compare import PRECISION_BOUND, PRECISION_FLOOR
+
 STATUSES = ("lowered", "fell-back", "wrong", "error", "skipped")
 NOTE_CHARS = 160
 TITLES = {"backend": 'backend="meganeura"', "step": "the resident training step (compile_train_step)"}
@@ -56,7 +58,19 @@ def summary(report: dict) -> str:
         counts = of_path(report, path)["counts"]
         lines += [f"{path} {what}:".ljust(17) + ", ".join(f"{s} {counts[what][s]}" for s in STATUSES)
                   for what in ("ops", "samples")]
+    if "backend" in report["paths"]:
+        imprecise = imprecise_samples(report)
+        lines.append(f"backend precision: {len(imprecise)} correct samples farther from float64 than "
+                     f"{PRECISION_BOUND:g}x eager's error (or {PRECISION_FLOOR:g})")
     return "\n".join(lines)
+
+
+def imprecise_samples(report: dict) -> list[tuple[float, str, int]]:
+    """(precision, op, sample index) of the backend path's correct samples above PRECISION_BOUND, worst first."""
+    found = [(s["precision"], name, i) for name, entry in report["ops"].items()
+             for i, s in enumerate(entry["samples"])
+             if s.get("status") in ("lowered", "fell-back") and s.get("precision", 0.0) > PRECISION_BOUND]
+    return sorted(found, reverse=True)
 
 
 def note(entry: dict, path: str) -> str:
@@ -115,6 +129,10 @@ def markdown(report: dict) -> str:
         "```",
     ]
     if "backend" in paths:
+        imprecise = imprecise_samples(report)
+        lines += ["", f"Correct samples farther from float64 than {PRECISION_BOUND:g}x eager's own error (precision: "
+                  "our relative L2 from float64 over eager's):", "", "| op | sample | precision |", "|---|---|---|"]
+        lines += [f"| {name} | {i} | {ratio:.2f} |" for ratio, name, i in imprecise]
         lines += ["", "Ops that ran in eager PyTorch most often (samples):", *op_tables(report, "backend")]
     if "step" in paths:
         lines += ["", "## The resident training step (compile_train_step)", "", STEP_TEXT, "",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.compare import check_against_eager
-from torch_meganeura import backend, coverage, coverage_step, registry, train_step
+from torch_meganeura import backend, coverage, coverage_compare, coverage_report, coverage_step, registry, train_step
 
 LOWERED = [
     # pointwise
@@ -181,3 +181,19 @@ def test_asin_acos_as_precise_as_eager():
 def test_zero_dim_bool_output():
     """A 0-d bool result came back from the runtime as a numpy scalar and was taken for a resident array."""
     check_against_eager(lambda a, b: (a == b, torch.logical_and(a > 0, b > 0)), torch.randn(()), torch.randn(()))
+
+
+def test_precision_is_our_distance_from_float64_over_eagers():
+    """A result correct by the tolerances but three times farther from float64 than eager's is reported as such;
+    where eager is exact, an error up to PRECISION_FLOOR counts as exact too."""
+    exact = torch.randn(1000, dtype=torch.float64)
+    noise = torch.randn(1000, dtype=torch.float64) * exact.norm() / 1000 ** 0.5
+    eager, ours = (exact + 1e-6 * noise).float(), (exact + 3e-6 * noise).float()
+    result = coverage_compare.compare_pairs([("output 0", ours, eager, exact)])
+    assert result["status"] == "ok" and 2.9 < result["precision"] < 3.1, result
+    exact32 = exact.float()
+    at_floor = coverage_compare.compare_pairs([("output 0", exact32, exact32, exact32.double())])
+    assert at_floor["precision"] == 0.0
+    report = {"paths": ["backend"], "ops": {"exp": {"samples": [{"status": "lowered", "precision": 3.0}]},
+                                            "add": {"samples": [{"status": "lowered", "precision": 1.2}]}}}
+    assert coverage_report.imprecise_samples(report) == [(3.0, "exp", 0)]
