@@ -129,10 +129,15 @@ HELPERS = {
   let p = mg_log_parts(x);
   return mg_log_special(x, p.x + p.y * 1.4426950408889634);
 }""",
-    # log1p(x) = log(u) x / (u - 1) for u = 1 + x rounded: the factor corrects the rounding of u (Goldberg)
+    # log1p(x) = 2 atanh(s), s = x / (2 + x), as its odd series on [-0.5, 1] (|s| <= 1/3: 9 terms reach 2^-24);
+    # log(1 + x) outside, where 1 + x loses no digit that matters. Goldberg's log(u) x / (u - 1) needs (1 + x) - 1
+    # kept as written, which shader compilers may fold to x (lavapipe does: log1p(3e-7) came out 3.58e-7).
     "mg_log1p": """fn mg_log1p(x: f32) -> f32 {
-  let u = 1.0 + x;
-  return select(select(mg_log(u) * (x / (u - 1.0)), mg_log(u), mg_isinf(u)), x, u == 1.0);
+  let s = x / (2.0 + x);
+  let s2 = s * s;
+  let odd = 1.0 / 3.0 + s2 * (1.0 / 5.0 + s2 * (1.0 / 7.0 + s2 * (1.0 / 9.0 + s2 * (1.0 / 11.0 + s2 * (1.0 / 13.0
+      + s2 * (1.0 / 15.0 + s2 * (1.0 / 17.0)))))));
+  return select(mg_log(1.0 + x), 2.0 * s + 2.0 * s * s2 * odd, x >= -0.5 && x <= 1.0);
 }""",
     "mg_expm1": """fn mg_expm1(x: f32) -> f32 {
   return select(mg_exp(x) - 1.0, x * (1.0 + x * (0.5 + x * (1.0 / 6.0))), abs(x) < 1e-3);
