@@ -167,7 +167,8 @@ HELPERS = {
 # as torch's conversions do. float16 goes by integer bit operations both ways, as bfloat16 does, depending on no
 # built-in: pack2x16float leaves out-of-range values undefined; and with unpack2x16float, the one float16-only step on
 # its path, a float16 ResNet-50 came out wrong on the H200 (0.44 relative L2) while bfloat16 and lavapipe were right
-# at the same shapes (not yet rerun there). A subnormal half widens through an exact product by 2^-24.
+# at the same shapes; widened by bit operations it passes there (2.1e-4). A subnormal half widens through an exact
+# product by 2^-24.
 HALF_HELPERS = {
     "mg_widen_bf16": """fn mg_widen_bf16(w: u32, hi: u32) -> f32 {
   return bitcast<f32>(select(w << 16u, w & 0xffff0000u, hi == 1u));
