@@ -7,7 +7,6 @@ device arrays by role and binds each placeholder from the array of its role. ``R
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
 
@@ -24,77 +23,73 @@ class Kind(Enum):
     LOSS = "loss"  # the step's loss (an output)
 
 
-@dataclass(frozen=True, eq=False)
 class Role:
     """One input or output of a step's graph: a ``kind`` and what it is of (a parameter, buffer or constant's
-    ``name``, an optimizer state's ``slot``, a batch argument's ``index``)."""
+    ``name``, an optimizer state's ``slot``, a batch argument's ``index``).
 
-    kind: Kind
-    name: str = ""
-    slot: str = ""
-    index: int = -1
+    There is one Role per set of fields (``Role(...)`` returns the existing one, copies and pickles too), so roles
+    compare and hash by identity, in C. Roles key the step's dicts of device arrays, looked up thousands of times a
+    step: a hash written in Python cost milliseconds a step on the H200 (bench/results/h200-issue34-ab.md)."""
 
-    def __post_init__(self):
-        # Roles key the step's dicts of device arrays, looked up thousands of times a step: the generated hash (of
-        # an Enum, in Python) cost milliseconds a step on the H200. Hash and compare a plain tuple, hashed once.
-        object.__setattr__(self, "_ident", (self.kind.value, self.name, self.slot, self.index))
-        object.__setattr__(self, "_hash", hash(self._ident))
+    __slots__ = ("kind", "name", "slot", "index")
 
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Role) and self._ident == other._ident)
-
-    @classmethod
-    def _of(cls, kind: Kind, name: str = "", slot: str = "", index: int = -1) -> Role:
-        """The one Role of these fields (the constructors below share it): a dict finds an identical key without
-        calling ``__eq__``."""
-        ident = (kind.value, name, slot, index)
-        role = _INTERNED.get(ident)
+    def __new__(cls, kind: Kind, name: str = "", slot: str = "", index: int = -1) -> Role:
+        fields = (kind, name, slot, index)
+        role = _INTERNED.get(fields)
         if role is None:
-            role = _INTERNED[ident] = cls(kind, name, slot, index)
+            role = _INTERNED[fields] = object.__new__(cls)
+            for field, value in zip(cls.__slots__, fields):
+                object.__setattr__(role, field, value)
         return role
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Role is immutable: it is shared by every user of its fields")
+
+    def __reduce__(self):
+        return Role, (self.kind, self.name, self.slot, self.index)
+
+    def __repr__(self) -> str:
+        return f"Role({self.key!r})"
 
     @classmethod
     def param(cls, name: str) -> Role:
-        return cls._of(Kind.PARAM, name)
+        return cls(Kind.PARAM, name)
 
     @classmethod
     def frozen(cls, name: str) -> Role:
-        return cls._of(Kind.FROZEN, name)
+        return cls(Kind.FROZEN, name)
 
     @classmethod
     def buffer(cls, name: str) -> Role:
-        return cls._of(Kind.BUFFER, name)
+        return cls(Kind.BUFFER, name)
 
     @classmethod
     def state(cls, slot: str, name: str) -> Role:
-        return cls._of(Kind.STATE, name, slot=slot)
+        return cls(Kind.STATE, name, slot=slot)
 
     @classmethod
     def acc(cls, name: str) -> Role:
-        return cls._of(Kind.ACC, name)
+        return cls(Kind.ACC, name)
 
     @classmethod
     def grad(cls, name: str) -> Role:
-        return cls._of(Kind.GRAD, name)
+        return cls(Kind.GRAD, name)
 
     @classmethod
     def batch(cls, index: int) -> Role:
-        return cls._of(Kind.BATCH, index=index)
+        return cls(Kind.BATCH, index=index)
 
     @classmethod
     def hyper(cls) -> Role:
-        return cls._of(Kind.HYPER)
+        return cls(Kind.HYPER)
 
     @classmethod
     def constant(cls, name: str) -> Role:
-        return cls._of(Kind.CONSTANT, name)
+        return cls(Kind.CONSTANT, name)
 
     @classmethod
     def loss(cls) -> Role:
-        return cls._of(Kind.LOSS)
+        return cls(Kind.LOSS)
 
     @property
     def key(self) -> str:
@@ -111,7 +106,7 @@ class Role:
         return self.key
 
 
-_INTERNED: dict[tuple, Role] = {}  # Role._of's instances, by their fields
+_INTERNED: dict[tuple, Role] = {}  # every Role, by its fields
 
 
 class Mode(Enum):

@@ -337,6 +337,7 @@ class _CompiledStep:
         graph = compile_device_graph(gm, example, set(), owner.device, tune=owner.tune)
         self.lowered = graph.lowered
         placeholder_of = dict(self.lowered.inputs)
+        self.used = frozenset(placeholder_of)  # the placeholders the plan reads
         self.input_names = {role: placeholder_of[i] for i, role in enumerate(self.roles) if i in placeholder_of}
         kinds = [kind for kind, _ in self.lowered.outputs]
         if kinds[0] != "plan" or any(k != "plan" for k in kinds):
@@ -351,8 +352,8 @@ class _CompiledStep:
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor, into: dict | None = None):
         """Run the step on the state ``arrays``; outputs of the roles in ``into`` overwrite those arrays."""
-        used = {i for i, _ in self.lowered.inputs}
-        values = [self._value(role, arrays, batch, hyper) if i in used else None for i, role in enumerate(self.roles)]
+        values = [self._value(role, arrays, batch, hyper) if i in self.used else None
+                  for i, role in enumerate(self.roles)]
         host, device_inputs = feed(self.lowered, values, self.program.device)
         into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.state_outputs}
         results = self.program.run(host, device_inputs, into)
