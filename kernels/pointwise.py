@@ -24,13 +24,14 @@ def elements_per_thread(total: int) -> int:
     return next((n for n in ELEMENTS_PER_THREAD if total >= n * WORKGROUP * MIN_WORKGROUPS), 1)
 
 
-def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
+def pointwise_kernel(*, bindings, outputs, shape, limits, guarded: bool = False) -> tuple[str, tuple]:
     """Return (WGSL, workgroups) computing, at every coordinate of ``shape``, each (name, dtype, expr, storage) of
     ``outputs`` into buffer ``name`` at the coordinate's linear index.
 
     ``bindings`` lists (slot, name, storage type) for every buffer the kernel uses (outputs included). Where an output
     is stored in half precision (``storage`` "bf16" or "f16"), each thread computes element pairs and stores each
-    pair as one u32 word: two threads never write the same word.
+    pair as one u32 word: two threads never write the same word. A ``guarded`` kernel (one that stores over its
+    inputs) stores nothing once a check of an earlier kernel has failed: ``bindings`` then include the status buffer.
     """
     total = 1
     for s in shape:
@@ -53,6 +54,8 @@ def pointwise_kernel(*, bindings, outputs, shape, limits) -> tuple[str, tuple]:
             index = f"min({element}, {max(total - 1, 0)}u)" if clamp else element
             computed.append(_compute(outputs, [rs[lane] for rs in results], index, shape))
         stored += [_store(name, storage, rs, unit, lanes, total) for rs, (name, _, _, storage) in zip(results, outputs)]
+    if guarded:
+        stored = [f"  if (atomicLoad(&{wgsl.STATUS_VAR}[0]) == 0u) {{", *stored, "  }"]
     body = "\n".join(declared + computed + stored)
     source = f"""{wgsl.binding_decls(bindings)}
 {wgsl.helpers_for(body)}

@@ -237,11 +237,22 @@ class Attention(Node):
             setattr(self, name, e)
 
 
+def last_reads(nodes: list[Node]) -> dict[int, int]:
+    """Value id -> index in ``nodes`` of the last node that loads it."""
+    last: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for e in node.exprs():
+            for ld in E.loads_of(e):
+                last[ld.args[0]] = i
+    return last
+
+
 @dataclass
 class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
     status_messages: dict[int, str] = field(default_factory=dict)  # code raised by ``check`` exprs -> error
+    in_place: dict[int, str] = field(default_factory=dict)  # output position -> Input it may overwrite (in_place.py)
 
     def producers(self) -> dict[int, Node]:
         return {v.id: n for n in self.nodes for v in n.outs}

@@ -24,7 +24,8 @@ from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSp
 from . import expr as E
 from .bindings import checks, kernel_bindings
 from .indexing import linear_index, quad_row_index, simplify, unit_stride_coord
-from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value
+from .in_place import StoredOver, in_place_outputs
+from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value, last_reads
 from .planner import Interval, place
 
 
@@ -47,6 +48,7 @@ class Slots(NamedTuple):
     exprs: list  # the node's expressions, with loads read from slots
     out_slots: list  # the slot of each output value
     name: Callable[[int], str]  # slot -> WGSL name
+    guarded: bool = False  # the node stores over an input in a plan that checks data: it stores only if no check failed
 
 
 def tensor_bytes(v: Value, stored: dict | None = None) -> int:
@@ -69,7 +71,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     graph = _narrowed_outputs(graph)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     values = {v.id: v for n in graph.nodes for v in n.outs}
-    buffers, inputs, params, outputs, placement = _own_buffers(graph)
+    over, refused = in_place_outputs(graph, kernels)
+    buffers, inputs, params, outputs, placement = _own_buffers(graph, over)
     stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
     variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls)
     intervals, scratch = _arena_intervals(kernels, placement, limits, variants)
@@ -82,11 +85,20 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
         buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
 
     binding_of = _binding_table(placement, sizes, values, stored)
-    sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel)
+    stored_over = StoredOver({target.out.id: graph.outputs[i].id for i, target in over.items()},
+                             bool(graph.status_messages))
+    sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel,
+                                           stored_over)
     plan_stats = dict(stats or {})
     plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
                       dispatches=len(dispatches), kernels=len(sources))
-    plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats)
+    if graph.in_place:
+        saved = sum(tensor_bytes(target.out, stored) for target in over.values())
+        plan_stats.update(in_place_outputs=len(over), in_place_bytes=saved,
+                          in_place_refused={f"out{i}": why for i, why in refused.items()})
+    in_place = {f"out{i}": target.name for i, target in over.items()}
+    plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats,
+                in_place)
     plan.validate()
     return plan
 
@@ -108,12 +120,13 @@ def _narrowed_outputs(graph: Graph) -> Graph:
     nodes = graph.nodes + [Pointwise([copies[vid]], E.load(vid, tuple(E.coord(d) for d in range(len(c.shape))), E.F32),
                                      "narrow") for vid, c in copies.items()]
     outputs = [copies.get(v.id, v) for v in graph.outputs]
-    return Graph(nodes, outputs, graph.status_messages)
+    return Graph(nodes, outputs, graph.status_messages, graph.in_place)
 
 
-def _own_buffers(graph: Graph) -> tuple[list[BufferSpec], list, list, list, dict[int, tuple[str, int]]]:
-    """The buffers of the graph's inputs, parameters and outputs, each a buffer of its own: (buffers, input specs,
-    parameter specs, output specs, value id -> (buffer, offset))."""
+def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec], list, list, list, dict]:
+    """The buffers of the graph's inputs, parameters and outputs, each a buffer of its own but the outputs stored
+    over an input (``over``: output position -> that Input): (buffers, input specs, parameter specs, output specs,
+    value id -> (buffer, offset))."""
     placement: dict[int, tuple[str, int]] = {}
     buffers: list[BufferSpec] = []
     inputs, params, outputs = [], [], []
@@ -127,21 +140,15 @@ def _own_buffers(graph: Graph) -> tuple[list[BufferSpec], list, list, list, dict
     for i, v in enumerate(graph.outputs):
         if v.id in placement:
             continue
-        buf = f"out{i}"
-        buffers.append(BufferSpec(buf, max(storage_bytes(v.numel, v.dtype), 4), "output"))
-        outputs.append(TensorSpec(buf, buf, 0, v.shape, v.dtype))
+        name = f"out{i}"
+        if i in over:
+            buf = placement[over[i].out.id][0]
+        else:
+            buf = name
+            buffers.append(BufferSpec(buf, max(storage_bytes(v.numel, v.dtype), 4), "output"))
+        outputs.append(TensorSpec(name, buf, 0, v.shape, v.dtype))
         placement[v.id] = (buf, 0)
     return buffers, inputs, params, outputs, placement
-
-
-def _last_reads(kernels: list[Node]) -> dict[int, int]:
-    """Value id -> step (index in ``kernels``) of the last kernel that reads it."""
-    last_use: dict[int, int] = {}
-    for step, node in enumerate(kernels):
-        for e in node.exprs():
-            for ld in E.loads_of(e):
-                last_use[ld.args[0]] = step
-    return last_use
 
 
 def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
@@ -149,7 +156,7 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
     """The lifetimes the arena holds, and node id -> (slices, arena key of their partial results) of each node cut
     into slices. Each value without a buffer of its own lives from the step that writes it to its last read; the
     partial results of a sliced node, keyed -1 - step (no value id collides), during its step."""
-    last_use = _last_reads(kernels)
+    last_use = last_reads(kernels)
     intervals = [
         Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
@@ -172,9 +179,9 @@ def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict) -> 
 
 
 def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: dict, scratch: dict, variants: dict,
-                     binding_of: dict, on_kernel) -> tuple[dict[str, str], list[Dispatch]]:
+                     binding_of: dict, on_kernel, stored_over: StoredOver) -> tuple[dict[str, str], list[Dispatch]]:
     """(WGSL by kernel key, dispatches in order) of the nodes that write anything; ``on_kernel`` hears of each new
-    kernel as it is generated."""
+    kernel as it is generated. ``stored_over``: the outputs stored over inputs (``in_place``)."""
     sources: dict[str, str] = {}
     dispatches = []
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
@@ -182,7 +189,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         if all(v.numel == 0 for v in node.outs):
             continue
         label = _label(node)
-        passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)))
+        passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over)
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             if len(bound) > max_bindings:  # a pass fusion or a generator let grow past the limit: never sent to wgpu
@@ -291,12 +298,18 @@ def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
                                             node.dv, node.scale, node.causal, node.bias is not None)
 
 
-def _bindings(node: Node, values: dict, stored: dict, scratch_key=None) -> Slots:
+def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
+              stored_over: StoredOver | None = None) -> Slots:
     """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
-    ``scratch_key`` (f32 partial results) comes last."""
+    ``scratch_key`` (f32 partial results) comes last. The node reads an input that one of its outputs is stored over
+    (``in_place``) through the output's binding: one buffer range is bound once (WebGPU forbids a writable binding
+    that overlaps another in one dispatch); such a node binds the status buffer too where ``stored_over.guarded``."""
     bound: list = []
+    outs = {v.id for v in node.outs}
+    same = {old: new for old, new in (stored_over.values if stored_over else {}).items() if new in outs}
 
     def slot_of(vid) -> int:
+        vid = same.get(vid, vid)
         if vid not in bound:
             bound.append(vid)
         return bound.index(vid)
@@ -306,7 +319,8 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None) -> Slots
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
     exprs = [_linearise(e, d, values, stored, slot_of) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
-    if checks(exprs):
+    guarded = bool(same) and stored_over.guarded
+    if checks(exprs) or guarded:
         slot_of("status")
 
     def name(slot):
@@ -322,7 +336,7 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None) -> Slots
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[kind] if kind else "f32"))
-    return Slots(bound, decl, storage, exprs, out_slots, name)
+    return Slots(bound, decl, storage, exprs, out_slots, name, guarded)
 
 
 def _storage(v: Value, stored: dict) -> str:
@@ -331,11 +345,11 @@ def _storage(v: Value, stored: dict) -> str:
 
 
 def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple[int, int] | None = None,
-            variant: matmul_kernels.MatmulChoice | None = None) -> list[tuple]:
+            variant: matmul_kernels.MatmulChoice | None = None, stored_over: StoredOver | None = None) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut
     into slices (``scratch``: slices and the arena key of their partial results). A matmul node's kernel is
     ``variant``. ``KERNELS`` holds the generator of each node type."""
-    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None)
+    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over)
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
@@ -348,7 +362,7 @@ def _pointwise_kernels(node: Pointwise, slots: Slots, limits: dict, scratch, var
     outputs = [(slots.name(s), v.compute_dtype, e, slots.storage[s])
                for s, v, e in zip(slots.out_slots, node.outs, slots.exprs)]
     src, groups = pointwise_kernels.pointwise_kernel(bindings=slots.decl, outputs=outputs, shape=node.out.shape,
-                                                     limits=limits)
+                                                     limits=limits, guarded=slots.guarded)
     return [(src, groups, slots.bound)]
 
 

@@ -10,6 +10,8 @@ Buffer roles:
   ``output``  written by the plan and read back after every run;
   ``arena``   intermediates placed at planned offsets, shared by tensors with disjoint lifetimes;
   ``status``  a few u32 words that kernels raise (atomicMax) to report bad data, e.g. an index out of range.
+An output in ``Plan.in_place`` has no buffer of its own: it is stored over an input's, which the caller binds from
+the device (the input's old value is gone after the run).
 
 Every kernel binds storage buffers only, all ``read_write`` (wgpu refuses one buffer bound both read-only
 and writable in a dispatch, and arena tensors share a buffer), at ``@group(0) @binding(i)`` for i in order.
@@ -80,6 +82,7 @@ class Plan:
     dispatches: list[Dispatch]
     status_messages: dict[int, str] = field(default_factory=dict)  # status code -> error text
     stats: dict = field(default_factory=dict)  # informational: planned/unplanned bytes, fused groups...
+    in_place: dict[str, str] = field(default_factory=dict)  # output -> the input whose buffer it is stored over
 
     def buffer(self, name: str) -> BufferSpec:
         for b in self.buffers:
@@ -118,6 +121,7 @@ class Plan:
                 for x in d["dispatches"]
             ],
             status_messages={int(k): v for k, v in d.get("status_messages", {}).items()},
+            in_place=dict(d.get("in_place", {})),
             stats=dict(d.get("stats", {})),
         )
         plan.validate()
@@ -140,6 +144,10 @@ class Plan:
                     raise ValueError(f"tensor {t.name!r} has unsupported dtype {t.dtype!r}")
                 if t.offset + t.nbytes > names[t.buffer].size:
                     raise ValueError(f"tensor {t.name!r} does not fit in buffer {t.buffer!r}")
+        inputs, outputs = {t.name: t for t in self.inputs}, {t.name: t for t in self.outputs}
+        for out, name in self.in_place.items():
+            if out not in outputs or name not in inputs or outputs[out].buffer != inputs[name].buffer:
+                raise ValueError(f"in-place output {out!r} is not an output stored in input {name!r}'s buffer")
         for i, disp in enumerate(self.dispatches):
             if disp.kernel not in self.kernels:
                 raise ValueError(f"dispatch {i} ({disp.label}) uses missing kernel {disp.kernel!r}")

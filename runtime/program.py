@@ -147,12 +147,15 @@ class Program:
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
+        stored = [t for t in plan.inputs + plan.params + plan.outputs if t.name not in plan.in_place]
         counts: dict[str, int] = {}
-        for t in plan.inputs + plan.params + plan.outputs:
+        for t in stored:
             counts[t.buffer] = counts.get(t.buffer, 0) + 1
-        self._alone = {t.name for t in plan.inputs + plan.outputs if not t.offset and counts[t.buffer] == 1}
-        self._resident = {t.name: t for t in plan.outputs if t.name in set(resident_outputs)}
-        unknown = sorted(set(resident_outputs) - set(self._resident))
+        self._alone = {t.name for t in stored if not t.offset and counts[t.buffer] == 1}
+        self._in_place = dict(plan.in_place)  # output -> the device input it is stored over, returned as that array
+        self._resident = {t.name: t for t in plan.outputs
+                          if t.name in set(resident_outputs) and t.name not in self._in_place}
+        unknown = sorted(set(resident_outputs) - set(self._resident) - set(self._in_place))
         if unknown:
             raise InputError(f"resident outputs {unknown} are not outputs of this plan")
         self._own_buffer_specs(self._resident.values(), "a resident output")
@@ -161,6 +164,9 @@ class Program:
         if unknown:
             raise InputError(f"device-only inputs {unknown} are not inputs of this plan")
         self._device_only = frozenset(device_only_inputs)
+        uploaded = sorted(name for name in self._in_place.values() if name not in self._device_only)
+        if uploaded:
+            raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
         self._own_buffer_specs([input_specs[n] for n in self._device_only], "a device-only input")
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
         self._owned = {
@@ -227,7 +233,7 @@ class Program:
         """
         spans: dict[str, tuple[int, int]] = {}
         for t in self.plan.outputs:
-            if t.nbytes and t.name not in self._resident:
+            if t.nbytes and t.name not in self._resident and t.name not in self._in_place:
                 start, end = spans.get(t.buffer, (t.offset // 4 * 4, t.offset + t.nbytes))
                 spans[t.buffer] = (min(start, t.offset // 4 * 4), max(end, t.offset + t.nbytes))
         self._readback, cursor, placed = [], 0, {}
@@ -236,7 +242,7 @@ class Program:
             placed[name] = cursor - start
             cursor += end - start
         self._output_offsets = {t.name: placed[t.buffer] + t.offset for t in self.plan.outputs
-                                if t.nbytes and t.name not in self._resident}
+                                if t.nbytes and t.name not in self._resident and t.name not in self._in_place}
         self._status_offsets = []
         for b in self.plan.buffers:
             if b.role == "status":
@@ -328,7 +334,8 @@ class Program:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
-        gives for its name (overwritten), else a new one. ``host_seconds`` is then the host's share of the call:
+        gives for its name (overwritten), else a new one; an output stored in place (``Plan.in_place``) is the
+        device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
         from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU."""
         began = time.perf_counter()
         if self._released:
@@ -338,11 +345,14 @@ class Program:
         device_inputs, into = device_inputs or {}, into or {}
         arrays = self._convert_inputs(inputs, device_inputs)
         self._check_into(into, device_inputs)
+        if self._in_place:
+            self._check_in_place(device_inputs)
         dev = self.device
         swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
         kept = {name: into[name] if name in into else DeviceArray(dev.pool, t.shape, t.dtype)
                 for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
+        kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
         for name, offset, parts, block in self._writes:
             if name in swaps:
                 continue
@@ -462,6 +472,15 @@ class Program:
                                  "overwrite an input the plan reads")
         if len({id(array.buffer) for array in into.values()}) < len(into):
             raise InputError("into: two resident outputs were given the same array")
+
+    def _check_in_place(self, device_inputs: dict) -> None:
+        """An input that an output overwrites must be the only input bound to its array (another would read the
+        new values as its own)."""
+        targets = {id(device_inputs[name].buffer): name for name in self._in_place.values()}
+        shared = sorted(f"{name} and {targets[id(a.buffer)]}" for name, a in device_inputs.items()
+                        if id(a.buffer) in targets and targets[id(a.buffer)] != name)
+        if shared:
+            raise InputError(f"device inputs {shared} are bound to one array, which this run overwrites in place")
 
     def _device_input_specs(self, device_inputs: dict):
         specs = self._input_specs

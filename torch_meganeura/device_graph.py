@@ -50,13 +50,31 @@ class DeviceGraph:
 
 
 def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[int], device, *,
-                         tune: bool = False, f16_products: bool = False, limits: dict | None = None) -> DeviceGraph:
+                         tune: bool = False, f16_products: bool = False, limits: dict | None = None,
+                         in_place: dict[int, int] | None = None) -> DeviceGraph:
     """Lower ``gm`` with the example values of its placeholders (those at ``param_indices`` become long-lived
     param buffers) and compile the plan for ``device`` (or for ``limits``, e.g. WebGPU's defaults for a bundle,
-    then untuned: a bundle runs on other adapters)."""
+    then untuned: a bundle runs on other adapters).
+
+    ``in_place`` (output index -> placeholder index) names outputs that may be stored over the buffer of an input
+    whose old value the caller will not read again (a parameter and its update); the plan does so where it is safe
+    (``meganeura.lowering.in_place``), and the run then returns that input's device array, overwritten."""
     lowered = lower_graph(gm, example, param_indices)
+    if in_place:
+        lowered.graph.in_place = _in_place_request(lowered, in_place)
     plan, report, from_cache = compile_plan(lowered.graph, device, tune, f16_products, limits)
     return DeviceGraph(lowered, plan, report, from_cache)
+
+
+def _in_place_request(lowered: LoweredGraph, in_place: dict[int, int]) -> dict[int, str]:
+    """``in_place`` (output index -> placeholder index) as the IR's request: graph output position -> input name."""
+    names = dict(lowered.inputs)
+    request = {}
+    for output, placeholder in in_place.items():
+        kind, name = lowered.outputs[output]
+        if kind == "plan" and placeholder in names:
+            request[int(name[len("out"):])] = names[placeholder]
+    return request
 
 
 def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=()) -> Program:

@@ -101,7 +101,7 @@ class SegmentedStep:
         params = dict(owner.model.named_parameters())
         trainable = [params[n] for n in owner._trainable]
         scale = 1.0 / owner.accumulation_steps if self.mode in (Mode.ACCUMULATE, Mode.APPLY) else 1.0
-        if self.mode in (Mode.STEP, Mode.GRADS) or (self.mode is Mode.ACCUMULATE and owner.micro_batches == 1):
+        if self.mode in (Mode.STEP, Mode.GRADS) or (self.mode is Mode.ACCUMULATE and owner.micro_batches == 0):
             _zero_grads(trainable)  # a first micro-batch starts from no gradient, whatever .grad held
         kept = {n: b.detach().clone() for n, b in owner.model.named_buffers()} if self.mode is Mode.GRADS else {}
         loss = self.loss.loss_and_grads(owner, batch, scale) * scale

@@ -4,9 +4,12 @@
 returns the scalar loss. The first call traces one functional step (``make_fx`` over ``torch.func.grad_and_value``
 and the optimizer's update from ``optimizers``, functionalized, with the backend's decompositions) and compiles it
 into a plan. Parameters, buffers (BatchNorm statistics) and optimizer state live on the device as ``DeviceArray``s:
-every call uploads the batch and a few hyperparameters, runs the plan once, reads back the loss only, and swaps
-the new parameter and state arrays in for the old ones. The old ones receive the next step's results: each role
-alternates between two buffers, so the plan's bind groups are built once for each and then replayed.
+every call uploads the batch and a few hyperparameters, runs the plan once and reads back the loss only. The plan
+stores each new parameter, optimizer state, buffer and accumulator over its old value where that is safe
+(``meganeura.lowering.in_place``: the update is pointwise and the last reader of the old value), so they take no
+second copy. A role whose update cannot be stored in place alternates between two buffers instead: the new array
+is swapped in and the old one receives the next step's result, so the plan's bind groups are built once for each
+and then replayed.
 
 Checkpoints: ``save(path)`` writes parameters, buffers, optimizer state and the step count to one safetensors
 file (no pickle); ``load(path)`` restores them into a step built over the same model and optimizer types, so a run
@@ -53,6 +56,7 @@ from .tuning import tuning_enabled
 
 
 CHECKPOINT_FORMAT = "meganeura-train-step-1"
+UPDATED_KINDS = (Kind.PARAM, Kind.STATE, Kind.BUFFER, Kind.ACC)  # outputs that replace the input of their role
 
 
 class TrainStep:
@@ -254,22 +258,22 @@ class TrainStep:
     def __call__(self, *batch) -> torch.Tensor:
         if self.data_parallel is not None:
             return self._data_parallel_call(batch)
-        self.micro_batches += 1
+        micro_batches = self.micro_batches + 1
         if self.accumulation_steps == 1:
             mode = Mode.STEP
         else:
-            mode = Mode.APPLY if self.micro_batches == self.accumulation_steps else Mode.ACCUMULATE
+            mode = Mode.APPLY if micro_batches == self.accumulation_steps else Mode.ACCUMULATE
         compiled = self._compiled(batch, mode)
+        steps = self.steps if mode is Mode.ACCUMULATE else self.steps + 1
 
-        def run() -> torch.Tensor:
-            loss, updated = compiled.run(self._arrays, batch, self._hyper(max(self.steps, 1)), self._spare)
+        def run() -> torch.Tensor:  # the counts move only once the step has run (a failed check raises before)
+            loss, updated = compiled.run(self._arrays, batch, self._hyper(max(steps, 1)), self._spare)
             self._swap_in(updated)
+            self.steps, self.micro_batches = steps, micro_batches if mode is Mode.ACCUMULATE else 0
             return loss
 
         if mode is Mode.ACCUMULATE:
             return run()
-        self.steps += 1
-        self.micro_batches = 0
         return _as_optimizer_step(self.optimizer, run)
 
     def _data_parallel_call(self, batch: tuple) -> torch.Tensor:
@@ -302,8 +306,11 @@ class TrainStep:
 
     def _swap_in(self, updated: dict) -> None:
         """Take ``updated`` arrays in; each replaced array receives the next step's output of its role, so the plan
-        alternates between two buffers per role and replays cached bind groups."""
+        alternates between two buffers per role and replays cached bind groups. An array updated in place (the
+        plan stored the role's new value over its old one) stays, with no spare."""
         for role, array in updated.items():
+            if array is self._arrays[role]:
+                continue
             self._spare[role] = self._arrays[role]
             self._arrays[role] = array
         self.arrays_generation += 1
@@ -334,7 +341,13 @@ class _CompiledStep:
             raise NotImplementedError("compile_train_step needs every op on the device; these are not: "
                                       + unsupported_listing(unsupported))
         example = [constants[role] if role in constants else _example(owner, role, batch) for role in self.roles]
-        graph = compile_device_graph(gm, example, set(), owner.device, tune=owner.tune)
+        placeholder = {role: i for i, role in enumerate(self.roles)}
+        # A segmented step's update drops the new values of parameters that got no gradient (eager skips them):
+        # their old arrays must survive it, so it stores nothing in place.
+        segmented = mode is Mode.UPDATE and owner._segmented is not None
+        updates = {k: placeholder[role] for k, role in enumerate(self.outputs)
+                   if role in placeholder and role.kind in UPDATED_KINDS and not segmented}
+        graph = compile_device_graph(gm, example, set(), owner.device, tune=owner.tune, in_place=updates)
         self.lowered = graph.lowered
         placeholder_of = dict(self.lowered.inputs)
         self.used = frozenset(placeholder_of)  # the placeholders the plan reads
@@ -345,6 +358,9 @@ class _CompiledStep:
         names = dict(zip(self.outputs, (name for _, name in self.lowered.outputs)))
         self.loss_name = names.pop(Role.loss(), None)
         self.state_outputs = names
+        in_place = set(graph.plan.in_place)
+        self.swapped = frozenset(role for role, name in names.items()
+                                 if role.kind is not Kind.GRAD and name not in in_place)  # kept in two arrays
         resident = [name for role, name in names.items() if role.kind is not Kind.GRAD]
         on_device = [name for role, name in self.input_names.items() if role.kind not in (Kind.HYPER, Kind.BATCH)]
         self.program = program_for(graph, owner.device, resident, on_device)
@@ -355,7 +371,7 @@ class _CompiledStep:
         values = [self._value(role, arrays, batch, hyper) if i in self.used else None
                   for i, role in enumerate(self.roles)]
         host, device_inputs = feed(self.lowered, values, self.program.device)
-        into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.state_outputs}
+        into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.swapped}
         results = self.program.run(host, device_inputs, into)
         loss = tensor_from_host(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
         return loss, {role: results[name] for role, name in self.state_outputs.items()}

@@ -1,0 +1,85 @@
+"""Outputs written over an input's buffer: the updates a caller asks for in ``Graph.in_place``, where they are safe.
+
+A training step returns each parameter's and optimizer state's new value, and a cache update returns the cache
+changed in a few places. Given a buffer of its own, every such output doubles the memory of what it updates (the
+caller keeps both and alternates). Where the caller asks (``Graph.in_place``: output position -> the name of the
+``Input`` it replaces, whose old value the caller will not read again) and it is safe, the output is stored in the
+input's buffer instead.
+
+It is safe when the kernel storing the output reads the input only at the element it stores, and no later kernel
+reads the input. The kernel is then a pointwise one (each thread computes all its values before it stores any, and
+stores at its own linear index: ``kernels.pointwise``), so every read of the old value comes before the write of
+that element. A run that fails a check (an index out of range) must leave the input as it was, so no kernel from
+the writer on may check anything, and where the plan checks data the writer stores only while the status word is
+clear (``StoredOver.guarded``). Requests that are not safe are refused, with the reason, and the output keeps a
+buffer of its own.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from meganeura.runtime.dtypes import STORAGE
+
+from . import expr as E
+from .bindings import checks
+from .indexing import linear_index, simplify
+from .ir import Graph, Input, Node, Pointwise, Value, last_reads
+
+
+class StoredOver(NamedTuple):
+    """What the kernels of a plan with in-place outputs need to know."""
+
+    values: dict[int, int]  # input value id -> id of the output value stored over it
+    guarded: bool  # the plan checks data: the writers store only while the status word is clear
+
+
+def in_place_outputs(graph: Graph, kernels: list[Node]) -> tuple[dict[int, Input], dict[int, str]]:
+    """({output position: the Input it is stored over}, {output position: why not}) for ``graph.in_place``'s
+    requests, with the kernels in dispatch order."""
+    inputs = {n.name: n for n in graph.nodes if isinstance(n, Input)}
+    producers = graph.producers()
+    step = {id(n): i for i, n in enumerate(kernels)}
+    last_read = last_reads(kernels)
+    last_check = max((i for i, n in enumerate(kernels) if checks(n.exprs())), default=-1)
+    positions: dict[int, list[int]] = {}
+    for i, v in enumerate(graph.outputs):
+        positions.setdefault(v.id, []).append(i)
+    granted: dict[int, Input] = {}
+    refused: dict[int, str] = {}
+    for position, name in sorted(graph.in_place.items()):
+        target = inputs.get(name)
+        reason = ("no input of that name" if target is None
+                  else _refusal(graph.outputs[position], target, producers, step, last_read, last_check, positions))
+        if reason is None and any(g is target for g in granted.values()):
+            reason = "another output is stored over the same input"
+        if reason is None:
+            granted[position] = target
+        else:
+            refused[position] = reason
+    return granted, refused
+
+
+def _refusal(v: Value, target: Input, producers: dict, step: dict, last_read: dict, last_check: int,
+             positions: dict) -> str | None:
+    """Why ``v`` cannot be stored over ``target``'s buffer, or None."""
+    old = target.out
+    if target.role != "input":
+        return "the input is a param buffer, which the plan does not rebind per run"
+    if v.shape != old.shape or STORAGE[v.dtype] != STORAGE[old.dtype]:
+        return f"{v.dtype}{list(v.shape)} is not stored as the input {old.dtype}{list(old.shape)} is"
+    if len(positions[v.id]) > 1:
+        return "the value is returned at several positions"
+    writer = producers[v.id]
+    if not isinstance(writer, Pointwise):
+        return f"its kernel is a {type(writer).__name__}, not pointwise"
+    if last_read.get(old.id, -1) > step[id(writer)]:
+        return "a later kernel reads the input"
+    if last_check >= step[id(writer)]:
+        return "a kernel from its own on checks data (a failed run must leave the input as it was)"
+    bounds = dict(enumerate(writer.out.shape))
+    here = simplify(linear_index([E.coord(d) for d in range(len(bounds))], writer.out.shape), bounds)
+    for e in writer.exprs():
+        for ld in E.loads_of(e):
+            if ld.args[0] == old.id and simplify(linear_index(ld.args[1], old.shape), bounds) != here:
+                return "its kernel reads the input at other elements"
+    return None

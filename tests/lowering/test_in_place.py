@@ -1,0 +1,121 @@
+"""Outputs stored over an input's buffer (``Graph.in_place``, lowering/in_place.py): granted where the writing kernel is
+pointwise, reads the input only at the element it stores and is its last reader; refused otherwise, with the reason.
+Plans on the recording device (WebGPU's default limits, no GPU) for what is bound; the real adapter for the values."""
+import numpy as np
+import pytest
+
+from meganeura.lowering import compile_graph
+from meganeura.lowering import expr as E
+from meganeura.lowering.builder import GraphBuilder
+from meganeura.runtime.device import get_device
+from meganeura.runtime.errors import InputError, KernelStatusError
+from meganeura.runtime.program import Program
+from meganeura.runtime.resident import DeviceArray
+
+from helpers.recording_device import RecordingDevice
+
+RNG = np.random.default_rng(11)
+LR = 0.5
+
+
+def sgd_graph(n=(4, 6), read=None, extra=None):
+    """p' = p - LR * g, requested over p. ``read(b, p)`` replaces the load of p in the update; ``extra(b, p)`` adds an
+    output after it."""
+    b = GraphBuilder()
+    p, g = b.input("p", n, "float32"), b.input("g", n, "float32")
+    old = read(b, p) if read is not None else p
+    b.output(b.map(lambda a, d: E.binary("sub", a, E.mul(d, E.const(LR, E.F32))), old, g, dtype="float32"))
+    if extra is not None:
+        b.output(extra(b, p))
+    b.graph.in_place = {0: "p"}
+    return b.graph
+
+
+def plan_of(graph):
+    plan, _ = compile_graph(graph, RecordingDevice().limits)
+    return plan
+
+
+def test_an_update_is_stored_over_its_input_and_bound_once():
+    plan = plan_of(sgd_graph())
+    assert plan.in_place == {"out0": "p"} and plan.stats["in_place_bytes"] == 4 * 6 * 4
+    assert [b.role for b in plan.buffers] == ["input", "input"]  # no buffer of its own
+    ((dispatch),) = plan.dispatches
+    assert [b.buffer for b in dispatch.bindings] == ["input:p", "input:g"]  # read and written through one binding
+
+
+@pytest.mark.parametrize("read, extra, reason", [
+    (lambda b, p: b.permute(p, (1, 0)), None, "reads the input at other elements"),
+    (None, lambda b, p: b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), p, dtype="float32"),
+     "a later kernel reads the input"),
+    (lambda b, p: b.map(lambda a, s: E.add(a, s), p, b.reshape(b.reduce_simple(p, (1,), "sum", "float32"), (6, 1)),
+                        dtype="float32"), None, "its kernel is a Reduce"),
+    (lambda b, p: b.map(lambda a: b.check(a, E.binary("lt", a, E.const(100.0, E.F32)), "too large"), p,
+                        dtype="float32"), None, "checks data"),
+], ids=["transposed", "read-later", "reduction", "checks"])
+def test_unsafe_requests_keep_a_buffer_of_their_own(read, extra, reason):
+    n = (6, 6)
+    plan = plan_of(sgd_graph(n, read, extra))
+    assert plan.in_place == {}
+    assert reason in plan.stats["in_place_refused"]["out0"]
+    assert plan.buffer("out0").role == "output"
+
+
+def test_another_shape_is_refused():
+    b = GraphBuilder()
+    p = b.input("p", (4, 6), "float32")
+    b.output(b.reshape(b.map(lambda a: E.unary("neg", a), p, dtype="float32"), (24,)))
+    b.graph.in_place = {0: "p"}
+    assert "is not stored as the input" in plan_of(b.graph).stats["in_place_refused"]["out0"]
+
+
+def test_the_run_returns_the_input_array_overwritten_and_reads_nothing_back():
+    device = get_device()
+    plan, _ = compile_graph(sgd_graph(), device.limits)
+    program = Program(device, plan, device_only_inputs=["p"])
+    p, g = RNG.standard_normal((4, 6), dtype=np.float32), RNG.standard_normal((4, 6), dtype=np.float32)
+    array = DeviceArray.upload(device, p, "float32")
+    before = device.counters.snapshot()
+    for step in range(3):
+        out = program.run({"g": g}, device_inputs={"p": array})["out0"]
+        assert out is array
+    assert device.counters.snapshot()["buffers_created"] == before["buffers_created"]
+    np.testing.assert_allclose(array.numpy(), p - 3 * LR * g, rtol=1e-6, atol=1e-6)
+
+
+def test_the_input_must_come_from_the_device_and_alone():
+    device = get_device()
+    plan, _ = compile_graph(sgd_graph(), device.limits)
+    with pytest.raises(InputError, match="must be device-only inputs"):
+        Program(device, plan)
+    program = Program(device, plan, device_only_inputs=["p", "g"])
+    shared = DeviceArray.upload(device, np.ones((4, 6), np.float32), "float32")
+    with pytest.raises(InputError, match="bound to one array"):
+        program.run({}, device_inputs={"p": shared, "g": shared})
+
+
+def test_a_failed_check_leaves_the_input_as_it_was():
+    """An index out of range in a gather before the update: the run raises, and the writer, guarded by the status
+    word, stored nothing. (p is shorter than the gather, so the update is a kernel of its own.)"""
+    b = GraphBuilder()
+    p, i = b.input("p", (5,), "float32"), b.input("i", (8,), "int32")
+    table = b.input("table", (4,), "float32")
+    index = b.load(i, [E.coord(0)])
+    inside = E.binary("and", E.binary("ge", index, E.const(0, E.I32)), E.binary("lt", index, E.const(4, E.I32)))
+    gathered = b.pointwise((8,), "float32", b.check(b.load(table, [index]), inside, "index out of range"))
+    total = b.reduce_simple(gathered, (0,), "sum", "float32")
+    b.output(b.map(lambda a, s: E.binary("sub", a, s), p, b.expand(b.reshape(total, (1,)), (5,)), dtype="float32"))
+    b.graph.in_place = {0: "p"}
+    device = get_device()
+    plan, _ = compile_graph(b.graph, device.limits)
+    assert plan.in_place == {"out0": "p"}
+    program = Program(device, plan, device_only_inputs=["p"])
+    assert "atomicLoad" in plan.kernels[plan.dispatches[-1].kernel]
+    start = RNG.standard_normal(5, dtype=np.float32)
+    array = DeviceArray.upload(device, start, "float32")
+    entries = np.arange(4, dtype=np.float32)
+    with pytest.raises(KernelStatusError, match="index out of range"):
+        program.run({"i": np.array([0, 1, 2, 3, 4, 0, 1, 2], np.int32), "table": entries}, device_inputs={"p": array})
+    np.testing.assert_array_equal(array.numpy(), start)
+    program.run({"i": np.array([0, 1, 2, 3, 3, 0, 1, 2], np.int32), "table": entries}, device_inputs={"p": array})
+    np.testing.assert_allclose(array.numpy(), start - 12.0, rtol=1e-6)
