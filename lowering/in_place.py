@@ -83,3 +83,35 @@ def _refusal(v: Value, target: Input, producers: dict, step: dict, last_read: di
             if ld.args[0] == old.id and simplify(linear_index(ld.args[1], old.shape), bounds) != here:
                 return "its kernel reads the input at other elements"
     return None
+
+
+def hoist_writers(graph: Graph) -> int:
+    """Move each pointwise kernel that writes a requested in-place output up the node order, to just after the last
+    node it must follow: the producers of what it reads, the other readers of the inputs it overwrites, and any
+    node that checks data (so that the request stays grantable). A training step traces the whole backward before
+    the optimizer, so every gradient would otherwise stay in the arena until the end; moved up, a parameter's update
+    runs as soon as its gradient is complete, and the gradient's arena range is free again. Returns how many moved."""
+    inputs = {n.name: n for n in graph.nodes if isinstance(n, Input)}
+    producers = graph.producers()
+    targets: dict[int, set[int]] = {}  # writer id -> value ids of the inputs it overwrites
+    writers: dict[int, Pointwise] = {}
+    for position, name in graph.in_place.items():
+        writer = producers.get(graph.outputs[position].id)
+        if isinstance(writer, Pointwise) and name in inputs:
+            writers[id(writer)] = writer
+            targets.setdefault(id(writer), set()).add(inputs[name].out.id)
+    reads = {id(n): {ld.args[0] for e in n.exprs() for ld in E.loads_of(e)} for n in graph.nodes}
+    checking = {id(n) for n in graph.nodes if checks(n.exprs())}
+    moved = 0
+    for writer in sorted(writers.values(), key=graph.nodes.index):
+        at = graph.nodes.index(writer)
+        loaded = reads[id(writer)]
+        earliest = 0
+        for i, node in enumerate(graph.nodes[:at]):
+            if (id(node) in checking or reads[id(node)] & targets[id(writer)]
+                    or any(v.id in loaded for v in node.outs)):
+                earliest = i + 1
+        if earliest < at:
+            graph.nodes.insert(earliest, graph.nodes.pop(at))
+            moved += 1
+    return moved

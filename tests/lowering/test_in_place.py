@@ -119,3 +119,29 @@ def test_a_failed_check_leaves_the_input_as_it_was():
     np.testing.assert_array_equal(array.numpy(), start)
     program.run({"i": np.array([0, 1, 2, 3, 3, 0, 1, 2], np.int32), "table": entries}, device_inputs={"p": array})
     np.testing.assert_allclose(array.numpy(), start - 12.0, rtol=1e-6)
+
+
+def test_updates_move_up_to_free_their_gradients_early():
+    """Two 'layers' whose gradients come from matmuls, the optimizer traced after both (as a training step traces
+    it): each Adam-like update (m' = 0.9 m + g, v' = 0.9 v + g g, p' = p - LR m' / sqrt(v' + 1), each over its input)
+    moves up to just after its gradient, so the arena holds one gradient at a time, not both."""
+    b = GraphBuilder()
+    grads, states = [], []
+    for layer in range(2):
+        a, x = b.input(f"a{layer}", (32, 16), "float32"), b.input(f"x{layer}", (16, 32), "float32")
+        grads.append(b.matmul(a, x))
+        states.append([b.input(f"{s}{layer}", (32, 32), "float32") for s in "pmv"])
+    for layer, (g, (p, m, v)) in enumerate(zip(grads, states)):
+        new_m = b.map(lambda s, d: E.add(E.mul(s, E.const(0.9, E.F32)), d), m, g, dtype="float32")
+        new_v = b.map(lambda s, d: E.add(E.mul(s, E.const(0.9, E.F32)), E.mul(d, d)), v, g, dtype="float32")
+        step = b.map(lambda w, s, t: E.binary("sub", w, E.binary("div", E.mul(s, E.const(LR, E.F32)),
+                                                                  E.unary("sqrt", E.add(t, E.const(1.0, E.F32))))),
+                     p, new_m, new_v, dtype="float32")
+        for out, name in zip((new_m, new_v, step), "mvp"):
+            b.graph.in_place[len(b.graph.outputs)] = f"{name}{layer}"
+            b.output(out)
+    plan = plan_of(b.graph)
+    assert sorted(plan.in_place.values()) == ["m0", "m1", "p0", "p1", "v0", "v1"]
+    assert plan.stats["hoisted_writers"] == 1
+    assert plan.stats["arena_bytes"] == 32 * 32 * 4  # one gradient at a time
+    assert [d.label.split()[0] for d in plan.dispatches] == ["matmul", "pointwise", "matmul", "pointwise"]
