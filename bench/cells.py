@@ -104,7 +104,14 @@ class Runner:
         For the resident step the gate reads its gradients (a separate plan, not timed) and the time is that of
         the first real step, which compiles the training plan."""
         if self.resident is not None:
+            from torch_meganeura.roles import Mode
+
             loss, grads = self.resident.gradients(*self.batch)
+            # The gate's gradient plan is not part of training: released, and the peak-memory window (_Meter) starts
+            # again from what is live (the step's parameters and optimizer state stay counted).
+            self.resident.release_plans(Mode.GRADS)
+            counters = _device().counters
+            counters.peak_bytes_allocated = counters.bytes_allocated
             start = time.perf_counter()
             self.resident(*self.batch)
             return time.perf_counter() - start, (loss, grads)

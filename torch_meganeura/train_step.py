@@ -252,6 +252,15 @@ class TrainStep:
         return loss, {role.name: tensor_from_host(np.asarray(g).copy()).reshape(params[role.name].shape)
                       for role, g in grads.items()}
 
+    def release_plans(self, mode: Mode | None = None) -> None:
+        """Give back the device memory of the compiled plans (of ``mode`` only, e.g. ``Mode.GRADS`` after a check
+        with ``gradients()``): their arenas, outputs and staging. Parameters and optimizer state stay; a later call
+        compiles its plan again (from the persistent plan cache where it is on)."""
+        for key in [key for key in self._plans if mode is None or key[0] is mode]:
+            compiled = self._plans.pop(key)
+            if isinstance(compiled, _CompiledStep):
+                compiled.release()
+
     def _hyper(self, step: int) -> torch.Tensor:
         return optimizers.hyperparameters(self.optimizer, step)
 
@@ -375,6 +384,11 @@ class _CompiledStep:
         results = self.program.run(host, device_inputs, into)
         loss = tensor_from_host(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
         return loss, {role: results[name] for role, name in self.state_outputs.items()}
+
+    def release(self) -> None:
+        self.program.release()
+        for array in self.constants.values():
+            array.release()
 
     def _value(self, role: Role, arrays: dict, batch: tuple, hyper: torch.Tensor):
         """What feeds the placeholder of ``role``: a batch tensor, the hyperparameters, or a device array."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from meganeura.runtime.device import get_device
 from torch_meganeura import compile_train_step
+from torch_meganeura.roles import Mode
 
 LLAMA = dict(vocab_size=64, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=64)
@@ -203,6 +204,23 @@ def test_parameters_and_optimizer_state_are_held_once():
     assert spare < 0.01 * updated, f"{spare} of {updated} bytes held twice"
     (compiled,) = step._plans.values()
     assert compiled.program.plan.stats["in_place_bytes"] > 0.99 * updated
+
+
+def test_released_plans_give_their_memory_back_and_compile_again():
+    """``gradients()`` compiles a plan of its own; ``release_plans(Mode.GRADS)`` gives its arena, outputs and staging
+    back (the parameters and optimizer state stay), and a later call compiles it again with the same result."""
+    torch.manual_seed(8)
+    model = _llama()
+    step = compile_train_step(model, _llama_loss, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    counters = get_device().counters
+    before = counters.bytes_allocated
+    loss, grads = step.gradients(*_ids(0))
+    held = counters.bytes_allocated - before
+    step.release_plans(Mode.GRADS)
+    assert counters.bytes_allocated - before < 0.01 * held
+    again, grads_again = step.gradients(*_ids(0))
+    assert torch.equal(loss, again) and all(torch.equal(grads[n], grads_again[n]) for n in grads)
+    step(*_ids(1))  # the training step is unaffected
 
 
 def test_a_step_that_fails_a_check_changes_nothing():
