@@ -1,7 +1,8 @@
 """Torch-free compiler middle: typed static IR, fusion into archetype kernels, memory planning, the plan.
 
 ``compile_graph(graph, limits)`` runs the passes in order: fit_bindings (the nodes lowering made wider than the
-adapter's storage-buffer limit brought within it) -> fuse (inline producers into consumers) ->
+adapter's storage-buffer limit brought within it) -> rematerialize (far readers of cheap pointwise values get
+copies to inline instead of the value kept: remat.py) -> fuse (inline producers into consumers) ->
 fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilogues (consumers into reductions
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
 eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
@@ -18,6 +19,7 @@ from .fusion import FusionReport, fuse
 from .in_place import hoist_writers
 from .ir import Graph
 from .multi_output import fuse_multi_output
+from .remat import rematerialize
 from .schedule import schedule
 from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
@@ -28,6 +30,7 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     ``on_kernel`` hears of each kernel as it is generated (see ``schedule``)."""
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     fit_bindings(graph, max_bindings)
+    copies = rematerialize(graph)
     report = fuse(graph, max_bindings)
     fuse_sibling_reductions(graph, max_bindings, report)
     fuse_epilogues(graph, max_bindings, report)
@@ -36,6 +39,6 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     fuse_sibling_matmuls(graph, max_bindings, report)
     hoisted = hoist_writers(graph)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,
-                                          "hoisted_writers": hoisted},
+                                          "hoisted_writers": hoisted, "rematerialized": copies},
                     choose_matmuls=choose_matmuls, on_kernel=on_kernel)
     return plan, report

@@ -1,0 +1,82 @@
+"""Rematerialization: a cheap pointwise value that a much later kernel reads again is computed again there, not kept.
+
+A training step's graph holds the forward and the backward, so a value the backward reads stays in the arena from
+the forward to the backward. Where it is a pointwise function of values that are kept that long anyway (BatchNorm's
+``x - mean`` and ``(x - mean) * rstd`` beside the convolution output they come from), holding it costs memory and
+saves almost nothing: its later readers can compute it from what they already read. Fusion never recomputes (a
+computing producer inlines only into its single consumer), so this pass gives each later reader a copy of the node,
+which fusion then inlines into it.
+
+A node is copied only where that is cheap and shortens what the arena holds: it is pointwise plain arithmetic (the
+ops fusion recomputes in attention prologues, ``fusion.PROLOGUE_OPS``: no transcendental, no random draw), its reads are of graph inputs or of
+values read at least as late as its own last reader (so their lifetimes do not grow; nodes are taken in order, and a
+copied value's last read is then its last near reader's), and a reader comes at least
+``REMAT_DISTANCE`` nodes after its first reader (a nearby reader gains nothing from a copy). Its first reader keeps
+the original; every reader from the distance on reads a copy placed just before it.
+"""
+from __future__ import annotations
+
+from . import expr as E
+from .fusion import PROLOGUE_OPS
+from .ir import Graph, Input, Pointwise, Value
+
+# Readers this many nodes after a value's first reader get a copy. Small enough that a forward value read by its
+# layer's backward qualifies (an HF ResNet block's forward and backward are hundreds of nodes apart), large enough
+# that the readers within one layer's forward share the stored value.
+REMAT_DISTANCE = 64
+
+
+def rematerialize(graph: Graph) -> int:
+    """Give far readers of cheap pointwise values their own copies (module docstring); returns how many were made."""
+    outputs = {v.id for v in graph.outputs}
+    inputs = {n.out.id for n in graph.nodes if isinstance(n, Input)}
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
+    readers: dict[int, list] = {}
+    for node in graph.nodes:
+        for vid in dict.fromkeys(ld.args[0] for e in node.exprs() for ld in E.loads_of(e)):
+            readers.setdefault(vid, []).append(node)
+    last_read = {vid: max(position[id(n)] for n in nodes) for vid, nodes in readers.items()}
+    next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
+    copies: list[tuple[object, Pointwise]] = []  # (reader, copy to place before it)
+    for node in graph.nodes:
+        if not isinstance(node, Pointwise) or node.also or node.out.id in outputs:
+            continue
+        if any(n.op not in PROLOGUE_OPS for n in E.walk(node.expr)):
+            continue
+        vid = node.out.id
+        far = _far_readers(readers.get(vid, []), position)
+        if not far:
+            continue
+        loaded = {ld.args[0] for ld in E.loads_of(node.expr)}
+        if any(l not in inputs and last_read.get(l, -1) < last_read[vid] for l in loaded):
+            continue
+        for reader in far:
+            copy = Pointwise([Value(next_id, node.out.shape, node.out.dtype)], node.expr, node.label)
+            next_id += 1
+            _redirect(reader, vid, copy.out.id)
+            copies.append((reader, copy))
+        last_read[vid] = max(position[id(n)] for n in readers[vid] if not any(n is f for f in far))
+    if copies:
+        before: dict[int, list[Pointwise]] = {}
+        for reader, copy in copies:
+            before.setdefault(id(reader), []).append(copy)
+        graph.nodes = [m for n in graph.nodes for m in (*before.get(id(n), ()), n)]
+    return len(copies)
+
+
+def _far_readers(nodes: list, position: dict) -> list:
+    """The readers at least ``REMAT_DISTANCE`` nodes after the first one."""
+    if len(nodes) < 2:
+        return []
+    first = min(position[id(n)] for n in nodes)
+    return [n for n in nodes if position[id(n)] - first >= REMAT_DISTANCE]
+
+
+def _redirect(node, old: int, new: int) -> None:
+    """Make ``node``'s loads of value ``old`` load value ``new``."""
+    def rewrite(e: E.Expr):
+        if e.op == "load" and e.args[0] == old:
+            return E.load(new, e.args[1], e.dtype)
+        return None
+
+    node.set_exprs([E.substitute(e, rewrite) for e in node.exprs()])

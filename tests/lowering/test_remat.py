@@ -1,0 +1,65 @@
+"""Rematerialization (lowering/remat.py): a cheap pointwise value read again far later is computed again there,
+not kept in the arena from its first reader to its last; values whose lifetimes would grow are not copied."""
+import numpy as np
+
+from meganeura.lowering import compile_graph
+from meganeura.lowering import expr as E
+from meganeura.lowering.builder import GraphBuilder
+from meganeura.lowering.remat import REMAT_DISTANCE
+from meganeura.runtime.device import get_device
+from meganeura.runtime.program import Program
+
+from helpers.recording_device import RecordingDevice
+
+RNG = np.random.default_rng(17)
+N = 256
+
+
+def graph(source_is_input: bool):
+    """y = 2 s + 1 read by a sum at once and by another sum after a long unrelated chain; s is an input, or a
+    computed value nothing reads late."""
+    b = GraphBuilder()
+    x, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
+    s = x if source_is_input else b.reduce_simple(x, (0,), "sum", "float32")
+    s = s if source_is_input else b.expand(b.reshape(s, (1,)), (N,))
+    y = b.map(lambda a: E.add(E.mul(a, E.const(2.0, E.F32)), E.const(1.0, E.F32)), s, dtype="float32")
+    b.output(b.reduce_simple(y, (0,), "sum", "float32"))
+    for _ in range(REMAT_DISTANCE):  # the distance, in nodes, between the two readers
+        z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
+    b.output(z)
+    b.output(b.reduce_simple(b.map(lambda a, c: E.mul(a, c), y, z, dtype="float32"), (0,), "sum", "float32"))
+    return b.graph
+
+
+def test_a_far_reader_computes_the_value_again_instead_of_reading_it_from_the_arena():
+    plan, _ = compile_graph(graph(True), RecordingDevice().limits)
+    assert plan.stats["rematerialized"] == 1
+    assert plan.stats["arena_bytes"] == 0  # y is stored by no kernel (kept, it took the arena: N floats)
+    assert len(plan.dispatches) == 2  # the sin chain; both sums, each computing y
+    device = get_device()
+    plan, _ = compile_graph(graph(True), device.limits)
+    x, z = RNG.standard_normal(N, dtype=np.float32), RNG.standard_normal(N, dtype=np.float32)
+    out = Program(device, plan).run({"x": x, "z": z})
+    y, zz = 2 * x.astype(np.float64) + 1, z.astype(np.float64)
+    for _ in range(REMAT_DISTANCE):
+        zz = np.sin(zz)
+    np.testing.assert_allclose(out["out0"], y.sum(), rtol=1e-5)
+    np.testing.assert_allclose(out["out2"], (y * zz).sum(), rtol=1e-4)
+
+
+def test_a_transcendental_is_not_computed_twice():
+    b = GraphBuilder()
+    x, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
+    y = b.map(lambda a: E.unary("exp", a), x, dtype="float32")
+    b.output(b.map(lambda a: E.unary("neg", a), y, dtype="float32"))
+    for _ in range(REMAT_DISTANCE):
+        z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
+    b.output(b.map(lambda a, c: E.mul(a, c), y, z, dtype="float32"))
+    plan, _ = compile_graph(b.graph, RecordingDevice().limits)
+    assert plan.stats["rematerialized"] == 0
+
+
+def test_a_value_from_a_computed_source_read_no_later_is_kept():
+    """Copying y would keep the sum it comes from alive to the far reader: no copy, y stays in the arena."""
+    plan, _ = compile_graph(graph(False), RecordingDevice().limits)
+    assert plan.stats["rematerialized"] == 0 and plan.stats["arena_bytes"] >= N * 4
