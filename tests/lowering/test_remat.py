@@ -17,11 +17,10 @@ N = 256
 
 def graph(source_is_input: bool):
     """y = 2 s + 1 read by a sum at once and by another sum after a long unrelated chain; s is an input, or a
-    computed value nothing reads late."""
+    computed value of y's size (exp(x), not cheap to compute again) that nothing reads late."""
     b = GraphBuilder()
     x, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
-    s = x if source_is_input else b.reduce_simple(x, (0,), "sum", "float32")
-    s = s if source_is_input else b.expand(b.reshape(s, (1,)), (N,))
+    s = x if source_is_input else b.map(lambda a: E.unary("exp", a), x, dtype="float32")
     y = b.map(lambda a: E.add(E.mul(a, E.const(2.0, E.F32)), E.const(1.0, E.F32)), s, dtype="float32")
     b.output(b.reduce_simple(y, (0,), "sum", "float32"))
     for _ in range(REMAT_DISTANCE):  # the distance, in nodes, between the two readers
@@ -47,6 +46,21 @@ def test_a_far_reader_computes_the_value_again_instead_of_reading_it_from_the_ar
     np.testing.assert_allclose(out["out2"], (y * zz).sum(), rtol=1e-4)
 
 
+def test_a_small_value_may_live_longer_for_the_copies():
+    """y = x - mean(x): the copy for the far reader reads the mean (one number) there, kept that long for it."""
+    b = GraphBuilder()
+    x, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
+    mean = b.expand(b.reshape(b.reduce_simple(x, (0,), "sum", "float32"), (1,)), (N,))
+    y = b.map(lambda a, m: E.binary("sub", a, m), x, mean, dtype="float32")
+    b.output(b.reduce_simple(b.map(lambda a: E.mul(a, a), y, dtype="float32"), (0,), "sum", "float32"))
+    for _ in range(REMAT_DISTANCE):
+        z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
+    b.output(z)
+    b.output(b.reduce_simple(b.map(lambda a, c: E.mul(a, c), y, z, dtype="float32"), (0,), "sum", "float32"))
+    plan, _ = compile_graph(b.graph, RecordingDevice().limits)
+    assert plan.stats["rematerialized"] == 1 and plan.stats["arena_bytes"] < N * 4
+
+
 def test_a_transcendental_is_not_computed_twice():
     b = GraphBuilder()
     x, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
@@ -60,6 +74,6 @@ def test_a_transcendental_is_not_computed_twice():
 
 
 def test_a_value_from_a_computed_source_read_no_later_is_kept():
-    """Copying y would keep the sum it comes from alive to the far reader: no copy, y stays in the arena."""
+    """Copying y would keep exp(x), as large, alive to the far reader: no copy, y stays in the arena."""
     plan, _ = compile_graph(graph(False), RecordingDevice().limits)
     assert plan.stats["rematerialized"] == 0 and plan.stats["arena_bytes"] >= N * 4
