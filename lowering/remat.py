@@ -86,16 +86,23 @@ def _cheap(node) -> bool:
 
 def _recomputed(expr: E.Expr, producers: dict, kept) -> E.Expr | None:
     """``expr`` with each load of a value that is not ``kept`` replaced by its cheap producer's expression, down to
-    kept values; None where a load leads to anything else, or past ``REMAT_MAX_NODES``."""
+    kept values; None where a load leads to anything else, or past ``REMAT_MAX_NODES``. The inlined expressions are
+    counted as they are taken in, so a long chain of cheap values (a residual stream) is given up on at once rather
+    than followed to its end."""
+    budget = [REMAT_MAX_NODES - E.size(expr)]
     failed = []
 
     def rewrite(node: E.Expr):
-        if node.op != "load" or kept(node.args[0]):
+        if failed or node.op != "load" or kept(node.args[0]):
             return None
         producer = producers.get(node.args[0])
-        inner = _recomputed(producer.expr, producers, kept) if _cheap(producer) else None
-        if inner is None:
+        if _cheap(producer):
+            budget[0] -= E.size(producer.expr)
+        if not _cheap(producer) or budget[0] < 0:
             failed.append(node)
+            return None
+        inner = E.substitute(producer.expr, rewrite)
+        if failed:
             return None
         return E.shift_coords(inner, dict(enumerate(node.args[1])))
 

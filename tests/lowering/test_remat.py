@@ -5,7 +5,7 @@ import numpy as np
 from meganeura.lowering import compile_graph
 from meganeura.lowering import expr as E
 from meganeura.lowering.builder import GraphBuilder
-from meganeura.lowering.remat import REMAT_DISTANCE
+from meganeura.lowering.remat import REMAT_DISTANCE, rematerialize
 from meganeura.runtime.device import get_device
 from meganeura.runtime.program import Program
 
@@ -69,11 +69,24 @@ def test_a_transcendental_is_not_computed_twice():
     for _ in range(REMAT_DISTANCE):
         z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
     b.output(b.map(lambda a, c: E.mul(a, c), y, z, dtype="float32"))
-    plan, _ = compile_graph(b.graph, RecordingDevice().limits)
-    assert plan.stats["rematerialized"] == 0
+    assert rematerialize(b.graph) == 0
 
 
 def test_a_value_from_a_computed_source_read_no_later_is_kept():
     """Copying y would keep exp(x), as large, alive to the far reader: no copy, y stays in the arena."""
     plan, _ = compile_graph(graph(False), RecordingDevice().limits)
     assert plan.stats["rematerialized"] == 0 and plan.stats["arena_bytes"] >= N * 4
+
+
+def test_a_long_chain_of_cheap_values_is_given_up_on_without_following_it():
+    """A residual stream: h = 1.5 h + 1, hundreds of times, then h read at once and far later. Following the chain
+    to its end (past Python's recursion limit, as it once did on a 30-layer Llama) would not fit the copy anyway."""
+    b = GraphBuilder()
+    h, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
+    for _ in range(600):
+        h = b.map(lambda a: E.add(E.mul(a, E.const(1.5, E.F32)), E.const(1.0, E.F32)), h, dtype="float32")
+    b.output(b.reduce_simple(h, (0,), "sum", "float32"))
+    for _ in range(REMAT_DISTANCE):
+        z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
+    b.output(b.reduce_simple(b.map(lambda a, c: E.mul(a, c), h, z, dtype="float32"), (0,), "sum", "float32"))
+    assert rematerialize(b.graph) == 0
