@@ -243,7 +243,8 @@ def _resident_table(cells: dict, baselines: list) -> list[str]:
     if not rows:
         return []
     header = ["workload", "meganeura-resident ms", "meganeura (backend) ms"] + [
-        x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates", "dispatches", "host<->device MiB/step"]
+        x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates", "dispatches", "peak MiB (resident / torch)",
+                                                             "host<->device MiB/step"]
     lines = ["", "Training step through `compile_train_step` (forward, backward and AdamW in one device plan; "
              "ratio = meganeura-resident / competitor):", "", "| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
@@ -254,8 +255,9 @@ def _resident_table(cells: dict, baselines: list) -> list[str]:
             theirs = cells.get((w, "training", b))
             r = ours["median_ms"] / theirs["median_ms"] if _ok(ours) and _ok(theirs) else None
             row += [_status(theirs), "-" if r is None else f"{r:.2f}"]
+        torch_peak = (cells.get((w, "training", "torch-cuda-eager")) or {}).get("peak_memory_bytes")
         row += ["pass" if _ok(ours) else "FAILED", str(ours["dispatches"] or "-"),
-                _mib(ours["transfer_bytes_per_call"])]
+                f"{_mib(ours['peak_memory_bytes'])} / {_mib(torch_peak)}", _mib(ours["transfer_bytes_per_call"])]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
