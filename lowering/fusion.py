@@ -25,8 +25,10 @@ from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
 log = logging.getLogger("meganeura.lowering.fusion")
 MAX_EXPR_NODES = 1500  # a fused expression past this many nodes is kept apart: kernel text and its compile grow with it
 PROLOGUE_MAX_LOADS = 6
-PROLOGUE_OPS = {"load", "const", "coord", "cast", "neg", "add", "sub", "mul", "where", "maximum", "minimum",
-                "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}
+# Ops as cheap as index arithmetic. The rounding to a half precision is a few integer operations: a half precision
+# model's rotary embedding and repeated KV heads, rounded to the model's dtype, stay attention prologues.
+PROLOGUE_OPS = {"load", "const", "coord", "cast", "round_bf16", "round_f16", "neg", "add", "sub", "mul", "where",
+                "maximum", "minimum", "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}
 
 
 @dataclass

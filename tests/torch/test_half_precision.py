@@ -144,6 +144,27 @@ def test_llama_checkpoint_in_bfloat16(tmp_path):
     assert_within_eager_error(got, want, exact, what="logits")
 
 
+def test_bfloat16_llama_takes_the_dispatches_of_float32():
+    """Rounding to bfloat16 is as cheap as index arithmetic: the rotary embedding and repeated KV heads, rounded to
+    the model's dtype, stay attention prologues (they were two dispatches more a layer). One more dispatch in all:
+    the copy that stores the logits in bfloat16 (a matmul stores float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_meganeura import explain
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 96, (1, 1))
+    counts = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            counts[dtype] = explain(lambda i: model(i, use_cache=False).logits, ids).dispatches
+    assert counts[torch.bfloat16] == counts[torch.float32] + 1, counts
+
+
 def test_training_in_bfloat16_with_labels(tmp_path):
     """bf16 parameters trained directly through the backend with HF's own loss: loss and every gradient within
     eager bf16's error of float64."""
