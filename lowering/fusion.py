@@ -25,10 +25,12 @@ from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
 log = logging.getLogger("meganeura.lowering.fusion")
 MAX_EXPR_NODES = 1500  # a fused expression past this many nodes is kept apart: kernel text and its compile grow with it
 PROLOGUE_MAX_LOADS = 6
-# Ops as cheap as index arithmetic. The rounding to a half precision is a few integer operations: a half precision
-# model's rotary embedding and repeated KV heads, rounded to the model's dtype, stay attention prologues.
-PROLOGUE_OPS = {"load", "const", "coord", "cast", "round_bf16", "round_f16", "neg", "add", "sub", "mul", "where",
-                "maximum", "minimum", "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}
+# Rounding to a half precision is a few integer operations, as cheap as index arithmetic: a half precision model's
+# rotary embedding and repeated KV heads, rounded to its dtype, stay attention prologues; a rounded view, a matmul
+# operand.
+ROUNDINGS = ("round_bf16", "round_f16")
+PROLOGUE_OPS = {"load", "const", "coord", "cast", *ROUNDINGS, "neg", "add", "sub", "mul", "where", "maximum",
+                "minimum", "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}
 
 
 @dataclass
@@ -112,11 +114,17 @@ def is_cheap_prologue(producer: Pointwise) -> bool:
 def _takes(consumer: Node, producer: Pointwise) -> bool:
     if producer.is_view():
         return True
-    if isinstance(consumer, Matmul):
-        return False
+    if isinstance(consumer, Matmul):  # an operand element is loaded by many workgroups: only what costs no more
+        return _is_rounded_view(producer)
     if isinstance(consumer, Attention):
         return is_cheap_prologue(producer)
     return True
+
+
+def _is_rounded_view(producer: Pointwise) -> bool:
+    """A view rounded to a half precision (an attention output in a bf16 model, reshaped for its projection)."""
+    e = producer.expr
+    return not producer.also and e.op in ROUNDINGS and e.args[0].op == "load"
 
 
 def _substitute(e: E.Expr, domain, candidates, refused, consumer) -> E.Expr:

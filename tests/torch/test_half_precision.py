@@ -165,6 +165,35 @@ def test_bfloat16_llama_takes_the_dispatches_of_float32():
     assert counts[torch.bfloat16] == counts[torch.float32] + 1, counts
 
 
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "f16"])
+def test_an_attention_output_feeds_its_projection_rounded(dtype):
+    """The attention kernel stores float32; in a half precision model the output projection must read its output
+    rounded to the dtype (as eager stores it), through the heads' transpose and reshape (HF Whisper's encoder). It
+    reads it rounded in its operand loads, with no dispatch of its own: values within eager's error, and float32's
+    dispatches plus the narrowing copy of the result."""
+    from transformers import WhisperConfig, WhisperModel
+
+    from torch_meganeura import explain
+
+    torch.manual_seed(0)
+    config = WhisperConfig(d_model=32, encoder_attention_heads=4, encoder_layers=2, encoder_ffn_dim=64,
+                           decoder_layers=1, decoder_attention_heads=4, num_mel_bins=16, max_source_positions=8)
+    encoder = WhisperModel(config).get_encoder().eval()
+    features = torch.randn(1, 16, 16)
+    counts = {}
+    for d in (torch.float32, dtype):
+        encoder.to(d)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            counts[d] = explain(lambda x: encoder(x).last_hidden_state, features.to(d)).dispatches
+    with torch.no_grad():
+        got = _compiled_run(lambda x: encoder(x).last_hidden_state, features.to(dtype))
+        want = encoder(features.to(dtype)).last_hidden_state
+        exact = encoder.double()(features.double()).last_hidden_state
+    assert_within_eager_error(got, want, exact, what="last_hidden_state")
+    assert counts[dtype] == counts[torch.float32] + 1, counts
+
+
 def test_training_in_bfloat16_with_labels(tmp_path):
     """bf16 parameters trained directly through the backend with HF's own loss: loss and every gradient within
     eager bf16's error of float64."""
