@@ -67,6 +67,7 @@ def rematerialize(graph: Graph) -> int:
         for reader in far:
             copy = Pointwise([Value(next_id, node.out.shape, node.out.dtype)], expr, node.label)
             next_id += 1
+            values[copy.out.id], producers[copy.out.id] = copy.out, copy  # a later node may read it
             _redirect(reader, vid, copy.out.id)
             copies.append((reader, copy))
         last_read[vid] = max(position[id(n)] for n in readers[vid] if not any(n is f for f in far))

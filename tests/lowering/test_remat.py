@@ -90,3 +90,32 @@ def test_a_long_chain_of_cheap_values_is_given_up_on_without_following_it():
         z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
     b.output(b.reduce_simple(b.map(lambda a, c: E.mul(a, c), h, z, dtype="float32"), (0,), "sum", "float32"))
     assert rematerialize(b.graph) == 0
+
+
+def test_a_copy_read_by_a_value_that_is_copied_in_turn():
+    """y = 2x + 1 is copied for r = y * z, far after it; r is read far later again, so the pass weighs copying r in
+    turn, whose expression now reads y's copy, a value the pass made (a KeyError once: HF ResNet-50's training
+    graph through the backend). r reads z, which is not kept that long, so r itself stays."""
+    b = GraphBuilder()
+    x, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
+    y = b.map(lambda a: E.add(E.mul(a, E.const(2.0, E.F32)), E.const(1.0, E.F32)), x, dtype="float32")
+    b.output(b.reduce_simple(y, (0,), "sum", "float32"))
+    for _ in range(REMAT_DISTANCE):
+        z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
+    r = b.map(lambda a, c: E.mul(a, c), y, z, dtype="float32")
+    b.output(b.reduce_simple(r, (0,), "sum", "float32"))
+    w = z
+    for _ in range(REMAT_DISTANCE):
+        w = b.map(lambda a: E.unary("cos", a), w, dtype="float32")
+    b.output(b.reduce_simple(b.map(lambda a, c: E.add(a, c), r, w, dtype="float32"), (0,), "sum", "float32"))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert plan.stats["rematerialized"] == 1
+    xs, zs = RNG.standard_normal(N, dtype=np.float32), RNG.standard_normal(N, dtype=np.float32)
+    out = Program(get_device(), plan).run({"x": xs, "z": zs})
+    zz = zs.astype(np.float64)
+    for _ in range(REMAT_DISTANCE):
+        zz = np.sin(zz)
+    ww = zz
+    for _ in range(REMAT_DISTANCE):
+        ww = np.cos(ww)
+    np.testing.assert_allclose(out["out2"], ((2 * xs.astype(np.float64) + 1) * zz + ww).sum(), rtol=1e-4)
