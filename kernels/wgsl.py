@@ -168,19 +168,20 @@ HELPERS = {
 # built-in: pack2x16float leaves out-of-range values undefined; and with unpack2x16float, the one float16-only step on
 # its path, a float16 ResNet-50 came out wrong on the H200 (0.44 relative L2) while bfloat16 and lavapipe were right
 # at the same shapes; widened by bit operations it passes there (2.1e-4). A subnormal half widens through an exact
-# product by 2^-24.
+# product by 2^-24. The float16 conversions choose among their cases by select, not by branches: they run for every
+# element a matmul or attention kernel loads (on the H200, float16 calls took up to 1.6x bfloat16's with branches).
 HALF_HELPERS = {
     "mg_widen_bf16": """fn mg_widen_bf16(w: u32, hi: u32) -> f32 {
   return bitcast<f32>(select(w << 16u, w & 0xffff0000u, hi == 1u));
 }""",
     "mg_widen_f16": """fn mg_widen_f16(w: u32, hi: u32) -> f32 {
   let h = select(w & 0xffffu, w >> 16u, hi == 1u);
-  let sign = (h & 0x8000u) << 16u;
-  let e = (h >> 10u) & 0x1fu;
-  let m = h & 0x3ffu;
-  if (e == 0u) { return bitcast<f32>(sign | bitcast<u32>(f32(m) * 5.9604644775390625e-8)); }
-  if (e == 31u) { return bitcast<f32>(sign | 0x7f800000u | (m << 13u)); }
-  return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+  let em = h & 0x7fffu;
+  let normal = (em << 13u) + 0x38000000u;
+  let special = (em << 13u) | 0x7f800000u;
+  let small = bitcast<u32>(f32(em) * 5.9604644775390625e-8);
+  let mag = select(select(normal, special, em >= 0x7c00u), small, em < 0x400u);
+  return bitcast<f32>(((h & 0x8000u) << 16u) | mag);
 }""",
     "mg_bf16_bits": """fn mg_bf16_bits(x: f32) -> u32 {
   let u = bitcast<u32>(x);
@@ -189,15 +190,13 @@ HALF_HELPERS = {
 }""",
     "mg_f16_bits": """fn mg_f16_bits(x: f32) -> u32 {
   let u = bitcast<u32>(x);
-  let sign = (u >> 16u) & 0x8000u;
   let a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) { return sign | 0x7e00u; }
-  if (a >= 0x477ff000u) { return sign | 0x7c00u; }
-  if (a >= 0x38800000u) {
-    let r = a - 0x38000000u;
-    return sign | ((r + 0xfffu + ((r >> 13u) & 1u)) >> 13u);
-  }
-  return sign | u32(round(bitcast<f32>(a) * 16777216.0));
+  let r = a - 0x38000000u;
+  var bits = select(u32(round(bitcast<f32>(a) * 16777216.0)), (r + 0xfffu + ((r >> 13u) & 1u)) >> 13u,
+                    a >= 0x38800000u);
+  bits = select(bits, 0x7c00u, a >= 0x477ff000u);
+  bits = select(bits, 0x7e00u, a > 0x7f800000u);
+  return ((u >> 16u) & 0x8000u) | bits;
 }""",
     "mg_round_bf16": "fn mg_round_bf16(x: f32) -> f32 { return mg_widen_bf16(mg_bf16_bits(x), 0u); }",
     "mg_round_f16": "fn mg_round_f16(x: f32) -> f32 { return mg_widen_f16(mg_f16_bits(x), 0u); }",
