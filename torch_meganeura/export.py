@@ -7,7 +7,8 @@ the exported program's state) and which are user inputs, with the argument names
 input names. ``run_decompositions(decomposition_table())`` brings the graph to the same aten ops the backend
 lowers, and ``device_graph.compile_device_graph`` (the backend's and the training step's pipeline) turns it into
 one plan for the whole model, through the plan cache. Data-dependent
-control flow that torch.export cannot trace is reported with torch's own error (``ExportError``).
+control flow that torch.export cannot trace is reported with torch's own error (``ExportError``). An HF model whose
+config asks for a KV cache is traced without it (with a warning): a cache object is not a tensor.
 
 Refused, with ``ExportError`` naming the cause: ops the device cannot run (``partition.fallback_ops``), a model
 that mutates its buffers (BatchNorm in training mode: call ``model.eval()``), outputs that are Python constants
@@ -24,7 +25,9 @@ Kernels are generated for WebGPU's default limits unless ``portable=False`` (see
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
 
 import torch
 import torch.fx as fx
@@ -104,12 +107,44 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
 def _trace(module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"export takes an nn.Module, got {type(module).__name__}")
-    try:
-        program = torch.export.export(module, args, kwargs)
-    except Exception as err:  # noqa: BLE001 - any tracing failure is reported with torch's message
-        raise ExportError(f"torch.export could not trace {type(module).__name__} (a bundle needs one whole graph: "
-                          f"data-dependent control flow is not supported): {type(err).__name__}: {err}") from err
+    with _without_kv_cache(module, kwargs):
+        try:
+            program = torch.export.export(module, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - any tracing failure is reported with torch's message
+            raise ExportError(f"torch.export could not trace {type(module).__name__}{_cause(err)}: "
+                              f"{type(err).__name__}: {err}") from err
     return program.run_decompositions(decomposition_table())
+
+
+@contextlib.contextmanager
+def _without_kv_cache(module, kwargs: dict):
+    """An HF model whose config asks for a KV cache (``use_cache``, true by default in language models) returns a
+    cache object, which a bundle cannot hold, and which a forward of fixed shapes has no use for: trace it with
+    ``config.use_cache`` off (restored after), and say so. A ``use_cache`` the caller passes is left as it is."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "use_cache", False) or "use_cache" in kwargs:
+        yield
+        return
+    warnings.warn(f"meganeura: exporting {type(module).__name__} without its KV cache output (config.use_cache is "
+                  "turned off while tracing): a bundle is one forward of fixed shapes and returns tensors",
+                  stacklevel=5)  # the caller of export (through this generator, contextlib, _trace, export)
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+def _cause(err: Exception) -> str:
+    """What a tracing failure means for a bundle, where torch's message says it."""
+    text = str(err)
+    if "data-dependent" in text or "data dependent" in text:
+        return " (a bundle needs one whole graph: control flow that depends on tensor values cannot be traced)"
+    if "in output, which is not a known type" in text:
+        return " (its outputs hold an object that is not a tensor, and a bundle returns tensors)"
+    if "in input" in text and "not a known type" in text:
+        return " (its inputs hold an object that is not a tensor, and a bundle takes tensors)"
+    return ""
 
 
 def _drop_assertions(gm: fx.GraphModule) -> None:

@@ -309,8 +309,15 @@ class Unsupported(nn.Module):
         return torch.sort(x).values * 2
 
 
+class ReturnsAnObject(nn.Module):
+    def forward(self, x):
+        return {"y": x * 2, "state": Path("not a tensor")}
+
+
 @pytest.mark.parametrize("model, x, message", [
-    (DataDependent(), torch.randn(3), "torch.export could not trace DataDependent"),
+    (DataDependent(), torch.randn(3), "could not trace DataDependent .*control flow that depends on tensor values"),
+    (ReturnsAnObject(), torch.randn(3), "could not trace ReturnsAnObject .*outputs hold an object that is not a "
+                                        "tensor"),
     (Unsupported(), torch.randn(3, 3), r"the device cannot run these ops.*aten.sort.default \(no lowering\)"),
     (nn.BatchNorm1d(3).train(), torch.randn(4, 3), "mutates .*running_mean.*model.eval"),
 ])
@@ -318,6 +325,26 @@ def test_export_refuses_with_the_reason(model, x, message, tmp_path):
     with pytest.raises(torch_meganeura.ExportError, match=message):
         torch_meganeura.export(model, x, tmp_path / "bundle")
     assert not (tmp_path / "bundle" / "manifest.json").exists()
+
+
+def test_a_language_model_with_its_default_config_exports_without_its_kv_cache(tmp_path):
+    """An HF causal LM returns a DynamicCache by default (config.use_cache), which a bundle cannot hold: it is
+    exported without it, with a warning, and the user's config is left as it was."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    assert model.config.use_cache
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.warns(UserWarning, match="without its KV cache output"):
+        manifest = torch_meganeura.export(model, (ids,), tmp_path / "bundle")
+    assert model.config.use_cache
+    assert [o["name"] for o in manifest["outputs"]] == ["logits"]
+    with torch.no_grad():
+        want = model(ids).logits.numpy()
+    got = load(tmp_path / "bundle")(input_ids=ids.numpy())["logits"]
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
 class Noisy(nn.Module):
