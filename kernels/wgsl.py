@@ -144,8 +144,66 @@ HELPERS = {
 }""",
 
     # asin and acos through atan2: lavapipe's builtins are off by up to 4e-4 (WGSL allows atan2's error only).
-    "mg_asin": "fn mg_asin(x: f32) -> f32 { return atan2(x, sqrt((1.0 - x) * (1.0 + x))); }",
-    "mg_acos": "fn mg_acos(x: f32) -> f32 { return atan2(sqrt((1.0 - x) * (1.0 + x)), x); }",
+    # atan to about 1 ULP (the built-in was 35x eager's error on lavapipe): |x| reduced to |t| <= tan(pi/8) by
+    # atan(x) = pi/4 + atan((x-1)/(x+1)) or pi/2 - atan(1/x), pi/4 and pi/2 split in two, and atan(t) by its Taylor
+    # series to t^17 (the first term left out is below 3e-9 absolute).
+    "mg_atan": """fn mg_atan(x: f32) -> f32 {
+  let a = abs(x);
+  let big = a > 2.4142135623730951;
+  let mid = a > 0.41421356237309503;
+  let t = select(select(a, (a - 1.0) / (a + 1.0), mid), -1.0 / a, big);
+  let hi = select(select(0.0, 0.78539818525314331, mid), 1.5707963705062866, big);
+  let lo = select(select(0.0, -2.1855694e-08, mid), -4.3711388e-08, big);
+  let z = t * t;
+  let p = z * (-0.33333333333333333 + z * (0.2 + z * (-0.14285714285714285 + z * (0.11111111111111111
+      + z * (-0.090909090909090909 + z * (0.076923076923076923 + z * (-0.066666666666666667
+      + z * 0.058823529411764706)))))));
+  let r = hi + (lo + (t + t * p));
+  return select(bitcast<f32>(bitcast<u32>(r) | (bitcast<u32>(x) & 0x80000000u)), x, mg_isnan(x));
+}""",
+    # atan2 through mg_atan (the built-in was 8.7x eager's error): the first quadrant's angle from the smaller of
+    # |y| / |x| and |x| / |y| (an argument at most 1), then pi/2 - it, pi - it and the sign of y by quadrant, with
+    # IEEE's special cases: zeros by their signs, infinities (pi/4 for two), NaN through.
+    "mg_atan2": """fn mg_atan2(y: f32, x: f32) -> f32 {
+  let ay = abs(y);
+  let ax = abs(x);
+  let steep = ay > ax;
+  var r = mg_atan(select(ay / ax, ax / ay, steep));
+  r = select(r, (1.5707963705062866 - r) - 4.3711388e-08, steep);
+  r = select(r, 0.0, ay == 0.0);
+  r = select(r, 0.78539818525314331, ay == ax && ax > 3.4028235e38);
+  r = select(r, (3.1415927410125732 - r) - 8.7422777e-08, (bitcast<u32>(x) & 0x80000000u) != 0u);
+  r = bitcast<f32>(bitcast<u32>(r) | (bitcast<u32>(y) & 0x80000000u));
+  return select(r, x + y, mg_isnan(x) || mg_isnan(y));
+}""",
+    # asin and acos to about 1 ULP (the built-ins were 61x eager's error): Cephes' reduction, asin(s) = s + s z P(z)
+    # with z = s^2 for |s| <= 1/2, and asin(a) = pi/2 - 2 asin(s) with s = sqrt((1 - a) / 2) above (1 - a exact
+    # there; the square root's rounding error is added back from its exact residual by fma, as fdlibm adds it in
+    # double); acos as 2 asin(s) near 1 (keeping its relative accuracy), pi - 2 asin(s) near -1, pi/2 - asin(x)
+    # between. pi/2 and pi in two parts. |x| > 1 gives NaN, as torch.
+    "mg_asin_poly": """fn mg_asin_poly(z: f32) -> f32 {
+  return z * (0.16666752422 + z * (0.074953002686 + z * (0.045470025998 + z * (0.024181311049
+      + z * 0.042163199048))));
+}""",
+    "mg_asin_far": """fn mg_asin_far(z: f32, top_hi: f32, top_lo: f32) -> f32 {
+  // top - 2 asin(sqrt(z)) for z = (1 - |x|) / 2 <= 1/4, top = top_hi + top_lo (pi/2 or pi)
+  let s = sqrt(z);
+  let correction = select(0.0, fma(-s, s, z) / (2.0 * s), s > 0.0);
+  return (top_hi - 2.0 * s) - (2.0 * (correction + s * mg_asin_poly(z)) - top_lo);
+}""",
+    "mg_asin": """fn mg_asin(x: f32) -> f32 {
+  let a = abs(x);
+  let r = select(a + a * mg_asin_poly(a * a), mg_asin_far(0.5 * (1.0 - a), 1.5707963705062866, -4.3711388e-08),
+                 a > 0.5);
+  return select(bitcast<f32>(bitcast<u32>(r) | (bitcast<u32>(x) & 0x80000000u)), x, mg_isnan(x));
+}""",
+    "mg_acos": """fn mg_acos(x: f32) -> f32 {
+  let z = 0.5 * (1.0 - abs(x));
+  let s = sqrt(z);
+  let middle = (1.5707963705062866 - (x + x * mg_asin_poly(x * x))) - 4.3711388e-08;
+  let near_minus_one = mg_asin_far(z, 3.1415927410125732, -8.7422777e-08);
+  return select(select(middle, near_minus_one, x < -0.5), 2.0 * (s + s * mg_asin_poly(z)), x > 0.5);
+}""",
     "mg_sign": "fn mg_sign(x: f32) -> f32 { return select(sign(x), x, x != x); }",
     "mg_tanh": "fn mg_tanh(x: f32) -> f32 { return select(tanh(clamp(x, -20.0, 20.0)), x, mg_isnan(x)); }",
     "mg_sigmoid": "fn mg_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + mg_exp(-x)); }",
@@ -208,9 +266,12 @@ HELPERS.update(HALF_HELPERS)
 HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16": ["mg_widen_f16", "mg_f16_bits"],
                "mg_pack_bf16": ["mg_bf16_bits"], "mg_pack_f16": ["mg_f16_bits"],
                "mg_exp": ["mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
-               "mg_log2": ["mg_log_parts", "mg_log_special"], "mg_log_special": ["mg_isnan", "mg_isinf"], "mg_expm1": ["mg_exp"],
-               "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs"], "mg_erfc": ["mg_erfc_abs"],
-               "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"], "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
+               "mg_log2": ["mg_log_parts", "mg_log_special"], "mg_log_special": ["mg_isnan", "mg_isinf"],
+               "mg_expm1": ["mg_exp"], "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs"],
+               "mg_erfc": ["mg_erfc_abs"], "mg_atan": ["mg_isnan"], "mg_atan2": ["mg_atan", "mg_isnan"],
+               "mg_asin": ["mg_asin_poly", "mg_asin_far", "mg_isnan"], "mg_acos": ["mg_asin_poly", "mg_asin_far"],
+               "mg_asin_far": ["mg_asin_poly"], "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"],
+               "mg_tanh": ["mg_isnan"], "mg_uniform": ["mg_hash"]}
 
 # op -> format string over arguments {0}, {1}, {2}; helpers named in the string are emitted on demand.
 FLOAT_OPS = {
@@ -218,7 +279,7 @@ FLOAT_OPS = {
     "log": "mg_log({0})", "log2": "mg_log2({0})",
     "log10": "(mg_log({0}) * 0.43429448190325182)",
     "log1p": "mg_log1p({0})", "sqrt": "sqrt({0})", "rsqrt": "inverseSqrt({0})", "sin": "sin({0})",
-    "cos": "cos({0})", "tan": "tan({0})", "asin": "mg_asin({0})", "acos": "mg_acos({0})", "atan": "atan({0})",
+    "cos": "cos({0})", "tan": "tan({0})", "asin": "mg_asin({0})", "acos": "mg_acos({0})", "atan": "mg_atan({0})",
     "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
     "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "erfc": "mg_erfc({0})",
     "sigmoid": "mg_sigmoid({0})", "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
@@ -229,7 +290,7 @@ FLOAT_OPS = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "pow": "mg_pow({0}, {1})", "maximum": "mg_max({0}, {1})", "minimum": "mg_min({0}, {1})",
     "fmod": "({0} % {1})", "remainder": "mg_remainder({0}, {1})", "floordiv": "mg_floordiv({0}, {1})",
-    "atan2": "atan2({0}, {1})", "fma": "fma({0}, {1}, {2})",
+    "atan2": "mg_atan2({0}, {1})", "fma": "fma({0}, {1}, {2})",
 }
 INT_OPS = {
     "neg": "(-{0})", "abs": "abs({0})", "sign": "sign({0})",
