@@ -25,6 +25,24 @@ def test_log1p_special_values():
     assert torch.signbit(got[4]) and not torch.signbit(got[5])
 
 
+@pytest.mark.parametrize("lo, hi", [(-1e-4, 1e-4), (-0.7, 0.7), (0.5, 0.8), (-3.0, 3.0), (2.0, 12.0)])
+def test_tanh_is_as_accurate_as_eager(lo, hi):
+    """The polynomial below 0.625 and 1 - 2 / (e^2x + 1) above meet at 0.625 (the (0.5, 0.8) range spans it)."""
+    x = torch.empty(20000).uniform_(lo, hi)
+    exact = torch.tanh(x.double())
+    ours = torch.compile(torch.tanh, backend="meganeura")(x).double()
+    eager = torch.tanh(x).double()
+    ours_error, eager_error = (((y - exact).norm() / exact.norm()).item() for y in (ours, eager))
+    assert ours_error <= 2 * eager_error, (ours_error, eager_error)
+
+
+def test_tanh_special_values():
+    x = torch.tensor([0.0, -0.0, 0.625, -0.625, 20.0, -30.0, float("inf"), -float("inf"), float("nan"), 1e-30])
+    got = torch.compile(torch.tanh, backend="meganeura")(x)
+    torch.testing.assert_close(got, torch.tanh(x), equal_nan=True, rtol=2e-7, atol=0)
+    assert torch.equal(torch.signbit(got), torch.signbit(torch.tanh(x)))
+
+
 INVERSE_TRIG = [
     (torch.atan, [(-1e-6, 1e-6), (-0.5, 0.5), (0.3, 3.0), (2.0, 50.0), (-1e6, -10.0)]),
     (torch.asin, [(-1e-6, 1e-6), (-0.5, 0.5), (0.5, 1.0), (-1.0, -0.99)]),
