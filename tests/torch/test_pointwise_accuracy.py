@@ -6,15 +6,20 @@ import torch
 RANGES = [(-1e-6, 1e-6), (-1e-3, 1e-3), (-0.5, 1.0), (-0.99, -0.5), (1.0, 100.0)]
 
 
+def errors(fn, *inputs) -> tuple[float, float]:
+    """Relative L2 distances from float64 of ``fn`` on ``inputs`` through the backend and in eager float32."""
+    exact = fn(*(x.double() for x in inputs))
+    ours = torch.compile(fn, backend="meganeura")(*inputs).double()
+    eager = fn(*inputs).double()
+    return tuple(((y - exact).norm() / exact.norm()).item() for y in (ours, eager))
+
+
 @pytest.mark.parametrize("lo, hi", RANGES)
 def test_log1p_is_as_accurate_as_eager(lo, hi):
     """log1p near 0 must not round 1 + x first (a shader compiler folded Goldberg's correction away: log1p(3e-7)
     gave 3.58e-7, 19 % off)."""
     x = torch.empty(20000).uniform_(lo, hi)
-    exact = torch.log1p(x.double())
-    ours = torch.compile(torch.log1p, backend="meganeura")(x).double()
-    eager = torch.log1p(x).double()
-    ours_error, eager_error = (((y - exact).norm() / exact.norm()).item() for y in (ours, eager))
+    ours_error, eager_error = errors(torch.log1p, x)
     assert ours_error <= 2 * eager_error, (ours_error, eager_error)
 
 
@@ -29,10 +34,7 @@ def test_log1p_special_values():
 def test_tanh_is_as_accurate_as_eager(lo, hi):
     """The polynomial below 0.625 and 1 - 2 / (e^2x + 1) above meet at 0.625 (the (0.5, 0.8) range spans it)."""
     x = torch.empty(20000).uniform_(lo, hi)
-    exact = torch.tanh(x.double())
-    ours = torch.compile(torch.tanh, backend="meganeura")(x).double()
-    eager = torch.tanh(x).double()
-    ours_error, eager_error = (((y - exact).norm() / exact.norm()).item() for y in (ours, eager))
+    ours_error, eager_error = errors(torch.tanh, x)
     assert ours_error <= 2 * eager_error, (ours_error, eager_error)
 
 
@@ -49,10 +51,7 @@ def test_tanh_special_values():
 @pytest.mark.parametrize("lo, hi, bound", [(-1e-3, 1e-3, 3), (-0.9, 0.9, 3), (1.0, 4.0, 2), (-3.0, 3.0, 2)])
 def test_erf_is_about_as_accurate_as_eager(lo, hi, bound):
     x = torch.empty(20000).uniform_(lo, hi)
-    exact = torch.erf(x.double())
-    ours = torch.compile(torch.erf, backend="meganeura")(x).double()
-    eager = torch.erf(x).double()
-    ours_error, eager_error = (((y - exact).norm() / exact.norm()).item() for y in (ours, eager))
+    ours_error, eager_error = errors(torch.erf, x)
     assert ours_error <= bound * eager_error, (ours_error, eager_error)
 
 
@@ -76,10 +75,7 @@ def test_inverse_trigonometry_is_as_accurate_as_eager(fn, lo, hi):
     """atan, asin and acos (the WGSL built-ins were 35-61x eager's error on lavapipe): acos near 1 keeps its
     relative accuracy (no subtraction from pi/2), atan's reduced arguments join their pi/4 or pi/2 in two parts."""
     x = torch.empty(20000).uniform_(lo, hi)
-    exact = fn(x.double())
-    ours = torch.compile(fn, backend="meganeura")(x).double()
-    eager = fn(x).double()
-    ours_error, eager_error = (((y - exact).norm() / exact.norm()).item() for y in (ours, eager))
+    ours_error, eager_error = errors(fn, x)
     assert ours_error <= 2 * eager_error, (ours_error, eager_error)
 
 
@@ -93,10 +89,7 @@ def test_inverse_trigonometry_special_values(fn):
 
 def test_atan2_is_as_accurate_as_eager_in_every_quadrant():
     y, x = torch.randn(20000) * 3, torch.randn(20000) * 3
-    exact = torch.atan2(y.double(), x.double())
-    ours = torch.compile(torch.atan2, backend="meganeura")(y, x).double()
-    eager = torch.atan2(y, x).double()
-    ours_error, eager_error = (((v - exact).norm() / exact.norm()).item() for v in (ours, eager))
+    ours_error, eager_error = errors(torch.atan2, y, x)
     assert ours_error <= 2 * eager_error, (ours_error, eager_error)
 
 
