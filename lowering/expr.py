@@ -284,6 +284,14 @@ def size(e: Expr) -> int:
     return e._size
 
 
+def depth(e: Expr) -> int:
+    """The longest path from ``e`` down to a leaf, in nodes (computed without recursion: it bounds recursion)."""
+    levels: dict[int, int] = {}
+    for node in walk(e):
+        levels[id(node)] = 1 + max((levels[id(c)] for c in node.children()), default=0)
+    return levels[id(e)]
+
+
 def shift_coords(e: Expr, mapping: dict[int, Expr]) -> Expr:
     """Replace coordinate ``d`` by ``mapping[d]`` (coordinates missing from the mapping stay)."""
     def rewrite(node):

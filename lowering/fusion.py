@@ -9,7 +9,7 @@ candidate unless a rule refuses it, and every refusal is recorded with its reaso
   * attention operands take views and cheap prologues: a single-consumer producer of at most
     ``PROLOGUE_MAX_LOADS`` loads and plain arithmetic (no transcendentals, no RNG), recomputed on every load. This
     folds rotary embeddings (q * cos + rotate_half(q) * sin) into the attention loads;
-  * a kernel may not exceed the device's storage-buffer bindings nor ``MAX_EXPR_NODES``.
+  * a kernel may not exceed the device's storage-buffer bindings, ``MAX_EXPR_NODES`` nor ``MAX_EXPR_DEPTH``.
 Values that end up read by no kernel (and are not graph outputs) are dropped, as are unused results of
 multi-output reductions; other multi-output nodes are kept whole while any of their results is used.
 """
@@ -24,6 +24,10 @@ from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
 
 log = logging.getLogger("meganeura.lowering.fusion")
 MAX_EXPR_NODES = 1500  # a fused expression past this many nodes is kept apart: kernel text and its compile grow with it
+# A fused expression nested deeper than this is kept apart too: the passes that rebuild expressions recurse once per
+# level (a few Python frames each) and run deep in dynamo's stack, under Python's default limit of 1,000 frames. A
+# loop of a few hundred pointwise steps (x = x * a + b) is then a few kernels, not a failed compile.
+MAX_EXPR_DEPTH = 96
 PROLOGUE_MAX_LOADS = 6
 # Rounding to a half precision is a few integer operations, as cheap as index arithmetic: a half precision model's
 # rotary embedding and repeated KV heads, rounded to its dtype, stay attention prologues; a rounded view, a matmul
@@ -84,7 +88,8 @@ def _inline_into(node: Node, candidates, producers, max_bindings, report) -> Non
     while True:
         new_exprs = [_substitute(e, dom, candidates, refused, node) for e, dom in zip(node.exprs(), node.domains())]
         loaded = {ld.args[0] for e in new_exprs for ld in E.loads_of(e)}
-        too_big = max((E.size(e) for e in new_exprs), default=0) > MAX_EXPR_NODES
+        too_big = (max((E.size(e) for e in new_exprs), default=0) > MAX_EXPR_NODES
+                   or max((E.depth(e) for e in new_exprs), default=0) > MAX_EXPR_DEPTH)
         if len(loaded) + len(node.outs) + 1 <= max_bindings and not too_big:
             break
         used = [vid for vid in _direct_loads(node, refused) if vid in candidates]

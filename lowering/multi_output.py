@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from . import expr as E
 from .builder import unravel
-from .fusion import MAX_EXPR_NODES, FusionReport, _name
+from .fusion import MAX_EXPR_DEPTH, MAX_EXPR_NODES, FusionReport, _name
 from .indexing import linear_index, simplify
 from .ir import Graph, Pointwise
 
@@ -66,6 +66,9 @@ def _try_merge(graph, consumer: Pointwise, producer: Pointwise, users, order, ma
         shape = next(v.shape for v in producer.outs if v.id == ld.args[0])
         if simplify(linear_index(ld.args[1], shape), bounds) != here:
             return "consumer reads the producer at other elements"
+    deepest = max(E.depth(e) for e in exprs) + max(E.depth(e) for e in producer.exprs())
+    if deepest > MAX_EXPR_DEPTH:  # checked before the merged expressions are built: building them recurses
+        return "expression too deep"
     # The producer's expressions, over the consumer's coordinates through the shared linear index.
     to_producer = dict(enumerate(unravel(here, producer.out.shape)))
     moved = [simplify(E.shift_coords(e, to_producer), bounds) for e in producer.exprs()]

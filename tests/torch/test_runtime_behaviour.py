@@ -203,3 +203,19 @@ def test_device_lost_mid_plan_raises_clearly_then_the_model_runs_on_a_new_device
     assert done.returncode == 0, done.stdout + done.stderr
     assert "LOST:" in done.stdout and "was lost" in done.stdout, done.stdout
     assert done.stdout.strip().endswith("RECOVERED"), done.stdout
+
+
+def test_a_long_loop_of_pointwise_steps_compiles():
+    """300 steps of x = 0.999 x + 0.001 (600 ops, one chain): fused into kernels whose expressions stay shallow
+    enough for the passes that recurse over them (it once failed with Python's RecursionError and fell back), and
+    also with training's forward and backward."""
+    def steps(x):
+        for _ in range(300):
+            x = x * 0.999 + 0.001
+        return x
+
+    check_against_eager(steps, torch.randn(64))
+    x = torch.randn(64, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(steps, backend="meganeura", options={"fallback": "error"})(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((64,), 0.999 ** 300), rtol=1e-5, atol=0)
