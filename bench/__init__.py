@@ -1,5 +1,15 @@
 """Benchmarks of torch-meganeura side by side with PyTorch: five workloads and micro benchmarks.
 
 ``python -m bench --help`` runs them and writes ``bench/results/<tag>.json``; ``python -m bench.report`` turns a
-results file into its markdown table and plot. See ``bench/README.md``.
+results file into its markdown table and plot. See ``bench/results/README.md``.
 """
+import os
+import sys
+
+# ``python -m bench`` puts the checkout's root first on sys.path. The root holds kernels/, lowering/ and runtime/,
+# installed as meganeura.kernels and so on; ahead of site-packages they would shadow PyPI packages of those names
+# (transformers >= 5.2x imports Hugging Face's ``kernels``). Once this package is imported, the root goes last.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_entries = [p for p in sys.path if os.path.abspath(p or os.curdir) == _ROOT]
+if _entries:
+    sys.path[:] = [p for p in sys.path if p not in _entries] + _entries[:1]

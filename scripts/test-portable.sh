@@ -5,9 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" MEGANEURA_LIMITS=webgpu-default
+# PYTHONSAFEPATH: no Python started here puts the checkout's root on sys.path, where its kernels/ folder (installed
+# as meganeura.kernels) would shadow Hugging Face's ``kernels`` package, which transformers >= 5.2x imports.
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" PYTHONSAFEPATH=1 MEGANEURA_LIMITS=webgpu-default
 tests=(inference_models vision_models attention training train_step export conv precision portable fuzz_graphs
        pooling_norms scatter_ops op_gradients half_precision runtime_behaviour)
 paths=()
 for t in "${tests[@]}"; do paths+=("tests/torch/test_$t.py"); done
-exec .venv/bin/python -m pytest -q "${paths[@]}" "$@"
+exec .venv/bin/pytest -q "${paths[@]}" "$@"
