@@ -43,18 +43,21 @@ ADDED = {
 
 
 def _weight_norm_interface(v, g, dim=0):
-    """torch's decomposition with the norms' dtype of its CPU kernel: float32 for both half precisions (torch's
-    keeps float16's in float16). The backward, ``_weight_norm_interface_backward``, has no lowering and runs that
-    kernel in eager, which refuses float16 norms."""
+    """Weight norm as torch's CPU kernel computes it: for both half precisions the norms in float32 and the weight
+    ``v * (g / norm)`` in float32, rounded once (torch's decomposition keeps float16 norms in float16, and rounds
+    ``norm`` and ``g / norm`` to the half dtype before the product: three roundings). The backward,
+    ``_weight_norm_interface_backward``, has no lowering and runs that kernel in eager, which refuses float16 norms."""
     keep = tuple(i for i in range(v.dim()) if i != dim)
-    norm_dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
-    norm = v.norm(2, keep, keepdim=True, dtype=norm_dtype)
-    return v * (g / norm.to(g.dtype)), norm
+    if g.dtype not in (torch.float16, torch.bfloat16):
+        norm = v.norm(2, keep, keepdim=True)
+        return v * (g / norm), norm
+    norm = v.norm(2, keep, keepdim=True, dtype=torch.float32)
+    return (v.float() * (g.float() / norm)).to(v.dtype), norm
 
 
 OWN = {
     aten._weight_norm_interface.default: (_weight_norm_interface, "torch's keeps float16 norms in float16, which its "
-                                          "own backward kernel refuses"),
+                                          "own backward kernel refuses, and rounds three times in half precision"),
 }
 
 

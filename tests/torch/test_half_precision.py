@@ -247,20 +247,28 @@ def test_autocast_region_runs_on_the_device():
         assert_within_eager_error(got, p.grad, e.grad, what="gradient")
 
 
+# The weight is computed as torch's weight-norm kernel computes it, then convolved and differentiated with the same
+# roundings as eager: within 10 % of eager's error (measured 0.91-1.02x over six seeds; three roundings gave 1.15x).
+SAME_AS_EAGER = 1.1
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 def test_weight_norm_backward_gets_float32_norms(dtype):
     """A weight-normed convolution (wav2vec2's positional one) trained in half precision. Its forward decomposes
     onto the device and its backward (no lowering) runs torch's CPU kernel, which takes the forward's norms in
     float32 for both halves: torch's decomposition kept float16's in float16 and that kernel raised "expected scalar
-    type Float but found Half". Output and gradients within eager's error of float64."""
+    type Float but found Half". The weight is computed in float32 and rounded once, as that kernel does (torch's
+    decomposition rounded three times: the output 1.15x eager's error, g's gradient up to 1.9x). Output and
+    gradients within eager's error of float64; 32 channels and a kernel of 33 (wav2vec2's is 128), so that each
+    gradient has enough elements for its error to be a measurement, not one element's rounding."""
     torch.manual_seed(0)
-    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 6, 3, padding=1), dim=2)
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(8, 32, 33, padding=16), dim=2)
     conv.to(dtype)
-    eager = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 6, 3, padding=1), dim=2)
-    exact = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 6, 3, padding=1), dim=2).double()
+    eager = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(8, 32, 33, padding=16), dim=2)
+    exact = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(8, 32, 33, padding=16), dim=2).double()
     eager.to(dtype).load_state_dict(conv.state_dict())
     exact.load_state_dict({k: v.double() for k, v in conv.state_dict().items()})
-    x = torch.randn(2, 4, 8).to(dtype)
+    x = torch.randn(2, 8, 40).to(dtype)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -270,10 +278,10 @@ def test_weight_norm_backward_gets_float32_norms(dtype):
     want, truth = eager(x), exact(x.double())
     want.double().square().sum().backward()
     truth.square().sum().backward()
-    assert_within_eager_error(out, want, truth, what="output")
+    assert_within_eager_error(out, want, truth, factor=SAME_AS_EAGER, what="output")
     for (name, p), q, r in zip(conv.named_parameters(), eager.parameters(), exact.parameters()):
         assert p.grad.dtype == dtype
-        assert_within_eager_error(p.grad, q.grad, r.grad, what=f"d {name}")
+        assert_within_eager_error(p.grad, q.grad, r.grad, factor=SAME_AS_EAGER, what=f"d {name}")
 
 
 def test_half_storage_needs_no_shader_f16(monkeypatch):
