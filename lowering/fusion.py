@@ -33,7 +33,9 @@ PROLOGUE_MAX_LOADS = 6
 # rotary embedding and repeated KV heads, rounded to its dtype, stay attention prologues; a rounded view, a matmul
 # operand.
 ROUNDINGS = ("round_bf16", "round_f16")
-PROLOGUE_OPS = {"load", "const", "coord", "cast", *ROUNDINGS, "neg", "add", "sub", "mul", "where", "maximum",
+# A NaN test is a few integer operations on the bits too: ReLU keeps NaN (``where(isnan(x), x, max(x, 0))``), and a
+# ReLU output is then cheap to compute again where the backward reads it (``remat``).
+PROLOGUE_OPS = {"load", "const", "coord", "cast", *ROUNDINGS, "isnan", "neg", "add", "sub", "mul", "where", "maximum",
                 "minimum", "idiv", "imod", "not", *E.BINARY_COMPARE, *E.BINARY_LOGIC}
 
 

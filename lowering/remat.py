@@ -87,15 +87,18 @@ def _cheap(node) -> bool:
 
 def _recomputed(expr: E.Expr, producers: dict, kept) -> E.Expr | None:
     """``expr`` with each load of a value that is not ``kept`` replaced by its cheap producer's expression, down to
-    kept values; None where a load leads to anything else, or past ``REMAT_MAX_NODES``. The inlined expressions are
-    counted as they are taken in, so a long chain of cheap values (a residual stream) is given up on at once rather
+    kept values; None where a load leads to anything else, or past ``REMAT_MAX_NODES``. Equal loads share one
+    inlined expression, counted once. The inlined expressions are counted as they are taken in, so a long chain of cheap values (a residual stream) is given up on at once rather
     than followed to its end."""
     budget = [REMAT_MAX_NODES - E.size(expr)]
     failed = []
+    inlined: dict[E.Expr, E.Expr] = {}  # equal loads (ReLU reads x three times) share one inlined expression
 
     def rewrite(node: E.Expr):
         if failed or node.op != "load" or kept(node.args[0]):
             return None
+        if node in inlined:
+            return inlined[node]
         producer = producers.get(node.args[0])
         if _cheap(producer):
             budget[0] -= E.size(producer.expr)
@@ -105,7 +108,8 @@ def _recomputed(expr: E.Expr, producers: dict, kept) -> E.Expr | None:
         inner = E.substitute(producer.expr, rewrite)
         if failed:
             return None
-        return E.shift_coords(inner, dict(enumerate(node.args[1])))
+        inlined[node] = E.shift_coords(inner, dict(enumerate(node.args[1])))
+        return inlined[node]
 
     result = E.substitute(expr, rewrite)
     return None if failed or E.size(result) > REMAT_MAX_NODES else result

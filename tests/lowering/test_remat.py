@@ -119,3 +119,24 @@ def test_a_copy_read_by_a_value_that_is_copied_in_turn():
     for _ in range(REMAT_DISTANCE):
         ww = np.cos(ww)
     np.testing.assert_allclose(out["out2"], ((2 * xs.astype(np.float64) + 1) * zz + ww).sum(), rtol=1e-4)
+
+
+def test_a_value_read_three_times_is_taken_in_once():
+    """ReLU as torch decomposes it, ``where(isnan(y), y, max(y, 0))``, loads y three times (equal loads, distinct
+    objects). y is a chain of five cheap nodes from the input: taken in once it fits the copy's budget, charged
+    three times it did not (HF ResNet-50's ReLU outputs stayed in the arena from the forward to the backward)."""
+    b = GraphBuilder()
+    y, z = b.input("x", (N,), "float32"), b.input("z", (N,), "float32")
+    for _ in range(5):
+        y = b.map(lambda a: E.add(E.mul(a, E.const(1.5, E.F32)), E.const(1.0, E.F32)), y, dtype="float32")
+
+    def relu(a):
+        again, once_more = (E.Expr(a.op, a.args, a.dtype) for _ in range(2))
+        return E.where(E.unary("isnan", a), again, E.binary("maximum", once_more, E.const(0.0, E.F32)))
+
+    r = b.map(relu, y, dtype="float32")
+    b.output(b.reduce_simple(r, (0,), "sum", "float32"))
+    for _ in range(REMAT_DISTANCE):
+        z = b.map(lambda a: E.unary("sin", a), z, dtype="float32")
+    b.output(b.reduce_simple(b.map(lambda a, c: E.mul(a, c), r, z, dtype="float32"), (0,), "sum", "float32"))
+    assert rematerialize(b.graph) == 1
