@@ -189,9 +189,12 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
         cell = Cell(workload.name, mode, competitor, dtype)
         cells.append(cell)
         try:
-            with _Meter(competitor) as meter:  # construction, first call and one step: the peak-memory window
+            with _Meter(competitor) as meter:  # construction, first call and two steps: the peak-memory window
                 runner = Runner(competitor, workload, base, mode, batch)
                 cell.compile_s, got = runner.first_call()
+                runner.step()
+                # An eager optimizer creates its state in its first step(): only from the second step on does a
+                # backward run beside it, as every later step of a training run does.
                 runner.step()
             meter.report(cell)
             if runner.resident is not None:
