@@ -1,6 +1,7 @@
 """Program on the recording device (tests/helpers/recording_device.py), with no GPU: the buffers, pipelines, bind
 groups and dispatches it builds once and replays, how it submits them, how params rebind, and what it refuses before
 building anything. test_program.py runs the same kinds of plans on a real adapter and checks their results."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ RNG = np.random.default_rng(0)
 
 def test_recording_device_imports_neither_torch_nor_wgpu():
     code = "import sys, helpers.recording_device; print(sorted(m for m in ('torch', 'wgpu') if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=TESTS, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # (the test scripts keep the working directory off sys.path)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
