@@ -85,7 +85,8 @@ def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inp
 
 def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
     """(host inputs, device inputs) by plan input name for one call with placeholder values ``args``: a
-    ``DeviceArray`` or a ``ResidentTensor`` on ``device`` is bound as it is, anything else goes up in device layout
+    ``DeviceArray`` or a ``ResidentTensor`` on ``device`` is bound as it is (a resident tensor's host copy goes up
+    first where eager code wrote it), anything else goes up in device layout
     (a resident tensor of another device is downloaded first). The seed of the random ops is added where the plan
     has them."""
     host, on_device = {}, {}
@@ -94,7 +95,7 @@ def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
         if isinstance(value, DeviceArray):
             on_device[name] = value
         elif isinstance(value, ResidentTensor) and value.array.device is device:
-            on_device[name] = value.array
+            on_device[name] = value.device_array()
         else:  # the program checks the dtype, shape and int32 range, and converts to device layout
             value = value.materialize() if isinstance(value, ResidentTensor) else value
             host[name] = host_form(value)

@@ -1,50 +1,145 @@
-"""ResidentTensor: a torch tensor whose data stay in a device buffer (a ``DeviceArray``).
+"""ResidentTensor: a torch tensor whose data stay in a device buffer (a ``DeviceArray``) until eager code reads them.
 
-The forward graph of a training step returns the activations saved for backward as ResidentTensors, and the
-backward graph's device partitions bind their buffers directly: no download after the forward, no upload
-before the backward. Autograd only stores and hands them back; when it frees them (after the backward, or when
-the graph is dropped) the buffer returns to the device's pool.
+The backend returns values that Python only hands back to a later device plan as ResidentTensors: the activations
+a training forward saves for the backward, and, for an optimizer kept on the device (``device_optimizer``), the
+parameters' gradients. A device partition binds a ResidentTensor's buffer directly: no download after one plan, no
+upload before the next. When autograd or the user drops one, its buffer returns to the device's pool.
 
-Any aten op that reaches a ResidentTensor outside a device partition (an eager fallback op, a user reading a
-saved tensor) downloads it first, so the result is always right, only slower.
+Eager code sees an ordinary tensor. The first aten op that reaches a ResidentTensor outside a device partition
+downloads it once into a host copy (its *twin*), and every later eager op uses the twin. An op that writes it in
+place (``grad.mul_(c)``, ``zero_()``) writes the twin, which then holds the truth: the next device plan that binds the
+tensor uploads the twin first. A view of the twin that escapes to eager code (``t[0]``, ``t.view(...)``) may be
+written without our knowing, so from then on the twin is uploaded at every bind. ``detach()`` and ``alias`` return a
+ResidentTensor sharing the same value. Pickling, ``numpy()``, ``tolist()``, ``repr`` and ``deepcopy`` go through
+the twin: ``torch.save`` writes an ordinary tensor.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
+from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DeviceArray
 
-from .params import tensor_from_host
-from .registry import TORCH_TO_LOGICAL
+from .params import host_form, tensor_from_host
+from .registry import TORCH_TO_LOGICAL, logical_dtype
 
 log = logging.getLogger("torch_meganeura")
 
 TORCH_DTYPE = {logical: dtype for dtype, logical in TORCH_TO_LOGICAL.items()}
+_SHARED = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}  # return the same value, another wrapper
+
+
+class _Value:
+    """What the wrappers of one device value share: the array, the host twin once downloaded, and whether the twin
+    is newer than the array (written in place) or may be written behind our back (a view of it escaped)."""
+
+    __slots__ = ("array", "twin", "twin_newer", "exposed")
+
+    def __init__(self, array: DeviceArray):
+        self.array, self.twin, self.twin_newer, self.exposed = array, None, False, False
 
 
 class ResidentTensor(torch.Tensor):
-    array: DeviceArray
+    _value: _Value
 
     @staticmethod
-    def __new__(cls, array: DeviceArray):
+    def __new__(cls, array: DeviceArray, value: _Value | None = None):
         t = torch.Tensor._make_wrapper_subclass(cls, array.shape, dtype=TORCH_DTYPE[array.dtype], device="cpu")
-        t.array = array
+        t._value = value if value is not None else _Value(array)
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @property
+    def array(self) -> DeviceArray:
+        return self._value.array
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        log.debug("downloading a resident tensor for %s", func)
+        kwargs = kwargs or {}
+        if func in _SHARED:
+            return ResidentTensor(args[0].array, args[0]._value)
+        log.debug("eager %s on a resident tensor: its host copy", func)
+        written = _written_residents(func, args, kwargs)
         unwrap = lambda x: x.materialize() if isinstance(x, ResidentTensor) else x  # noqa: E731
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        for r in written:
+            r._value.twin_newer = True
+        return _rewrapped(func, args, kwargs, out, written)
 
     def materialize(self) -> torch.Tensor:
-        """A host copy of the data."""
-        return tensor_from_host(self.array.numpy())
+        """The host copy of the data (downloaded at the first call); eager ops read and write it."""
+        value = self._value
+        if value.twin is None:
+            value.twin = tensor_from_host(value.array.numpy())
+        return value.twin
 
-    def __repr__(self) -> str:
-        return f"ResidentTensor({self.array!r})"
+    def device_array(self) -> DeviceArray:
+        """The device array, current: a twin written since it was last uploaded (or exposed) goes up first."""
+        value = self._value
+        if value.twin_newer or value.exposed:
+            data = host_words(host_form(value.twin), logical_dtype(value.twin.dtype))
+            if data.size:
+                value.array.device.write(value.array.buffer, 0, data, "resident tensor")
+            value.twin_newer = False
+        return value.array
+
+    def written_on_device(self) -> None:
+        """A device plan stored new values into the array: the host copy (and any view of it) is out of date."""
+        value = self._value
+        value.twin, value.twin_newer, value.exposed = None, False, False
+
+    def numpy(self, *, force: bool = False):
+        return self.materialize().numpy(force=force)
+
+    def tolist(self):
+        return self.materialize().tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        return self.materialize().__array__(dtype)
+
+    def __reduce_ex__(self, protocol):
+        return self.materialize().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return self.materialize().clone()
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return repr(self.materialize())
+
+
+def _arguments(func, args, kwargs):
+    """(schema argument, value) of each argument given to ``func``."""
+    schema = func._schema.arguments
+    given = list(zip(schema, args))
+    given += [(a, kwargs[a.name]) for a in schema[len(args):] if a.name in kwargs]
+    return given
+
+
+def _written_residents(func, args, kwargs) -> list[ResidentTensor]:
+    """The ResidentTensors ``func`` writes in place (``self`` of ``add_``, a list of ``_foreach_mul_``, ``out=``)."""
+    written = []
+    for argument, value in _arguments(func, args, kwargs):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += [v for v in tree_flatten(value)[0] if isinstance(v, ResidentTensor)]
+    return written
+
+
+def _rewrapped(func, args, kwargs, out, written: list[ResidentTensor]):
+    """``out`` with each returned twin of a written ResidentTensor (``x.add_(y)`` returns ``x``) as that wrapper. A
+    returned view of a twin exposes that twin: eager code may write it through the view."""
+    returns_alias = any(r.alias_info is not None for r in func._schema.returns)
+    if not returns_alias:
+        return out
+    twins = {id(r._value.twin): r for r in written}
+    outputs = tree_map(lambda t: twins.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+        for argument, value in _arguments(func, args, kwargs):
+            if argument.alias_info is not None:
+                for v in tree_flatten(value)[0]:
+                    if isinstance(v, ResidentTensor):
+                        v._value.exposed = True
+    return outputs
