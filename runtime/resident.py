@@ -59,12 +59,27 @@ class BufferPool:
         self._free.clear()
 
 
+class DedicatedBuffers:
+    """The pool interface over buffers that are not kept for reuse: each array gets a buffer of its own, destroyed
+    when the array is released (a parameter's device copy, which lives as long as its tensor)."""
+
+    def __init__(self, device, label: str):
+        self.device, self.label = device, label
+
+    def acquire(self, nbytes: int):
+        return self.device.storage_buffer(nbytes, self.label)
+
+    def release(self, buffer) -> None:
+        self.device.destroy_buffer(buffer)
+
+
 class DeviceArray:
-    """A contiguous tensor of logical ``dtype`` held in a pool buffer of ``device``."""
+    """A contiguous tensor of logical ``dtype`` held in a buffer from ``pool`` (the device's ``BufferPool``, or
+    ``DedicatedBuffers``)."""
 
     __slots__ = ("device", "buffer", "shape", "dtype", "_pool")
 
-    def __init__(self, pool: BufferPool, shape: tuple[int, ...], dtype: str):
+    def __init__(self, pool: BufferPool | DedicatedBuffers, shape: tuple[int, ...], dtype: str):
         self.device = pool.device
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -72,9 +87,10 @@ class DeviceArray:
         self.buffer = pool.acquire(buffer_bytes(self.shape, dtype))
 
     @classmethod
-    def upload(cls, device, array: np.ndarray, dtype: str) -> "DeviceArray":
-        """A new device array of logical ``dtype`` holding ``array`` (its host form, see ``dtypes``)."""
-        result = cls(device.pool, tuple(array.shape), dtype)
+    def upload(cls, device, array: np.ndarray, dtype: str, pool=None) -> "DeviceArray":
+        """A new device array of logical ``dtype`` holding ``array`` (its host form, see ``dtypes``), in a buffer
+        from ``pool`` (default: the device's)."""
+        result = cls(pool or device.pool, tuple(array.shape), dtype)
         host = host_words(array, dtype)
         if host.size:
             device.write(result.buffer, 0, host, "device array")

@@ -3,7 +3,8 @@
 An unchanged weight is uploaded once and shared by every plan that binds it; an in-place change (an
 optimizer step, ``copy_``, ``fill_``) bumps ``_version``, and ``p.data = t`` gives the same tensor new storage:
 either way the next call writes the new data into the same device buffer. (An in-place change made through
-``p.data`` bumps neither and is not seen.) The device copy is freed when the tensor is garbage-collected.
+``p.data`` bumps neither and is not seen.) The device copy is freed when the tensor is garbage-collected. A device
+update of a kept parameter (``device_optimizer``) writes the device copy, whose host data are then stale.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 
 from meganeura.runtime.errors import InputError
-from meganeura.runtime.dtypes import host_words, storage_bytes
-from meganeura.runtime.resident import DeviceArray
+from meganeura.runtime.dtypes import host_words
+from meganeura.runtime.resident import DedicatedBuffers, DeviceArray
 
 from .registry import logical_dtype
 
@@ -64,43 +65,67 @@ def upload_array(device, t: torch.Tensor) -> DeviceArray:
 class _DeviceCopy:
     ref: weakref.ref
     stamp: tuple  # (_version, data_ptr) of the tensor when its data was written
-    buffer: object
-    nbytes: int
+    array: DeviceArray
 
 
 class ParamStore:
-    """Device copies of torch tensors. ``generation`` changes when a store hands out another buffer for a tensor
-    it already served (a plan bound to the old one must bind again); this store writes changes into the same
-    buffer, so its generation stays 0."""
-
-    generation = 0
+    """Device copies of torch tensors. ``generation`` changes when a store hands out another array for a tensor it
+    already served (a plan bound to the old one must bind again): a copy whose size no longer fits, or one that a
+    device update replaced (``replace``)."""
 
     def __init__(self, device):
         self.device = device
+        self._generation = 0
         self._entries: dict[int, _DeviceCopy] = {}
+        self._buffers = DedicatedBuffers(device, "parameter")
+
+    @property
+    def generation(self) -> int:
+        return self._generation
 
     def buffer(self, t: torch.Tensor, what: str = "parameter"):
-        key = id(t)
-        entry = self._entries.get(key)
-        if entry is not None and entry.ref() is t and entry.nbytes == max(storage_bytes(t.numel(), logical_dtype(t.dtype)), 4):
-            if entry.stamp != (t._version, t.data_ptr()):
-                data = to_device_numpy(t, what)
-                if data.size:
-                    self.device.write(entry.buffer, 0, data, what)
-                entry.stamp = (t._version, t.data_ptr())
-            return entry.buffer
-        data = to_device_numpy(t, what)
-        buf = self.device.storage_buffer(max(data.nbytes, 4), what)
-        if data.size:
-            self.device.write(buf, 0, data, what)
+        return self.array(t, what).buffer
+
+    def array(self, t: torch.Tensor, what: str = "parameter") -> DeviceArray:
+        """The device copy of ``t``, current with its host data: what changed on the host since is written first."""
+        with torch._C.DisableTorchFunctionSubclass():  # (a kept parameter's metadata; see device_optimizer)
+            key = id(t)
+            entry = self._entries.get(key)
+            stamp = (t._version, t.data_ptr())
+            shape, dtype = tuple(t.shape), logical_dtype(t.dtype)
+            if entry is not None and entry.ref() is t and (entry.array.shape, entry.array.dtype) == (shape, dtype):
+                if entry.stamp != stamp:
+                    data = to_device_numpy(t, what)
+                    if data.size:
+                        self.device.write(entry.array.buffer, 0, data, what)
+                    entry.stamp = stamp
+                return entry.array
+            array = DeviceArray.upload(self.device, checked_host_form(t, what), dtype, self._buffers)
+            if entry is not None:
+                self._generation += 1
+            self._set(key, t, _DeviceCopy(None, stamp, array))
+            return array
+
+    def kept(self, t: torch.Tensor) -> DeviceArray | None:
+        """The device copy of ``t`` as it stands (None if there is none), without looking at the host data."""
+        entry = self._entries.get(id(t))
+        return entry.array if entry is not None and entry.ref() is t else None
+
+    def replace(self, t: torch.Tensor, array: DeviceArray) -> None:
+        """Make ``array`` (a device update's new value of ``t``) the device copy of ``t``; the host data are left as
+        they are (stale until synced, ``device_optimizer``)."""
+        entry = self._entries[id(t)]
+        self._generation += 1
+        self._set(id(t), t, _DeviceCopy(None, entry.stamp, array))
+
+    def _set(self, key: int, t: torch.Tensor, entry: _DeviceCopy) -> None:
         self._drop(key)
-        ref = weakref.ref(t, lambda r, k=key: self._drop(k, r))
-        self._entries[key] = _DeviceCopy(ref, (t._version, t.data_ptr()), buf, max(data.nbytes, 4))
-        return buf
+        entry.ref = weakref.ref(t, lambda r, k=key: self._drop(k, r))
+        self._entries[key] = entry
 
     def _drop(self, key: int, dead_ref=None) -> None:
         entry = self._entries.get(key)
         if entry is None or (dead_ref is not None and entry.ref is not dead_ref):
             return
         del self._entries[key]
-        self.device.destroy_buffer(entry.buffer)
+        entry.array.release()
