@@ -57,24 +57,31 @@ def structure(optimizer: torch.optim.Optimizer) -> dict:
 
 def hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor:
     """The per-group numbers of update ``step`` (1-based) as a float32 tensor [groups, fields]."""
+    return hyperparameter_rows(optimizer, [(g, step) for g in range(len(optimizer.param_groups))])
+
+
+def hyperparameter_rows(optimizer: torch.optim.Optimizer, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """The numbers of each (param group, update step) of ``rows`` as a float32 tensor [rows, fields]: parameters
+    that skipped updates (no gradient) are at an earlier step than the rest of their group."""
     k = kind(optimizer)
-    rows = []
-    for g in optimizer.param_groups:
+    out = []
+    for group, step in rows:
+        g = optimizer.param_groups[group]
         lr = float(g["lr"])
         if k == "sgd":
-            rows.append([lr, g["weight_decay"], g["momentum"], g["dampening"], 1.0 if step == 1 else 0.0])
+            out.append([lr, g["weight_decay"], g["momentum"], g["dampening"], 1.0 if step == 1 else 0.0])
             continue
         beta1, beta2 = g["betas"]
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
-        rows.append([lr, g["weight_decay"], 1 - lr * g["weight_decay"], 1 - beta1, beta2, 1 - beta2, g["eps"],
-                     lr / bias_correction1, bias_correction2 ** 0.5])
-    return torch.tensor(rows, dtype=torch.float32)
+        out.append([lr, g["weight_decay"], 1 - lr * g["weight_decay"], 1 - beta1, beta2, 1 - beta2, g["eps"],
+                    lr / bias_correction1, bias_correction2 ** 0.5])
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def group_fields(opts: dict, hyper: torch.Tensor) -> list[dict]:
-    """Each param group's row of ``hyperparameters`` as named scalars, taken apart once per group (traced once, not
-    once per parameter)."""
+    """Each row of ``hyperparameters`` (a param group's) or ``hyperparameter_rows`` as named scalars, taken apart
+    once per row (traced once, not once per parameter)."""
     names = SGD_FIELDS if opts["kind"] == "sgd" else ADAM_FIELDS
     return [dict(zip(names, row.unbind(0))) for row in hyper.unbind(0)]
 
@@ -122,3 +129,32 @@ def clip_by_global_norm(grads, max_norm: float):
     total = torch.linalg.vector_norm(norms)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return [g * coef for g in grads]
+
+
+def as_optimizer_step(optimizer: torch.optim.Optimizer, update, step=None) -> torch.Tensor:
+    """Run ``update()`` (a device update; it returns the loss) as the closure of a call of ``optimizer.step``, so that
+    what watches ``optimizer.step`` sees the step taken on the device: the step pre-hooks run before the update (a
+    change they make to the param groups applies to it) and the post-hooks after it, an LR scheduler records that
+    the optimizer stepped, the profiler times it under ``Optimizer.step#...``. torch's own update then finds no
+    gradient and changes nothing: once ``update`` has run, every ``.grad`` of the optimizer's parameters is hidden
+    from it, and given back after. SGD, Adam and AdamW (what ``check`` accepts) call the closure first, once.
+    ``step`` is the method to call: default ``optimizer.step``, ``device_optimizer`` passes the one it replaced."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    hidden, result = [], []
+
+    def closure() -> torch.Tensor:
+        result.append(update())
+        hidden.extend(p.grad for p in params)
+        for p in params:
+            p.grad = None
+        return result[0]
+
+    try:
+        (step or optimizer.step)(closure)
+    finally:
+        for p, grad in zip(params, hidden):
+            p.grad = grad
+    if not result:
+        raise RuntimeError("meganeura runs its device update as the closure of optimizer.step, which did not call "
+                           "it: was optimizer.step replaced?")
+    return result[0]

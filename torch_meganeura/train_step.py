@@ -44,11 +44,12 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.resident import DeviceArray
 
 from . import data_parallel, optimizers
-from .device_graph import compile_device_graph, feed, program_for, unsupported_listing
+from .device_graph import unsupported_listing
 from .dynamo_capture import is_capture_limit
 from .params import tensor_from_host, upload_array
 from .partition import fallback_ops
 from .resident import TORCH_DTYPE
+from .role_program import RoleProgram
 from .roles import Kind, Mode, Role
 from .train_segments import SegmentedLoss, SegmentedStep
 from .train_trace import trace_step, trace_update
@@ -56,7 +57,6 @@ from .tuning import tuning_enabled
 
 
 CHECKPOINT_FORMAT = "meganeura-train-step-1"
-UPDATED_KINDS = (Kind.PARAM, Kind.STATE, Kind.BUFFER, Kind.ACC)  # outputs that replace the input of their role
 
 
 class TrainStep:
@@ -283,7 +283,7 @@ class TrainStep:
 
         if mode is Mode.ACCUMULATE:
             return run()
-        return _as_optimizer_step(self.optimizer, run)
+        return optimizers.as_optimizer_step(self.optimizer, run)
 
     def _data_parallel_call(self, batch: tuple) -> torch.Tensor:
         """A call of a data-parallel step (see ``data_parallel``): local gradients, all-reduce, update."""
@@ -311,7 +311,7 @@ class TrainStep:
             self._swap_in(updated)
             return loss
 
-        return _as_optimizer_step(self.optimizer, run)
+        return optimizers.as_optimizer_step(self.optimizer, run)
 
     def _swap_in(self, updated: dict) -> None:
         """Take ``updated`` arrays in; each replaced array receives the next step's output of its role, so the plan
@@ -344,88 +344,36 @@ class _CompiledStep:
         traced = trace_update(owner) if mode is Mode.UPDATE else trace_step(owner, batch, mode)
         if mode is not Mode.UPDATE and fallback_ops(traced[0]):  # a backward formula with no lowering: differentiate
             traced = trace_step(owner, batch, mode, decompose_all=True)  # the decomposed ops instead (less accurate)
-        gm, self.roles, self.outputs, constants = traced
+        gm, roles, outputs, constants = traced
         unsupported = fallback_ops(gm)
         if unsupported:
             raise NotImplementedError("compile_train_step needs every op on the device; these are not: "
                                       + unsupported_listing(unsupported))
-        example = [constants[role] if role in constants else _example(owner, role, batch) for role in self.roles]
-        placeholder = {role: i for i, role in enumerate(self.roles)}
+        example = [constants[role] if role in constants else _example(owner, role, batch) for role in roles]
         # A segmented step's update drops the new values of parameters that got no gradient (eager skips them):
         # their old arrays must survive it, so it stores nothing in place.
         segmented = mode is Mode.UPDATE and owner._segmented is not None
-        updates = {k: placeholder[role] for k, role in enumerate(self.outputs)
-                   if role in placeholder and role.kind in UPDATED_KINDS and not segmented}
-        graph = compile_device_graph(gm, example, set(), owner.device, tune=owner.tune, in_place=updates)
-        self.lowered = graph.lowered
-        placeholder_of = dict(self.lowered.inputs)
-        self.used = frozenset(placeholder_of)  # the placeholders the plan reads
-        self.input_names = {role: placeholder_of[i] for i, role in enumerate(self.roles) if i in placeholder_of}
-        kinds = [kind for kind, _ in self.lowered.outputs]
-        if kinds[0] != "plan" or any(k != "plan" for k in kinds):
-            raise NotImplementedError("a training step output folded to a constant; cannot keep it on the device")
-        names = dict(zip(self.outputs, (name for _, name in self.lowered.outputs)))
-        self.loss_name = names.pop(Role.loss(), None)
-        self.state_outputs = names
-        in_place = set(graph.plan.in_place)
-        self.swapped = frozenset(role for role, name in names.items()
-                                 if role.kind is not Kind.GRAD and name not in in_place)  # kept in two arrays
-        resident = [name for role, name in names.items() if role.kind is not Kind.GRAD]
-        on_device = [name for role, name in self.input_names.items() if role.kind not in (Kind.HYPER, Kind.BATCH)]
-        self.program = program_for(graph, owner.device, resident, on_device)
-        self.constants = {role: upload_array(owner.device, value) for role, value in constants.items()}
+        self.plan = RoleProgram(gm, roles, outputs, constants, example, owner.device, tune=owner.tune,
+                                in_place=not segmented)
+        self.state_outputs = [role for role in outputs if role is not Role.loss()]
+
+    @property
+    def program(self):
+        return self.plan.program
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor, into: dict | None = None):
         """Run the step on the state ``arrays``; outputs of the roles in ``into`` overwrite those arrays."""
-        values = [self._value(role, arrays, batch, hyper) if i in self.used else None
-                  for i, role in enumerate(self.roles)]
-        host, device_inputs = feed(self.lowered, values, self.program.device)
-        into = {self.state_outputs[role]: array for role, array in (into or {}).items() if role in self.swapped}
-        results = self.program.run(host, device_inputs, into)
-        loss = tensor_from_host(np.asarray(results[self.loss_name]).copy()) if self.loss_name else None
-        return loss, {role: results[name] for role, name in self.state_outputs.items()}
+        def value_of(role: Role):
+            if role.kind is Kind.BATCH:
+                return batch[role.index]
+            return hyper if role.kind is Kind.HYPER else arrays[role]
+
+        results = self.plan.run(value_of, into)
+        loss = results.pop(Role.loss(), None)
+        return (None if loss is None else tensor_from_host(np.asarray(loss).copy())), results
 
     def release(self) -> None:
-        self.program.release()
-        for array in self.constants.values():
-            array.release()
-
-    def _value(self, role: Role, arrays: dict, batch: tuple, hyper: torch.Tensor):
-        """What feeds the placeholder of ``role``: a batch tensor, the hyperparameters, or a device array."""
-        if role.kind is Kind.BATCH:
-            return batch[role.index]
-        if role.kind is Kind.HYPER:
-            return hyper
-        return self.constants[role] if role in self.constants else arrays[role]
-
-
-def _as_optimizer_step(optimizer: torch.optim.Optimizer, update) -> torch.Tensor:
-    """Run ``update()`` (a device update; it returns the loss) as the closure of a call of ``optimizer.step``, so that
-    what watches ``optimizer.step`` sees the step taken on the device: the step pre-hooks run before the update (a
-    change they make to the param groups applies to it) and the post-hooks after it, an LR scheduler records that
-    the optimizer stepped, the profiler times it under ``Optimizer.step#...``. torch's own update then finds no
-    gradient and changes nothing: once ``update`` has run, every ``.grad`` of the optimizer's parameters is hidden
-    from it, and given back after. SGD, Adam and AdamW (what ``optimizers.check`` accepts) call the closure first,
-    once."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    hidden, result = [], []
-
-    def closure() -> torch.Tensor:
-        result.append(update())
-        hidden.extend(p.grad for p in params)
-        for p in params:
-            p.grad = None
-        return result[0]
-
-    try:
-        optimizer.step(closure)
-    finally:
-        for p, grad in zip(params, hidden):
-            p.grad = grad
-    if not result:
-        raise RuntimeError("compile_train_step runs its update as the closure of optimizer.step, which did not call "
-                           "it: was optimizer.step replaced?")
-    return result[0]
+        self.plan.release()
 
 
 def _example(owner: TrainStep, role: Role, batch: tuple):

@@ -163,45 +163,57 @@ def _step_output_roles(owner, mode: Mode) -> list[Role]:
 
 
 def _update(owner, train: list, grads: list, state: list, hyper: torch.Tensor, unused=frozenset()):
-    """The optimizer's update of every trainable parameter: (new params, new state flattened slot-major). Those at
-    the indices ``unused`` (the loss does not read them: eager leaves their ``.grad`` None) stay as they are, as
-    torch's optimizers leave them (no weight decay, no momentum step)."""
-    opts, n_train = owner._opts, len(owner._trainable)
-    slots = opts["slots"]
+    """The optimizer's update of every trainable parameter of ``owner`` (see ``optimizer_update``)."""
+    return optimizer_update(owner._opts, owner._groups, train, grads, state, hyper, unused)
+
+
+def optimizer_update(opts: dict, rows: list[int], train: list, grads: list, state: list, hyper: torch.Tensor,
+                     unused=frozenset()):
+    """An optimizer's update of parameters ``train``: (new params, new state flattened slot-major). Parameter ``i``
+    takes its numbers from row ``rows[i]`` of ``hyper``. Those at the indices ``unused`` (the loss does not read
+    them: eager leaves their ``.grad`` None) stay as they are, as torch's optimizers leave them (no weight decay, no
+    momentum step)."""
+    n_train, slots = len(train), opts["slots"]
     new_params, new_state = [], []
     fields = optimizers.group_fields(opts, hyper)
     for i, (p, g) in enumerate(zip(train, grads)):
         per_param = [state[s * n_train + i] for s in range(len(slots))]
         if i not in unused:
-            p, per_param = optimizers.update(opts, p, g, per_param, fields[owner._groups[i]])
+            p, per_param = optimizers.update(opts, p, g, per_param, fields[rows[i]])
         new_params.append(p)
         new_state.append(per_param)
     return new_params, [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
+
+
+def trace_update_graph(opts: dict, rows: list[int], params: list, hyper: torch.Tensor, names: list[str],
+                       max_grad_norm: float | None = None):
+    """fx graph of an optimizer's update: (params, optimizer state slot-major, hyperparameters, gradients) -> (new
+    params, new state), the gradients clipped by their global norm first if ``max_grad_norm``. ``params`` are
+    example tensors (shapes and dtypes), named by ``names`` in the roles. Returns what ``trace_step`` does."""
+    def update(train, state, hyper, grads):
+        if max_grad_norm is not None:
+            grads = optimizers.clip_by_global_norm(grads, max_grad_norm)
+        return optimizer_update(opts, rows, train, grads, state, hyper)
+
+    example = (params, [torch.zeros_like(p) for _ in opts["slots"] for p in params], hyper,
+               [torch.zeros_like(p) for p in params])
+    gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*example)
+    trained = [Role.param(n) for n in names]
+    states = [Role.state(s, n) for s in opts["slots"] for n in names]
+    roles = trained + states + [Role.hyper()] + [Role.grad(n) for n in names]
+    constants = _lift_constants(gm, roles)
+    outputs = _drop_unchanged_outputs(gm, roles, trained + states)
+    return gm, roles, outputs, constants
 
 
 def trace_update(owner):
     """fx graph of a data-parallel step's update: (params, optimizer state, hyperparameters, averaged gradients)
     -> (new params, new state), the gradients clipped first if ``max_grad_norm``. Returns what ``trace_step`` does."""
     params = dict(owner.model.named_parameters())
-    slots = owner._opts["slots"]
-
-    def update(train, state, hyper, grads):
-        if owner.max_grad_norm is not None:
-            grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
-        return _update(owner, train, grads, state, hyper)
-
-    trainable = [params[n].detach() for n in owner._trainable]
-    example = (trainable, [torch.zeros_like(p) for _ in slots for p in trainable],
-               optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)),
-               [torch.zeros_like(p) for p in trainable])
-    gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
-                 tracing_mode="fake")(*example)
-    trained = [Role.param(n) for n in owner._trainable]
-    roles = trained + _state_roles(owner) + [Role.hyper()] + [Role.grad(n) for n in owner._trainable]
-    outputs = trained + _state_roles(owner)
-    constants = _lift_constants(gm, roles)
-    outputs = _drop_unchanged_outputs(gm, roles, outputs)
-    return gm, roles, outputs, constants
+    return trace_update_graph(owner._opts, owner._groups, [params[n].detach() for n in owner._trainable],
+                              optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), owner._trainable,
+                              owner.max_grad_norm)
 
 
 def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple, table: dict):

@@ -1,0 +1,64 @@
+"""A graph whose placeholders and outputs are named by ``Role`` (``roles``), compiled once and run on device arrays
+by role: the machinery that the resident training step (``train_step``) and the optimizer kept on the device
+(``device_optimizer``) share.
+
+Every input is a device array bound as it is, except the ones uploaded at each run (``HOST_KINDS``: the batch and the
+step's numbers). Every output stays on the device except the ones read back (``READ_BACK_KINDS``: the loss and
+gradients asked for). Each new parameter, optimizer state, buffer or accumulator is stored over the array of its own
+role where the plan finds that safe (``meganeura.lowering.in_place``); the others come back as new arrays, or into
+the arrays the caller hands back (``run(into=...)``).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .device_graph import compile_device_graph, feed, program_for
+from .params import upload_array
+from .roles import Kind, Role
+
+UPDATED_KINDS = (Kind.PARAM, Kind.STATE, Kind.BUFFER, Kind.ACC)  # outputs that replace the input of their role
+HOST_KINDS = (Kind.HYPER, Kind.BATCH)
+READ_BACK_KINDS = (Kind.LOSS, Kind.GRAD)
+
+
+class RoleProgram:
+    """``gm`` (placeholders named by ``roles``, outputs by ``outputs``) compiled for ``device`` from the example
+    values ``example``. ``constants`` (by role) are uploaded once and bound at every run."""
+
+    def __init__(self, gm: fx.GraphModule, roles: list[Role], outputs: list[Role], constants: dict, example: list,
+                 device, *, tune: bool = False, in_place: bool = True):
+        placeholder = {role: i for i, role in enumerate(roles)}
+        updates = {k: placeholder[role] for k, role in enumerate(outputs)
+                   if in_place and role in placeholder and role.kind in UPDATED_KINDS}
+        graph = compile_device_graph(gm, example, set(), device, tune=tune, in_place=updates)
+        self.roles, self.lowered = roles, graph.lowered
+        placeholder_of = dict(self.lowered.inputs)
+        self.used = frozenset(placeholder_of)  # the placeholders the plan reads
+        self.input_names = {role: placeholder_of[i] for i, role in enumerate(roles) if i in placeholder_of}
+        if any(kind != "plan" for kind, _ in self.lowered.outputs):
+            raise NotImplementedError("a device step's output folded to a constant; cannot keep it on the device")
+        self.output_names = dict(zip(outputs, (name for _, name in self.lowered.outputs)))
+        stored_over = set(graph.plan.in_place)
+        self.swapped = frozenset(role for role, name in self.output_names.items()  # kept in two arrays
+                                 if role.kind not in READ_BACK_KINDS and name not in stored_over)
+        resident = [name for role, name in self.output_names.items() if role.kind not in READ_BACK_KINDS]
+        on_device = [name for role, name in self.input_names.items() if role.kind not in HOST_KINDS]
+        self.program = program_for(graph, device, resident, on_device)
+        self.constants = {role: upload_array(device, value) for role, value in constants.items()}
+
+    def run(self, value_of, into: dict | None = None) -> dict:
+        """Run once, each placeholder fed ``value_of(role)`` (a device array, a resident tensor, or a host tensor for
+        ``HOST_KINDS``); outputs of the roles in ``into`` are written into those arrays. Returns the outputs by
+        role: device arrays, and numpy arrays for ``READ_BACK_KINDS``."""
+        constants = self.constants
+        values = [(constants[role] if role in constants else value_of(role)) if i in self.used else None
+                  for i, role in enumerate(self.roles)]
+        host, device_inputs = feed(self.lowered, values, self.program.device)
+        into = {self.output_names[role]: array for role, array in (into or {}).items() if role in self.swapped}
+        results = self.program.run(host, device_inputs, into)
+        return {role: results[name] for role, name in self.output_names.items()}
+
+    def release(self) -> None:
+        self.program.release()
+        for array in self.constants.values():
+            array.release()
