@@ -35,9 +35,11 @@ from .turns import RUN_LENGTH, take_turns
 from .workloads import Workload
 
 MODES = ("latency", "inference", "training")
-COMPETITORS = ("meganeura", "meganeura-fast", "meganeura-resident", "torch-cpu-eager", "torch-cuda-eager",
-               "torch-cuda-inductor")
-TRAINING_ONLY = ("meganeura-resident",)  # compile_train_step: forward, backward and AdamW in one device plan
+COMPETITORS = ("meganeura", "meganeura-fast", "meganeura-resident", "meganeura-loop", "torch-cpu-eager",
+               "torch-cuda-eager", "torch-cuda-inductor")
+# meganeura-resident: compile_train_step, forward, backward and AdamW in one device plan; meganeura-loop: the ordinary
+# loop through the backend with keep_on_device(AdamW)
+TRAINING_ONLY = ("meganeura-resident", "meganeura-loop")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF_MODES = ("latency", "inference")
 HALF_COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
@@ -84,7 +86,7 @@ class Runner:
 
             self.resident = compile_train_step(self.model, what, torch.optim.AdamW(self.model.parameters(), lr=1e-5))
             self.fn = None
-        elif competitor in ("meganeura", "meganeura-fast"):
+        elif competitor in ("meganeura", "meganeura-fast", "meganeura-loop"):
             options = {"precision": "fast"} if competitor == "meganeura-fast" else {}
             self.fn = torch.compile(call, backend="meganeura", options=options)
         elif competitor == "torch-cuda-inductor":
@@ -92,6 +94,10 @@ class Runner:
         else:
             self.fn = call
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5) if self.training else None
+        if competitor == "meganeura-loop":
+            from torch_meganeura import keep_on_device
+
+            keep_on_device(self.optimizer)
         if self.resident is not None:
             self.optimizer = self.resident.optimizer
 

@@ -238,26 +238,32 @@ def _half_table(data: dict) -> list[str]:
 
 
 def _resident_table(cells: dict, baselines: list) -> list[str]:
-    """Device-resident training (compile_train_step) next to the backend's training step and the baselines."""
+    """Device-resident training (compile_train_step) next to the ordinary loop kept on the device
+    (``meganeura-loop``), the backend's plain training step and the baselines."""
     rows = [w for (w, mode, c) in cells if c == "meganeura-resident" and mode == "training"]
     if not rows:
         return []
-    header = ["workload", "meganeura-resident ms", "meganeura (backend) ms"] + [
-        x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates", "dispatches", "peak MiB (resident / torch)",
-                                                             "host<->device MiB/step"]
+    header = ["workload", "meganeura-resident ms", "meganeura-loop ms", "loop / resident", "meganeura (backend) ms"] + [
+        x for b in baselines for x in (f"{b} ms", "ratio")] + ["gates", "dispatches",
+                                                             "peak MiB (resident / loop / torch)",
+                                                             "host<->device MiB/step (resident / loop)"]
     lines = ["", "Training step through `compile_train_step` (forward, backward and AdamW in one device plan; "
-             "ratio = meganeura-resident / competitor):", "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
+             "ratio = meganeura-resident / competitor) and the ordinary loop with `keep_on_device` (meganeura-loop):",
+             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for w in dict.fromkeys(rows):
         ours = cells[(w, "training", "meganeura-resident")]
-        row = [w, _status(ours), _status(cells.get((w, "training", "meganeura")))]
+        loop = cells.get((w, "training", "meganeura-loop")) or {}
+        over = loop["median_ms"] / ours["median_ms"] if _ok(ours) and loop and _ok(loop) else None
+        row = [w, _status(ours), _status(loop or None), "-" if over is None else f"{over:.2f}",
+               _status(cells.get((w, "training", "meganeura")))]
         for b in baselines:
             theirs = cells.get((w, "training", b))
             r = ours["median_ms"] / theirs["median_ms"] if _ok(ours) and _ok(theirs) else None
             row += [_status(theirs), "-" if r is None else f"{r:.2f}"]
         torch_peak = (cells.get((w, "training", "torch-cuda-eager")) or {}).get("peak_memory_bytes")
-        row += ["pass" if _ok(ours) else "FAILED", str(ours["dispatches"] or "-"),
-                f"{_mib(ours['peak_memory_bytes'])} / {_mib(torch_peak)}", _mib(ours["transfer_bytes_per_call"])]
+        row += ["pass" if _ok(ours) and (not loop or _ok(loop)) else "FAILED", str(ours["dispatches"] or "-"),
+                f"{_mib(ours['peak_memory_bytes'])} / {_mib(loop.get('peak_memory_bytes'))} / {_mib(torch_peak)}",
+                f"{_mib(ours['transfer_bytes_per_call'])} / {_mib(loop.get('transfer_bytes_per_call'))}"]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -326,7 +332,8 @@ def summary(data: dict, image: str) -> str:
              + (f" {data['settings']['note']}" if data["settings"].get("note") else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows = [(mode, "meganeura", d, mode if d == "float32" else f"{mode}, {d}") for mode in MODES for d in by_dtype]
-    rows += [("training", "meganeura-resident", "float32", "training, resident")]
+    rows += [("training", "meganeura-resident", "float32", "training, resident"),
+             ("training", "meganeura-loop", "float32", "training, loop kept on device")]
     for w in dict.fromkeys(c["workload"] for c in data["cells"]):
         for mode, ours, dtype, label in rows:
             cells = by_dtype[dtype]

@@ -3,9 +3,11 @@
 ``torch.compile(model, backend="meganeura")`` works after ``pip install`` (entry point); ``explain`` reports
 what a model lowers to; ``export`` writes a bundle that ``meganeura.runtime.load`` runs without torch;
 ``compile_train_step`` runs forward, backward and the optimizer update on the device with weights kept there;
-``profile`` times every dispatch on the GPU.
+``profile`` times every dispatch on the GPU; ``keep_on_device(optimizer)`` keeps the ordinary training loop's
+parameters, gradients and optimizer state on the device.
 """
 from .backend import FallbackError, meganeura_backend
+from .device_optimizer import keep_on_device, sync_parameters
 from .explain import explain
 from .export import ExportError, export
 from .train_step import TrainStep, compile_train_step
@@ -24,4 +26,4 @@ def profile(adapter=None):
 
 __version__ = "0.1.0"
 __all__ = ["meganeura_backend", "explain", "export", "ExportError", "FallbackError", "compile_train_step", "TrainStep",
-           "profile", "__version__"]
+           "profile", "keep_on_device", "sync_parameters", "__version__"]

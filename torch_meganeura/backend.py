@@ -10,6 +10,7 @@ import functools
 import logging
 import operator
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -21,6 +22,7 @@ from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import DevicePartition
 from .decompositions import aot_decomposition_table
+from .device_optimizer import DeviceParameter
 from .device_graph import unsupported_listing
 from .options import Options
 from .params import ParamStore
@@ -53,7 +55,7 @@ class BackendContext:
     def params(self) -> ParamStore:
         device = self.device()
         if self._own_params and (self._params is None or self._params.device is not device):
-            self._params = _param_store(device)  # first use, or the last device was lost
+            self._params = param_store(device)  # first use, or the last device was lost
         return self._params
 
     def f16_products(self, device) -> bool:
@@ -73,7 +75,9 @@ class BackendContext:
 
 
 @functools.lru_cache(maxsize=None)
-def _param_store(device) -> ParamStore:
+def param_store(device) -> ParamStore:
+    """The backend's device copies of parameters on ``device``, shared by every compiled graph (and by the
+    optimizers kept on the device, ``device_optimizer``)."""
     return ParamStore(device)
 
 
@@ -92,8 +96,17 @@ def _saved_for_backward(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in saved if isinstance(n, fx.Node)} - {n for n in user if isinstance(n, fx.Node)}
 
 
+def _parameter_gradients(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes a backward returns as gradients of parameters (its outputs align with the forward's inputs)."""
+    meta = _fw_metadata()
+    if meta is None:
+        return set()
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    return {outputs[i] for i in meta.static_input_indices or () if i < len(outputs) and isinstance(outputs[i], fx.Node)}
+
+
 def _resident_outputs(node: fx.Node, saved: set[fx.Node]) -> set[int]:
-    """Output positions of partition call ``node`` whose only use is being saved for the backward."""
+    """Output positions of partition call ``node`` whose only use is being returned in ``saved``."""
     output = next(n for n in node.graph.nodes if n.op == "output")
     if node in saved and set(node.users) == {output}:
         return {0}
@@ -106,38 +119,84 @@ def _resident_outputs(node: fx.Node, saved: set[fx.Node]) -> set[int]:
 
 def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: BackendContext, mode: str):
     """The aot_autograd compiler for ``mode`` "forward" (of training), "backward" or "inference": returns a boxed
-    callable running ``gm`` on the device where it can. A training forward keeps its saved activations there."""
+    callable running ``gm`` on the device where it can. A training forward keeps its saved activations there, and a
+    backward the gradients of parameters kept on the device (``KeptGradients``)."""
     backward = mode == "backward"
     meta = None if backward else _fw_metadata()
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
-    fallbacks = fallback_ops(gm)
-    if fallbacks:
-        listing = unsupported_listing(fallbacks)
-        if context.options.fallback == "error":
-            raise FallbackError(f"meganeura cannot run these ops on the device: {listing}")
-        new = sorted(set(fallbacks) - BackendContext._warned)
-        if new:
-            BackendContext._warned.update(new)
-            warnings.warn(f"meganeura: running in eager PyTorch (no device lowering): {listing}", stacklevel=2)
+    fallbacks = _warn_about_fallbacks(gm, context)
     fused, names = partition(gm)
-    saved = _saved_for_backward(fused) if mode == "forward" else set()
+    saved = _saved_for_backward(fused) if mode == "forward" else set()  # stay on the device for the backward
+    kept = KeptGradients.of_this_graph(create=mode == "forward")
+    gradients = _parameter_gradients(fused) if backward and kept is not None else set()
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
         if node.op == "call_module" and node.target in names:
             sub_params = {j for j, a in enumerate(node.args) if index_of.get(a) in param_indices}
-            resident = _resident_outputs(node, saved)
-            setattr(fused, node.target, DevicePartition(getattr(fused, node.target), sub_params, context, resident,
-                                                        fast=not backward and context.options.precision == "fast"))
+            setattr(fused, node.target, DevicePartition(
+                getattr(fused, node.target), sub_params, context, _resident_outputs(node, saved),
+                fast=not backward and context.options.precision == "fast",
+                kept_gradients=_resident_outputs(node, gradients), kept=kept))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
+    watched = sorted(param_indices) if mode == "forward" else []
 
     def run(args):
+        if watched:
+            kept.kept = _all_kept(args, watched)
         result = fused(*args)
         args.clear()
         return result
 
     run._boxed_call = True
     return run
+
+
+def _all_kept(args, static: list[int]) -> bool:
+    """Whether the static inputs (parameters and buffers) of a forward call hold a parameter kept on the device
+    and no trainable parameter that is not."""
+    kept = False
+    for i in static:
+        cls = type(args[i])
+        if cls is DeviceParameter:
+            kept = True
+        elif cls is torch.nn.Parameter and args[i].requires_grad:
+            return False
+    return kept
+
+
+def _warn_about_fallbacks(gm: fx.GraphModule, context: BackendContext) -> dict[str, str]:
+    """Warn once per op that ``gm`` runs in eager PyTorch (or raise, under ``fallback="error"``); returns them."""
+    fallbacks = fallback_ops(gm)
+    if not fallbacks:
+        return fallbacks
+    listing = unsupported_listing(fallbacks)
+    if context.options.fallback == "error":
+        raise FallbackError(f"meganeura cannot run these ops on the device: {listing}")
+    new = sorted(set(fallbacks) - BackendContext._warned)
+    if new:
+        BackendContext._warned.update(new)
+        warnings.warn(f"meganeura: running in eager PyTorch (no device lowering): {listing}", stacklevel=3)
+    return fallbacks
+
+
+@dataclass
+class KeptGradients:
+    """Whether the last call of a training graph's forward had every parameter kept on the device by an optimizer
+    (``device_optimizer``): its backward then returns their gradients as ResidentTensors. The forward's compiler
+    makes one per graph and leaves it in the tracing context, where the backward's compiler (of the same graph)
+    finds it."""
+
+    kept: bool = False
+
+    @staticmethod
+    def of_this_graph(create: bool) -> "KeptGradients | None":
+        ctx = torch._guards.TracingContext.try_get()
+        if ctx is None:
+            return None
+        if create:
+            ctx.meganeura_kept_gradients = KeptGradients()
+        return getattr(ctx, "meganeura_kept_gradients", None)
 
 
 def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):

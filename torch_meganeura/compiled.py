@@ -8,7 +8,8 @@ which spares building the signature of hundreds of parameters at every call.
 
 Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any graph) are bound from the
 ``ParamStore``. Outputs at the positions in ``resident_outputs`` (activations saved for the backward) stay on
-the device as ``ResidentTensor``s, and ResidentTensor arguments are bound without an upload.
+the device as ``ResidentTensor``s, and ResidentTensor arguments are bound without an upload. A backward's
+gradients of parameters that an optimizer keeps on the device (``device_optimizer``) stay there too.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class _BoundPlan:
     lowered: LoweredGraph
     program: Program
     key: tuple
+    keeps_gradients: bool = False  # the parameters' gradients stay resident (``DevicePartition.kept_gradients``)
     bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
     _refs: list = field(default_factory=list)
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
@@ -136,40 +138,47 @@ class DevicePartition(torch.nn.Module):
     """Runs ``gm`` on the device; stands in for the fused submodule the partitioner made."""
 
     def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
-                 fast: bool = False):
+                 fast: bool = False, kept_gradients=frozenset(), kept=None):
         super().__init__()
         self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
         self.param_indices = set(param_indices)
         self.resident_outputs = frozenset(resident_outputs)
+        # A backward's outputs that are gradients of parameters: resident too while ``kept.kept`` says that the
+        # forward's parameters are kept on the device (``device_optimizer``)
+        self.kept_gradients, self._kept = frozenset(kept_gradients), kept
         self.context = context  # the backend's shared state: device, parameter store, records
         self._plans: dict[tuple, _BoundPlan] = {}
         self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
 
     def forward(self, *args):
         entry = self._last
-        if entry is None or not entry.replays(args):
-            entry = self._entry_for(args)
+        keep = self._keeps_gradients()
+        if entry is None or entry.keeps_gradients is not keep or not entry.replays(args):
+            entry = self._entry_for(args, keep)
             if entry is None:
                 return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
         return self._run(entry, args)
 
-    def _entry_for(self, args) -> _BoundPlan | None:
+    def _keeps_gradients(self) -> bool:
+        return bool(self.kept_gradients) and self._kept.kept
+
+    def _entry_for(self, args, keep: bool) -> _BoundPlan | None:
         """The compiled entry for the signature of ``args`` (compiled now if new, or its device was lost), with its
         parameters bound; None where the partition falls back to eager PyTorch."""
         key = signature(args)
-        entry = self._plans.get(key)
-        if key not in self._plans or entry is not None and entry.program.device.lost:
-            entry = self._plans[key] = self._compile_or_fall_back(key, args)  # (again on a new device after a loss)
+        entry = self._plans.get((keep, key))
+        if (keep, key) not in self._plans or entry is not None and entry.program.device.lost:
+            entry = self._plans[keep, key] = self._compile_or_fall_back(key, args, keep)  # (again after a loss)
         self._last = entry
         if entry is not None and not entry.params_current(args):
             entry.bind(args, self.context.params())
         return entry
 
-    def _compile_or_fall_back(self, key, args) -> _BoundPlan | None:
+    def _compile_or_fall_back(self, key, args, keep: bool) -> _BoundPlan | None:
         """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
         try:
-            return self._compile(key, args)
+            return self._compile(key, args, keep)
         except Exception as err:  # noqa: BLE001 - any compile failure must fall back, never compute garbage
             if self.context.options.fallback == "error":
                 raise
@@ -179,7 +188,7 @@ class DevicePartition(torch.nn.Module):
             self.context.record({"kind": "failed", "error": str(err)})
             return None
 
-    def _compile(self, key, args) -> _BoundPlan:
+    def _compile(self, key, args, keep: bool) -> _BoundPlan:
         start = time.perf_counter()
         device = self.context.device()
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
@@ -187,11 +196,12 @@ class DevicePartition(torch.nn.Module):
         graph = compile_device_graph(self.gm, list(args), params, device,
                                      tune=tuning_enabled(self.context.options.tune), f16_products=f16)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
-        resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in self.resident_outputs}
+        positions = self.resident_outputs | (self.kept_gradients if keep else frozenset())
+        resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in positions}
         on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
                      if isinstance(args[i], ResidentTensor) and args[i].array.device is device]
         program = program_for(graph, device, resident, on_device)
-        entry = _BoundPlan(lowered, program, key)
+        entry = _BoundPlan(lowered, program, key, keep)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start

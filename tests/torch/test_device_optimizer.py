@@ -1,0 +1,241 @@
+"""The ordinary training loop with ``keep_on_device(optimizer)``: backend forward, ``loss.backward()``,
+``optimizer.step()``, against the same loop in eager PyTorch from the same weights.
+
+Criteria: the loss at every step within 1e-4 relative of eager's (the device and eager sum in different orders;
+over 30 AdamW steps eager's own float32 noise stays below that), final parameters and optimizer state elementwise
+(``assert_close`` rtol 1e-3, atol 1e-4, the training tests' tolerances); the bytes a step moves between host and
+device counted (the batch and what eager code reads, not the weights).
+"""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_meganeura
+from helpers.models import llama, randomize_norms
+from meganeura.runtime.device import get_device
+from torch_meganeura.device_optimizer import DeviceParameter
+from torch_meganeura.resident import ResidentTensor
+
+RTOL, ATOL, LOSS_REL = 1e-3, 1e-4, 1e-4
+
+
+class Loops:
+    """``model`` trained by the kept loop (through the backend) and a deep copy trained by eager PyTorch."""
+
+    def __init__(self, model: nn.Module, make_optimizer, loss_of):
+        self.model, self.ref = model, copy.deepcopy(model)
+        self.opt, self.ref_opt = make_optimizer(self.model.parameters()), make_optimizer(self.ref.parameters())
+        torch_meganeura.keep_on_device(self.opt)
+        torch._dynamo.reset()
+        self.compiled = torch.compile(self.model, backend="meganeura")
+        self.loss_of = loss_of
+        self.moved: list[int] = []  # bytes up and down of each kept step
+
+    def step(self, *batch, micro_batches: int = 1, between=None) -> tuple[float, float]:
+        """One step of both loops (``micro_batches`` backward calls, then ``between(model, optimizer)`` if given,
+        then the optimizer's step); returns (kept loss, eager loss) of the last micro-batch."""
+        counters = get_device().counters
+        before = counters.bytes_uploaded + counters.bytes_downloaded
+        losses = []
+        for module, opt in ((self.compiled, self.opt), (self.ref, self.ref_opt)):
+            for _ in range(micro_batches):
+                loss = self.loss_of(module, *batch)
+                (loss / micro_batches).backward()
+            if between is not None:
+                between(self.model if module is self.compiled else self.ref, opt)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if module is self.compiled:
+                self.moved.append(counters.bytes_uploaded + counters.bytes_downloaded - before)
+        return losses[0], losses[1]
+
+    def assert_parameters_match(self) -> None:
+        for (name, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def assert_losses_match(got: float, want: float, step: int) -> None:
+    assert abs(got - want) <= LOSS_REL * abs(want), f"step {step}: loss {got} vs eager {want}"
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_llama_30_adamw_steps_with_hf_labels_loss():
+    """HF's own ``labels=`` loss, train mode, AdamW with weight decay. Gradients stay resident, the step runs on the
+    device, and each step moves the batch and the logits (the model returns them), never the weights."""
+    loops = Loops(llama().train(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
+                  lambda m, ids: m(ids, labels=ids).loss)
+    batches = [torch.randint(0, 64, (2, 9)) for _ in range(4)]
+    for step in range(30):
+        assert_losses_match(*loops.step(batches[step % 4]), step)
+        if step == 0:
+            assert {type(p.grad) for p in loops.model.parameters()} == {type(None)}  # zero_grad: set to None
+    loops.assert_parameters_match()
+    logits = 2 * 9 * 128 * 4
+    steady = loops.moved[1:]
+    assert len(set(steady)) == 1, steady
+    # the ids, the logits down and their zero gradient up (autograd's for an unused output), the loss and the
+    # step's numbers: no weight
+    assert steady[0] <= 2 * 9 * 8 + 2 * logits + 1024, steady[0]
+    assert steady[0] < 0.1 * parameter_bytes(loops.model)
+    w = loops.model.model.layers[0].mlp.up_proj.weight
+    torch.testing.assert_close(loops.opt.state[w]["exp_avg_sq"],
+                               loops.ref_opt.state[loops.ref.model.layers[0].mlp.up_proj.weight]["exp_avg_sq"],
+                               rtol=RTOL, atol=1e-7)
+
+
+def test_resnet_30_adamw_steps_in_train_mode():
+    """HF ResNet (basic blocks, 32x32 images): BatchNorm in training updates its running statistics through the
+    backend while the optimizer runs on the device."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=5)
+    loops = Loops(randomize_norms(ResNetForImageClassification(config)).train(),
+                  lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda m, x, y: F.cross_entropy(m(x).logits, y))
+    batches = [(torch.randn(2, 3, 32, 32), torch.randint(0, 5, (2,))) for _ in range(3)]
+    for step in range(30):
+        assert_losses_match(*loops.step(*batches[step % 3]), step)
+    loops.assert_parameters_match()
+    for (name, b), c in zip(loops.model.named_buffers(), loops.ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    # the images up for the forward and again for the backward (its first convolution's weight gradient), the
+    # running statistics down and up (autograd writes them into the module's buffers), the logits: no weight
+    images, buffers = batches[0][0].nbytes, sum(b.numel() * b.element_size() for b in loops.model.buffers())
+    bound = 2 * images + 2 * buffers + 1024
+    assert max(loops.moved[1:]) <= bound < parameter_bytes(loops.model)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(12, 32), nn.LayerNorm(32), nn.Linear(32, 5)
+        self.unused = nn.Linear(3, 3)  # in the optimizer, never in the loss: its .grad stays None
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.ln(self.fc1(x))))
+
+
+def mlp_loops(make_optimizer) -> Loops:
+    return Loops(MLP(), make_optimizer, lambda m, x, y: F.cross_entropy(m(x), y))
+
+
+def batch():
+    return torch.randn(8, 12), torch.randint(0, 5, (8,))
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+                                  lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1)], ids=["sgd", "adam"])
+def test_clipping_scheduler_and_accumulation_as_eager(make):
+    """Two micro-batches per step, ``clip_grad_norm_`` on the accumulated gradients (their host copies, uploaded by
+    the step), a cosine LR schedule; a parameter that gets no gradient is left alone, as eager leaves it."""
+    loops = mlp_loops(make)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(loops.opt, T_max=6)
+    ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(loops.ref_opt, T_max=6)
+
+    def clip(model, opt):
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        assert total > 0.5  # the clipping changes something
+
+    data = batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for step in range(6):
+            assert_losses_match(*loops.step(*data, micro_batches=2, between=clip), step)
+            sched.step()
+            ref_sched.step()
+    loops.assert_parameters_match()
+    assert loops.model.unused not in loops.opt.state and not loops.opt.state.get(loops.model.unused.weight)
+
+
+def test_eager_reads_see_the_device_values_and_eager_writes_reach_the_device():
+    """After device steps the parameters read as the device holds them (printing, ``state_dict``, ``torch.save``,
+    an eager forward), each downloaded once; ``load_state_dict`` writes go up before the next step."""
+    loops = mlp_loops(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    data = batch()
+    for step in range(3):
+        loops.step(*data)
+    weight = loops.model.fc1.weight
+    assert type(weight) is DeviceParameter and weight._meganeura_kept.stale
+    counters = get_device().counters
+    before = counters.bytes_downloaded
+    assert repr(weight).startswith("Parameter containing")
+    assert counters.bytes_downloaded - before == weight.numel() * 4  # downloaded
+    torch.testing.assert_close(weight, loops.ref.fc1.weight, rtol=RTOL, atol=ATOL)
+    assert counters.bytes_downloaded - before == weight.numel() * 4  # not again
+    state = loops.model.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    for name, value in loops.ref.state_dict().items():
+        assert type(saved[name]) is torch.Tensor
+        torch.testing.assert_close(saved[name], value, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loops.model(data[0]), loops.ref(data[0]), rtol=RTOL, atol=ATOL)  # eager forward
+
+    restart = MLP().state_dict()  # new weights written from the host, in both loops
+    loops.model.load_state_dict(restart)
+    loops.ref.load_state_dict(restart)
+    assert_losses_match(*loops.step(*data), 3)
+    loops.assert_parameters_match()
+
+
+def test_optimizer_state_dict_saves_and_resumes():
+    """``optimizer.state_dict()`` through ``torch.save`` holds ordinary tensors; a fresh kept optimizer loading it
+    continues as the uninterrupted eager run."""
+    loops = mlp_loops(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    data = batch()
+    for step in range(3):
+        loops.step(*data)
+    buffer = io.BytesIO()
+    torch.save({"model": loops.model.state_dict(), "opt": loops.opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    assert all(type(v) is torch.Tensor for s in checkpoint["opt"]["state"].values() for v in s.values())
+    model = MLP()
+    model.load_state_dict(checkpoint["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(checkpoint["opt"])
+    torch_meganeura.keep_on_device(opt)
+    compiled = torch.compile(model, backend="meganeura")
+    for step in range(3, 6):
+        loss = F.cross_entropy(compiled(data[0]), data[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = F.cross_entropy(loops.ref(data[0]), data[1])
+        want.backward()
+        loops.ref_opt.step()
+        loops.ref_opt.zero_grad()
+        assert_losses_match(loss.item(), want.item(), step)
+    for (name, p), q in zip(model.named_parameters(), loops.ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    assert isinstance(opt.state[model.fc1.weight]["exp_avg"], ResidentTensor)
+
+
+def test_refuses_what_it_cannot_keep():
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        torch_meganeura.keep_on_device(torch.optim.AdamW(nn.Linear(2, 2).parameters(), amsgrad=True))
+    with pytest.raises(TypeError, match="nn.Parameter"):
+        torch_meganeura.keep_on_device(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+    opt = torch_meganeura.keep_on_device(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="already"):
+        torch_meganeura.keep_on_device(opt)
+
+
+def test_a_model_whose_optimizer_is_not_kept_trains_as_before():
+    """With one optimizer kept, another model's backward still returns ordinary host gradients."""
+    loops = mlp_loops(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    x, y = batch()
+    loops.step(x, y)
+    other = MLP()
+    F.cross_entropy(torch.compile(other, backend="meganeura")(x), y).backward()
+    grads = [p.grad for p in other.parameters() if p.grad is not None]
+    assert grads and all(type(g) is torch.Tensor for g in grads)
