@@ -125,7 +125,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     meta = None if backward else _fw_metadata()
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
     fallbacks = _warn_about_fallbacks(gm, context)
-    fused, names = partition(gm)
+    fused, names = partition(gm, 0 if backward else getattr(meta, "num_forward_returns", None))
     saved = _saved_for_backward(fused) if mode == "forward" else set()  # stay on the device for the backward
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()

@@ -54,9 +54,41 @@ def unsupported_reason(node: fx.Node) -> str | None:
     return check(node) if check is not None else None
 
 
+def _is_view(node: fx.Node) -> bool:
+    """An op whose result is a view of its first argument (its schema says the return aliases it, unwritten)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    return (node.op == "call_function" and schema is not None and bool(schema.returns)
+            and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
+
+
+def views_of_inputs(gm: fx.GraphModule, outputs: int | None = None) -> set[fx.Node]:
+    """The nodes of the chains of views from a graph input to one of the first ``outputs`` graph outputs (all if
+    None): the outputs that aot_autograd gives the user. They stay in eager PyTorch, where they cost nothing:
+    aot_autograd regenerates a user output that aliases an input from that input and the output's strides and
+    offset, and a device partition returns contiguous copies (a transpose of an input came back with the strides of
+    a contiguous tensor, and wrong values, in a graph with dynamic sizes)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    chains = set()
+    for node in [n for n in list(returned)[:outputs] if isinstance(n, fx.Node)]:
+        chain = []
+        while node.op == "call_function" and _is_view(node):
+            chain.append(node)
+            node = node.args[0]
+        if node.op == "placeholder":
+            chains.update(chain)
+    return chains
+
+
 class _Support(OperatorSupportBase):
+    def __init__(self, kept_in_eager: set[fx.Node] = frozenset()):
+        super().__init__()
+        self.kept_in_eager = kept_in_eager
+
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
-        return node.op == "call_function" and unsupported_reason(node) is None
+        return node.op == "call_function" and node not in self.kept_in_eager and unsupported_reason(node) is None
 
 
 def fallback_ops(gm: fx.GraphModule) -> dict[str, str]:
@@ -70,13 +102,14 @@ def fallback_ops(gm: fx.GraphModule) -> dict[str, str]:
     return out
 
 
-def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
-    """Return the graph with supported regions fused into submodules, and their names.
+def partition(gm: fx.GraphModule, user_outputs: int | None = None) -> tuple[fx.GraphModule, list[str]]:
+    """Return the graph with supported regions fused into submodules, and their names. The first ``user_outputs``
+    outputs (all if None) are what the user gets (``views_of_inputs``).
 
     Where every op is supported (the common case) the whole graph is one partition, fused without the partitioner's
     proposal, whose cost grows with the square of the graph (2.0 s of SmolLM2's 2,791-node inference graph on a CI
     CPU)."""
-    support = _Support()
+    support = _Support(views_of_inputs(gm, user_outputs))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     if calls and all(support.is_node_supported({}, n) for n in calls):
         parts = [dict.fromkeys(calls)]
