@@ -83,8 +83,9 @@ class _BoundPlan:
             return False
         params = self._params(args)
         ids, versions, storages = self.bound
-        return (tuple(map(id, params)) == ids and tuple(map(_VERSION, params)) == versions
-                and tuple(map(_STORAGE, params)) == storages and self._store.generation == self._generation)
+        with torch._C.DisableTorchFunctionSubclass():  # a kept parameter's override: metadata needs none of it
+            return (tuple(map(id, params)) == ids and tuple(map(_VERSION, params)) == versions
+                    and tuple(map(_STORAGE, params)) == storages and self._store.generation == self._generation)
 
     def replays(self, args) -> bool:
         """Whether a call with ``args`` can replay this entry as bound, checked without building the signature: the
@@ -102,7 +103,8 @@ class _BoundPlan:
         params = self._params(args)
         self._store, self._generation = store, store.generation
         self._refs = [weakref.ref(a, self._forget) for a in params]  # a dead one's id may be reused
-        self.bound = (tuple(map(id, params)), tuple(map(_VERSION, params)), tuple(map(_STORAGE, params)))
+        with torch._C.DisableTorchFunctionSubclass():
+            self.bound = (tuple(map(id, params)), tuple(map(_VERSION, params)), tuple(map(_STORAGE, params)))
 
     def _forget(self, _ref) -> None:
         self.bound = None
