@@ -57,6 +57,7 @@ from .tuning import tuning_enabled
 
 
 CHECKPOINT_FORMAT = "meganeura-train-step-1"
+LOSS = Role.loss()  # looked up at every call: no function of roles.py runs in a steady step
 
 
 class TrainStep:
@@ -355,7 +356,7 @@ class _CompiledStep:
         segmented = mode is Mode.UPDATE and owner._segmented is not None
         self.plan = RoleProgram(gm, roles, outputs, constants, example, owner.device, tune=owner.tune,
                                 in_place=not segmented)
-        self.state_outputs = [role for role in outputs if role is not Role.loss()]
+        self.state_outputs = [role for role in outputs if role is not LOSS]
 
     @property
     def program(self):
@@ -369,7 +370,7 @@ class _CompiledStep:
             return hyper if role.kind is Kind.HYPER else arrays[role]
 
         results = self.plan.run(value_of, into)
-        loss = results.pop(Role.loss(), None)
+        loss = results.pop(LOSS, None)
         return (None if loss is None else tensor_from_host(np.asarray(loss).copy())), results
 
     def release(self) -> None:

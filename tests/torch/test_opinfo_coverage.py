@@ -162,7 +162,7 @@ def test_a_wrong_lowering_is_reported_wrong(monkeypatch, op_infos):
 
 def test_a_backend_exception_hidden_by_dynamo_is_an_error(monkeypatch, op_infos):
     """dynamo turns an exception of the backend into a graph break and runs the frame eagerly: still an error."""
-    def broken(gm):
+    def broken(gm, *_):
         raise RuntimeError("partitioner broken on purpose")
 
     monkeypatch.setattr(backend, "partition", broken)
