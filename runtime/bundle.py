@@ -5,7 +5,9 @@ Layout (the directory form; there is no single-file form)::
     manifest.json         format name and version, producer, inputs/outputs/params, requirements, file hashes
     plan.json             the static dispatch plan (``Plan.to_dict``), each kernel named, its WGSL in kernels/
     kernels/<name>.wgsl   one WGSL compute shader per kernel, entry point ``main``
-    weights.safetensors   every param tensor, keyed by its plan name, in its logical dtype
+    weights.safetensors   every param tensor, keyed by its plan name, in its logical dtype; absent where the
+                          manifest says ``"weights": "shared"``: a phase of a generation bundle (``lm_bundle``)
+                          takes its params, by ``source`` name, from the weights of the bundle around it
 
 ``read_bundle`` validates everything before anything reaches a device: the manifest's format, version and
 shape; every file against its SHA-256 in the manifest (a truncated or edited file is refused by name); the plan
@@ -43,6 +45,7 @@ KERNEL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "inputs": list, "outputs": list,
                  "params": list, "rng_input": (str, type(None)), "kernels": list, "requires": dict, "files": dict}
 TENSOR_KEYS = {"name": str, "plan_name": str, "shape": list, "dtype": str}
+SHARED_WEIGHTS = "shared"  # the manifest's optional "weights": params by source name, from the containing bundle
 
 
 @dataclass(frozen=True)
@@ -65,21 +68,27 @@ def tensor_entry(name: str, spec: TensorSpec, **extra) -> dict:
 # ---- writing
 
 
-def write_bundle(path, plan: Plan, description: dict, weights: dict[str, np.ndarray], overwrite: bool = False) -> dict:
+def write_bundle(path, plan: Plan, description: dict, weights: dict[str, np.ndarray] | None,
+                 overwrite: bool = False) -> dict:
     """Write ``plan``, its kernels and ``weights`` under ``path`` and return the manifest.
 
     ``description`` holds the manifest's producer, inputs, outputs, params, rng_input and requires; this adds the
-    format, the kernel names and the file hashes. The manifest is written last, so an interrupted write leaves
-    no loadable bundle. An existing bundle at ``path`` is replaced only with ``overwrite``."""
+    format, the kernel names and the file hashes. ``weights`` None writes a bundle whose params are shared (each
+    param entry names its ``source`` in the containing bundle's weights). The manifest is written last, so an
+    interrupted write leaves no loadable bundle. An existing bundle at ``path`` is replaced only with ``overwrite``."""
     path = Path(path)
     plan_dict = plan.to_dict()
     plan_dict["kernels"] = sorted(plan.kernels)
-    files = {PLAN_FILE: json.dumps(plan_dict, indent=1).encode(), WEIGHTS_FILE: _weights_file(weights, plan)}
+    files = {PLAN_FILE: json.dumps(plan_dict, indent=1).encode()}
+    if weights is not None:
+        files[WEIGHTS_FILE] = weights_file(weights, {t.name: t.dtype for t in plan.params})
     files.update({kernel_file(name): wgsl.encode() for name, wgsl in plan.kernels.items()})
     manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **description,
                 "kernels": sorted(plan.kernels), "files": {name: _sha256(data) for name, data in sorted(files.items())}}
+    if weights is None:
+        manifest["weights"] = SHARED_WEIGHTS
     _check_manifest(manifest)  # also: every kernel name is a safe file name
-    _prepare_directory(path, overwrite)
+    prepare_directory(path, overwrite)
     (path / KERNEL_DIR).mkdir()
     for name, data in files.items():
         (path / name).write_bytes(data)
@@ -87,13 +96,15 @@ def write_bundle(path, plan: Plan, description: dict, weights: dict[str, np.ndar
     return manifest
 
 
-def _prepare_directory(path: Path, overwrite: bool) -> None:
+def prepare_directory(path: Path, overwrite: bool, manifest: str = MANIFEST) -> None:
+    """An empty directory at ``path``: created, or emptied where ``overwrite`` and it holds a bundle (``manifest``);
+    anything else there is refused, untouched."""
     if path.exists() and not path.is_dir():
         raise BundleError(f"{path} exists and is not a directory")
     if path.exists() and any(path.iterdir()):
         if not overwrite:
             raise BundleError(f"{path} exists and is not empty; pass overwrite=True to replace a bundle there")
-        if not (path / MANIFEST).is_file():
+        if not (path / manifest).is_file():
             raise BundleError(f"{path} is not empty and holds no bundle: not replaced")
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -106,18 +117,40 @@ def _sha256(data: bytes) -> str:
 # ---- reading
 
 
-def read_bundle(path) -> Bundle:
-    """Read and validate the bundle at ``path`` (see the module docstring); raise BundleError on any problem."""
+def read_bundle(path, shared_weights: dict[str, np.ndarray] | None = None) -> Bundle:
+    """Read and validate the bundle at ``path`` (see the module docstring); raise BundleError on any problem. A
+    bundle with shared weights takes them from ``shared_weights`` (by source name, read by its container)."""
     path = Path(path)
     try:
         manifest = _read_manifest(path)
         data = _read_files(path, manifest)
         plan = _read_plan(data, manifest)
         _check_against_plan(manifest, plan)
-        weights = _read_weights(data[WEIGHTS_FILE], plan)
+        specs = {t.name: t for t in plan.params}
+        if manifest.get("weights") != SHARED_WEIGHTS:
+            weights = read_weights_file(data[WEIGHTS_FILE], specs)
+        elif shared_weights is None:
+            raise BundleError("its weights are those of the generation bundle around it: load that bundle")
+        else:
+            weights = _shared(manifest, specs, shared_weights)
     except BundleError as err:
         raise BundleError(f"bundle {path}: {err}") from err.__cause__
     return Bundle(path, manifest, plan, weights)
+
+
+def _shared(manifest: dict, specs: dict, shared: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The plan's params from the container's weights, by each param entry's ``source``, checked."""
+    weights = {}
+    for entry in manifest["params"]:
+        source = entry.get("source")
+        if source not in shared:
+            raise BundleError(f"param {entry['plan_name']!r} names source {source!r}, which the shared weights lack")
+        spec, array = specs[entry["plan_name"]], shared[source]
+        if array.shape != spec.shape or array.dtype != np.dtype(HOST_DTYPE[spec.dtype]):
+            raise BundleError(f"shared weight {source!r} is {array.dtype}{list(array.shape)}, param "
+                              f"{spec.name!r} needs {spec.dtype}{list(spec.shape)}")
+        weights[spec.name] = array
+    return weights
 
 
 def _read_manifest(path: Path) -> dict:
@@ -156,7 +189,10 @@ def _check_manifest(manifest: dict) -> None:
     for name in manifest["kernels"]:
         if not isinstance(name, str) or not KERNEL_NAME.match(name):
             raise BundleError(f"kernel name {name!r} is not a safe file name")
-    expected = {PLAN_FILE, WEIGHTS_FILE} | {kernel_file(name) for name in manifest["kernels"]}
+    if manifest.get("weights", SHARED_WEIGHTS) != SHARED_WEIGHTS:
+        raise BundleError(f"'weights' is {manifest['weights']!r}; the only value it may take is {SHARED_WEIGHTS!r}")
+    own = set() if manifest.get("weights") == SHARED_WEIGHTS else {WEIGHTS_FILE}
+    expected = {PLAN_FILE} | own | {kernel_file(name) for name in manifest["kernels"]}
     if set(manifest["files"]) != expected:
         raise BundleError(f"{MANIFEST} lists files {sorted(manifest['files'])}, expected {sorted(expected)}")
 
@@ -222,9 +258,8 @@ SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "in
                      "bool": "BOOL"}
 
 
-def _weights_file(weights: dict[str, np.ndarray], plan: Plan) -> bytes:
-    """``weights`` (host forms of the plan's params) as a safetensors file that names each one's real dtype."""
-    dtypes = {t.name: t.dtype for t in plan.params}
+def weights_file(weights: dict[str, np.ndarray], dtypes: dict[str, str]) -> bytes:
+    """``weights`` (host forms, by name) as a safetensors file that names each one's logical dtype (``dtypes``)."""
     arrays = {name: np.array(array, HOST_DTYPE[dtypes[name]], order="C") for name, array in weights.items()}  # 0-d stays 0-d
     if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.8 serializes raw memory, dtypes spelled as numpy's
         return serialize({name: safetensors.TensorSpec(dtype=dtypes[name], shape=list(a.shape), data_ptr=a.ctypes.data,
@@ -233,20 +268,20 @@ def _weights_file(weights: dict[str, np.ndarray], plan: Plan) -> bytes:
                       for name, a in arrays.items()})
 
 
-def _read_weights(data: bytes, plan: Plan) -> dict[str, np.ndarray]:
-    """The weights in ``data`` (a safetensors file) in host form, each checked against its plan param."""
+def read_weights_file(data: bytes, specs: dict) -> dict[str, np.ndarray]:
+    """The weights in ``data`` (a safetensors file) in host form, each checked against ``specs`` (name -> an object
+    with ``shape`` and logical ``dtype``: a plan param, or a generation bundle's weight entry)."""
     try:
         entries = dict(deserialize(data))
     except (SafetensorError, ValueError) as err:
         raise BundleError(f"{WEIGHTS_FILE} is not a valid safetensors file: {err}") from err
-    specs = {t.name: t for t in plan.params}
     if sorted(entries) != sorted(specs):
-        raise BundleError(f"{WEIGHTS_FILE} holds {sorted(entries)}, the plan's params are {sorted(specs)}")
+        raise BundleError(f"{WEIGHTS_FILE} holds {sorted(entries)}, expected {sorted(specs)}")
     weights = {}
     for name, entry in entries.items():
         spec = specs[name]
-        if tuple(entry["shape"]) != spec.shape or entry["dtype"] != SAFETENSORS_DTYPE[spec.dtype]:
-            raise BundleError(f"weight {name!r} is {entry['dtype']}{list(entry['shape'])}, the plan needs "
+        if tuple(entry["shape"]) != tuple(spec.shape) or entry["dtype"] != SAFETENSORS_DTYPE[spec.dtype]:
+            raise BundleError(f"weight {name!r} is {entry['dtype']}{list(entry['shape'])}, it must be "
                               f"{SAFETENSORS_DTYPE[spec.dtype]}{list(spec.shape)} ({spec.dtype})")
         try:
             weights[name] = np.frombuffer(entry["data"], HOST_DTYPE[spec.dtype]).reshape(spec.shape)

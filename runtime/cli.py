@@ -4,6 +4,10 @@
     meganeura run BUNDLE --input NAME=FILE.npy ... [--output DIR] [--repeat N] [--adapter A] [--seed S]
                                                           run a bundle on .npy inputs, write .npy outputs, time it
     meganeura inspect BUNDLE [--json] [--dispatches]      validate a bundle; print its manifest, plan and memory
+    meganeura generate BUNDLE (--ids 1,2,3 | --prompt TEXT) [--max-new-tokens N] [--temperature T] [--top-k K]
+                       [--top-p P] [--seed S] [--adapter A]
+                                                          generate with a generation bundle (export_lm); print the
+                                                          ids (and text) and tokens per second
 
 Input files are read with ``numpy.load(..., allow_pickle=False)``. Errors print one line to stderr and exit 1.
 """
@@ -55,6 +59,22 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--adapter", help="adapter index or name substring (default: MEGANEURA_ADAPTER, else the best)")
     run.add_argument("--seed", type=int, help="seed for bundles with random ops")
     run.set_defaults(command=run_command, name="run")
+
+    generate = commands.add_parser("generate", help="generate token ids with a generation bundle",
+                                   description="Generate with a bundle written by torch_meganeura.export_lm: print "
+                                               "the prompt and new ids (and text, with --prompt) and tokens/s.")
+    generate.add_argument("bundle", type=Path, help="generation bundle directory (written by export_lm)")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--ids", help="the prompt's token ids, comma-separated")
+    prompt.add_argument("--prompt", help="the prompt as text: needs the bundle's tokenizer.json and the tokenizers "
+                                         "package")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    generate.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    generate.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this probability")
+    generate.add_argument("--seed", type=int, help="seed of the sampler")
+    generate.add_argument("--adapter", help="adapter index or name substring (default: MEGANEURA_ADAPTER, else the best)")
+    generate.set_defaults(command=generate_command, name="generate")
 
     inspect = commands.add_parser("inspect", help="validate a bundle and describe it",
                                   description="Validate a bundle and print its manifest, plan and memory use.")
@@ -123,6 +143,51 @@ def _read_input(text: str) -> tuple[str, np.ndarray]:
     if not isinstance(array, np.ndarray):
         raise ValueError(f"--input {text!r}: {file} holds several arrays; give one .npy file per input")
     return name, array
+
+
+# ---- generate
+
+
+def generate_command(args) -> None:
+    from .lm_bundle import is_lm_bundle
+    from .model import load
+
+    if not is_lm_bundle(args.bundle):
+        raise ValueError(f"{args.bundle} is not a generation bundle (written by torch_meganeura.export_lm)")
+    start = time.perf_counter()
+    lm = load(args.bundle, adapter=args.adapter)
+    loaded = time.perf_counter()
+    tokenizer = _tokenizer(lm) if args.prompt is not None else None
+    ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else _ids(args.ids)
+    out = lm.generate(np.asarray(ids, dtype=np.int64), args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    stats = lm.stats
+    print(f"adapter:  {lm.device.describe()}")
+    print(f"load:     {1e3 * (loaded - start):.1f} ms (validate, pipelines, weights upload)")
+    print(f"prefill:  {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tokens/s")
+    print(f"decode:   {stats.new_tokens} new tokens, {stats.decode_tokens_per_second:.1f} tokens/s")
+    print("ids:      " + ",".join(str(int(i)) for i in out))
+    if tokenizer is not None:
+        print("text:     " + tokenizer.decode(out.tolist()))
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--ids {text!r}: expected comma-separated integers") from None
+
+
+def _tokenizer(lm):
+    """The bundle's tokenizer (``tokenizers``, torch-free)."""
+    name = lm.manifest["tokenizer"]
+    if name is None:
+        raise ValueError(f"{lm.path} holds no tokenizer: export it with export_lm(..., tokenizer=...) or pass --ids")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("--prompt needs the tokenizers package (pip install tokenizers; it does not need torch)")
+    return Tokenizer.from_file(str(lm.path / name))
 
 
 # ---- inspect

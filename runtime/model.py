@@ -18,16 +18,22 @@ import numpy as np
 from .bundle import Bundle, read_bundle
 from .device import Device, get_device
 from .errors import InputError
+from .lm_bundle import is_lm_bundle, read_lm_bundle
 from .program import Program
 from .requirements import check_requirements
 
 _INT32 = np.iinfo(np.int32)
 
 
-def load(path, adapter: str | int | None = None, seed: int | None = None) -> "Model":
-    """Load the bundle at ``path`` onto ``adapter`` (index or name substring; default as ``get_device``).
+def load(path, adapter: str | int | None = None, seed: int | None = None):
+    """Load the bundle at ``path`` onto ``adapter`` (index or name substring; default as ``get_device``): a
+    ``Model``, or for a generation bundle (``torch_meganeura.export_lm``) a ``generate.LanguageModel``.
 
     ``seed`` seeds the generator that keys random ops (dropout, rand), for bundles that have them."""
+    if is_lm_bundle(path):
+        from .generate import LanguageModel
+
+        return LanguageModel(read_lm_bundle(path), get_device(adapter))
     bundle = read_bundle(path)
     return Model(bundle, get_device(adapter), seed)
 

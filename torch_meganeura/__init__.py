@@ -2,6 +2,7 @@
 
 ``torch.compile(model, backend="meganeura")`` works after ``pip install`` (entry point); ``explain`` reports
 what a model lowers to; ``export`` writes a bundle that ``meganeura.runtime.load`` runs without torch;
+``export_lm`` writes a language model's generation bundle (``load(path).generate(ids, n)``);
 ``compile_train_step`` runs forward, backward and the optimizer update on the device with weights kept there;
 ``profile`` times every dispatch on the GPU; ``keep_on_device(optimizer)`` keeps the ordinary training loop's
 parameters, gradients and optimizer state on the device.
@@ -11,6 +12,13 @@ from .device_optimizer import keep_on_device, sync_parameters
 from .explain import explain
 from .export import ExportError, export
 from .train_step import TrainStep, compile_train_step
+
+
+def export_lm(model, path, **kwargs) -> dict:
+    """An HF causal language model as a generation bundle (``lm_export.export_lm``; imports transformers)."""
+    from .lm_export import export_lm as export_generation_bundle
+
+    return export_generation_bundle(model, path, **kwargs)
 
 
 def profile(adapter=None):
@@ -25,5 +33,5 @@ def profile(adapter=None):
 
 
 __version__ = "0.1.0"
-__all__ = ["meganeura_backend", "explain", "export", "ExportError", "FallbackError", "compile_train_step", "TrainStep",
+__all__ = ["meganeura_backend", "explain", "export", "export_lm", "ExportError", "FallbackError", "compile_train_step", "TrainStep",
            "profile", "keep_on_device", "sync_parameters", "__version__"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -35,6 +36,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from meganeura.runtime.bundle import tensor_entry, write_bundle
+from meganeura.runtime.plan import Plan
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.requirements import compile_limits, plan_requirements
 
@@ -72,16 +74,33 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     resident = model.device_weights() if isinstance(model, TrainStep) else {}
     module = model.model if isinstance(model, TrainStep) else getattr(model, "_orig_mod", model)
     args, kwargs = _split_inputs(example_inputs)
-    program = _trace(module, args, kwargs)
+    program = trace(module, args, kwargs)
+    device = get_device(adapter)
+    compiled = compile_program(program, args, kwargs, device, compile_limits(device.limits, portable), module)
+    weights = {name: resident[source] if source in resident else host_form(compiled.state[source])
+               for name, source in compiled.sources.items()}
+    return write_bundle(path, compiled.plan, compiled.description, weights, overwrite=overwrite)
+
+
+@dataclass
+class CompiledProgram:
+    """An exported program compiled into a plan, with its manifest's description (producer, inputs, outputs,
+    params, rng input, requirements)."""
+
+    plan: Plan
+    description: dict
+    sources: dict[str, str]  # plan param name -> state dict name
+    state: dict[str, torch.Tensor]  # the program's parameters, buffers and lifted constants by state dict name
+
+
+def compile_program(program: torch.export.ExportedProgram, args: tuple, kwargs: dict, device, limits: dict,
+                    module: torch.nn.Module, in_place: dict[int, int] | None = None) -> CompiledProgram:
+    """Check and compile ``program`` (traced on ``args``, ``kwargs``) for ``limits``. ``in_place``: flattened
+    output index -> flattened user input index, outputs the plan may store over that input (a KV cache)."""
     gm = program.graph_module
     _drop_assertions(gm)
     _check_supported(program, gm)
-    device = get_device(adapter)
-    limits = compile_limits(device.limits, portable)
-    lowered, plan, sources = _compile(program, gm, args, kwargs, device, limits)
-    state = _state(program)
-    weights = {name: resident[sources[name]] if sources[name] in resident else host_form(state[sources[name]])
-               for _, name in lowered.params}
+    lowered, plan, sources = _compile(program, gm, args, kwargs, device, limits, in_place)
     specs = {t.name: t for t in plan.inputs + plan.outputs + plan.params}
     input_specs = program.graph_signature.input_specs
     outputs = zip(_output_names(program), lowered.outputs)
@@ -93,7 +112,7 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
         "rng_input": lowered.rng_seed,
         "requires": plan_requirements(plan, limits),
     }
-    return write_bundle(path, plan, description, weights, overwrite=overwrite)
+    return CompiledProgram(plan, description, sources, _state(program))
 
 
 def _split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -104,7 +123,8 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def _trace(module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def trace(module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``module`` on ``args``, ``kwargs`` as an exported program decomposed to the ops the backend lowers."""
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"export takes an nn.Module, got {type(module).__name__}")
     with _without_kv_cache(module, kwargs):
@@ -127,7 +147,7 @@ def _without_kv_cache(module, kwargs: dict):
         return
     warnings.warn(f"meganeura: exporting {type(module).__name__} without its KV cache output (config.use_cache is "
                   "turned off while tracing): a bundle is one forward of fixed shapes and returns tensors",
-                  stacklevel=5)  # the caller of export (through this generator, contextlib, _trace, export)
+                  stacklevel=5)  # the caller of export (through this generator, contextlib, trace, export)
     config.use_cache = False
     try:
         yield
@@ -170,13 +190,13 @@ def _check_supported(program: torch.export.ExportedProgram, gm: fx.GraphModule) 
                           + unsupported_listing(fallbacks))
 
 
-def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, limits: dict):
+def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, limits: dict, in_place=None):
     """Lower and compile ``gm`` with every placeholder's value for ``limits``; return the lowered graph, the plan
     and plan param name -> state dict name."""
     state = _state(program)
     kwargs_spec = _children(program.call_spec.in_spec)[1]  # torch.export orders kwargs by the signature
     user_values = iter(pytree.tree_leaves((args, {key: kwargs[key] for key in kwargs_spec.context})))
-    values, state_indices, targets = [], set(), {}
+    values, state_indices, targets, user_placeholders = [], set(), {}, []
     for i, spec in enumerate(program.graph_signature.input_specs):
         if spec.kind in STATE_KINDS:
             values.append(state[spec.target])
@@ -184,8 +204,10 @@ def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, lim
             targets[i] = spec.target
         else:
             values.append(next(user_values))
+            user_placeholders.append(i)
+    stored_over = {out: user_placeholders[i] for out, i in (in_place or {}).items()}
     try:
-        graph = compile_device_graph(gm, values, state_indices, device, limits=limits)
+        graph = compile_device_graph(gm, values, state_indices, device, limits=limits, in_place=stored_over)
     except LoweringError as err:
         raise ExportError(f"lowering the exported graph failed: {err}") from err
     lowered = graph.lowered

@@ -26,20 +26,11 @@ from meganeura.runtime.cli import main as cli
 from meganeura.runtime.device import get_device
 from meganeura.runtime.requirements import PORTABLE_LIMITS, compile_limits, plan_requirements
 from helpers.models import llama, randomize_layer_norms, resnet50
+from helpers.torch_free import BLOCK_TORCH
 
 # torch.export deep-copies TreeSpecs, which warns inside torch 2.13 (copyreg): not ours, and noise in reports.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 RTOL, ATOL = 1e-4, 1e-5
-BLOCK_TORCH = textwrap.dedent("""\
-    import sys
-    sys.modules["torch"] = None  # importing torch now raises ImportError
-    try:
-        import torch
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("torch is importable")
-""")
 RUN_BUNDLES = BLOCK_TORCH + textwrap.dedent("""\
     import json
     from pathlib import Path
@@ -221,7 +212,7 @@ BAD = {
         lambda p: _edit_manifest(p, lambda m: m["kernels"].pop()), "lists files"),
     "weight of the wrong shape": (
         lambda p: _edit_weights(p, lambda w: w.update({k: np.zeros((3, 5), np.float32) for k in w if w[k].ndim == 2})),
-        "is F32[3, 5], the plan needs F32[3, 4]"),
+        "is F32[3, 5], it must be F32[3, 4]"),
     "weight of the wrong dtype": (
         lambda p: _edit_weights(p, lambda w: w.update({k: v.astype(np.float64) for k, v in w.items()})),
         "is F64[3"),

@@ -1,0 +1,173 @@
+"""The generation bundle: a decoder language model as two plans over one static KV cache and one copy of the weights,
+written by ``torch_meganeura.export_lm`` and read without torch.
+
+Layout::
+
+    lm.json               format name and version, producer, the cache, the phases, weights, file hashes
+    weights.safetensors   every weight once, keyed by its name in the model's state dict
+    tokenizer.json        optional: the Hugging Face ``tokenizers`` file of the model's tokenizer
+    prefill/              a bundle (``bundle``) of ``prefill_tokens`` tokens at a time, its weights shared
+    decode/               a bundle of one token, its weights shared
+
+Both phases take ``input_ids`` [1, T] (int64), ``cache_position`` [T] (int64), ``last`` [1] (the row of the token
+to predict from), ``temperature`` [1] and ``sampling`` [1] (float32; 0 for greedy) and the cache (``cache_0``...:
+a key and a value tensor per layer, [1, kv heads, max_cache_len, head dim]); they return ``token`` [1] (int64: the
+argmax of the scores, with Gumbel noise where sampling), ``scores`` [1, vocab] (the last row's logits over the
+temperature) and the new cache, which the plans store over the old one. ``read_lm_bundle`` checks the
+manifest, every file's SHA-256, both phases (``read_bundle``) and that they agree with the manifest on the cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .bundle import Bundle, prepare_directory, read_bundle, read_weights_file, weights_file, write_bundle
+from .errors import BundleError
+
+FORMAT_NAME = "meganeura-lm"
+FORMAT_VERSION = 1
+MANIFEST = "lm.json"
+WEIGHTS_FILE = "weights.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+PHASES = ("prefill", "decode")
+INPUTS = ("input_ids", "cache_position", "last", "temperature", "sampling")  # then the cache
+OUTPUTS = ("token", "scores")  # then the new cache
+MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "max_cache_len": int, "prefill_tokens": int,
+                 "vocab_size": int, "eos_token_ids": list, "cache": list, "weights": list, "tokenizer": (str, type(None)),
+                 "files": dict}
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class LMBundle:
+    path: Path
+    manifest: dict
+    phases: dict[str, Bundle]
+    weights: dict[str, np.ndarray]  # by state dict name, shared by the phases
+
+    @property
+    def cache(self) -> list[dict]:
+        return self.manifest["cache"]
+
+
+def cache_name(i: int) -> str:
+    return f"cache_{i}"
+
+
+def write_lm_bundle(path, phases: dict, weights: dict[str, np.ndarray], dtypes: dict[str, str], meta: dict,
+                    tokenizer: bytes | None = None, overwrite: bool = False) -> dict:
+    """Write a generation bundle. ``phases``: phase name -> (plan, description) with shared params; ``weights``:
+    host forms by state dict name, of logical ``dtypes``; ``meta``: producer, max_cache_len, prefill_tokens,
+    vocab_size, eos_token_ids, cache. lm.json is written last."""
+    path = Path(path)
+    prepare_directory(path, overwrite, MANIFEST)
+    files = {WEIGHTS_FILE: weights_file(weights, dtypes)}
+    if tokenizer is not None:
+        files[TOKENIZER_FILE] = tokenizer
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    for phase, (plan, description) in phases.items():
+        write_bundle(path / phase, plan, description, None)
+    manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta,
+                "weights": [{"name": n, "shape": list(np.shape(a)), "dtype": dtypes[n]} for n, a in weights.items()],
+                "tokenizer": TOKENIZER_FILE if tokenizer is not None else None,
+                "files": {name: _sha256(data) for name, data in sorted(files.items())}}
+    _check_manifest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def is_lm_bundle(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_lm_bundle(path) -> LMBundle:
+    """Read and validate the generation bundle at ``path``; raise BundleError naming the problem."""
+    path = Path(path)
+    try:
+        manifest = _read_manifest(path)
+        data = _read_files(path, manifest)
+        specs = {e["name"]: WeightEntry(e["name"], tuple(e["shape"]), e["dtype"]) for e in manifest["weights"]}
+        weights = read_weights_file(data[WEIGHTS_FILE], specs)
+    except BundleError as err:
+        raise BundleError(f"generation bundle {path}: {err}") from err.__cause__
+    phases = {phase: read_bundle(path / phase, shared_weights=weights) for phase in PHASES}
+    for phase, bundle in phases.items():
+        try:
+            _check_phase(manifest, phase, bundle.manifest)
+        except BundleError as err:
+            raise BundleError(f"generation bundle {path}: {err}") from None
+    return LMBundle(path, manifest, phases, weights)
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except OSError as err:
+        raise BundleError(f"no readable {MANIFEST}: {err}") from err
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BundleError(f"{MANIFEST} is not valid JSON (truncated or corrupt?): {err}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise BundleError(f"{MANIFEST} does not describe a {FORMAT_NAME}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise BundleError(f"format version {manifest.get('format_version')!r} is not supported: this runtime reads "
+                          f"version {FORMAT_VERSION}")
+    _check_manifest(manifest)
+    return manifest
+
+
+def _check_manifest(manifest: dict) -> None:
+    for key, kind in MANIFEST_KEYS.items():
+        if key not in manifest:
+            raise BundleError(f"{MANIFEST} has no {key!r}")
+        if not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)):
+            raise BundleError(f"{MANIFEST}: {key!r} has the wrong type ({type(manifest[key]).__name__})")
+    if not 0 < manifest["prefill_tokens"] <= manifest["max_cache_len"]:
+        raise BundleError(f"{MANIFEST}: prefill_tokens {manifest['prefill_tokens']} must lie in 1..max_cache_len")
+    expected = {WEIGHTS_FILE} | ({TOKENIZER_FILE} if manifest["tokenizer"] is not None else set())
+    if manifest["tokenizer"] not in (None, TOKENIZER_FILE) or set(manifest["files"]) != expected:
+        raise BundleError(f"{MANIFEST} lists files {sorted(manifest['files'])}, expected {sorted(expected)}")
+
+
+def _read_files(path: Path, manifest: dict) -> dict[str, bytes]:
+    data = {}
+    for name, digest in manifest["files"].items():
+        if not (path / name).is_file():
+            raise BundleError(f"missing file {name}")
+        data[name] = (path / name).read_bytes()
+        if _sha256(data[name]) != digest:
+            raise BundleError(f"{name} does not match its SHA-256 in {MANIFEST} (truncated or modified)")
+    return data
+
+
+def _check_phase(manifest: dict, phase: str, bundle_manifest: dict) -> None:
+    """A phase takes and returns what the module docstring says, its cache as the manifest's, at its length."""
+    length = manifest["prefill_tokens"] if phase == "prefill" else 1
+    cache = [cache_name(i) for i in range(len(manifest["cache"]))]
+    inputs = {e["name"]: e for e in bundle_manifest["inputs"]}
+    outputs = {e["name"]: e for e in bundle_manifest["outputs"]}
+    if list(inputs) != [*INPUTS, *cache] or list(outputs) != [*OUTPUTS, *cache]:
+        raise BundleError(f"phase {phase} takes {list(inputs)} and returns {list(outputs)}, expected "
+                          f"{[*INPUTS, 'cache_0...']} and {[*OUTPUTS, 'cache_0...']}")
+    if inputs["input_ids"]["shape"] != [1, length]:
+        raise BundleError(f"phase {phase} takes input_ids of shape {inputs['input_ids']['shape']}, expected "
+                          f"[1, {length}]")
+    for name, entry in zip(cache, manifest["cache"]):
+        for side in (inputs[name], outputs[name]):
+            if (side["shape"], side["dtype"]) != (entry["shape"], entry["dtype"]):
+                raise BundleError(f"phase {phase}'s {name} is {side['dtype']}{side['shape']}, the cache is "
+                                  f"{entry['dtype']}{entry['shape']}")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,135 @@
+"""Generation bundles (``torch_meganeura.export_lm``): HF Llama, Qwen2 and GPT-2 (small configs, random weights) generate
+HF eager's greedy tokens in a process without torch; sampling repeats with its seed; too long a prompt and bad
+bundles are refused by name."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import torch_meganeura
+from helpers.models import LLAMA
+from helpers.torch_free import run_without_torch
+from meganeura.runtime import BundleError, InputError, load
+from meganeura.runtime.cli import main as cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
+NEW = 64
+
+GENERATE = """
+import json, sys
+import numpy as np
+from meganeura.runtime import load
+bundle, cases = sys.argv[1], json.loads(sys.argv[2])
+lm = load(bundle)
+out = {}
+for name, (prompt, new, kwargs) in cases.items():
+    out[name] = lm.generate(np.asarray(prompt), new, **kwargs).tolist()
+print(json.dumps(out))
+"""
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "max_position_embeddings": 128})).eval()
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128)).eval()
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      bos_token_id=0, eos_token_id=None)).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def exported(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2}[request.param]()
+    path = tmp_path_factory.mktemp(request.param) / "lm"
+    torch_meganeura.export_lm(model, path, max_cache_len=CACHE)
+    return model, path
+
+
+def test_greedy_tokens_equal_hf_eager_without_torch(exported):
+    """64 new tokens after an 8-token prompt, and 20 after a 40-token one (prefill in two runs, the last one
+    overlapping the first), equal HF's own greedy ``generate``; seeded sampling repeats, another seed differs."""
+    model, path = exported
+    short, long = torch.randint(0, 128, (1, 8)), torch.randint(0, 128, (1, 40))
+    cases = {"short": (short[0].tolist(), NEW, {}), "long": (long[0].tolist(), 20, {}),
+             **{f"sample{k}": (short[0].tolist(), 24, {"temperature": 0.9, "seed": seed})
+                for k, seed in enumerate([5, 5, 6])},
+             **{f"top{k}": (short[0].tolist(), 24, {"temperature": 0.9, "top_k": 8, "top_p": 0.9, "seed": 7})
+                for k in range(2)}}
+    got = json.loads(run_without_torch(GENERATE, str(path), json.dumps(cases)).stdout)
+    for name, prompt in (("short", short), ("long", long)):
+        want = model.generate(prompt, max_new_tokens=cases[name][1], do_sample=False)[0].tolist()
+        assert got[name] == want, f"{name}: {got[name]} against HF's {want}"
+    assert got["sample0"] == got["sample1"] != got["sample2"]
+    assert got["top0"] == got["top1"] and len(got["top0"]) == 8 + 24
+
+
+def test_bad_requests_are_refused(exported):
+    _, path = exported
+    lm = load(path)
+    with pytest.raises(InputError, match="cache positions; this bundle holds 96"):
+        lm.generate(np.zeros(90, dtype=np.int64), 10)
+    with pytest.raises(InputError, match="1-D array of token ids"):
+        lm.generate(np.zeros((2, 3), dtype=np.int64), 4)
+    with pytest.raises(InputError, match="top_p"):
+        lm.generate(np.zeros(3, dtype=np.int64), 4, temperature=1.0, top_p=1.5)
+
+
+def test_bad_bundles_are_refused_by_name(exported, tmp_path):
+    import shutil
+
+    _, path = exported
+    for damage, match in [(lambda p: (p / "weights.safetensors").write_bytes((p / "weights.safetensors").read_bytes()[:-64]),
+                           "weights.safetensors does not match its SHA-256"),
+                          (lambda p: (p / "decode" / "plan.json").write_text("{}"),
+                           "plan.json does not match its SHA-256"),
+                          (lambda p: (p / "lm.json").write_text("{"), "lm.json is not valid JSON")]:
+        broken = tmp_path / f"broken{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(path, broken)
+        damage(broken)
+        with pytest.raises(BundleError, match=match):
+            load(broken)
+
+
+def test_cli_generate_prints_ids_and_rates(exported, capsys):
+    model, path = exported
+    prompt = torch.randint(0, 128, (1, 6))
+    assert cli(["generate", str(path), "--ids", ",".join(map(str, prompt[0].tolist())), "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    ids = next(line for line in out.splitlines() if line.startswith("ids:")).split()[1]
+    assert [int(i) for i in ids.split(",")] == model.generate(prompt, max_new_tokens=8, do_sample=False)[0].tolist()
+    assert "tokens/s" in out
+
+
+def test_a_decode_step_moves_a_few_numbers_and_reads_back_a_token(exported):
+    """Greedy and temperature sampling choose on the device: a step reads back the token (and the status word), not
+    the vocabulary's scores, and uploads the token, its position and the sampler's numbers."""
+    from meganeura.runtime.device import get_device
+
+    _, path = exported
+    lm, counters = load(path), get_device().counters
+    for kwargs in ({}, {"temperature": 0.7, "seed": 1}):
+        lm.generate(np.arange(5), 4, **kwargs)  # warm: the bind groups over both sets of cache arrays
+        up, down = counters.bytes_uploaded, counters.bytes_downloaded
+        lm.generate(np.arange(5), 33, **kwargs)
+        steps = 1 + 32  # the prefill run and 32 decode steps
+        per_step_down = (counters.bytes_downloaded - down) / steps
+        per_step_up = (counters.bytes_uploaded - up - 32 * 8) / steps  # (the prefill's 32 ids)
+        assert per_step_down <= 64 < lm.vocab_size * 4, per_step_down
+        assert per_step_up <= 64, per_step_up
