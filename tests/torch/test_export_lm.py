@@ -133,3 +133,24 @@ def test_a_decode_step_moves_a_few_numbers_and_reads_back_a_token(exported):
         per_step_up = (counters.bytes_uploaded - up - 32 * 8) / steps  # (the prefill's 32 ids)
         assert per_step_down <= 64 < lm.vocab_size * 4, per_step_down
         assert per_step_up <= 64, per_step_up
+
+
+def test_a_bfloat16_checkpoint_with_its_tokenizer(tmp_path, capsys):
+    """A model as transformers 5 loads it (bfloat16) keeps its dtype (weights and cache in 16 bits); with its
+    tokenizer saved beside it, ``meganeura generate --prompt`` takes and prints text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    model = _llama().to(torch.bfloat16)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    manifest = torch_meganeura.export_lm(model, tmp_path / "lm", max_cache_len=32,
+                                         tokenizer=PreTrainedTokenizerFast(tokenizer_object=words))
+    assert {e["dtype"] for e in manifest["weights"]} == {"bfloat16"}
+    assert {e["dtype"] for e in manifest["cache"]} == {"bfloat16"}
+    prompt = torch.tensor([[5, 7, 9]])
+    first = model.generate(prompt, max_new_tokens=1, do_sample=False)[0, -1].item()  # one argmax: no drift
+    assert cli(["generate", str(tmp_path / "lm"), "--prompt", "w5 w7 w9", "--max-new-tokens", "4"]) == 0
+    text = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("text:")).split()[1:]
+    assert text[:4] == ["w5", "w7", "w9", f"w{first}"] and len(text) == 7
