@@ -101,15 +101,27 @@ HELPERS = {
     # part's 16 significant bits make k * hi exact for every k that does not overflow), exp(r) for |r| <= ln2 / 2
     # by its Taylor polynomial to r^7 (truncation below 6e-9 relative), 2^k applied in two halves (ldexp's exponent
     # must stay within f32's range: k reaches -150 for subnormal results).
+    "mg_exp_poly": """fn mg_exp_poly(r: f32) -> f32 {
+  return 1.0 + r * (1.0 + r * (0.5 + r * (0.16666666666666666 + r * (0.041666666666666664
+      + r * (0.008333333333333333 + r * (0.001388888888888889 + r * 0.0001984126984126984))))));
+}""",
+    "mg_ldexp_halves": """fn mg_ldexp_halves(p: f32, k: f32) -> f32 {
+  let ki = i32(k);
+  let half = ki / 2i;
+  return ldexp(ldexp(p, half), ki - half);
+}""",
     "mg_exp": """fn mg_exp(x: f32) -> f32 {
   let xc = clamp(x, -104.0, 89.0);
   let k = round(xc * 1.4426950408889634);
   let r = (xc - k * 0.693145751953125) - k * 1.4286068203094173e-06;
-  let p = 1.0 + r * (1.0 + r * (0.5 + r * (0.16666666666666666 + r * (0.041666666666666664
-      + r * (0.008333333333333333 + r * (0.001388888888888889 + r * 0.0001984126984126984))))));
-  let ki = i32(k);
-  let half = ki / 2i;
-  return select(ldexp(ldexp(p, half), ki - half), x, mg_isnan(x));
+  return select(mg_ldexp_halves(mg_exp_poly(r), k), x, mg_isnan(x));
+}""",
+    # exp2 to about 1 ULP (the built-in was 3.5x eager's error): x = k + f with k = round(x), f exact, 2^f =
+    # exp(f ln2) by mg_exp's polynomial (|f ln2| <= 0.35: its rounding costs a third of an ULP).
+    "mg_exp2": """fn mg_exp2(x: f32) -> f32 {
+  let xc = clamp(x, -150.0, 128.0);
+  let k = round(xc);
+  return select(mg_ldexp_halves(mg_exp_poly((xc - k) * 0.6931471805599453), k), x, mg_isnan(x));
 }""",
     # log to about 1 ULP (the built-in's error is absolute, 2^-21, on [0.5, 2]: relative 1e-3 near 1): x = m 2^e
     # with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) for s = (m - 1) / (m + 1), |s| < 0.172, by its series to
@@ -150,8 +162,33 @@ HELPERS = {
       + s2 * (1.0 / 15.0 + s2 * (1.0 / 17.0)))))));
   return select(mg_log(1.0 + x), 2.0 * s + 2.0 * s * s2 * odd, x >= -0.5 && x <= 1.0);
 }""",
+    # expm1 to about 1 ULP (exp(x) - 1 was 2.3x eager's error: it cancels below |x| ~ 1): its Taylor series to x^12
+    # for |x| < 1.25 (the first term left out is below 2e-9 relative), exp(x) - 1 above, where it loses under a bit;
+    # zeros keep their sign.
     "mg_expm1": """fn mg_expm1(x: f32) -> f32 {
-  return select(mg_exp(x) - 1.0, x * (1.0 + x * (0.5 + x * (1.0 / 6.0))), abs(x) < 1e-3);
+  let series = x + x * x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0
+      + x * (1.0 / 5040.0 + x * (1.0 / 40320.0 + x * (1.0 / 362880.0 + x * (1.0 / 3628800.0
+      + x * (1.0 / 39916800.0 + x * (1.0 / 479001600.0)))))))))));
+  return select(select(mg_exp(x) - 1.0, series, abs(x) < 1.25), x, x == 0.0);
+}""",
+    # sinh and cosh to about 1 ULP (the built-ins were 4.5x eager's error): sinh's odd Taylor series to |x|^13 below 1
+    # (the first term left out is below 2e-10 relative), else (E -+ 1 / E) / 2 with E = exp(|x|) up to 88, where E
+    # still fits f32, and (exp(|x| / 2) / 2) exp(|x| / 2) up to their own overflow, 89.4. The sign from x's bits.
+    "mg_sinh": """fn mg_sinh(x: f32) -> f32 {
+  let a = abs(x);
+  let z = a * a;
+  let series = a + a * z * (1.0 / 6.0 + z * (1.0 / 120.0 + z * (1.0 / 5040.0 + z * (1.0 / 362880.0
+      + z * (1.0 / 39916800.0 + z * (1.0 / 6227020800.0))))));
+  let e = mg_exp(min(a, 88.0));
+  let h = mg_exp(0.5 * a);
+  let r = select(select(0.5 * (e - 1.0 / e), (0.5 * h) * h, a > 88.0), series, a < 1.0);
+  return select(bitcast<f32>(bitcast<u32>(r) | (bitcast<u32>(x) & 0x80000000u)), x, mg_isnan(x));
+}""",
+    "mg_cosh": """fn mg_cosh(x: f32) -> f32 {
+  let a = abs(x);
+  let e = mg_exp(min(a, 88.0));
+  let h = mg_exp(0.5 * a);
+  return select(select(0.5 * (e + 1.0 / e), (0.5 * h) * h, a > 88.0), x, mg_isnan(x));
 }""",
 
     # asin and acos through atan2: lavapipe's builtins are off by up to 4e-4 (WGSL allows atan2's error only).
@@ -286,7 +323,9 @@ HELPERS.update(HALF_HELPERS)
 
 HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16": ["mg_widen_f16", "mg_f16_bits"],
                "mg_pack_bf16": ["mg_bf16_bits"], "mg_pack_f16": ["mg_f16_bits"],
-               "mg_exp": ["mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
+               "mg_exp": ["mg_exp_poly", "mg_ldexp_halves", "mg_isnan"],
+               "mg_exp2": ["mg_exp_poly", "mg_ldexp_halves", "mg_isnan"], "mg_sinh": ["mg_exp", "mg_isnan"],
+               "mg_cosh": ["mg_exp", "mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
                "mg_log2": ["mg_log_parts", "mg_log_special"], "mg_log_special": ["mg_isnan", "mg_isinf"],
                "mg_expm1": ["mg_exp"], "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs", "mg_isnan"], "mg_erfc_abs": ["mg_exp"],
                "mg_erfc": ["mg_erfc_abs"], "mg_atan": ["mg_isnan"], "mg_atan2": ["mg_atan", "mg_isnan"],
@@ -296,12 +335,12 @@ HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16
 
 # op -> format string over arguments {0}, {1}, {2}; helpers named in the string are emitted on demand.
 FLOAT_OPS = {
-    "neg": "(-{0})", "abs": "abs({0})", "exp": "mg_exp({0})", "exp2": "exp2({0})", "expm1": "mg_expm1({0})",
+    "neg": "(-{0})", "abs": "abs({0})", "exp": "mg_exp({0})", "exp2": "mg_exp2({0})", "expm1": "mg_expm1({0})",
     "log": "mg_log({0})", "log2": "mg_log2({0})",
     "log10": "(mg_log({0}) * 0.43429448190325182)",
     "log1p": "mg_log1p({0})", "sqrt": "sqrt({0})", "rsqrt": "inverseSqrt({0})", "sin": "sin({0})",
     "cos": "cos({0})", "tan": "tan({0})", "asin": "mg_asin({0})", "acos": "mg_acos({0})", "atan": "mg_atan({0})",
-    "sinh": "sinh({0})", "cosh": "cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
+    "sinh": "mg_sinh({0})", "cosh": "mg_cosh({0})", "tanh": "mg_tanh({0})", "asinh": "asinh({0})",
     "acosh": "acosh({0})", "atanh": "atanh({0})", "erf": "mg_erf({0})", "erfc": "mg_erfc({0})",
     "sigmoid": "mg_sigmoid({0})", "floor": "floor({0})", "ceil": "ceil({0})", "round": "round({0})", "trunc": "trunc({0})",
     "round_bf16": "mg_round_bf16({0})", "round_f16": "mg_round_f16({0})",
