@@ -1,0 +1,137 @@
+"""``python -m bench.generate``: text generation at SmolLM2-135M's shapes (random weights), greedy, one process.
+
+    python -m bench.generate --out bench/results/h200-generate                 # 16-token prompt, 256 new tokens
+    python -m bench.generate --out /tmp/generate-smoke --smoke                 # tiny model: checks the path
+
+Rows: PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache, on CUDA where it
+exists, else on the CPU; and the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime,
+with its export time, bundle size, load time, prefill and decode tokens/s, and decode tokens/s by context length
+(each decode step's time at its position). Every row's tokens are compared with eager's default ``generate`` on the
+CPU in float32: a row whose tokens differ is marked. Writes ``OUT.json`` and the markdown table ``OUT.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="results path without suffix: writes OUT.json and OUT.md")
+    p.add_argument("--smoke", action="store_true", help="the workload's smoke-scale model (checks the path)")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--max-cache-len", type=int, default=1024, help="the bundle's cache (prompt and new tokens)")
+    p.add_argument("--adapter", help="meganeura's adapter (index or name substring)")
+    return p
+
+
+def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
+    import torch
+
+    rows = []
+    model = model.to(device)
+    ids = prompt.to(device)
+    for cache in ("dynamic", "static"):
+        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+        model.generate(ids, max_new_tokens=4, do_sample=False, **kwargs)  # warm
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        rows.append({"competitor": f"torch-{device}-eager", "cache": cache, "tokens_per_second": new / seconds,
+                     "seconds": seconds, "tokens": out[0].tolist()})
+    model.to("cpu")
+    return rows
+
+
+def _bundle_row(model, prompt, new: int, max_cache_len: int, adapter) -> dict:
+    import numpy as np
+
+    import torch_meganeura
+    from meganeura.runtime import load
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "lm"
+        start = time.perf_counter()
+        torch_meganeura.export_lm(model, path, max_cache_len=max_cache_len, adapter=adapter)
+        exported = time.perf_counter()
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        lm = load(path, adapter=adapter)
+        loaded = time.perf_counter()
+        ids = prompt[0].numpy()
+        lm.generate(ids, 4)  # warm: pipelines and bind groups over both cache arrays
+        eos, lm.eos_token_ids = lm.eos_token_ids, []  # every row makes ``new`` tokens
+        out = lm.generate(ids, new)
+        lm.eos_token_ids = eos
+        stats = lm.stats
+        by_context = {str(len(ids) + i + 1): 1.0 / t for i, t in enumerate(stats.decode_steps)}
+        row = {"competitor": "meganeura-bundle", "cache": "static", "export_seconds": exported - start,
+               "bundle_bytes": size, "load_seconds": loaded - exported, "seconds": stats.prefill_seconds
+               + stats.decode_seconds, "tokens_per_second": stats.new_tokens / (stats.prefill_seconds
+               + stats.decode_seconds), "prefill_tokens_per_second": stats.prefill_tokens_per_second,
+               "decode_tokens_per_second": stats.decode_tokens_per_second, "decode_by_context": by_context,
+               "tokens": np.asarray(out).tolist(), "adapter": lm.device.describe()}
+        lm.release()
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Generation at {result['description']}", "",
+             f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, {result['new_tokens']} new tokens; "
+             "tokens/s over the whole generate call (prefill included) unless a column says otherwise.", "",
+             "| competitor | cache | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | load s | "
+             "export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
+        size = f"{r['bundle_bytes'] / (1 << 20):.1f}" if "bundle_bytes" in r else "-"
+        lines.append(f"| {r['competitor']} | {r['cache']} | {r['tokens_per_second']:.1f} | "
+                     f"{f('prefill_tokens_per_second', '.1f')} | {f('decode_tokens_per_second', '.1f')} | "
+                     f"{'yes' if r['equal'] else 'NO'} | {f('load_seconds', '.2f')} | {f('export_seconds', '.1f')} | "
+                     f"{size} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    from .workloads import WORKLOADS
+
+    torch.manual_seed(0)
+    workload = WORKLOADS["smollm2"]
+    model = workload.build(args.smoke).eval()
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+    new = min(args.new_tokens, args.max_cache_len - args.prompt_tokens)
+    with torch.no_grad():
+        reference = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        rows = _eager_rows(model, prompt, new, device)
+    rows.append(_bundle_row(model, prompt, new, args.max_cache_len, args.adapter))
+    for row in rows:
+        row["equal"] = row.pop("tokens") == reference
+        print(f"{row['competitor']:18s} {row['cache']:8s} {row['tokens_per_second']:9.1f} tokens/s  "
+              f"{'tokens equal eager' if row['equal'] else 'TOKENS DIFFER'}", flush=True)
+    machine = (f"{torch.cuda.get_device_name()} (CUDA) beside {rows[-1]['adapter']}" if device == "cuda"
+               else rows[-1]["adapter"])
+    description = "SmolLM2-135M's config (HF Llama, random weights)" + (", smoke scale" if args.smoke else "")
+    result = {"description": description, "machine": machine, "torch": torch.__version__,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": new, "smoke": args.smoke, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+    print(f"wrote {out}.json and {out}.md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
