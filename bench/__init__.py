@@ -1,7 +1,8 @@
 """Benchmarks of torch-meganeura side by side with PyTorch: five workloads and micro benchmarks.
 
 ``python -m bench --help`` runs them and writes ``bench/results/<tag>.json``; ``python -m bench.report`` turns a
-results file into its markdown table and plot. See ``bench/results/README.md``.
+results file into its markdown table and plot; ``bench.cold`` times cold first calls, ``bench.generate`` text
+generation, ``bench.ddp`` data parallel. See ``bench/results/README.md``.
 """
 import os
 import sys
