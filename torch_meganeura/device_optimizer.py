@@ -32,7 +32,6 @@ gradients and its scaled ones are uploaded by the step, correct but with that tr
 from __future__ import annotations
 
 import types
-import warnings
 from collections import OrderedDict
 
 import torch
@@ -49,17 +48,6 @@ from .train_trace import trace_update_graph
 
 
 
-def _call_without_subclasses(func, types, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-# Calls ``func`` skipping one override: torch.overrides.redispatch_function where torch has it (2.13), else its C
-# function, else with subclasses' overrides off, which dynamo misreads in a function with a dispatch of its own
-# (F.layer_norm, F.rms_norm, F.batch_norm, F.embedding): it breaks the graph there (``keep_on_device`` warns).
-_SKIP_ONE_HOP = (getattr(torch.overrides, "redispatch_function", None)
-                 or getattr(torch._C, "_skip_one_hop_torch_function", None))
-_REDISPATCH = _SKIP_ONE_HOP or _call_without_subclasses
 _DATA_ATTRIBUTES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})  # properties that return the data
 _METADATA_METHODS = frozenset({
     torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
@@ -77,18 +65,33 @@ class _Kept:
         self.store, self.stale = store, False
 
 
+class _EagerOverride:
+    """``DeviceParameter.__torch_function__``: the override eager code meets, and none while dynamo traces (a
+    tracing context is active), so that dynamo traces a kept parameter as the plain parameter it compiles: through
+    an override it misreads a function with a dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm,
+    F.embedding) and breaks the graph there (torch 2.11; torch 2.13 needs torch.overrides.redispatch_function)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, instance, owner):
+        if torch._guards.TracingContext.try_get() is not None:
+            return torch._C._disabled_torch_function_impl
+        return types.MethodType(self.function, owner)
+
+
+def _torch_function(cls, func, types_, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    _before_eager(cls, func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
 class DeviceParameter(nn.Parameter):
     """A parameter of an optimizer kept on the device (``keep_on_device``). Eager code that reads its data first
     downloads the device's values into it, without bumping its version (the device copy stays current)."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not torch.compiler.is_compiling():
-            _before_eager(cls, func, args, kwargs)
-        # skips this override for this call only (dynamo traces it; torch's default would return its results as
-        # this class, and dynamo misreads a Python function's own dispatch under DisableTorchFunctionSubclass)
-        return _REDISPATCH(func, types, args, kwargs)
+    __torch_function__ = _EagerOverride(_torch_function)
 
     def __reduce_ex__(self, protocol):  # an ordinary parameter, synced (``.data``), without the device link
         return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
@@ -98,6 +101,7 @@ class DeviceParameter(nn.Parameter):
         return result
 
 
+@torch.compiler.disable  # eager code between graphs runs it as it is, not traced into a graph
 def _before_eager(cls, func, args, kwargs) -> None:
     """Before eager code runs ``func``: download the kept parameters among its arguments if it reads their data;
     a parameter whose data are replaced (``p.data = t``) holds the truth on the host from then on."""
@@ -171,10 +175,6 @@ def keep_on_device(optimizer: torch.optim.Optimizer, adapter=None) -> torch.opti
         if type(p) is not nn.Parameter or p.device.type != "cpu":
             raise TypeError(f"keep_on_device takes an optimizer over CPU nn.Parameters (what a module holds); got "
                             f"{type(p).__name__} on {p.device}")
-    if _SKIP_ONE_HOP is None:
-        warnings.warn(f"meganeura: torch {torch.__version__} cannot skip one __torch_function__ override: dynamo "
-                      "breaks the graph at F.layer_norm, F.rms_norm, F.batch_norm and F.embedding of kept parameters, "
-                      "and the loop runs slower (torch 2.13 does not)", stacklevel=2)
     store = param_store(get_device(adapter))
     for p in params:
         p.__class__ = DeviceParameter  # the same object: modules, optimizer state and hooks still find it
