@@ -239,3 +239,30 @@ def test_a_model_whose_optimizer_is_not_kept_trains_as_before():
     F.cross_entropy(torch.compile(other, backend="meganeura")(x), y).backward()
     grads = [p.grad for p in other.parameters() if p.grad is not None]
     assert grads and all(type(g) is torch.Tensor for g in grads)
+
+
+class Norms(nn.Module):
+    """Kept parameters in functions with a dispatch of their own (F.embedding, F.layer_norm, F.rms_norm,
+    F.batch_norm), where dynamo tracing the parameters' override broke the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.ln, self.rms = nn.Embedding(16, 8), nn.LayerNorm(8), nn.RMSNorm(8)
+        self.bn, self.out = nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.rms(self.ln(self.embed(ids)))
+        return self.out(self.bn(h.transpose(1, 2)).transpose(1, 2))
+
+
+def test_kept_parameters_trace_as_one_graph():
+    """dynamo traces kept parameters as plain ones: one graph, no break, and the loop matches eager."""
+    torch.manual_seed(0)
+    loops = Loops(Norms().train(), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                  lambda m, ids, y: F.cross_entropy(m(ids).flatten(0, 1), y))
+    ids, y = torch.randint(0, 16, (2, 5)), torch.randint(0, 3, (10,))
+    torch._dynamo.utils.counters.clear()
+    for step in range(3):
+        assert_losses_match(*loops.step(ids, y), step)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    loops.assert_parameters_match()
