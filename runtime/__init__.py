@@ -4,10 +4,11 @@
 Modules: ``plan`` (the plan format), ``device`` (adapter choice, the process-wide device), ``program`` (a plan
 instantiated on a device), ``native`` (the replay loop's direct wgpu-native calls), ``profiler`` (per-dispatch GPU
 timestamps), ``resident`` (arrays kept on the device and their buffer pool), ``bundle`` (the deploy bundle format),
-``requirements`` (what a plan needs of an adapter), ``model`` (``load``: a bundle as a callable), ``cli`` (the
-``meganeura`` command), ``timing`` and ``matmul_tuner`` (kernel variants timed on the device), ``errors``,
-``counters``. ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load`` and ``Model`` are importable
-from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
+``requirements`` (what a plan needs of an adapter), ``model`` (``load``: a bundle as a callable), ``lm_bundle`` and
+``generate`` (a language model's generation bundle and its ``LanguageModel``), ``cli`` (the ``meganeura``
+command), ``timing`` and ``matmul_tuner`` (kernel variants timed on the device), ``errors``, ``counters``.
+``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load``, ``Model`` and ``LanguageModel`` are
+importable from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
 """
 from .errors import (
     BundleError, DeviceLostError, FeatureError, InputError, KernelStatusError, LimitError, MeganeuraError,
@@ -17,7 +18,7 @@ from .plan import Plan
 
 _LAZY = {
     "Device": "device", "get_device": "device", "list_adapters": "device", "Program": "program",
-    "load": "model", "Model": "model",
+    "load": "model", "Model": "model", "LanguageModel": "generate",
 }
 
 __all__ = [
