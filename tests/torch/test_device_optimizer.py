@@ -180,6 +180,10 @@ def test_eager_reads_see_the_device_values_and_eager_writes_reach_the_device():
         torch.testing.assert_close(saved[name], value, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(loops.model(data[0]), loops.ref(data[0]), rtol=RTOL, atol=ATOL)  # eager forward
 
+    torch_meganeura.sync_parameters(loops.opt)  # every stale parameter at once
+    assert not any(p._meganeura_kept.stale for p in loops.model.parameters())
+    torch.testing.assert_close(loops.model.fc2.weight.data, loops.ref.fc2.weight, rtol=RTOL, atol=ATOL)
+
     restart = MLP().state_dict()  # new weights written from the host, in both loops
     loops.model.load_state_dict(restart)
     loops.ref.load_state_dict(restart)
