@@ -55,7 +55,6 @@ class _Phase:
 
     def __init__(self, device: Device, bundle, cache_names: list[str], weight_buffers: dict):
         manifest = bundle.manifest
-        check_requirements(manifest["requires"], device.features, device.limits, device.describe())
         self.inputs = {e["name"]: e["plan_name"] for e in manifest["inputs"]}
         self.outputs = {e["name"]: e["plan_name"] for e in manifest["outputs"]}
         self.rng_input = manifest["rng_input"]
@@ -71,6 +70,8 @@ class LanguageModel:
     """A generation bundle instantiated on ``device`` (see the module docstring)."""
 
     def __init__(self, bundle: LMBundle, device: Device):
+        for phase in bundle.phases.values():  # before any device object is built
+            check_requirements(phase.manifest["requires"], device.features, device.limits, device.describe())
         self.path, self.manifest, self.device = bundle.path, bundle.manifest, device
         self.max_cache_len = bundle.manifest["max_cache_len"]
         self.vocab_size = bundle.manifest["vocab_size"]
