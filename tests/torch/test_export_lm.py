@@ -154,3 +154,22 @@ def test_a_bfloat16_checkpoint_with_its_tokenizer(tmp_path, capsys):
     assert cli(["generate", str(tmp_path / "lm"), "--prompt", "w5 w7 w9", "--max-new-tokens", "4"]) == 0
     text = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("text:")).split()[1:]
     assert text[:4] == ["w5", "w7", "w9", f"w{first}"] and len(text) == 7
+
+
+def test_an_adapter_without_what_a_phase_needs_is_refused_before_anything_is_built(exported, tmp_path):
+    import shutil
+
+    from meganeura.runtime import FeatureError
+    from meganeura.runtime.device import get_device
+
+    _, path = exported
+    broken = tmp_path / "lm"
+    shutil.copytree(path, broken)
+    manifest = json.loads((broken / "decode" / "manifest.json").read_text())
+    manifest["requires"]["features"].append("a-feature-no-adapter-has")
+    (broken / "decode" / "manifest.json").write_text(json.dumps(manifest))
+    counters = get_device().counters
+    before = counters.buffers_created
+    with pytest.raises(FeatureError, match="a-feature-no-adapter-has"):
+        load(broken)
+    assert counters.buffers_created == before
