@@ -67,9 +67,9 @@ class _Kept:
 
 class _EagerOverride:
     """``DeviceParameter.__torch_function__``: the override eager code meets, and none while dynamo traces (a
-    tracing context is active), so that dynamo traces a kept parameter as the plain parameter it compiles: through
-    an override it misreads a function with a dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm,
-    F.embedding) and breaks the graph there (torch 2.11; torch 2.13 needs torch.overrides.redispatch_function)."""
+    tracing context is active), so that dynamo traces a kept parameter as the plain parameter it compiles: tracing
+    through an override that calls the function again with subclass overrides off, dynamo misreads a function with
+    a dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm, F.embedding) and breaks the graph there."""
 
     def __init__(self, function):
         self.function = function
