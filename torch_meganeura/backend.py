@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.schemas import OutputType
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from meganeura.runtime.device import get_device, prepare_device
@@ -22,7 +23,7 @@ from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import DevicePartition
 from .decompositions import aot_decomposition_table
-from .device_optimizer import DeviceParameter
+from .device_tensor import DeviceParameter
 from .device_graph import unsupported_listing
 from .options import Options
 from .params import ParamStore
@@ -105,6 +106,23 @@ def _parameter_gradients(gm: fx.GraphModule) -> set[fx.Node]:
     return {outputs[i] for i in meta.static_input_indices or () if i < len(outputs) and isinstance(outputs[i], fx.Node)}
 
 
+def _plain_user_outputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes an inference graph returns to the user as they are: each may stay on the device until eager code reads
+    it (a KV cache that Python only hands back). Not the new values of mutated inputs, the bases of aliases or the
+    outputs aliasing something: aot_autograd's runtime copies those into the inputs, or makes views of them, with
+    subclass overrides off, so it would read their stale host copies."""
+    meta = _fw_metadata()
+    if meta is None:
+        return set()
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    first = len(getattr(meta, "tokens", None) or ()) + meta.num_mutated_inp_runtime_indices
+    user = outputs[first:first + meta.num_outputs]
+    plain = {n for n, info in zip(user, meta.output_info) if info.output_type == OutputType.non_alias}
+    others = [n for k, n in enumerate(outputs) if not first <= k < first + meta.num_outputs]
+    others += [n for n, info in zip(user, meta.output_info) if info.output_type != OutputType.non_alias]
+    return {n for n in plain if isinstance(n, fx.Node)} - set(others)
+
+
 def _resident_outputs(node: fx.Node, saved: set[fx.Node]) -> set[int]:
     """Output positions of partition call ``node`` whose only use is being returned in ``saved``."""
     output = next(n for n in node.graph.nodes if n.op == "output")
@@ -129,6 +147,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     saved = _saved_for_backward(fused) if mode == "forward" else set()  # stay on the device for the backward
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
+    returned = _plain_user_outputs(fused) if mode == "inference" else set()  # stay on the device until read
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
@@ -137,7 +156,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
             setattr(fused, node.target, DevicePartition(
                 getattr(fused, node.target), sub_params, context, _resident_outputs(node, saved),
                 fast=not backward and context.options.precision == "fast",
-                kept_gradients=_resident_outputs(node, gradients), kept=kept))
+                kept_gradients=_resident_outputs(node, gradients), kept=kept,
+                lazy_outputs=_resident_outputs(node, returned)))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
 

@@ -26,7 +26,8 @@ import torch.fx as fx
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
-from .device_graph import compile_device_graph, feed, program_for
+from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
+from .device_tensor import DeviceTensor, lazy_output
 from .fx_lowering import LoweredGraph
 from .params import ParamStore, tensor_from_host
 from .resident import ResidentTensor
@@ -61,7 +62,7 @@ class _BoundPlan:
     lowered: LoweredGraph
     program: Program
     key: tuple
-    keeps_gradients: bool = False  # the parameters' gradients stay resident (``DevicePartition.kept_gradients``)
+    variant: tuple = (False, frozenset())  # (gradients kept, output positions read): ``DevicePartition.forward``
     bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
     _refs: list = field(default_factory=list)
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
@@ -119,7 +120,7 @@ def arg_kind(a) -> str | None:
         return "param"
     if cls is torch.Tensor:
         return "param" if getattr(a, "_is_param", False) else "tensor"  # (what Parameter's isinstance accepts too)
-    if isinstance(a, ResidentTensor):
+    if isinstance(a, ResidentTensor) or cls is DeviceTensor:
         return "resident"
     if isinstance(a, torch.Tensor):
         return "param" if isinstance(a, torch.nn.Parameter) else "tensor"
@@ -140,7 +141,7 @@ class DevicePartition(torch.nn.Module):
     """Runs ``gm`` on the device; stands in for the fused submodule the partitioner made."""
 
     def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
-                 fast: bool = False, kept_gradients=frozenset(), kept=None):
+                 fast: bool = False, kept_gradients=frozenset(), kept=None, lazy_outputs=frozenset()):
         super().__init__()
         self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
@@ -149,15 +150,21 @@ class DevicePartition(torch.nn.Module):
         # A backward's outputs that are gradients of parameters: resident too while ``kept.kept`` says that the
         # forward's parameters are kept on the device (``device_optimizer``)
         self.kept_gradients, self._kept = frozenset(kept_gradients), kept
+        # An inference graph's outputs that it returns as they are (``lazy_outputs``) and that came back as an input
+        # of a compiled call (``_returned``: a KV cache that Python only hands back) stay on the device from then on,
+        # until eager code reads them (``device_tensor``); a position read once is read back at every later call.
+        self.lazy_outputs, self._returned, self._read = frozenset(lazy_outputs), frozenset(), frozenset()
         self.context = context  # the backend's shared state: device, parameter store, records
         self._plans: dict[tuple, _BoundPlan] = {}
+        self._graphs: dict[tuple, DeviceGraph] = {}  # by signature: a new variant builds only its program
         self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
 
     def forward(self, *args):
         entry = self._last
-        keep = self._keeps_gradients()
-        if entry is None or entry.keeps_gradients is not keep or not entry.replays(args):
-            entry = self._entry_for(args, keep)
+        _note_returned(args)
+        variant = (self._keeps_gradients(), (self._returned - self._read) & self.lazy_outputs)
+        if entry is None or entry.variant != variant or not entry.replays(args):
+            entry = self._entry_for(args, variant)
             if entry is None:
                 return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
         return self._run(entry, args)
@@ -165,22 +172,22 @@ class DevicePartition(torch.nn.Module):
     def _keeps_gradients(self) -> bool:
         return bool(self.kept_gradients) and self._kept.kept
 
-    def _entry_for(self, args, keep: bool) -> _BoundPlan | None:
-        """The compiled entry for the signature of ``args`` (compiled now if new, or its device was lost), with its
-        parameters bound; None where the partition falls back to eager PyTorch."""
+    def _entry_for(self, args, variant: tuple) -> _BoundPlan | None:
+        """The compiled entry for the signature of ``args`` and ``variant`` (compiled now if new, or its device was
+        lost), with its parameters bound; None where the partition falls back to eager PyTorch."""
         key = signature(args)
-        entry = self._plans.get((keep, key))
-        if (keep, key) not in self._plans or entry is not None and entry.program.device.lost:
-            entry = self._plans[keep, key] = self._compile_or_fall_back(key, args, keep)  # (again after a loss)
+        entry = self._plans.get((variant, key))
+        if (variant, key) not in self._plans or entry is not None and entry.program.device.lost:
+            entry = self._plans[variant, key] = self._compile_or_fall_back(key, args, variant)  # (again after a loss)
         self._last = entry
         if entry is not None and not entry.params_current(args):
             entry.bind(args, self.context.params())
         return entry
 
-    def _compile_or_fall_back(self, key, args, keep: bool) -> _BoundPlan | None:
+    def _compile_or_fall_back(self, key, args, variant: tuple) -> _BoundPlan | None:
         """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
         try:
-            return self._compile(key, args, keep)
+            return self._compile(key, args, variant)
         except Exception as err:  # noqa: BLE001 - any compile failure must fall back, never compute garbage
             if self.context.options.fallback == "error":
                 raise
@@ -190,39 +197,88 @@ class DevicePartition(torch.nn.Module):
             self.context.record({"kind": "failed", "error": str(err)})
             return None
 
-    def _compile(self, key, args, keep: bool) -> _BoundPlan:
+    def _compile(self, key, args, variant: tuple) -> _BoundPlan:
         start = time.perf_counter()
         device = self.context.device()
-        params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
-        f16 = self.fast and self.context.f16_products(device)
-        graph = compile_device_graph(self.gm, list(args), params, device,
-                                     tune=tuning_enabled(self.context.options.tune), f16_products=f16)
+        graph = self._graphs.get(key)
+        new = graph is None or graph.device is not device
+        if new:
+            params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
+            f16 = self.fast and self.context.f16_products(device)
+            graph = self._graphs[key] = compile_device_graph(self.gm, list(args), params, device,
+                                                             tune=tuning_enabled(self.context.options.tune),
+                                                             f16_products=f16)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
-        positions = self.resident_outputs | (self.kept_gradients if keep else frozenset())
-        resident = {item for k, (kind, item) in enumerate(lowered.outputs) if kind == "plan" and k in positions}
-        on_device = [name for i, name in lowered.inputs  # saved activations: never uploaded, so no buffer of ours
-                     if isinstance(args[i], ResidentTensor) and args[i].array.device is device]
+        resident = {item for k, (kind, item) in enumerate(lowered.outputs)
+                    if kind == "plan" and k in self._resident_positions(lowered, variant)}
+        on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
+                     if arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
         program = program_for(graph, device, resident, on_device)
-        entry = _BoundPlan(lowered, program, key, keep)
+        entry = _BoundPlan(lowered, program, key, variant)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start
-        record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
-                            plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused,
-                            graph.from_cache)
-        self.context.record(record)
-        log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels, seconds)
+        if new:
+            record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
+                                plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused,
+                                graph.from_cache)
+            self.context.record(record)
+            log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels,
+                     seconds)
         return entry
+
+    def _resident_positions(self, lowered: LoweredGraph, variant: tuple) -> set[int]:
+        """The output positions that stay on the device in ``variant``: saved activations, kept gradients, and an
+        inference graph's outputs that come back as inputs and were not read."""
+        keep, lazy = variant
+        positions = set(self.resident_outputs) | (self.kept_gradients if keep else set())
+        return positions | {k for k, (kind, _) in enumerate(lowered.outputs) if kind == "plan" and k in lazy}
+
+    def _reader(self, position: int):
+        """What a lazy output calls when eager code first reads it: later calls read that position back."""
+        ref = weakref.ref(self)
+
+        def read() -> None:
+            partition = ref()
+            if partition is not None and position not in partition._read:
+                partition._read = partition._read | {position}
+
+        return read
 
     def _run(self, entry: _BoundPlan, args):
         lowered, program = entry.lowered, entry.program
         results = program.run(*feed(lowered, args, program.device))
-        outs = []
-        for kind, item in lowered.outputs:
+        keep, _ = entry.variant
+        saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
+        lazy = self._resident_positions(lowered, entry.variant) - saved
+        outs, made = [], {}
+        for k, (kind, item) in enumerate(lowered.outputs):
+            value = item if kind == "const" else results[item]
             if kind == "const":
-                outs.append(item)
-            elif isinstance(results[item], DeviceArray):
-                outs.append(ResidentTensor(results[item]))
-            else:  # a numpy array, or a numpy scalar for a 0-d bool (``words != 0`` of a 0-d array)
-                outs.append(tensor_from_host(results[item]))
+                outs.append(value)
+            elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
+                outs.append(tensor_from_host(value))
+            elif k in saved:
+                outs.append(ResidentTensor(value))
+            elif k in lazy:  # one tensor for positions that return the same value
+                outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
+            else:  # read at a position that shares its value with one kept on the device
+                outs.append(tensor_from_host(value.numpy()))
+            if k in self.lazy_outputs and k not in self._returned and type(outs[-1]) is torch.Tensor:
+                outs[-1]._meganeura_returned = (weakref.ref(self), k)  # seen again as an input: lazy from then on
         return tuple(outs) if lowered.returns_tuple else outs[0]
+
+
+def _note_returned(args) -> None:
+    """Tell the partitions whose read-back outputs are among ``args`` that those positions come back as inputs."""
+    for a in args:
+        source = getattr(a, "_meganeura_returned", None) if type(a) is torch.Tensor else None
+        if source is not None:
+            partition, position = source[0](), source[1]
+            if partition is not None:
+                partition._returned = partition._returned | {position}
+            del a._meganeura_returned
+
+
+def _array_of(value) -> DeviceArray:
+    return value.array if isinstance(value, ResidentTensor) else value._meganeura_kept.array

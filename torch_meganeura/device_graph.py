@@ -28,6 +28,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from .fx_lowering import LoweredGraph, lower_graph
 from .params import host_form
+from .device_tensor import kept_array
 from .resident import ResidentTensor
 from .tuning import compile_plan
 
@@ -41,12 +42,13 @@ def unsupported_listing(ops: dict[str, str]) -> str:
 
 @dataclass
 class DeviceGraph:
-    """A graph lowered to the IR and compiled into a plan (not yet on a device)."""
+    """A graph lowered to the IR and compiled into a plan for ``device`` (not yet a program on it)."""
 
     lowered: LoweredGraph
     plan: Plan
     report: FusionReport
     from_cache: bool  # the plan came from the persistent plan cache
+    device: object = None
 
 
 def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[int], device, *,
@@ -63,7 +65,7 @@ def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[i
     if in_place:
         lowered.graph.in_place = _in_place_request(lowered, in_place)
     plan, report, from_cache = compile_plan(lowered.graph, device, tune, f16_products, limits)
-    return DeviceGraph(lowered, plan, report, from_cache)
+    return DeviceGraph(lowered, plan, report, from_cache, device)
 
 
 def _in_place_request(lowered: LoweredGraph, in_place: dict[int, int]) -> dict[int, str]:
@@ -96,6 +98,8 @@ def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
             on_device[name] = value
         elif isinstance(value, ResidentTensor) and value.array.device is device:
             on_device[name] = value.device_array()
+        elif kept_array(value, device) is not None:  # a lazy output handed back (device_tensor)
+            on_device[name] = kept_array(value, device)
         else:  # the program checks the dtype, shape and int32 range, and converts to device layout
             value = value.materialize() if isinstance(value, ResidentTensor) else value
             host[name] = host_form(value)

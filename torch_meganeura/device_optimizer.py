@@ -18,7 +18,7 @@ What a step then moves between host and device is the batch and what eager code 
   the closure of the optimizer's own ``step`` (``optimizers.as_optimizer_step``): LR schedulers, step hooks and the
   profiler see a step, and the learning rate and other numbers are read from ``param_groups`` at every step.
 - After a step the device holds the parameters' values. Each parameter keeps its identity; its class becomes
-  ``DeviceParameter``, which downloads the device's values into the parameter the first time eager code reads its
+  ``device_tensor.DeviceParameter``, which downloads the device's values into the parameter the first time eager code reads its
   data (printing it, ``state_dict()``, ``torch.save``, an eager forward), once per step. Reading metadata (shape,
   ``.grad``, ``_version``) downloads nothing. An eager write (``load_state_dict``, ``p.mul_``) is uploaded before the
   next plan reads the parameter.
@@ -32,7 +32,6 @@ gradients and its scaled ones are uploaded by the step, correct but with that tr
 from __future__ import annotations
 
 import types
-from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -40,7 +39,8 @@ from torch import nn
 from meganeura.runtime.device import get_device
 
 from . import optimizers
-from .params import tensor_from_host, upload_array
+from .device_tensor import DeviceParameter, Kept, sync
+from .params import upload_array
 from .resident import ResidentTensor
 from .role_program import RoleProgram
 from .roles import Kind, Role
@@ -48,118 +48,9 @@ from .train_trace import trace_update_graph
 
 
 
-_DATA_ATTRIBUTES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})  # properties that return the data
-_METADATA_METHODS = frozenset({
-    torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
-    torch.Tensor.element_size, torch.Tensor.data_ptr, torch.Tensor.is_contiguous, torch.Tensor.__hash__,
-    torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__len__, torch.Tensor.storage_offset,
-    torch.Tensor.get_device, torch.Tensor._is_view, torch.Tensor.__format__,
-})
-class _Kept:
-    """A kept parameter's link to its device copy: ``stale`` while the device holds values the host has not got."""
-
-    __slots__ = ("store", "stale")
-
-    def __init__(self, store):
-        self.store, self.stale = store, False
-
-
-class _EagerOverride:
-    """``DeviceParameter.__torch_function__``: the override eager code meets, and none while dynamo traces (a
-    tracing context is active), so that dynamo traces a kept parameter as the plain parameter it compiles: tracing
-    through an override that calls the function again with subclass overrides off, dynamo misreads a function with
-    a dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm, F.embedding) and breaks the graph there."""
-
-    def __init__(self, function):
-        self.function = function
-
-    def __get__(self, instance, owner):
-        if torch._guards.TracingContext.try_get() is not None:
-            return torch._C._disabled_torch_function_impl
-        return types.MethodType(self.function, owner)
-
-
-def _torch_function(cls, func, types_, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    _before_eager(cls, func, args, kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-class DeviceParameter(nn.Parameter):
-    """A parameter of an optimizer kept on the device (``keep_on_device``). Eager code that reads its data first
-    downloads the device's values into it, without bumping its version (the device copy stays current)."""
-
-    __torch_function__ = _EagerOverride(_torch_function)
-
-    def __reduce_ex__(self, protocol):  # an ordinary parameter, synced (``.data``), without the device link
-        return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
-
-    def __deepcopy__(self, memo):
-        result = memo[id(self)] = nn.Parameter(self.data.clone(), self.requires_grad)
-        return result
-
-
-@torch.compiler.disable  # eager code between graphs runs it as it is, not traced into a graph
-def _before_eager(cls, func, args, kwargs) -> None:
-    """Before eager code runs ``func``: download the kept parameters among its arguments if it reads their data;
-    a parameter whose data are replaced (``p.data = t``) holds the truth on the host from then on."""
-    reads = _reads_data(func)
-    with torch._C.DisableTorchFunctionSubclass():
-        for arg in _flat(args, kwargs):
-            kept = getattr(arg, "_meganeura_kept", None) if type(arg) is cls else None
-            if kept is None:
-                continue
-            if reads:
-                _sync(arg, kept)
-            elif _replaces_data(func):
-                kept.stale = False
-
-
-def _flat(args, kwargs):
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
-
-
-def _descriptor(func) -> str | None:
-    """The attribute name of a property's getter or setter (``__get__`` of ``Tensor.data``), else None."""
-    if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):
-        return getattr(getattr(func, "__self__", None), "__name__", None)
-    return None
-
-
-def _reads_data(func) -> bool:
-    attribute = _descriptor(func)
-    if attribute is not None:
-        return attribute in _DATA_ATTRIBUTES and func.__name__ == "__get__"
-    return func not in _METADATA_METHODS
-
-
-def _replaces_data(func) -> bool:
-    return _descriptor(func) == "data" and func.__name__ == "__set__"
-
-
-def _sync(p: DeviceParameter, kept: _Kept) -> None:
-    """Download ``p``'s device values into it where the host copy is stale (torch functions of subclasses off)."""
-    if not kept.stale:
-        return
-    host = tensor_from_host(kept.store.kept(p).numpy()).reshape(p.shape)
-    p.data.copy_(host)  # through .data: the version stays, so the store does not upload it back
-    kept.stale = False
-
-
 def sync_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Download every stale parameter of ``optimizer`` now (eager reads do so by themselves, one at a time)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                kept = getattr(p, "_meganeura_kept", None)
-                if kept is not None:
-                    _sync(p, kept)
+    sync(p for group in optimizer.param_groups for p in group["params"])
 
 
 def keep_on_device(optimizer: torch.optim.Optimizer, adapter=None) -> torch.optim.Optimizer:
@@ -178,7 +69,7 @@ def keep_on_device(optimizer: torch.optim.Optimizer, adapter=None) -> torch.opti
     store = param_store(get_device(adapter))
     for p in params:
         p.__class__ = DeviceParameter  # the same object: modules, optimizer state and hooks still find it
-        p._meganeura_kept = _Kept(store)
+        p._meganeura_kept = Kept(store=store)
     optimizer._meganeura_step = _DeviceStep(optimizer, store)
     # A method of the optimizer: an LR scheduler re-binds ``step.__func__`` to the optimizer when it wraps it.
     optimizer.step = types.MethodType(_kept_step, optimizer)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch_meganeura
 from helpers.models import llama, randomize_norms
 from meganeura.runtime.device import get_device
-from torch_meganeura.device_optimizer import DeviceParameter
+from torch_meganeura.device_tensor import DeviceParameter
 from torch_meganeura.resident import ResidentTensor
 
 RTOL, ATOL, LOSS_REL = 1e-3, 1e-4, 1e-4

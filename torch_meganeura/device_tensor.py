@@ -1,0 +1,196 @@
+"""Ordinary CPU tensors whose values may live on the device only: ``DeviceParameter`` and ``DeviceTensor``.
+
+Unlike a ``ResidentTensor`` (a wrapper with no storage, which dynamo cannot take as a graph input: it traces the
+wrapper's dispatch and breaks the graph), these are tensors with their own CPU storage, which is stale while the
+device holds newer values. Their class carries a ``__torch_function__`` override that eager code meets: before an
+op reads their data it downloads the device's values into the storage, once (without bumping the version), and an
+op that writes them makes the host's values the truth again. Reading metadata (shape, ``.grad``, ``_version``)
+downloads nothing. While dynamo traces, the override is hidden (``_EagerOverride``), so a graph takes them as the
+plain tensors they are, and the backend binds their device arrays instead of uploading them.
+
+- ``DeviceParameter``: a parameter of an optimizer kept on the device (``device_optimizer``); its device copy is the
+  backend's ``ParamStore`` entry, which the device update writes.
+- ``DeviceTensor``: an output of an inference graph that eager code has not read (a KV cache that Python only hands
+  back to the next call), with a device array of its own (``lazy_output``); a call that takes it back binds that
+  array (``bound_array``).
+"""
+from __future__ import annotations
+
+import types
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from meganeura.runtime.dtypes import host_words
+from meganeura.runtime.resident import DeviceArray
+
+from .params import host_form, tensor_from_host
+from .registry import logical_dtype
+from .resident import TORCH_DTYPE
+
+_DATA_ATTRIBUTES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})  # properties that return the data
+_METADATA_METHODS = frozenset({
+    torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
+    torch.Tensor.element_size, torch.Tensor.data_ptr, torch.Tensor.is_contiguous, torch.Tensor.__hash__,
+    torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__len__, torch.Tensor.storage_offset,
+    torch.Tensor.get_device, torch.Tensor._is_view, torch.Tensor.__format__,
+})
+
+
+class Kept:
+    """A tensor's link to its device values: its own ``array``, or a ``store``'s copy of it (a parameter);
+    ``stale`` while the device holds values the host has not got; ``version``, the tensor's version when the array
+    was last current (a later one: the host wrote it); ``on_read``, called at the first download."""
+
+    __slots__ = ("store", "array", "stale", "version", "on_read")
+
+    def __init__(self, store=None, array: DeviceArray | None = None, stale: bool = False, version: int = 0,
+                 on_read=None):
+        self.store, self.array, self.stale, self.version, self.on_read = store, array, stale, version, on_read
+
+    def device_array(self, t: torch.Tensor) -> DeviceArray:
+        return self.array if self.array is not None else self.store.kept(t)
+
+
+class _EagerOverride:
+    """The classes' ``__torch_function__``: the override eager code meets, and none while dynamo traces (a
+    tracing context is active), so that dynamo traces these tensors as the plain ones it compiles: tracing through
+    an override that calls the function again with subclass overrides off, dynamo misreads a function with a
+    dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm, F.embedding) and breaks the graph there."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, instance, owner):
+        if torch._guards.TracingContext.try_get() is not None:
+            return torch._C._disabled_torch_function_impl
+        return types.MethodType(self.function, owner)
+
+
+def _torch_function(cls, func, types_, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    _before_eager(cls, func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class DeviceParameter(nn.Parameter):
+    """A parameter of an optimizer kept on the device (``device_optimizer.keep_on_device``)."""
+
+    __torch_function__ = _EagerOverride(_torch_function)
+
+    def __reduce_ex__(self, protocol):  # an ordinary parameter, synced (``.data``), without the device link
+        return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
+
+    def __deepcopy__(self, memo):
+        result = memo[id(self)] = nn.Parameter(self.data.clone(), self.requires_grad)
+        return result
+
+
+class DeviceTensor(torch.Tensor):
+    """An inference graph's output that stays on the device until eager code reads it (``lazy_output``)."""
+
+    __torch_function__ = _EagerOverride(_torch_function)
+
+    def __reduce_ex__(self, protocol):  # an ordinary tensor, synced
+        with torch._C.DisableTorchFunctionSubclass():
+            return plain(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        with torch._C.DisableTorchFunctionSubclass():
+            result = memo[id(self)] = plain(self).clone()
+        return result
+
+
+def plain(t: DeviceTensor) -> torch.Tensor:
+    """``t``'s values as a tensor of the base class (downloaded first where stale; subclass overrides off)."""
+    _sync(t, t._meganeura_kept)
+    return t.as_subclass(torch.Tensor)
+
+
+def lazy_output(array: DeviceArray, on_read=None) -> DeviceTensor:
+    """A ``DeviceTensor`` standing for ``array``: its CPU storage is allocated, filled at the first eager read (which
+    calls ``on_read()``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        t = torch.empty(array.shape, dtype=TORCH_DTYPE[array.dtype]).as_subclass(DeviceTensor)
+        t._meganeura_kept = Kept(array=array, stale=True, version=t._version, on_read=on_read)
+    return t
+
+
+def bound_array(t: DeviceTensor) -> DeviceArray:
+    """The device array of ``t`` with its current values: what eager code wrote since goes up first."""
+    kept = t._meganeura_kept
+    with torch._C.DisableTorchFunctionSubclass():
+        if t._version != kept.version:
+            data = host_words(host_form(t), logical_dtype(t.dtype))
+            if data.size:
+                kept.array.device.write(kept.array.buffer, 0, data, "device tensor")
+            kept.version, kept.stale = t._version, False
+    return kept.array
+
+
+def kept_array(value, device) -> DeviceArray | None:
+    """The device array a graph input binds instead of an upload: a ``DeviceTensor`` of ``device``'s; else None."""
+    if type(value) is DeviceTensor and value._meganeura_kept.array.device is device:
+        return bound_array(value)
+    return None
+
+
+@torch.compiler.disable  # eager code between graphs runs it as it is, not traced into a graph
+def _before_eager(cls, func, args, kwargs) -> None:
+    """Before eager code runs ``func``: download the device values of the arguments of class ``cls`` if it reads
+    their data; a parameter whose data are replaced (``p.data = t``) holds the truth on the host from then on."""
+    reads = _reads_data(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        for arg in _flat(args, kwargs):
+            kept = getattr(arg, "_meganeura_kept", None) if type(arg) is cls else None
+            if kept is None:
+                continue
+            if reads:
+                _sync(arg, kept)
+            elif _descriptor(func) == "data" and func.__name__ == "__set__":
+                kept.stale = False
+
+
+def _sync(t: torch.Tensor, kept: Kept) -> None:
+    """Download ``t``'s device values into it where the host copy is stale (subclass overrides off)."""
+    if not kept.stale:
+        return
+    host = tensor_from_host(kept.device_array(t).numpy()).reshape(t.shape)
+    t.data.copy_(host)  # through .data: the version stays, so nothing uploads it back
+    kept.stale = False
+    if kept.on_read is not None:
+        kept.on_read()
+
+
+def sync(tensors) -> None:
+    """Download every stale tensor of ``tensors`` now (eager reads do so by themselves, one at a time)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for t in tensors:
+            kept = getattr(t, "_meganeura_kept", None)
+            if kept is not None:
+                _sync(t, kept)
+
+
+def _flat(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def _descriptor(func) -> str | None:
+    """The attribute name of a property's getter or setter (``__get__`` of ``Tensor.data``), else None."""
+    if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", None)
+    return None
+
+
+def _reads_data(func) -> bool:
+    attribute = _descriptor(func)
+    if attribute is not None:
+        return attribute in _DATA_ATTRIBUTES and func.__name__ == "__get__"
+    return func not in _METADATA_METHODS
