@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from meganeura.kernels.sizes import ceil_div
+
 # Logical dtype -> storage kind on the device.
 STORAGE = {"float32": "f32", "int32": "i32", "int64": "i32", "bool": "u32", "bfloat16": "bf16", "float16": "f16"}
 HALF_STORAGE = ("bf16", "f16")
@@ -26,7 +28,7 @@ HOST_DTYPE = {"float32": np.dtype(np.float32), "int32": np.dtype(np.int32), "int
 
 def storage_bytes(numel: int, dtype: str) -> int:
     """Bytes a contiguous tensor of ``numel`` elements of logical ``dtype`` occupies on the device: whole u32 words."""
-    return -(-numel * _ITEM_BYTES[STORAGE[dtype]] // 4) * 4
+    return ceil_div(numel * _ITEM_BYTES[STORAGE[dtype]], 4) * 4
 
 
 def host_words(array: np.ndarray, dtype: str) -> np.ndarray:

@@ -18,9 +18,10 @@ and writable in a dispatch, and arena tensors share a buffer), at ``@group(0) @b
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .dtypes import STORAGE, storage_bytes
+from meganeura.kernels.sizes import evaluator
 
 FORMAT_VERSION = 1
 
@@ -83,6 +84,25 @@ class Plan:
     status_messages: dict[int, str] = field(default_factory=dict)  # status code -> error text
     stats: dict = field(default_factory=dict)  # informational: planned/unplanned bytes, fused groups...
     in_place: dict[str, str] = field(default_factory=dict)  # output -> the input whose buffer it is stored over
+    # A plan over symbolic sizes (a dynamic graph's, ``sizes``): input and output shapes and workgroup counts may be
+    # ``Size``s of its ``symbols`` symbols, evaluated at each run from their values (``at``), which the run also
+    # writes to the input named SIZES_INPUT for the kernels; buffers and bindings are sized for ``bounds``, the
+    # largest values it serves.
+    symbols: int = 0
+    bounds: tuple = ()
+
+    def at(self, values) -> "Plan":
+        """The plan for symbol values ``values``: shapes and workgroup counts evaluated (the plan itself when it has
+        no symbols)."""
+        if not self.symbols:
+            return self
+        evaluate = _evaluator(self)
+        shapes, workgroups = evaluate(tuple(values))
+        specs = iter(shapes)
+        return replace(self, inputs=[replace(t, shape=next(specs)) for t in self.inputs],
+                       outputs=[replace(t, shape=next(specs)) for t in self.outputs],
+                       dispatches=[replace(d, workgroups=w) for d, w in zip(self.dispatches, workgroups)],
+                       symbols=0, bounds=())
 
     def buffer(self, name: str) -> BufferSpec:
         for b in self.buffers:
@@ -128,7 +148,13 @@ class Plan:
         return plan
 
     def validate(self) -> None:
-        """Check internal consistency; raise ValueError naming the first problem."""
+        """Check internal consistency; raise ValueError naming the first problem. A plan over symbolic sizes is
+        checked at its bounds."""
+        if self.symbols:
+            if len(self.bounds) != self.symbols:
+                raise ValueError(f"plan over {self.symbols} symbols has {len(self.bounds)} bounds")
+            self.at(self.bounds).validate()
+            return
         names = {}
         for b in self.buffers:
             if b.role not in BUFFER_ROLES:
@@ -158,3 +184,28 @@ class Plan:
                     raise ValueError(f"dispatch {i} ({disp.label}) binds outside buffer {b.buffer!r}")
             if len(disp.workgroups) != 3 or min(disp.workgroups) < 1:
                 raise ValueError(f"dispatch {i} ({disp.label}) has invalid workgroup count {disp.workgroups}")
+
+
+SIZES_INPUT = "sizes"  # the int32 input of a plan over symbolic sizes holding the symbols' values, in order
+
+
+def _evaluator(plan: Plan):
+    """A function of the symbols' values giving (input and output shapes, workgroup counts) of ``plan``, built once."""
+    cached = plan.__dict__.get("_evaluate")
+    if cached is None:
+        shapes = [t.shape for t in plan.inputs + plan.outputs]
+        flat = [s for shape in shapes for s in shape] + [w for d in plan.dispatches for w in d.workgroups]
+        evaluate_flat = evaluator(flat)
+        ranks = [len(shape) for shape in shapes]
+
+        def cached(values):
+            out = evaluate_flat(values)
+            at, result = 0, []
+            for rank in ranks:
+                result.append(tuple(out[at:at + rank]))
+                at += rank
+            groups = [tuple(out[at + 3 * i: at + 3 * i + 3]) for i in range(len(plan.dispatches))]
+            return result, groups
+
+        plan.__dict__["_evaluate"] = cached
+    return cached

@@ -32,7 +32,7 @@ from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
 from .native import command_encoder, compute_pass, finish, record_dispatches
 from .dtypes import HOST_DTYPE, from_storage, host_words
-from .plan import Binding, Plan, TensorSpec
+from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
 from .readback import ReadBackBuffers
 from .resident import DeviceArray
 
@@ -142,6 +142,11 @@ class Program:
     def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=()):
         plan.validate()
         self.device = device
+        # A plan over symbolic sizes runs as its plan at its bounds (buffers and bindings sized for them), with the
+        # shapes and workgroup counts of each run's sizes (``_sized``)
+        self.symbolic = plan if plan.symbols else None
+        self._sized: tuple = ((), None)  # (sizes, the plan at them) of the last run
+        plan = plan.at(plan.bounds)
         self.plan = plan
         check_limits(device, plan)
         self._released = False
@@ -257,7 +262,8 @@ class Program:
         return self._owned[name] if name in self._owned else self._params[name]
 
     def _group(self, d, swaps: dict | None = None):
-        ranges = [(self._buffer(b.buffer, swaps), b.offset, b.size) for b in d.bindings]
+        ranges = [(buffer, b.offset, min(b.size, buffer.size - b.offset))  # (a run's array of symbolic size: its own)
+                  for b in d.bindings for buffer in [self._buffer(b.buffer, swaps)]]
         return self.device.bind_group(ranges, d.label or d.kernel)
 
     def _resolve(self) -> None:
@@ -330,26 +336,29 @@ class Program:
     # ---- running
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
-            into: dict[str, DeviceArray] | None = None) -> dict:
+            into: dict[str, DeviceArray] | None = None, sizes=()) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
         gives for its name (overwritten), else a new one; an output stored in place (``Plan.in_place``) is the
         device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
-        from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU."""
+        from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU.
+        A plan over symbolic sizes takes its symbols' values as ``sizes``."""
         began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")
         if not self._ready:
             raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
         device_inputs, into = device_inputs or {}, into or {}
-        arrays = self._convert_inputs(inputs, device_inputs)
-        self._check_into(into, device_inputs)
+        plan, inputs = self._plan_for(sizes, inputs)
+        arrays = self._convert_inputs(inputs, device_inputs, plan)
+        self._check_into(into, device_inputs, plan)
         if self._in_place:
             self._check_in_place(device_inputs)
         dev = self.device
         swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
-        kept = {name: into[name] if name in into else DeviceArray(dev.pool, t.shape, t.dtype)
+        shapes = {t.name: t.shape for t in plan.outputs}
+        kept = {name: into[name] if name in into else DeviceArray(dev.pool, shapes[name], t.dtype)
                 for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
@@ -364,6 +373,8 @@ class Program:
                     block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
                 dev.write(self._owned[name], offset, block, name)
         commands = self._with_swaps(swaps)
+        if self.symbolic is not None:
+            commands = [(pipeline, group, d.workgroups) for (pipeline, group, _), d in zip(commands, plan.dispatches)]
         profiler = dev.profiler if commands else None
         ahead, self._ahead = self._ahead, None
         if swaps or profiler is not None:
@@ -376,7 +387,7 @@ class Program:
             for source, src_offset, dst_offset, size in self._copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
-        if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
+        if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES and self.symbolic is None:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
@@ -385,7 +396,20 @@ class Program:
             profiler.collect(self.plan.dispatches)
         self._raise_status(data)
         return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
-                for t in self.plan.outputs}
+                for t in plan.outputs}
+
+    def _plan_for(self, sizes, inputs: dict) -> tuple[Plan, dict]:
+        """The plan at this run's ``sizes`` (a plan over symbolic sizes), and ``inputs`` with their values added."""
+        if self.symbolic is None:
+            return self.plan, inputs
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != self.symbolic.symbols:
+            raise InputError(f"this plan takes the values of {self.symbolic.symbols} symbolic sizes, got {sizes}")
+        if any(not 0 <= s <= b for s, b in zip(sizes, self.symbolic.bounds)):
+            raise InputError(f"symbolic sizes {sizes} exceed this plan's bounds {self.symbolic.bounds}")
+        if self._sized[0] != sizes:
+            self._sized = (sizes, self.symbolic.at(sizes))
+        return self._sized[1], {**inputs, SIZES_INPUT: np.asarray(sizes, np.int32)}
 
     def _record(self, encoder, commands, profiler):
         """Record the status clears and ``commands`` into ``encoder``: in parts, each but the last submitted as soon
@@ -454,14 +478,15 @@ class Program:
             commands.append((pipeline, group, workgroups))
         return commands
 
-    def _check_into(self, into: dict, device_inputs: dict) -> None:
+    def _check_into(self, into: dict, device_inputs: dict, plan: Plan) -> None:
         unknown = sorted(set(into) - set(self._resident))
         if unknown:
             raise InputError(f"into: {unknown} are not resident outputs of this program; those are "
                              f"{sorted(self._resident)}")
         bound = {id(array.buffer) for array in device_inputs.values()}
+        outputs = {t.name: t for t in plan.outputs}
         for name, array in into.items():
-            spec = self._resident[name]
+            spec = outputs[name]
             if not isinstance(array, DeviceArray) or array.buffer is None or array.device is not self.device:
                 raise InputError(f"into[{name!r}] must be a live DeviceArray on {self.device.name}, got {array!r}")
             if array.shape != spec.shape or array.dtype != spec.dtype:
@@ -486,8 +511,8 @@ class Program:
         specs = self._input_specs
         return [(name, specs[name]) for name in device_inputs]
 
-    def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict) -> dict[str, np.ndarray]:
-        specs = self._input_specs
+    def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict, plan: Plan) -> dict[str, np.ndarray]:
+        specs = self._input_specs if plan is self.plan else {t.name: t for t in plan.inputs}
         given = set(inputs) | set(device_inputs)
         missing = sorted(set(specs) - given)
         extra = sorted(given - set(specs))
