@@ -34,7 +34,9 @@ accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.9
 
 from dataclasses import dataclass
 
+from . import wgsl
 from .matmul_staging import SHARED_PAD_VEC4, Checks, Staging, shared_row
+from .sizes import ceil_div, is_size
 from .wgsl import SPLIT_TARGET_WORKGROUPS
 
 THREADS_WANTED = 256          # threads per workgroup when the device allows it
@@ -169,11 +171,11 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                          block=block, split=split, partial=partial, f16=f16, looped=looped)
 
 
-def split_k(batch: int, m: int, n: int, k: int, limits: dict) -> int:
+def split_k(batch: int, m, n: int, k: int, limits: dict) -> int:
     """Slices to cut K into: 1, or a power of two when the output tiles alone make too few workgroups for a long K
     (a convolution's weight gradient, a narrow projection). The slices' partial sums go through workgroup-owned
-    scratch and a second, deterministic reduction pass."""
-    if not is_tiled(m, n) or k < 2 * SPLIT_MIN_K:
+    scratch and a second, deterministic reduction pass. Not where M is symbolic (one kernel for every M)."""
+    if is_size(m) or not is_tiled(m, n) or k < 2 * SPLIT_MIN_K:
         return 1
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
     workgroups = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
@@ -213,8 +215,11 @@ def _max_threads(limits: dict) -> int:
                limits.get("max-compute-workgroup-size-x", THREADS_WANTED))
 
 
-def fold_grid(total: int, max_per_dim: int) -> tuple[int, int, int]:
-    """Spread `total` workgroups over (x, y, z), each <= max_per_dim, with x * y * z >= total."""
+def fold_grid(total, max_per_dim: int) -> tuple:
+    """Spread `total` workgroups over (x, y, z), each <= max_per_dim, with x * y * z >= total (a symbolic total over
+    (x, y) when the plan runs: ``wgsl.grid``)."""
+    if is_size(total):
+        return wgsl.grid(total, max_per_dim)
     if total <= max_per_dim:
         return (total, 1, 1)
     rows = -(-total // max_per_dim)
@@ -246,15 +251,22 @@ def _pow2_floor(value: int) -> int:
     return 1 << max(0, value.bit_length() - 1)
 
 
-def _header(batch: int, m: int, n: int, k: int, grid: tuple[int, int, int], total: int) -> str:
-    return (f"const BATCH: u32 = {batch}u;\nconst M: u32 = {m}u;\nconst N: u32 = {n}u;\n"
-            f"const K: u32 = {k}u;\nconst WORKGROUPS: u32 = {total}u;\n"
-            f"const GRID_X: u32 = {grid[0]}u;\nconst GRID_XY: u32 = {grid[0] * grid[1]}u;\n")
+def _header(batch: int, m, n: int, k: int, grid: tuple, total, **more) -> str:
+    """The constants a matmul kernel names: a symbolic M (and what follows from it) is read from the size buffer,
+    and its grid folds when the plan runs (``fold_grid``)."""
+    sizes = dict(BATCH=batch, M=m, N=n, K=k, WORKGROUPS=total, **more)
+    return "".join(wgsl.size_constant(name, value) for name, value in sizes.items()) + wgsl.grid_constants(grid)
+
+
+ENTRY = "@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32"
 
 
 LINEAR_WORKGROUP = """    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
     let live = wg_linear < WORKGROUPS;  // folded grids round up: extra workgroups only pass barriers
 """
+# The M the tiled kernel's tile and variant are chosen for where M is symbolic: one kernel for every M (a long one
+# pays for rows past a ragged edge, a short one for a tile larger than it needs).
+SYMBOLIC_M_CHOICE = 64
 
 
 # ---------------------------------------------------------------- tiled
@@ -264,8 +276,9 @@ def _tile_edge(size: int) -> int:
     return next((t for t in reversed(TILE_SIZES) if t >= size), TILE_SIZES[0])
 
 
-def _choose_tiled_plan(batch: int, m: int, n: int, k: int, shared_limit: int, max_threads: int,
+def _choose_tiled_plan(batch: int, m, n: int, k: int, shared_limit: int, max_threads: int,
                        tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None) -> TiledPlan:
+    m = SYMBOLIC_M_CHOICE if is_size(m) else m
     tile_m, tile_n = tile or (_tile_edge(m), _tile_edge(n))
     smallest = TILE_SIZES[-1]
 
@@ -306,12 +319,13 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                               block)
     element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
-    tiles_m, tiles_n = -(-m // plan.tile_m), -(-n // plan.tile_n)
+    tiles_m, tiles_n = ceil_div(m, plan.tile_m), -(-n // plan.tile_n)
     total = split * batch * tiles_m * tiles_n
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     per_slice = -(-k // split)
     k_slice = -(-per_slice // plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
-    checks = Checks(live=grid[0] * grid[1] * grid[2] != total, rows=m % plan.tile_m != 0,
+    symbolic = is_size(m)
+    checks = Checks(live=symbolic or grid[0] * grid[1] * grid[2] != total, rows=symbolic or m % plan.tile_m != 0,
                      cols=n % plan.tile_n != 0, k=k == 0 or k % (split * plan.chunk_k) != 0)
     a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
     stage_a, stage_b = Staging(plan, True, a_fast, looped == "a"), Staging(plan, False, b_fast, looped == "b")
@@ -324,18 +338,16 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         epilogue = _store_loop(slots, tm, tn, checks)
 
     live = LINEAR_WORKGROUP if checks.live else "    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;\n"
+    header = _header(batch, m, n, k, grid, total, TILES_N=tiles_n, TILES_PER_BATCH=tiles_m * tiles_n,
+                     TILES_ALL=batch * tiles_m * tiles_n, K_SLICE=k_slice)
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
 {plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}
-{_header(batch, m, n, k, grid, total)}const TILES_N: u32 = {tiles_n}u;
-const TILES_PER_BATCH: u32 = {tiles_m * tiles_n}u;
-const TILES_ALL: u32 = {batch * tiles_m * tiles_n}u;
-const K_SLICE: u32 = {k_slice}u;
-var<workgroup> tile_a: array<vec4<{element}>, {plan.chunk_k * a_row}>;
+{header}var<workgroup> tile_a: array<vec4<{element}>, {plan.chunk_k * a_row}>;
 var<workgroup> tile_b: array<vec4<{element}>, {plan.chunk_k * b_row}>;
 
 @compute @workgroup_size({plan.threads})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+fn main({ENTRY}) {{
 {live}    let slice = wg_linear / TILES_ALL;
     let batch_index = (wg_linear % TILES_ALL) / TILES_PER_BATCH;
     let tile_index = wg_linear % TILES_PER_BATCH;
@@ -444,9 +456,11 @@ def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Che
 # ---------------------------------------------------------------- gemv
 
 
-def _choose_gemv_plan(outputs: int, k: int, threads: int, out_fastest: bool) -> GemvPlan:
+def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool) -> GemvPlan:
     per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
     lanes = max(4, min(GEMV_MAX_LANES, threads, _pow2_floor(k // per_lane)))
+    if is_size(outputs):  # symbolic: one plan for every count
+        return GemvPlan(threads // lanes, lanes, out_fastest)
     while lanes > 32 and outputs * lanes > GEMV_MAX_THREADS:
         lanes //= 2
     columns = min(threads // lanes, _pow2_ceil(outputs))  # (few outputs: the spare threads join the lanes)
@@ -481,7 +495,7 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     plan = _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k)
     if threads * 4 > limits["max-compute-workgroup-storage-size"]:
         raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")
-    blocks = -(-outputs // plan.columns)
+    blocks = ceil_div(outputs, plan.columns)
     total = batch * blocks
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     if by_column:
@@ -499,12 +513,10 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
 
     kernel = f"""
 // ---- matmul: gemv over {"columns" if by_column else "rows"}, {plan.columns} outputs x {plan.lanes} K lanes
-{_header(batch, m, n, k, grid, total)}const OUTPUTS: u32 = {outputs}u;
-const BLOCKS: u32 = {blocks}u;
-var<workgroup> partial: array<f32, {threads}>;
+{_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks)}var<workgroup> partial: array<f32, {threads}>;
 
 @compute @workgroup_size({threads})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+fn main({ENTRY}) {{
 {LINEAR_WORKGROUP}    let batch_index = wg_linear / BLOCKS;
     {decode}
     let out_index = (wg_linear % BLOCKS) * {plan.columns}u + out_local;

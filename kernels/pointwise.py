@@ -13,6 +13,8 @@ stores are guarded: a load inside a bounds test cannot be issued before the work
 """
 from __future__ import annotations
 
+from .sizes import ceil_div, is_size, product, size_max
+
 from . import wgsl
 
 WORKGROUP = 256
@@ -33,25 +35,24 @@ def pointwise_kernel(*, bindings, outputs, shape, limits, guarded: bool = False)
     pair as one u32 word: two threads never write the same word. A ``guarded`` kernel (one that stores over its
     inputs) stores nothing once a check of an earlier kernel has failed: ``bindings`` then include the status buffer.
     """
-    total = 1
-    for s in shape:
-        total *= s
+    total = product(shape)
+    symbolic = is_size(total)  # a dynamic graph's: sizes read from its size buffer, the grid folded at replay
     lanes = 2 if any(storage in wgsl.HALF_STORAGE for *_, storage in outputs) else 1
-    units = -(-total // lanes)  # what a thread's copy stores: an element, or an element pair
+    units = ceil_div(total, lanes)  # what a thread's copy stores: an element, or an element pair
     copies = elements_per_thread(units)
-    groups = wgsl.grid(-(-units // (WORKGROUP * copies)), limits["max-compute-workgroups-per-dimension"])
+    groups = wgsl.grid(ceil_div(units, WORKGROUP * copies), limits["max-compute-workgroups-per-dimension"])
     groups_total = groups[0] * groups[1] * groups[2]
     declared, computed, stored = [], [], []
     for copy in range(copies):
         unit = f"first + {copy * WORKGROUP}u" if copy else "first"
-        clamp = copies * WORKGROUP * groups_total * lanes > total
+        clamp = symbolic or copies * WORKGROUP * groups_total * lanes > total
         results = [[f"r{k}_{copy}" + (f"_{lane}" if lanes > 1 else "") for lane in range(lanes)]
                    for k in range(len(outputs))]
         declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};"
                      for rs, (_, dtype, _, _) in zip(results, outputs) for r in rs]
         for lane in range(lanes):
             element = f"({unit}) * {lanes}u + {lane}u" if lanes > 1 else unit
-            index = f"min({element}, {max(total - 1, 0)}u)" if clamp else element
+            index = f"min({element}, {wgsl.size_u32(size_max(total - 1, 0))})" if clamp else element
             computed.append(_compute(outputs, [rs[lane] for rs in results], index, shape))
         stored += [_store(name, storage, rs, unit, lanes, total) for rs, (name, _, _, storage) in zip(results, outputs)]
     if guarded:
@@ -78,11 +79,12 @@ def _compute(outputs, results: list[str], index: str, shape) -> str:
     return f"  {{\n    let idx = i32({index});\n" + "\n".join(lines) + "\n  }"
 
 
-def _store(name: str, storage: str, results: list[str], unit: str, lanes: int, total: int) -> str:
+def _store(name: str, storage: str, results: list[str], unit: str, lanes: int, total) -> str:
     """The guarded stores of one output's ``results`` for store unit ``unit`` (an element, or a pair of them)."""
+    end, pairs = wgsl.size_u32(total), wgsl.size_u32(ceil_div(total, 2))
     if storage in wgsl.HALF_STORAGE:  # the pair as one word; an odd tail's upper half is the tensor's padding
-        return f"  if ({unit} < {-(-total // 2)}u) {{ {name}[{unit}] = mg_pack_{storage}({results[0]}, {results[1]}); }}"
+        return f"  if ({unit} < {pairs}) {{ {name}[{unit}] = mg_pack_{storage}({results[0]}, {results[1]}); }}"
     if lanes == 1:
-        return f"  if ({unit} < {total}u) {{ {name}[{unit}] = {results[0]}; }}"
-    return "\n".join(f"  if (({unit}) * 2u + {lane}u < {total}u) {{ {name}[({unit}) * 2u + {lane}u] = {r}; }}"
+        return f"  if ({unit} < {end}) {{ {name}[{unit}] = {results[0]}; }}"
+    return "\n".join(f"  if (({unit}) * 2u + {lane}u < {end}) {{ {name}[({unit}) * 2u + {lane}u] = {r}; }}"
                      for lane, r in enumerate(results))

@@ -56,7 +56,7 @@ def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[
              block_function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks]),
              block_function("load_b", ("b", "p", "j"), axis, [(s, e, None, None) for s, e in b_blocks]),
              block_function("store_c", ("b", "i", "j"), axis,
-                            [(s, e, f"{out}[(b_ * {m}i + i_) * {n}i + j_] = {{}};", dtype)
+                            [(s, e, f"{out}[(b_ * {wgsl.size_i32(m)} + i_) * {wgsl.size_i32(n)} + j_] = {{}};", dtype)
                              for s, e, out, m, n, dtype in stores])]
     return _with_helpers("\n".join(parts))
 

@@ -17,6 +17,7 @@ subgroup size; other reductions keep the tree (a subgroup maximum's NaN handling
 from __future__ import annotations
 
 from . import wgsl
+from .sizes import ceil_div, is_size, product, upper
 from .wgsl import SPLIT_TARGET_WORKGROUPS, SUBGROUP_OPS
 
 IDENTITY = {
@@ -52,7 +53,11 @@ PAIRWISE_OPS = ("sum", "prod")  # their unrolled values combine as a tree (``_pa
 PARTIAL_GROUP = 8  # a row's partial results (split rows) are added in groups of this many, each group pairwise
 
 
-def workgroup_size(row_length: int, max_invocations: int) -> int:
+def workgroup_size(row_length, max_invocations: int) -> int:
+    """Threads per row: a power of two from 32 up to 256, the least that covers the row (256 for a symbolic length,
+    whatever its value)."""
+    if is_size(row_length):
+        return min(256, max_invocations)
     size = 32
     while size < row_length and size < 256:
         size *= 2
@@ -61,10 +66,13 @@ def workgroup_size(row_length: int, max_invocations: int) -> int:
 
 def reduce_splits(domain, axes, phases, results) -> int:
     """How many slices each row of a row program is cut into (1: not cut): only float phases of SPLIT_OPS that
-    read no earlier phase's result can be combined from partial results."""
-    rows = _prod([domain[d] for d in range(len(domain)) if d not in axes])
-    length = _prod([domain[d] for d in axes])
-    if (not phases or length <= SERIAL_ROW_MAX
+    read no earlier phase's result can be combined from partial results. Symbolic sizes (a dynamic graph's) count
+    at their bounds, the most the plan serves: one kernel for every value."""
+    rows = upper(product([domain[d] for d in range(len(domain)) if d not in axes]))
+    length = product([domain[d] for d in axes])
+    serial = not is_size(length) and length <= SERIAL_ROW_MAX  # (as reduce_kernel decides)
+    length = upper(length)
+    if (not phases or serial
             or any(op not in SPLIT_OPS or e.dtype != "f32" or _reads_acc(e) for op, e in phases)):
         return 1
     splits = 1
@@ -76,7 +84,7 @@ def reduce_splits(domain, axes, phases, results) -> int:
 
 def partial_floats(domain, axes, phases, splits: int) -> int:
     """Floats of scratch for the partial results of ``splits`` slices: one per phase, slice and row."""
-    return len(phases) * splits * _prod([domain[d] for d in range(len(domain)) if d not in axes])
+    return len(phases) * splits * product([domain[d] for d in range(len(domain)) if d not in axes])
 
 
 def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int = 1,
@@ -90,10 +98,10 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     outer_dims = [d for d in range(len(domain)) if d not in axes]
     row_shape = [domain[d] for d in outer_dims]
     red_shape = [domain[d] for d in axes]
-    rows = _prod(row_shape)
-    length = _prod(red_shape)
-    serial = length <= SERIAL_ROW_MAX
-    chunk = -(-length // split)
+    rows = product(row_shape)
+    length = product(red_shape)
+    serial = not is_size(length) and length <= SERIAL_ROW_MAX  # (a symbolic length takes the workgroup form)
+    chunk = ceil_div(length, split)
     wg = SERIAL_WORKGROUP if serial else workgroup_size(chunk, limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
@@ -104,7 +112,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     if split == 1:
         body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names, subgroups)
         body += _results(results, names, acc_names, domain, axes, red_shape, 1 if serial else wg)
-        passes = [(body, rows, -(-rows // wg) if serial else rows)]
+        passes = [(body, rows, ceil_div(rows, wg) if serial else rows)]
     else:
         first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names, subgroups)
         first += ["  if (lid == 0u) {"] + [f"    {partial}[({p}u * PARTS + slice) * ROWS + row_u] = acc{p};"
@@ -136,19 +144,19 @@ def _source(bindings, text, phases, serial, wg, groups, units, slices, parts, ro
     unit = f"{wgsl.flat_workgroup(groups[0])} * {wg}u + lid" if serial else wgsl.flat_workgroup(groups[0])
     lanes = (", @builtin(subgroup_invocation_id) sg_lane: u32, @builtin(subgroup_id) sg_id: u32,"
              " @builtin(num_subgroups) sg_count: u32") if subgroups else ""
+    sizes = (wgsl.size_constant("ROWS", rows, "u32") + wgsl.size_constant("LENGTH", length, "i32")
+             + wgsl.size_constant("CHUNK", chunk, "i32"))
     return f"""{wgsl.binding_decls(bindings)}
 {shared}
 const SERIAL: bool = {"true" if serial else "false"};
 const SPLITS: u32 = {slices}u;
 const PARTS: u32 = {parts}u;
-const ROWS: u32 = {rows}u;
-const LENGTH: i32 = {length}i;
-const CHUNK: i32 = {chunk}i;
+{sizes}
 {wgsl.helpers_for(text)}
 @compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32{lanes}) {{
   let unit = {unit};
-  if (unit >= {units}u) {{ return; }}
+  if (unit >= {wgsl.size_u32(units)}) {{ return; }}
   let row_u = unit / SPLITS;
   let slice = unit % SPLITS;
   let row = i32(row_u);
@@ -193,7 +201,7 @@ def _results(results, names, acc_names, domain, axes, red_shape, wg) -> list[str
         em = wgsl.Emitter(names, acc_names, indent="    ")
         stores = [f"    {name}[flat] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in elem_results]
         strides = _strides(domain)
-        flat = " + ".join([f"{names[d]} * {strides[d]}i" for d in range(len(domain))] or ["0i"])
+        flat = " + ".join([f"{names[d]} * {wgsl.size_i32(strides[d])}" for d in range(len(domain))] or ["0i"])
         first, step = ("lo", "1i") if wg == 1 else ("lo + i32(lid)", f"{wg}i")
         lines += [f"  for (var j: i32 = {first}; j < hi; j = j + {step}) {{"]
         lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
@@ -302,13 +310,6 @@ def _pairwise(op, dt, values: list[str]) -> str:
 def _combine(op, dt, a, b) -> str:
     template = COMBINE.get(op) or COMBINE[(op, dt)]
     return template.format(a=a, b=b)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _strides(shape):

@@ -16,11 +16,15 @@ from __future__ import annotations
 import math
 import struct
 
+from .sizes import ceil_div, is_size, size_min
+
 # Storage kind -> WGSL element type of its buffers. Half precisions are two to a u32 word (see ``HALF_HELPERS``).
 STORAGE_TYPE = {"f32": "f32", "i32": "i32", "bool": "u32", "u32": "u32", "bf16": "u32", "f16": "u32"}
 HALF_STORAGE = ("bf16", "f16")
 VALUE_TYPE = {"f32": "f32", "i32": "i32", "bool": "bool"}
 STATUS_VAR = "mg_status"
+# The binding of a dynamic graph's size buffer: the value of symbol k (``meganeura.runtime.sizes``) at mg_sizes[k].
+SIZES_VAR = "mg_sizes"
 # Kernels cut their work (K of a matmul, long rows of a reduction, attention's other sequence) into slices merged by
 # a second pass until the first pass has this many workgroups: on an H200 splits past about 1,000 workgroups gained
 # nothing (Whisper's 1500x1536 @ 1536x384 196 -> 122 us from split 1 to 4; 50x720 @ 720x2048 43.5 -> 27.6 us).
@@ -444,7 +448,7 @@ class Emitter:
             return self.coord_names[e.args[0]]
         if e.op == "acc":
             return self.acc_names[e.args[0]]
-        text = self._render(e)
+        text = size_i32(e.args[0].size) if e.op == "size" else self._render(e)
         name = f"t{self._count}"
         self._count += 1
         self.lines.append(f"{self.indent}let {name}: {VALUE_TYPE[e.dtype]} = {text};")
@@ -492,7 +496,7 @@ class Emitter:
         if known is None:
             if e.op == "const":
                 known = e.args[0] >= 0
-            elif e.op == "coord":
+            elif e.op in ("coord", "size"):
                 known = True
             elif e.op in ("add", "mul", "idiv", "imod", "minimum"):
                 known = all(self._non_negative(a) for a in e.args)
@@ -532,8 +536,53 @@ def store(value: str, dtype: str) -> str:
     return f"select(0u, 1u, {value})" if dtype == "bool" else value
 
 
-def grid(groups: int, max_per_dim: int) -> tuple[int, int, int]:
-    """Fold a 1-D workgroup count into (x, y, 1) with x, y within the per-dimension limit."""
+def size_i32(x) -> str:
+    """WGSL i32 text of a size: a literal, or a symbolic size over the plan's size buffer."""
+    return f"{x}i" if isinstance(x, int) else x.wgsl(lambda k: f"{SIZES_VAR}[{k}]")
+
+
+def size_u32(x) -> str:
+    return f"{x}u" if isinstance(x, int) else f"u32({size_i32(x)})"
+
+
+SIZE_INIT = "// mg-init: "  # marks a private variable that ``with_size_inits`` sets at the top of ``main``
+
+
+def size_constant(name: str, value, kind: str = "u32") -> str:
+    """The module-scope declaration of a kernel's size ``name`` of WGSL type ``kind`` ("u32" or "i32"): a ``const``
+    where it is a number; where it is symbolic, a private variable that ``with_size_inits`` sets from the size
+    buffer (or from the workgroup counts: ``value`` may be WGSL text) when ``main`` starts."""
+    if isinstance(value, str) or is_size(value):
+        text = value if isinstance(value, str) else size_u32(value) if kind == "u32" else size_i32(value)
+        return f"var<private> {name}: {kind};  {SIZE_INIT}{text}\n"
+    return f"const {name}: {kind} = {size_u32(value) if kind == 'u32' else size_i32(value)};\n"
+
+
+def grid_constants(grid) -> str:
+    """GRID_X and GRID_XY (workgroups in x, and in an x-y layer) of a kernel over a folded ``grid``."""
+    if is_size(grid[0]):
+        return size_constant("GRID_X", "nwg.x") + size_constant("GRID_XY", "nwg.x * nwg.y")
+    return f"const GRID_X: u32 = {grid[0]}u;\nconst GRID_XY: u32 = {grid[0] * grid[1]}u;\n"
+
+
+def with_size_inits(source: str) -> str:
+    """``source`` with its symbolic sizes (``size_constant``) set at the top of ``main``, which then takes the
+    workgroup counts where anything reads them (``nwg``)."""
+    inits = [line.split(SIZE_INIT) for line in source.splitlines() if SIZE_INIT in line]
+    if not inits and "nwg." not in source:
+        return source
+    close = _closing_paren(source, source.index("fn main(") + len("fn main"))
+    params = "" if "num_workgroups" in source else f", {NUM_WORKGROUPS}"
+    body = source.index("{", close) + 1
+    sets = "".join(f"\n  {decl.split()[1].rstrip(':')} = {text};" for decl, text in inits)
+    return source[:close] + params + source[close:body] + sets + source[body:]
+
+
+def grid(groups, max_per_dim: int) -> tuple:
+    """Fold a 1-D workgroup count into (x, y, 1) with x, y within the per-dimension limit. A symbolic count folds
+    when the plan runs (the kernel's ``flat_workgroup(max_per_dim)`` reads either form)."""
+    if is_size(groups):
+        return size_min(groups, max_per_dim), ceil_div(groups, max_per_dim), 1
     groups = max(groups, 1)
     if groups <= max_per_dim:
         return groups, 1, 1
@@ -543,8 +592,23 @@ def grid(groups: int, max_per_dim: int) -> tuple[int, int, int]:
     return max_per_dim, y, 1
 
 
-def flat_workgroup(gx: int) -> str:
-    """WGSL expression for the linear workgroup index under ``grid``'s folding (needs ``wid``)."""
+def _closing_paren(text: str, opening: int) -> int:
+    depth = 0
+    for at in range(opening, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[at], 0)
+        if depth == 0:
+            return at
+    raise ValueError("unbalanced parentheses in a kernel's entry point")
+
+
+NUM_WORKGROUPS = "@builtin(num_workgroups) nwg: vec3<u32>"  # the entry point's parameter a symbolic grid reads
+
+
+def flat_workgroup(gx) -> str:
+    """WGSL expression for the linear workgroup index under ``grid``'s folding (needs ``wid``); under a symbolic x
+    count, the entry point takes ``NUM_WORKGROUPS`` too."""
+    if is_size(gx):
+        return "(wid.x + wid.y * nwg.x)"
     return "wid.x" if gx == 1 else f"(wid.x + wid.y * {gx}u)"
 
 
@@ -557,9 +621,9 @@ def unravel_lines(var: str, names, shape, indent="  ") -> list[str]:
         stride *= s
     strides.reverse()
     for d, (name, s, st) in enumerate(zip(names, shape, strides)):
-        expr = var if st == 1 else f"({var} / {st}i)"
+        expr = var if st == 1 else f"({var} / {size_i32(st)})"
         if d > 0 and s != 1:
-            expr = f"({expr} % {s}i)"
+            expr = f"({expr} % {size_i32(s)})"
         if s == 1:
             expr = "0i"
         lines.append(f"{indent}let {name}: i32 = {expr};")

@@ -20,7 +20,7 @@ from .in_place import hoist_writers
 from .ir import Graph
 from .multi_output import fuse_multi_output
 from .remat import rematerialize
-from .schedule import schedule
+from .schedule import schedule, symbol_count
 from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
 
@@ -28,7 +28,7 @@ from .sibling_reductions import fuse_sibling_reductions
 def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=None):
     """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants and
     ``on_kernel`` hears of each kernel as it is generated (see ``schedule``)."""
-    max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
+    max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8) - (1 if symbol_count() else 0)
     fit_bindings(graph, max_bindings)
     copies = rematerialize(graph)
     report = fuse(graph, max_bindings)

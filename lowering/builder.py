@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from meganeura.kernels.sizes import is_size
+
 from . import expr as E
 from .ir import FLOAT_DTYPES, Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, numel
 
@@ -43,7 +45,7 @@ class GraphBuilder:
 
     # ------------------------------------------------------------------------------- nodes
     def _value(self, shape, dtype) -> Value:
-        v = Value(self._next_id, tuple(int(s) for s in shape), dtype)
+        v = Value(self._next_id, tuple(s if is_size(s) else int(s) for s in shape), dtype)
         self._next_id += 1
         return v
 
@@ -257,7 +259,7 @@ def _clamp_index(i: int, size: int) -> int:
 
 
 def infer_shape(shape, total: int) -> tuple[int, ...]:
-    shape = [int(s) for s in shape]
+    shape = [s if is_size(s) else int(s) for s in shape]
     if -1 in shape:
         known = numel([s for s in shape if s != -1])
         shape[shape.index(-1)] = total // known if known else 0

@@ -1,7 +1,7 @@
 """Scalar expression trees: the body of every fused kernel, as plain, hashable data.
 
-An ``Expr`` computes one element. Its leaves are constants, iteration coordinates (``coord``), reduction or
-matmul accumulators (``acc``) and loads. Before planning a load names an IR value and gives one coordinate
+An ``Expr`` computes one element. Its leaves are constants, symbolic sizes (``size``: a dynamic graph's, read from
+the plan's size buffer), iteration coordinates (``coord``), reduction or matmul accumulators (``acc``) and loads. Before planning a load names an IR value and gives one coordinate
 expression per dimension of that value (``load``); after planning it names a binding slot and a linear
 element index (``read``). Expressions are hash-consed by structure, so equal subtrees compare equal cheaply
 and code generation can share them.
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from typing import Callable, Iterable
+
+from meganeura.kernels.sizes import Size
 
 F32, I32, BOOL = "f32", "i32", "bool"
 
@@ -65,8 +67,29 @@ class Expr:
         return _flat_args(self.args)
 
 
+class SizeLeaf:
+    """A symbolic size (``meganeura.runtime.sizes.Size``) inside an expression, compared and hashed by its structure
+    (comparing the Size itself would be a decision, recorded as a guard)."""
+
+    __slots__ = ("size", "_key")
+
+    def __init__(self, size: Size):
+        self.size, self._key = size, size.key()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SizeLeaf) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"size{self.size!r}"
+
+
 # ----------------------------------------------------------------------------------------- leaves
 def const(value, dtype: str) -> Expr:
+    if isinstance(value, Size):  # read from the plan's size buffer when the kernel runs
+        return cast(Expr("size", (SizeLeaf(value),), I32), dtype)
     if dtype == F32:
         value = float(value)
     elif dtype == I32:

@@ -9,6 +9,8 @@ convolution filter's taps read as one GEMM row, folds back to that coordinate.
 """
 from __future__ import annotations
 
+from meganeura.kernels.sizes import is_size
+
 from . import expr as E
 
 Affine = tuple[dict, int]  # ({atom: coefficient}, constant)
@@ -97,7 +99,7 @@ def _range(e: E.Expr, bounds) -> tuple[int, int] | None:
         return e.args[0], e.args[0]
     if e.op == "coord":
         size = bounds.get(e.args[0])
-        return None if size is None else (0, max(size - 1, 0))
+        return None if size is None or is_size(size) else (0, max(size - 1, 0))  # (symbolic: unknown)
     if e.op in ("add", "sub", "mul"):
         ra, rb = _range(e.args[0], bounds), _range(e.args[1], bounds)
         if ra is None or rb is None:

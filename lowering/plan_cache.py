@@ -27,6 +27,7 @@ from . import compile_graph
 from . import expr as E
 from .fusion import FusionReport
 from .ir import Graph
+from .schedule import symbol_count
 
 CACHE_ENV = "MEGANEURA_CACHE_DIR"
 ENTRY_VERSION = 1
@@ -53,7 +54,8 @@ def cached_compile_graph(graph: Graph, limits: dict, choose_matmuls=None, tuned_
 
     On a miss the graph is compiled (and, as always, fused in place) and the entry written; on a hit the graph is
     left as it was."""
-    directory = cache_dir() if choose_matmuls is None or tuned_for is not None else None
+    cacheable = (choose_matmuls is None or tuned_for is not None) and not symbol_count()  # (guards not kept)
+    directory = cache_dir() if cacheable else None
     key = _key(graph, limits, tuned_for) if directory is not None else None
     path = directory / f"{key}.json" if key is not None else None
     if path is not None:

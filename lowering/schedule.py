@@ -19,7 +19,8 @@ from meganeura.kernels.prelude import ATTENTION_ARGS, attention_prelude, matmul_
 from meganeura.kernels import reduce as reduce_kernels
 from meganeura.kernels import wgsl
 from meganeura.runtime.dtypes import HALF_STORAGE, STORAGE, storage_bytes
-from meganeura.runtime.plan import Binding, BufferSpec, Dispatch, Plan, TensorSpec
+from meganeura.runtime.plan import SIZES_INPUT, Binding, BufferSpec, Dispatch, Plan, TensorSpec
+from meganeura.kernels.sizes import active, concrete, is_size, size_max, upper
 
 from . import expr as E
 from .bindings import checks, kernel_bindings
@@ -55,8 +56,8 @@ def tensor_bytes(v: Value, stored: dict | None = None) -> int:
     """Bytes of ``v`` in a buffer of its own when it is one of ``stored`` (in its dtype's storage), else in the arena
     (every element in 32 bits: intermediates of half precision graphs stay in f32 and round only at the outputs)."""
     if stored is not None and v.id in stored:
-        return max(storage_bytes(v.numel, v.dtype), 4)
-    return max(4 * v.numel, 4)
+        return size_max(storage_bytes(v.numel, v.dtype), 4)
+    return size_max(4 * v.numel, 4)
 
 
 def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_matmuls=None, on_kernel=None) -> Plan:
@@ -83,8 +84,13 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
         placement.update({key: ("arena", off) for key, off in offsets.items()})
     if graph.status_messages:
         buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
+    symbols = symbol_count()
+    if symbols:  # a dynamic graph's: the symbols' values, written by each run (``Plan.symbols``)
+        buffers.append(BufferSpec(f"input:{SIZES_INPUT}", 4 * symbols, "input"))
+        inputs.append(TensorSpec(SIZES_INPUT, f"input:{SIZES_INPUT}", 0, (symbols,), "int32"))
+        placement[SIZES_INPUT] = (f"input:{SIZES_INPUT}", 0)
 
-    binding_of = _binding_table(placement, sizes, values, stored)
+    binding_of = _binding_table(placement, sizes, values, stored, symbols)
     stored_over = StoredOver({target.out.id: graph.outputs[i].id for i, target in over.items()},
                              bool(graph.status_messages))
     sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel,
@@ -98,9 +104,16 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
                           in_place_refused={f"out{i}": why for i, why in refused.items()})
     in_place = {f"out{i}": target.name for i, target in over.items()}
     plan = Plan(buffers, inputs, params, outputs, sources, dispatches, dict(graph.status_messages), plan_stats,
-                in_place)
+                in_place, symbols, tuple(active().bound(k) for k in range(symbols)) if symbols else ())
     plan.validate()
     return plan
+
+
+def symbol_count() -> int:
+    """The number of symbols of the dynamic graph being compiled (0 for a static one): its plan binds their values
+    to every kernel, which takes one storage binding of the limit (``compile_graph``)."""
+    guards = active()
+    return len(guards.hints) if guards is not None else 0
 
 
 def _narrowed_outputs(graph: Graph) -> Graph:
@@ -134,7 +147,7 @@ def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec]
         if isinstance(node, Input):
             v = node.out
             buf = f"{node.role}:{node.name}"
-            buffers.append(BufferSpec(buf, max(storage_bytes(v.numel, v.dtype), 4), node.role))
+            buffers.append(BufferSpec(buf, max(upper(storage_bytes(v.numel, v.dtype)), 4), node.role))
             (inputs if node.role == "input" else params).append(TensorSpec(node.name, buf, 0, v.shape, v.dtype))
             placement[v.id] = (buf, 0)
     for i, v in enumerate(graph.outputs):
@@ -145,7 +158,7 @@ def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec]
             buf = placement[over[i].out.id][0]
         else:
             buf = name
-            buffers.append(BufferSpec(buf, max(storage_bytes(v.numel, v.dtype), 4), "output"))
+            buffers.append(BufferSpec(buf, max(upper(storage_bytes(v.numel, v.dtype)), 4), "output"))
         outputs.append(TensorSpec(name, buf, 0, v.shape, v.dtype))
         placement[v.id] = (buf, 0)
     return buffers, inputs, params, outputs, placement
@@ -158,7 +171,7 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
     partial results of a sliced node, keyed -1 - step (no value id collides), during its step."""
     last_use = last_reads(kernels)
     intervals = [
-        Interval(v.id, tensor_bytes(v), step, last_use.get(v.id, step))
+        Interval(v.id, upper(tensor_bytes(v)), step, last_use.get(v.id, step))
         for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
     ]
     scratch: dict[int, tuple[int, int]] = {}
@@ -166,15 +179,18 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
         split, floats = _slices(node, limits, variants.get(id(node)))
         if split > 1:
             scratch[id(node)] = (split, -1 - step)
-            intervals.append(Interval(-1 - step, 4 * floats, step, step))
+            intervals.append(Interval(-1 - step, upper(4 * floats), step, step))
     return intervals, scratch
 
 
-def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict) -> dict:
-    """Bound value id (or "status", or the arena key of partial results) -> its ``Binding``."""
-    table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else tensor_bytes(values[vid], stored))
-             for vid, (buf, off) in placement.items()}
+def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict, symbols: int) -> dict:
+    """Bound value id (or "status", the arena key of partial results, or SIZES_INPUT) -> its ``Binding``: bindings
+    of symbolic sizes span the most they hold (``upper``)."""
+    table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else upper(tensor_bytes(values[vid], stored)))
+             for vid, (buf, off) in placement.items() if vid != SIZES_INPUT}
     table["status"] = Binding("status", 0, STATUS_BYTES)
+    if symbols:
+        table[SIZES_INPUT] = Binding(f"input:{SIZES_INPUT}", 0, 4 * symbols)
     return table
 
 
@@ -192,6 +208,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over)
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
+            source = wgsl.with_size_inits(source)  # (a dynamic graph's kernel: its sizes set as main starts)
             if len(bound) > max_bindings:  # a pass fusion or a generator let grow past the limit: never sent to wgpu
                 raise ValueError(f"kernel {label!r} needs {len(bound)} storage buffers but the limits' "
                                  f"max-storage-buffers-per-shader-stage is {max_bindings}")
@@ -209,8 +226,8 @@ def _label(node: Node) -> str:
     in profiles and errors."""
     label = getattr(node, "label", "") or type(node).__name__.lower()
     if isinstance(node, Matmul):
-        m, n = node.rows, node.columns
-        label += f" {node.batch}x{m}x{n}x{node.k}" if node.batch > 1 else f" {m}x{n}x{node.k}"
+        dims = [repr(x) for x in (node.batch, node.rows, node.columns, node.k)]  # (a symbolic size by its form)
+        label += " " + "x".join(dims if node.batch != 1 else dims[1:])
     return label
 
 
@@ -222,7 +239,8 @@ def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: di
     if choose is None:
         return variants
     f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
-    problems = {id(n): _matmul_problem(n, values, stored, f16) for n in nodes if matmul_kernels.is_tiled(n.rows, n.columns)}
+    problems = {id(n): _matmul_problem(n, values, stored, f16) for n in nodes
+                if matmul_kernels.is_tiled(n.rows, n.columns) and not any(map(is_size, (n.batch, n.rows, n.columns, n.k)))}
     distinct = list(dict.fromkeys(problems.values()))
     chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
     for node_id, problem in problems.items():
@@ -279,7 +297,7 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr
 def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
-    if kernel_bindings(node) >= limits.get("max-storage-buffers-per-shader-stage", 8):
+    if kernel_bindings(node) >= limits.get("max-storage-buffers-per-shader-stage", 8) - (1 if symbol_count() else 0):
         return 1, 0  # no binding left for the partial results: one pass
     if isinstance(node, Matmul):
         return variant.split, variant.split * node.batch * node.rows * node.columns
@@ -294,8 +312,11 @@ def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | Non
 
 
 def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
-    return attention_kernels.AttentionShape(node.batch, node.heads, node.kv_heads, node.lq, node.lk, node.d,
-                                            node.dv, node.scale, node.causal, node.bias is not None)
+    """The pass's shape: a forward's batch and lengths may be symbolic; other sizes concrete (as a matmul's)."""
+    dynamic = ("batch", "lq", "lk") if node.kind == "forward" else ()
+    sizes = [getattr(node, f) if f in dynamic else concrete(getattr(node, f))
+             for f in ("batch", "heads", "kv_heads", "lq", "lk", "d", "dv")]
+    return attention_kernels.AttentionShape(*sizes, node.scale, node.causal, node.bias is not None)
 
 
 def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
@@ -322,18 +343,23 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
     guarded = bool(same) and stored_over.guarded
     if checks(exprs) or guarded:
         slot_of("status")
+    if symbol_count():
+        slot_of(SIZES_INPUT)
 
     def name(slot):
-        return wgsl.STATUS_VAR if bound[slot] == "status" else f"b{slot}"
+        return {"status": wgsl.STATUS_VAR, SIZES_INPUT: wgsl.SIZES_VAR}.get(bound[slot], f"b{slot}")
 
     if scratch_key is not None:
         slot_of(scratch_key)
     decl, storage = [], []
     for slot, vid in enumerate(bound):
-        kind = "" if vid == "status" or (scratch_key is not None and vid == scratch_key) else _storage(values[vid], stored)
+        plain = vid in ("status", SIZES_INPUT) or (scratch_key is not None and vid == scratch_key)
+        kind = "" if plain else _storage(values[vid], stored)
         storage.append(kind)
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
+        elif vid == SIZES_INPUT:
+            decl.append((slot, wgsl.SIZES_VAR, "i32"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[kind] if kind else "f32"))
     return Slots(bound, decl, storage, exprs, out_slots, name, guarded)
@@ -382,8 +408,9 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     """The matmul pass; cut into slices of K, the slices' pass and the pass summing them."""
     a_fast, b_fast = _fast_axes(slots.exprs)
     prelude = _matmul_prelude(node, slots)
-    dims = dict(batch=node.batch, m=node.rows, n=node.columns)
-    shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
+    # (the generator takes a symbolic M; other sizes concrete: a dynamic graph's plan then holds for these alone)
+    dims = dict(batch=concrete(node.batch), m=node.rows, n=concrete(node.columns))
+    shape = dict(k=concrete(node.k), limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
                  f16=variant.f16, looped=_looped_operand(node))
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]

@@ -11,6 +11,7 @@ merges them.
 from __future__ import annotations
 
 from ..matmul import fold_grid
+from ..sizes import ceil_div
 from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
 from .plans import AttentionShape, BlockPlan
 
@@ -88,7 +89,7 @@ def blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     key is fetched once per block of rows instead of once per row. Softmax is online, rescaled per tile. Cut
     into slices of keys, each slice stores its unnormalised output, running max and sum into ``partial``."""
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
-    blocks = s.batch * s.heads * -(-s.lq // plan.rows)
+    blocks = s.batch * s.heads * ceil_div(s.lq, plan.rows)
     grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     stride = plan.tile + 1  # per-thread score row in workgroup memory, padded against bank conflicts
     q_regs = "\n".join(f"  let q{c} = {vec4_load('load_q', 'b, h, iq', c, s.d)};" for c in range(d4))
@@ -126,7 +127,7 @@ def _forward_header(s: AttentionShape, plan: BlockPlan, blocks: int, grid, strid
 // ---- attention forward: {plan.rows} query rows per workgroup, key tiles of {plan.tile}
 {u32_constants(H=s.heads, LQ=s.lq, LK=s.lk, DV=s.dv, BQ=plan.rows)}
 const BLOCK: u32 = BQ;
-{u32_constants(BK=plan.tile, QBLOCKS=-(-s.lq // plan.rows), BLOCKS=blocks)}
+{u32_constants(BK=plan.tile, QBLOCKS=ceil_div(s.lq, plan.rows), BLOCKS=blocks)}
 {split_constants(s, "forward", plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};

@@ -3,6 +3,7 @@ over a folded grid (and over blocks of rows), u32 constants, vec4 loaders over t
 constants and range of a pass cut into slices of the other sequence."""
 from __future__ import annotations
 
+from .. import wgsl
 from .plans import AttentionShape, partial_layout
 
 # A score at or below this (an additive mask of -inf or the dtype's minimum) counts as masked out.
@@ -22,9 +23,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 """
 
 
-def u32_constants(**values: int) -> str:
-    """WGSL: ``const NAME: u32 = value;``, a line for each of ``values`` in order."""
-    return "\n".join(f"const {name}: u32 = {value}u;" for name, value in values.items())
+def u32_constants(**values) -> str:
+    """WGSL: ``const NAME: u32 = value;``, a line for each of ``values`` in order (a symbolic size: a private
+    variable set as ``main`` starts, ``wgsl.size_constant``)."""
+    return "".join(wgsl.size_constant(name, value) for name, value in values.items()).rstrip("\n")
 
 
 # The names block_entry gives a block's batch-and-head index, its head, the head count and the block's first row.
@@ -67,8 +69,7 @@ def split_constants(s: AttentionShape, kind: str, plan, grid) -> str:
     """WGSL constants of a blocked or flash pass: its slices (``plan``: a BlockPlan or FlashPlan), output rows and
     folded grid."""
     rows, _ = partial_layout(s, kind)
-    return (f"const SPLITS: u32 = {plan.splits}u;\nconst CHUNK: u32 = {plan.chunk}u;\nconst ROWS: u32 = {rows}u;\n"
-            f"const GRID_X: u32 = {grid[0]}u;\nconst GRID_XY: u32 = {grid[0] * grid[1]}u;")
+    return u32_constants(SPLITS=plan.splits, CHUNK=plan.chunk, ROWS=rows) + "\n" + wgsl.grid_constants(grid).rstrip("\n")
 
 
 def slice_bounds(what: str, end: str, start: str = "0u") -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..sizes import concrete
 from . import blocked, blocked_grad, flash, merge, per_row
 from .plans import AttentionShape, block_plan, flash_plan
 
@@ -19,8 +20,9 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
         generate = flash.flash_forward  # read at call time: tests swap it for a spy
     else:
         plan = block_plan(shape, kind, limits)
-        if plan is None:
-            return [per_row.per_row_kernel(prelude, kind, shape, outs, limits)]
+        if plan is None:  # (its sizes concrete: a dynamic graph's plan then holds for these alone)
+            concrete_shape = replace(shape, batch=concrete(shape.batch), lq=concrete(shape.lq), lk=concrete(shape.lk))
+            return [per_row.per_row_kernel(prelude, kind, concrete_shape, outs, limits)]
         generate = {"forward": blocked.blocked_forward, "grad_q": blocked_grad.blocked_grad_q,
                     "grad_kv": blocked_grad.blocked_grad_kv}[kind]
     if plan.splits > 1 and partial is None:

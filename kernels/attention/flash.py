@@ -9,6 +9,7 @@ took the inference GPU time of Whisper-tiny from 3.13 to 2.75 ms (against the un
 from __future__ import annotations
 
 from ..matmul import fold_grid
+from ..sizes import ceil_div
 from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, FlashPlan, flash_sizes
 
@@ -34,7 +35,7 @@ def flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashP
     scalar store per element, took about 60 of the kernel's 224 us."""
     _, _, per_thread = flash_sizes(s)
     groups = plan.rows // 4
-    blocks = s.batch * s.heads * -(-s.lq // plan.rows)
+    blocks = s.batch * s.heads * ceil_div(s.lq, plan.rows)
     grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     cols = range(per_thread)
     sum_stores = "\n".join(f"  ex[{_row(r, groups)} * EXS + kg] = l[{r}];" for r in ROWS4)
@@ -75,7 +76,7 @@ def _header(s: AttentionShape, plan: FlashPlan, blocks: int, grid) -> str:
     return f"""
 // ---- attention forward (flash): {plan.rows} query rows per workgroup, key tiles of {FLASH_KEYS}, 4x4 per thread
 {u32_constants(H=s.heads, LQ=s.lq, LK=s.lk, DV=s.dv, BQ=plan.rows, BK=FLASH_KEYS, GROUPS=groups, KG=kg, QS=d4 + 1,
-               DVP4=dvp4, EXS=kg + 1, QBLOCKS=-(-s.lq // plan.rows), BLOCKS=blocks)}
+               DVP4=dvp4, EXS=kg + 1, QBLOCKS=ceil_div(s.lq, plan.rows), BLOCKS=blocks)}
 {split_constants(s, "forward", plan, grid)}
 const SCALE: f32 = {s.scale!r};
 const MASKED: f32 = {MASKED!r};

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sizes import ceil_div, is_size
 from ..wgsl import SPLIT_TARGET_WORKGROUPS
 
 # ---------------------------------------------------------------------------------------------- blocked passes
@@ -107,26 +108,39 @@ def block_plan(s: AttentionShape, kind: str, limits: dict) -> BlockPlan | None:
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     if d4 + dv4 > BLOCK_MAX_VEC4:
         return None
-    own, other = (s.kv_heads * s.lk, s.lq) if kind == "grad_kv" else (s.heads * s.lq, s.lk)
-    length = own // (s.kv_heads if kind == "grad_kv" else s.heads)
+    heads = s.kv_heads if kind == "grad_kv" else s.heads
+    length, other = (s.lk, s.lq) if kind == "grad_kv" else (s.lq, s.lk)
     rows = BLOCK_ROWS[0]
-    while rows > BLOCK_ROWS[-1] and s.batch * (own // length) * -(-length // rows) < BLOCK_MIN_WORKGROUPS:
+    while (rows > BLOCK_ROWS[-1] and not is_size(s.batch * length)
+           and s.batch * heads * -(-length // rows) < BLOCK_MIN_WORKGROUPS):
         rows //= 2
     rows = min(rows, limits.get("max-compute-invocations-per-workgroup", 256),
                limits.get("max-compute-workgroup-size-x", 256))
     storage = limits.get("max-compute-workgroup-storage-size", 16384)
-    fits = [BlockPlan(r, min(tile, max(4, 1 << max(0, other - 1).bit_length())))
+    longest = other if is_size(other) else max(4, 1 << max(0, other - 1).bit_length())  # (symbolic: any length)
+    fits = [BlockPlan(r, tile if is_size(longest) else min(tile, longest))
             for r in BLOCK_ROWS if r <= rows for tile in BLOCK_TILES]  # fewer rows, then shorter tiles
     plan = next((p for p in fits if _block_shared_bytes(kind, p, d4, dv4) <= storage), None)
     if plan is None:
         return None
-    blocks = s.batch * (own // length) * -(-length // plan.rows)
-    tiles = -(-other // plan.tile)
+    blocks = s.batch * heads * ceil_div(length, plan.rows)
+    tiles = ceil_div(other, plan.tile)
+    splits = _splits(blocks, tiles, SPLIT_TARGET_WORKGROUPS, SPLIT_MIN_TILES)
+    return BlockPlan(plan.rows, plan.tile, splits, ceil_div(tiles, splits) * plan.tile if splits > 1 else 0)
+
+
+def _splits(blocks, tiles, target: int, min_tiles: int) -> int:
+    """Slices of the other sequence (a power of two up to SPLIT_MAX) until ``blocks`` workgroups become ``target``,
+    each slice keeping ``min_tiles`` tiles. None where the blocks are symbolic (many rows); where only the tiles are
+    (a KV cache's length), as many as the blocks alone allow, whatever the length: one kernel for every length
+    (slices past the end are empty, and the merge weighs them zero)."""
+    if is_size(blocks):
+        return 1
     splits = 1
-    while (blocks * splits < SPLIT_TARGET_WORKGROUPS and tiles // (splits * 2) >= SPLIT_MIN_TILES
-           and splits * 2 <= SPLIT_MAX):
+    while (blocks * splits < target and splits * 2 <= SPLIT_MAX
+           and (is_size(tiles) or tiles // (splits * 2) >= min_tiles)):
         splits *= 2
-    return BlockPlan(plan.rows, plan.tile, splits, -(-tiles // splits) * plan.tile if splits > 1 else 0)
+    return splits
 
 
 # ---------------------------------------------------------------------------------------------- flash forward
@@ -166,12 +180,18 @@ def flash_plan(s: AttentionShape, limits: dict) -> FlashPlan | None:
                if flash_shared_bytes(s, r) <= storage and r // 4 * FLASH_KEY_GROUPS <= invocations]
     if not fitting:
         return None
-    rows = next((r for r in fitting if s.batch * s.heads * -(-s.lq // r) >= FLASH_MIN_BLOCKS), fitting[-1])
-    blocks = s.batch * s.heads * -(-s.lq // rows)
-    tiles = -(-s.lk // FLASH_KEYS)
-    splits = 1
-    while splits * 2 <= SPLIT_MAX and (
-            blocks * splits < FLASH_MIN_BLOCKS and tiles // (splits * 2) >= SPLIT_MIN_TILES
-            or blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= FLASH_SLICE_MIN_TILES):
-        splits *= 2
-    return FlashPlan(rows, splits, -(-tiles // splits) * FLASH_KEYS if splits > 1 else 0)
+    if is_size(s.batch * s.lq):  # symbolic rows: the largest block that fits, one kernel for every count
+        rows = fitting[0]
+    else:
+        rows = next((r for r in fitting if s.batch * s.heads * -(-s.lq // r) >= FLASH_MIN_BLOCKS), fitting[-1])
+    blocks = s.batch * s.heads * ceil_div(s.lq, rows)
+    tiles = ceil_div(s.lk, FLASH_KEYS)
+    if is_size(tiles):
+        splits = _splits(blocks, tiles, FLASH_TARGET_WORKGROUPS, FLASH_SLICE_MIN_TILES)
+    else:
+        splits = 1
+        while splits * 2 <= SPLIT_MAX and not is_size(blocks) and (
+                blocks * splits < FLASH_MIN_BLOCKS and tiles // (splits * 2) >= SPLIT_MIN_TILES
+                or blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= FLASH_SLICE_MIN_TILES):
+            splits *= 2
+    return FlashPlan(rows, splits, ceil_div(tiles, splits) * FLASH_KEYS if splits > 1 else 0)
