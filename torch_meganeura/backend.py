@@ -21,7 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
-from .compiled import DevicePartition
+from .compiled import SHARED_GRAPHS, DevicePartition
 from .decompositions import aot_decomposition_table
 from .device_tensor import DeviceParameter
 from .device_graph import unsupported_listing
@@ -241,6 +241,7 @@ def backend_with_context(gm: fx.GraphModule, example_inputs, context: BackendCon
 
 def _reset() -> None:
     BackendContext._warned.clear()
+    SHARED_GRAPHS.clear()
 
 
 meganeura_backend.reset = _reset

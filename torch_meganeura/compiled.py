@@ -18,6 +18,7 @@ import operator
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ from .device_tensor import DeviceTensor, lazy_output
 from .fx_lowering import LoweredGraph
 from .params import ParamStore, tensor_from_host
 from .resident import ResidentTensor
+from .symbolic import DynamicSizes
 from .tuning import tuning_enabled
 
 log = logging.getLogger("torch_meganeura")
@@ -49,6 +51,8 @@ class PlanRecord:
     compile_seconds: float
     fusion_refusals: list = field(default_factory=list)
     from_cache: bool = False  # the plan came from the persistent plan cache (meganeura.lowering.plan_cache)
+    dynamic: tuple = ()  # a dynamic graph's symbolic sizes, each as "placeholder[dim] <= bound"
+    guards: int = 0  # the decisions its plan took from the sizes it was compiled at
 
 
 _VERSION = operator.attrgetter("_version")
@@ -63,6 +67,8 @@ class _BoundPlan:
     program: Program
     key: tuple
     variant: tuple = (False, frozenset())  # (gradients kept, output positions read): ``DevicePartition.forward``
+    graph: DeviceGraph | None = None  # what it instantiates: a dynamic graph's guards say which sizes it serves
+    dynamic: DynamicSizes | None = None
     bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
     _refs: list = field(default_factory=list)
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
@@ -71,7 +77,9 @@ class _BoundPlan:
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
         params = set(self._param_positions)
-        self._free = [(i, item) for i, item in enumerate(self.key) if i not in params]
+        dims = dict(self.dynamic.dynamic) if self.dynamic is not None else {}
+        self._free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
+        self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims]  # checked through the abstract key
 
     def _params(self, args) -> list:
         return [args[i] for i in self._param_positions]
@@ -95,7 +103,14 @@ class _BoundPlan:
         guards check every parameter's metadata before the graph runs.)"""
         if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
             return False
+        if self._sized and not self._serves(args):
+            return False
         return self.params_current(args) and not self.program.device.lost
+
+    def _serves(self, args) -> bool:
+        """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards."""
+        key = self.dynamic.abstract(signature(args))
+        return all(key[i] == item for i, item in self._sized) and self.graph.holds(self.dynamic.values(args))
 
     def bind(self, args, store: ParamStore) -> None:
         """Bind the parameter arguments' device copies (uploading what changed) and remember them."""
@@ -155,8 +170,9 @@ class DevicePartition(torch.nn.Module):
         # until eager code reads them (``device_tensor``); a position read once is read back at every later call.
         self.lazy_outputs, self._returned, self._read = frozenset(lazy_outputs), frozenset(), frozenset()
         self.context = context  # the backend's shared state: device, parameter store, records
-        self._plans: dict[tuple, _BoundPlan] = {}
-        self._graphs: dict[tuple, DeviceGraph] = {}  # by signature: a new variant builds only its program
+        self.dynamic = DynamicSizes.of(gm)  # a graph dynamo traced with symbolic sizes: its symbols, else None
+        self._plans: dict[tuple, list[_BoundPlan] | None] = {}  # by variant and signature; None: falls back
+        self._code = gm.code  # with the signature, what selects a compiled graph (``SharedGraphs``)
         self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
 
     def forward(self, *args):
@@ -174,20 +190,31 @@ class DevicePartition(torch.nn.Module):
 
     def _entry_for(self, args, variant: tuple) -> _BoundPlan | None:
         """The compiled entry for the signature of ``args`` and ``variant`` (compiled now if new, or its device was
-        lost), with its parameters bound; None where the partition falls back to eager PyTorch."""
+        lost), with its parameters bound; None where the partition falls back to eager PyTorch. A dynamic graph's
+        signature leaves its symbolic sizes out, and the entry is the first whose guards its sizes meet."""
         key = signature(args)
-        entry = self._plans.get((variant, key))
-        if (variant, key) not in self._plans or entry is not None and entry.program.device.lost:
-            entry = self._plans[variant, key] = self._compile_or_fall_back(key, args, variant)  # (again after a loss)
+        values = None
+        if self.dynamic is not None:
+            key, values = self.dynamic.abstract(key), self.dynamic.values(args)
+        entries = self._plans.setdefault((variant, key), [])
+        if entries is None:
+            return None
+        entry = next((e for e in entries if e.graph.holds(values) and not e.program.device.lost), None)
+        if entry is None:
+            entry = self._compile_or_fall_back(key, args, variant, values)  # (again after a loss)
+            if entry is None:
+                self._plans[variant, key] = None
+                return None
+            entries[:] = [e for e in entries if not e.program.device.lost] + [entry]
         self._last = entry
-        if entry is not None and not entry.params_current(args):
+        if not entry.params_current(args):
             entry.bind(args, self.context.params())
         return entry
 
-    def _compile_or_fall_back(self, key, args, variant: tuple) -> _BoundPlan | None:
+    def _compile_or_fall_back(self, key, args, variant: tuple, values) -> _BoundPlan | None:
         """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
         try:
-            return self._compile(key, args, variant)
+            return self._compile(key, args, variant, values)
         except Exception as err:  # noqa: BLE001 - any compile failure must fall back, never compute garbage
             if self.context.options.fallback == "error":
                 raise
@@ -197,35 +224,47 @@ class DevicePartition(torch.nn.Module):
             self.context.record({"kind": "failed", "error": str(err)})
             return None
 
-    def _compile(self, key, args, variant: tuple) -> _BoundPlan:
+    def _compile(self, key, args, variant: tuple, values) -> _BoundPlan:
         start = time.perf_counter()
         device = self.context.device()
-        graph = self._graphs.get(key)
-        new = graph is None or graph.device is not device
+        params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
+        f16 = self.fast and self.context.f16_products(device)
+        tune = tuning_enabled(self.context.options.tune)
+        shared = (self._code, _graph_key(key), frozenset(params), f16, tune,
+                  self.dynamic.sources if self.dynamic is not None else None)
+        graph = SHARED_GRAPHS.find(shared, device, values)
+        new = graph is None
         if new:
-            params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
-            f16 = self.fast and self.context.f16_products(device)
-            graph = self._graphs[key] = compile_device_graph(self.gm, list(args), params, device,
-                                                             tune=tuning_enabled(self.context.options.tune),
-                                                             f16_products=f16)
+            graph = compile_device_graph(self.gm, list(args), params, device, tune=tune, f16_products=f16,
+                                         dynamic=self.dynamic)
+            SHARED_GRAPHS.add(shared, graph)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
         resident = {item for k, (kind, item) in enumerate(lowered.outputs)
                     if kind == "plan" and k in self._resident_positions(lowered, variant)}
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
         program = program_for(graph, device, resident, on_device)
-        entry = _BoundPlan(lowered, program, key, variant)
+        entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start
         if new:
             record = PlanRecord(key, lowered.ops, len(plan.dispatches), len(plan.kernels), len(report.fused),
                                 plan.stats["arena_bytes"], plan.stats["unplanned_bytes"], seconds, report.refused,
-                                graph.from_cache)
+                                graph.from_cache, self._dynamic_dims(plan),
+                                len(graph.guards.items) if graph.guards else 0)
             self.context.record(record)
             log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels,
                      seconds)
         return entry
+
+    def _dynamic_dims(self, plan) -> tuple[str, ...]:
+        """Each symbolic size of a dynamic graph, where it is read and the bound the plan is sized for."""
+        if self.dynamic is None:
+            return ()
+        names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return tuple(f"{names[i]}{'' if d is None else f'[{d}]'} <= {bound}"
+                     for (i, d), bound in zip(self.dynamic.sources, plan.bounds or (None,) * len(self.dynamic.sources)))
 
     def _resident_positions(self, lowered: LoweredGraph, variant: tuple) -> set[int]:
         """The output positions that stay on the device in ``variant``: saved activations, kept gradients, and an
@@ -247,7 +286,8 @@ class DevicePartition(torch.nn.Module):
 
     def _run(self, entry: _BoundPlan, args):
         lowered, program = entry.lowered, entry.program
-        results = program.run(*feed(lowered, args, program.device))
+        sizes = self.dynamic.values(args) if self.dynamic is not None else ()
+        results = program.run(*feed(lowered, args, program.device), sizes=sizes)
         keep, _ = entry.variant
         saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
         lazy = self._resident_positions(lowered, entry.variant) - saved
@@ -267,6 +307,44 @@ class DevicePartition(torch.nn.Module):
             if k in self.lazy_outputs and k not in self._returned and type(outs[-1]) is torch.Tensor:
                 outs[-1]._meganeura_returned = (weakref.ref(self), k)  # seen again as an input: lazy from then on
         return tuple(outs) if lowered.returns_tuple else outs[0]
+
+
+class SharedGraphs:
+    """The compiled graphs of this process, by what selects one: a partition's code and signature, which inputs are
+    parameters, and the options that change its plan. Partitions of different dynamo graphs share them: dynamo
+    compiles a frame again when an input's class changes (a KV cache that came back as a ``DeviceTensor``), and the
+    new graph's partitions then build only their programs. The least recently used of ``LIMIT`` entries go first."""
+
+    LIMIT = 256  # entries (each holds a plan and its lowered graph, no device object)
+
+    def __init__(self):
+        self._entries: OrderedDict[tuple, list[DeviceGraph]] = OrderedDict()
+
+    def find(self, key: tuple, device, values) -> DeviceGraph | None:
+        graphs = self._entries.get(key, [])
+        if graphs:
+            self._entries.move_to_end(key)
+        return next((g for g in graphs if g.device is device and g.holds(values)), None)
+
+    def add(self, key: tuple, graph: DeviceGraph) -> None:
+        graphs = self._entries.setdefault(key, [])
+        graphs[:] = [g for g in graphs if g.device is graph.device and not g.device.lost] + [graph]
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.LIMIT:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+SHARED_GRAPHS = SharedGraphs()
+
+
+def _graph_key(key: tuple) -> tuple:
+    """What selects a compiled graph (its plan) about a signature: a tensor on the device and one on the host are
+    the same input of the plan (only the program binds them differently)."""
+    return tuple((*item[:-1], "tensor") if isinstance(item, tuple) and item[-1:] == ("resident",) else item
+                 for item in key)
 
 
 def _note_returned(args) -> None:

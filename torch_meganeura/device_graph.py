@@ -6,8 +6,9 @@ they do with the outputs. Everything between is here, once:
 
 - ``unsupported_listing``: the ops the device cannot run, named with their reasons (each entry point words its own
   refusal or warning around it);
-- ``compile_device_graph``: lowering with the example values, then fusion, memory planning and kernels through the
-  persistent plan cache, with tuned matmul variants where asked (``tuning``);
+- ``compile_device_graph``: lowering with the example values (a dynamic graph's sizes as symbols, ``symbolic``),
+  then fusion, memory planning and kernels through the persistent plan cache, with tuned matmul variants where
+  asked (``tuning``);
 - ``program_for``: the plan instantiated on the device, outputs kept resident and inputs bound from the device where
   asked;
 - ``feed``: one call's inputs: torch tensors as host arrays (the program checks and converts them), resident
@@ -25,11 +26,13 @@ from meganeura.lowering.fusion import FusionReport
 from meganeura.runtime.plan import Plan
 from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
+from meganeura.kernels.sizes import Guards
 
 from .fx_lowering import LoweredGraph, lower_graph
 from .params import host_form
 from .device_tensor import kept_array
 from .resident import ResidentTensor
+from .symbolic import DynamicSizes, NotModelled
 from .tuning import compile_plan
 
 RNG_SEED_WORDS = 2  # random ops draw from a key of two int32 (``meganeura.lowering.expr.uniform``)
@@ -49,18 +52,40 @@ class DeviceGraph:
     report: FusionReport
     from_cache: bool  # the plan came from the persistent plan cache
     device: object = None
+    guards: Guards | None = None  # a dynamic graph's: the sizes the plan holds for (``meganeura.runtime.sizes``)
+
+    def holds(self, values) -> bool:
+        """Whether the plan serves a call whose symbols have ``values`` (a static graph's: always)."""
+        return self.guards is None or self.guards.check(values)
 
 
 def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[int], device, *,
                          tune: bool = False, f16_products: bool = False, limits: dict | None = None,
-                         in_place: dict[int, int] | None = None) -> DeviceGraph:
+                         in_place: dict[int, int] | None = None, dynamic: DynamicSizes | None = None) -> DeviceGraph:
     """Lower ``gm`` with the example values of its placeholders (those at ``param_indices`` become long-lived
     param buffers) and compile the plan for ``device`` (or for ``limits``, e.g. WebGPU's defaults for a bundle,
     then untuned: a bundle runs on other adapters).
 
     ``in_place`` (output index -> placeholder index) names outputs that may be stored over the buffer of an input
     whose old value the caller will not read again (a parameter and its update); the plan does so where it is safe
-    (``meganeura.lowering.in_place``), and the run then returns that input's device array, overwritten."""
+    (``meganeura.lowering.in_place``), and the run then returns that input's device array, overwritten.
+
+    A ``dynamic`` graph (one dynamo traced with symbolic sizes) is lowered with its sizes as ``Size``s hinted with
+    the example's values; the decisions taken from them are the plan's guards (``DeviceGraph.holds``)."""
+    if dynamic is None:
+        return _compiled(gm, example, param_indices, device, tune, f16_products, limits, in_place)
+    guards = dynamic.guards(example)
+    with guards.recording():
+        try:
+            symbolic = dynamic.example(gm, example)
+        except NotModelled:  # sizes we cannot express: a plan for these values alone
+            symbolic = dynamic.pin(example)
+        graph = _compiled(gm, symbolic, param_indices, device, tune, f16_products, limits, in_place)
+    graph.guards = guards
+    return graph
+
+
+def _compiled(gm, example, param_indices, device, tune, f16_products, limits, in_place) -> DeviceGraph:
     lowered = lower_graph(gm, example, param_indices)
     if in_place:
         lowered.graph.in_place = _in_place_request(lowered, in_place)

@@ -23,6 +23,8 @@ class ExplainReport:
     compile_seconds: float = 0.0  # first call, compile included
     device_compile_seconds: float = 0.0  # of it, meganeura's plans: lowering, fusion, kernels, parameter uploads
     cached_plans: int = 0  # partitions whose plan came from the persistent plan cache
+    plans: int = 0  # plans compiled (one per partition, and per variant of its sizes or signature)
+    dynamic_dims: list = field(default_factory=list)  # symbolic sizes of the plans ("placeholder[dim] <= bound")
     adapter: str = ""
     mode: str = ""  # "inference" or "training forward" (grad enabled and parameters that require it)
 
@@ -35,7 +37,8 @@ class ExplainReport:
             f"ops in eager:       {len(self.fallback_ops)}" + "".join(
                 f"\n  {op}: {why}" for op, why in sorted(self.fallback_ops.items())),
             f"fused producers:    {self.fused_producers}",
-            f"kernels:            {self.kernels}",
+            f"plans / kernels:    {self.plans} / {self.kernels}",
+            f"dynamic sizes:      {', '.join(self.dynamic_dims) or 'none (every size specialised)'}",
             f"dispatches per call: {self.dispatches}",
             f"intermediates:      {self.planned_bytes:,} B planned vs {self.unplanned_bytes:,} B unplanned",
             f"first call:         {self.compile_seconds:.3f} s (compile included; {self.cached_plans} of the "
@@ -46,15 +49,17 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def explain(model, *inputs, loss_fn=None, options: dict | None = None) -> ExplainReport:
+def explain(model, *inputs, loss_fn=None, options: dict | None = None, dynamic: bool | None = None) -> ExplainReport:
     """Compile ``model`` with the meganeura backend, call it once on ``inputs`` and report.
 
     With ``loss_fn``, the call is a training step: ``loss_fn(output).backward()`` runs too, and the counts
-    (dispatches, kernels, fallbacks) cover the forward and the backward graphs."""
+    (dispatches, kernels, fallbacks) cover the forward and the backward graphs. ``dynamic`` goes to
+    ``torch.compile``: with True the sizes are symbolic from the first call, and the report names them."""
     records: list = []
     BackendContext.recorders.append(records)
     try:
-        compiled = torch.compile(model, backend=lambda gm, ex: meganeura_backend(gm, ex, options=options))
+        compiled = torch.compile(model, backend=lambda gm, ex: meganeura_backend(gm, ex, options=options),
+                                 dynamic=dynamic)
         start = time.perf_counter()
         out = compiled(*inputs)
         if loss_fn is not None:
@@ -87,6 +92,8 @@ def explain(model, *inputs, loss_fn=None, options: dict | None = None) -> Explai
         report.unplanned_bytes += rec.unplanned_bytes
         report.cached_plans += rec.from_cache
         report.device_compile_seconds += rec.compile_seconds
+        report.plans += 1
+        report.dynamic_dims += [d for d in rec.dynamic if d not in report.dynamic_dims]
     from meganeura.runtime.device import get_device
     report.adapter = get_device((options or {}).get("adapter")).describe()
     return report

@@ -1,7 +1,7 @@
 """Lower one static-shape fx graph of aten ops into the torch-free IR, node by node, via the registry.
 
-Shapes come from the concrete inputs of the call being compiled (dynamic graphs are specialised here);
-dtypes come from the traced metadata. Every lowered value is checked against the traced shape where that
+Shapes come from the inputs of the call being compiled: concrete, or ``Size``s over a dynamic graph's symbols
+(``symbolic``); dtypes come from the traced metadata. Every lowered value is checked against the traced shape where that
 shape is static, so a wrong lowering fails loudly instead of computing garbage.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from meganeura.lowering.ir import FLOAT_DTYPES, Graph, Value
 
 from . import aten  # noqa: F401  (fills the registry)
 from .registry import LOWERINGS, LowerCtx, LoweringError, logical_dtype
+from .symbolic import SymbolicExample
 
 
 @dataclass
@@ -37,7 +38,7 @@ def lower_graph(gm: fx.GraphModule, args: list, param_indices: set[int]) -> Lowe
     inputs, params, ops = [], [], {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, (node, arg) in enumerate(zip(placeholders, args)):
-        if isinstance(arg, torch.Tensor):
+        if isinstance(arg, (torch.Tensor, SymbolicExample)):
             role = "param" if i in param_indices else "input"
             name = f"arg{i}"
             env[node] = b.input(name, tuple(arg.shape), logical_dtype(arg.dtype), role)

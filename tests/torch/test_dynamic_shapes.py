@@ -47,3 +47,87 @@ def test_a_view_of_an_input_in_a_training_graph():
         want = torch.autograd.grad(want_loss + want_view.sum(), (x, w))
         for g, e in zip(got, want):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+class Compiles:
+    """Counts, while active, the plans the backend compiles and the pipelines the device creates."""
+
+    def __enter__(self):
+        from meganeura.runtime.device import get_device
+        from torch_meganeura.backend import BackendContext
+        from torch_meganeura.compiled import PlanRecord
+
+        self._device, self._kind, self._records = get_device(), PlanRecord, []
+        self._context = BackendContext
+        BackendContext.recorders.append(self._records)
+        self._pipelines = self._device.counters.pipelines_created
+        return self
+
+    def __exit__(self, *exc):
+        self._context.recorders.remove(self._records)
+
+    @property
+    def plans(self) -> int:
+        return sum(isinstance(r, self._kind) for r in self._records)
+
+    @property
+    def pipelines(self) -> int:
+        return self._device.counters.pipelines_created - self._pipelines
+
+
+def test_one_plan_serves_every_size_of_a_dynamic_dimension():
+    """Pointwise chains, a concatenation, reductions over and along the dynamic dimension, a linear layer whose rows
+    it counts and one whose output is a single column: after dynamo's dynamic graph, new sizes compile nothing."""
+    lin, col = torch.nn.Linear(8, 12), torch.nn.Linear(8, 1)
+
+    def f(x, cache):
+        h = torch.relu(lin(x))
+        grown = torch.cat([cache, x * 2], dim=1)
+        return h.softmax(-1), col(x).squeeze(-1), torch.nn.functional.layer_norm(x.transpose(1, 2), (x.shape[1],)), \
+            grown, grown.mean(dim=(1, 2))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="meganeura")
+    sizes = [3, 5, 7, 6, 2, 4, 30]  # the dynamic graph compiles at 5 (cache 6): bounds 8 for both, until 30
+    with torch.no_grad():
+        for step, s in enumerate(sizes):
+            x, cache = torch.randn(2, s, 8), torch.randn(2, s + 1, 8)
+            with Compiles() as compiles:
+                got = compiled(x, cache)
+            for g, e in zip(got, f(x, cache)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+            if step >= 2:  # past the static graph and the dynamic one's first compile
+                replanned = int(s == sizes[-1])  # past the bounds: planned again, with the kernels it has
+                assert (compiles.plans, compiles.pipelines) == (replanned, 0), (s, compiles.plans, compiles.pipelines)
+
+
+def test_bert_on_batches_of_varying_length_and_size_compiles_kernels_only_for_new_dynamo_graphs(recwarn):
+    """HF BERT (padding mask) over batch sizes 1..8 and lengths 8..128. Kernels are compiled only at calls where
+    dynamo hands over a new graph: its first static one, the dynamic one, and one for batch 1 (dynamo specialises
+    sizes 0 and 1); every other size replays, or plans again past a bound (memory only, no kernel)."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128, initializer_range=0.1)
+    model = BertModel(config).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="meganeura")
+    shapes = [(2, 8), (3, 12), (1, 40), (8, 128), (4, 100), (1, 9), (6, 9), (5, 64), (1, 128)]
+    graphs = torch._dynamo.utils.counters["stats"]
+    first, replans = graphs["unique_graphs"], 0
+    with torch.no_grad():
+        for batch, length in shapes:
+            ids = torch.randint(0, 128, (batch, length))
+            mask = torch.ones(batch, length, dtype=torch.long)
+            mask[0, length // 2:] = 0
+            before = graphs["unique_graphs"]
+            with Compiles() as compiles:
+                got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+            want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            if graphs["unique_graphs"] == before:
+                assert compiles.pipelines == 0, (batch, length, compiles.pipelines)
+                replans += compiles.plans
+    assert graphs["unique_graphs"] - first <= 3
+    assert replans <= 4, replans  # bounds grow at most twice per symbol from (3, 12) to (8, 128)
+    assert not [str(w.message) for w in recwarn if "meganeura" in str(w.message)]  # nothing fell back

@@ -25,6 +25,7 @@ import torch
 
 from meganeura.kernels.attention import MASKED  # a score at or below counts as masked out
 from meganeura.kernels.attention import flash_forward_fits
+from meganeura.kernels.sizes import is_size
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput
 
@@ -109,6 +110,10 @@ def _sdpa_backward(ctx, grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=Fa
 
 # ------------------------------------------------------------------------------------ unfused (math) attention
 def _unfused(f: dict) -> bool:
+    """Whether the scores are stored (large head counts of short sequences); never where a size is symbolic: the
+    fused kernels serve every length with one plan."""
+    if any(is_size(f[name]) for name in ("batch", "lq", "lk")):
+        return False
     return f["lk"] >= UNFUSED_MIN_KEYS and f["batch"] * f["heads"] * f["lq"] * f["lk"] * 4 <= UNFUSED_MAX_SCORE_BYTES
 
 

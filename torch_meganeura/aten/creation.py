@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from meganeura.kernels.sizes import ceil_div, concrete, is_size, size_max
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import FLOAT_DTYPES
 
@@ -41,8 +42,12 @@ def _new_empty_strided(ctx, x, size, stride, **kwargs):
 def _arange(ctx, start, end=None, step=1, **kwargs):
     if end is None:
         start, end = 0, start
-    n = len(range(start, end, step)) if all(isinstance(v, int) for v in (start, end, step)) \
-        else int(torch.arange(start, end, step).numel())
+    if is_size(end) and isinstance(start, int) and isinstance(step, int) and step > 0:  # a dynamic graph's length
+        n = ceil_div(size_max(end - start, 0), step)
+    else:
+        start, end, step = (concrete(v) for v in (start, end, step))
+        n = len(range(start, end, step)) if all(isinstance(v, int) for v in (start, end, step)) \
+            else int(torch.arange(start, end, step).numel())
     dtype = ctx.out_dtype
     kind = E.F32 if dtype in FLOAT_DTYPES else E.I32
     expr = E.add(E.mul(E.cast(E.coord(0), kind), E.const(step, kind)), E.const(start, kind))

@@ -15,12 +15,13 @@ from ..registry import lowering
 aten = torch.ops.aten
 
 
-def _checked(ctx, index: E.Expr, size: int, what: str, wrap_negative: bool) -> E.Expr:
+def _checked(ctx, index: E.Expr, size, what: str, wrap_negative: bool) -> E.Expr:
     index = E.cast(index, E.I32)
     if wrap_negative:
         index = E.where(E.binary("lt", index, E.const(0, E.I32)), E.add(index, E.const(size, E.I32)), index)
     ok = E.binary("and", E.binary("ge", index, E.const(0, E.I32)), E.binary("lt", index, E.const(size, E.I32)))
-    return ctx.b.check(index, ok, f"index out of range in {what}: indices must lie in [0, {size})")
+    bound = size if isinstance(size, int) else "the dimension's size"  # (a dynamic graph's: one message for all)
+    return ctx.b.check(index, ok, f"index out of range in {what}: indices must lie in [0, {bound})")
 
 
 @lowering(aten.embedding.default)

@@ -1,0 +1,176 @@
+"""The dynamic sizes of a graph that dynamo compiled with symbolic shapes, as ``meganeura.runtime.sizes`` symbols.
+
+Dynamo hands a graph whose placeholders carry SymInt sizes (its automatic dynamic shapes, after a second distinct
+shape, or ``dynamic=True``): tensors with symbolic dimensions, and SymInt arguments (``2*s27``). ``DynamicSizes.of``
+finds the graph's sympy symbols and, for each, where a call's arguments hold its value (a tensor's dimension, or an
+int argument); ``example`` gives the placeholders' sizes as ``Size`` polynomials over them, hinted with a call's
+concrete values, for lowering; ``values`` reads a call's symbol values. A graph whose symbols cannot all be read
+from its arguments, or whose sizes use a function we do not model, is compiled for concrete sizes, as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, PythonMod
+
+from meganeura.kernels import sizes as S
+
+DYNAMO_LOWER_BOUND = 2  # dynamo specialises sizes 0 and 1: its dynamic sizes are at least 2
+
+
+class NotModelled(Exception):
+    """A symbolic size uses something ``to_size`` does not model."""
+
+
+@dataclass(frozen=True)
+class DynamicSizes:
+    """The symbols of a graph: ``names[k]`` (sympy's, e.g. "s27") is symbol k, read from ``sources[k]``: (placeholder
+    index, dimension) of a tensor, or (placeholder index, None) of an int argument. ``dynamic`` maps each placeholder
+    with a symbolic size to its symbolic dimensions (None for an int argument)."""
+
+    names: tuple[str, ...]
+    sources: tuple[tuple[int, int | None], ...]
+    lower: tuple[int, ...]
+    dynamic: tuple[tuple[int, frozenset | None], ...]
+
+    @staticmethod
+    def of(gm: torch.fx.GraphModule) -> "DynamicSizes | None":
+        """The graph's symbols, or None where it has none, or one that no argument holds as it is."""
+        sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
+        wanted: set[sympy.Symbol] = set()
+        lower: dict[sympy.Symbol, int] = {}
+        dynamic = []
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):
+            dims = _symbolic_dims(node.meta.get("val"))
+            if dims:
+                dynamic.append((i, None if dims[0][0] is None else frozenset(d for d, _ in dims)))
+            for d, expr in dims:
+                wanted |= expr.free_symbols
+                if isinstance(expr, sympy.Symbol):
+                    sources.setdefault(expr, (i, d))
+                    lower[expr] = _lower_bound(node.meta.get("val"), d)
+        if not wanted or wanted - set(sources):
+            return None
+        order = sorted(wanted, key=lambda s: sources[s])
+        return DynamicSizes(tuple(str(s) for s in order), tuple(sources[s] for s in order),
+                            tuple(lower[s] for s in order), tuple(dynamic))
+
+    def abstract(self, key: tuple) -> tuple:
+        """A call's signature (``compiled.signature``) with the symbolic sizes left out: what selects the plans
+        that may serve it, whose guards then decide."""
+        key = list(key)
+        for i, dims in self.dynamic:
+            if dims is None:
+                key[i] = None
+            else:
+                shape, *rest = key[i]
+                key[i] = (tuple(None if d in dims else s for d, s in enumerate(shape)), *rest)
+        return tuple(key)
+
+    def values(self, args) -> tuple[int, ...]:
+        """The symbols' values in a call with placeholder values ``args``."""
+        return tuple(int(args[i]) if d is None else args[i].shape[d] for i, d in self.sources)
+
+    def pin(self, args) -> list:
+        """``args`` as they are, with every symbol's value recorded as a guard: a plan for these sizes alone."""
+        for k, value in enumerate(self.values(args)):
+            S.symbol(k, value).concrete()
+        return list(args)
+
+    def guards(self, args) -> S.Guards:
+        """The guards of a compile for a call with placeholder values ``args`` (its symbols' hints)."""
+        return S.Guards(dict(enumerate(self.lower)), dict(enumerate(self.values(args))))
+
+    def example(self, gm: torch.fx.GraphModule, args) -> list:
+        """``args`` with the sizes of tensors and the int arguments of the graph's placeholders as Sizes, hinted with
+        this call's values: tensors as ``SymbolicExample``s."""
+        hints = self.values(args)
+        symbols = {sympy.Symbol(name, integer=True): S.symbol(k, h) for k, (name, h) in enumerate(zip(self.names,
+                                                                                                      hints))}
+        by_name = {str(s): v for s, v in symbols.items()}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        out = []
+        for node, arg in zip(placeholders, args):
+            val = node.meta.get("val")
+            if isinstance(arg, torch.Tensor) and isinstance(val, torch.Tensor):
+                shape = tuple(to_size(_expr(s), by_name) if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
+                out.append(SymbolicExample(arg, shape))
+            elif isinstance(val, torch.SymInt):
+                out.append(to_size(_expr(val), by_name))
+            else:
+                out.append(arg)
+        return out
+
+
+@dataclass(frozen=True)
+class SymbolicExample:
+    """A call's tensor argument with its sizes as Sizes (``shape``): what lowering reads of it."""
+
+    tensor: torch.Tensor
+    shape: tuple
+
+    @property
+    def dtype(self):
+        return self.tensor.dtype
+
+
+def _expr(s: torch.SymInt) -> sympy.Expr:
+    return s.node.expr
+
+
+def _symbolic_dims(val):
+    if isinstance(val, torch.Tensor):
+        return [(d, _expr(s)) for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and not _is_int(s)]
+    if isinstance(val, torch.SymInt) and not _is_int(val):
+        return [(None, _expr(val))]
+    return []
+
+
+def _is_int(s: torch.SymInt) -> bool:
+    return isinstance(_expr(s), sympy.Integer)
+
+
+def _lower_bound(val, d) -> int:
+    s = val if d is None else val.shape[d]
+    node = s.node
+    try:
+        low = node.shape_env.var_to_range[node.expr].lower
+        return max(int(low), 0)
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return DYNAMO_LOWER_BOUND
+
+
+def to_size(expr: sympy.Expr, symbols: dict[str, S.Size]):
+    """A sympy size expression as a ``Size`` over ``symbols`` (by name); raises NotModelled for what it cannot."""
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        if str(expr) not in symbols:
+            raise NotModelled(f"symbol {expr} is not among the graph's")
+        return symbols[str(expr)]
+    args = [to_size(a, symbols) for a in expr.args]
+    if isinstance(expr, sympy.Add):
+        return sum(args[1:], args[0])
+    if isinstance(expr, sympy.Mul):
+        return S.product(args)
+    if isinstance(expr, sympy.Pow) and isinstance(args[1], int) and args[1] >= 0:
+        return S.product([args[0]] * args[1])
+    if isinstance(expr, (FloorDiv, CleanDiv)):
+        return S.floordiv(args[0], args[1])
+    if isinstance(expr, (Mod, PythonMod)):
+        return S.mod(args[0], args[1])
+    if isinstance(expr, Max):
+        return _fold(S.size_max, args)
+    if isinstance(expr, Min):
+        return _fold(S.size_min, args)
+    raise NotModelled(f"size expression {expr} ({type(expr).__name__})")
+
+
+def _fold(fn, args):
+    out = args[0]
+    for a in args[1:]:
+        out = fn(out, a)
+    return out
