@@ -170,3 +170,34 @@ def check_against_eager(fn, *inputs, rtol: float = 1e-4, atol: float = 1e-5, rel
     assert_same(got, want, rtol=rtol, atol=atol, rel=rel)
     compiled.meganeura_warnings = meganeura_warnings(caught)  # for tests that expect a particular fallback
     return compiled
+
+
+class Compiles:
+    """Counts, while active, the plans the backend compiles and the pipelines the device creates."""
+
+    def __enter__(self):
+        from meganeura.runtime.device import get_device
+        from torch_meganeura.backend import BackendContext
+        from torch_meganeura.compiled import PlanRecord
+
+        self._device, self._kind, self._records = get_device(), PlanRecord, []
+        self._context = BackendContext
+        BackendContext.recorders.append(self._records)
+        self._pipelines = self._device.counters.pipelines_created
+        return self
+
+    def __exit__(self, *exc):
+        self._context.recorders.remove(self._records)
+
+    @property
+    def plans(self) -> int:
+        return sum(isinstance(r, self._kind) for r in self._records)
+
+    @property
+    def pipelines(self) -> int:
+        return self._device.counters.pipelines_created - self._pipelines
+
+    @property
+    def dynamic(self) -> list[str]:
+        """The symbolic sizes of the plans compiled (each "placeholder[dim] <= bound")."""
+        return [d for r in self._records if isinstance(r, self._kind) for d in r.dynamic]

@@ -1,6 +1,8 @@
 """Graphs that dynamo recompiles with symbolic sizes (its automatic dynamic shapes, after a second distinct shape)."""
 import torch
 
+from helpers.compare import Compiles
+
 
 
 def split_heads(x, heads):
@@ -47,32 +49,6 @@ def test_a_view_of_an_input_in_a_training_graph():
         want = torch.autograd.grad(want_loss + want_view.sum(), (x, w))
         for g, e in zip(got, want):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-
-
-class Compiles:
-    """Counts, while active, the plans the backend compiles and the pipelines the device creates."""
-
-    def __enter__(self):
-        from meganeura.runtime.device import get_device
-        from torch_meganeura.backend import BackendContext
-        from torch_meganeura.compiled import PlanRecord
-
-        self._device, self._kind, self._records = get_device(), PlanRecord, []
-        self._context = BackendContext
-        BackendContext.recorders.append(self._records)
-        self._pipelines = self._device.counters.pipelines_created
-        return self
-
-    def __exit__(self, *exc):
-        self._context.recorders.remove(self._records)
-
-    @property
-    def plans(self) -> int:
-        return sum(isinstance(r, self._kind) for r in self._records)
-
-    @property
-    def pipelines(self) -> int:
-        return self._device.counters.pipelines_created - self._pipelines
 
 
 def test_one_plan_serves_every_size_of_a_dynamic_dimension():

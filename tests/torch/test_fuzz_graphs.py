@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.compare import EAGER_ERROR_FACTOR, ERROR_FLOOR, assert_within_eager_error
+from helpers.compare import EAGER_ERROR_FACTOR, ERROR_FLOOR, Compiles, assert_within_eager_error
 from torch_meganeura import compile_train_step
 from torch_meganeura.aten import attention
 
@@ -195,3 +195,43 @@ def test_random_program_three_ways(seed, monkeypatch):
 def test_random_program_three_ways_more_seeds(seed, monkeypatch):
     _check(seed, monkeypatch)
 
+
+
+def _check_symbolic(seed: int, monkeypatch):
+    """The backend with every size symbolic (``dynamic=True``: one plan for any size), forward and backward, at the
+    program's sizes and at a longer sequence where no weight's shape depends on it."""
+    program = Program(seed)
+    if seed % 2:
+        monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", 1)
+    torch._dynamo.reset()  # (also empties the shared graphs: each seed compiles its own plans)
+    compiled = torch.compile(program.run, backend="meganeura", dynamic=True, options={"fallback": "error"})
+    first = program.seq
+    longer = [] if _linear_over_seq in program.steps else [first + 3]
+    for seq in [first, *longer]:
+        program.seq = seq
+        x, ids, weights, cot = _inputs(program, seed)
+        exact, exact_grads = _eager(program, x, ids, weights, cot, torch.float64)
+        eager, eager_grads = _eager(program, x, ids, weights, cot, torch.float32)
+        leaves = [t.detach().clone().requires_grad_() for t in [x, *weights]]
+        with warnings.catch_warnings(), Compiles() as compiles:
+            warnings.simplefilter("ignore")
+            got = compiled(leaves[0], ids, *leaves[1:])
+            (got * cot).sum().backward()
+        what = f"seed {seed} ({program.describe()}), symbolic sizes at seq {seq}"
+        if seq == first and _slice_roll not in program.steps:  # (its offset, an int of the length, specialises it)
+            assert compiles.dynamic, f"{what}: no plan was compiled over symbolic sizes"
+        assert_within_eager_error(got.detach(), eager, exact, what=f"{what}: output")
+        names = ["x"] + [f"w{i}" for i in range(len(weights))]
+        for name, leaf, e, want in zip(names, leaves, eager_grads, exact_grads):
+            assert_within_eager_error(leaf.grad, e, want, what=f"{what}: grad of {name}")
+
+
+@pytest.mark.parametrize("seed", FAST_SEEDS)
+def test_random_program_with_symbolic_sizes(seed, monkeypatch):
+    _check_symbolic(seed, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+def test_random_program_with_symbolic_sizes_more_seeds(seed, monkeypatch):
+    _check_symbolic(seed, monkeypatch)
