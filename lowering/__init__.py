@@ -7,8 +7,12 @@ fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilo
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
 eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
 producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products that share an operand side by
-side in one matmul) -> hoist_writers (in-place updates moved up to just after their last dependency: in_place.py)
+side in one matmul) -> separate_checks (the data checks from the first in-place update on run first, in kernels of
+their own) -> hoist_writers (in-place updates moved up to just after their last dependency: in_place.py)
 -> schedule (memory plan + WGSL + dispatches).
+
+A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``: every kernel then keeps
+one storage binding for the plan's size buffer (``schedule.symbol_count``).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from .bindings import fit_bindings
 from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
 from .fusion import FusionReport, fuse
-from .in_place import hoist_writers
+from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output
 from .remat import rematerialize
@@ -37,8 +41,10 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     fuse_multi_output(graph, max_bindings, report)
     common = eliminate_common_nodes(graph)
     fuse_sibling_matmuls(graph, max_bindings, report)
+    separated = separate_checks(graph)
     hoisted = hoist_writers(graph)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,
-                                          "hoisted_writers": hoisted, "rematerialized": copies},
+                                          "hoisted_writers": hoisted, "rematerialized": copies,
+                                          "separated_checks": separated},
                     choose_matmuls=choose_matmuls, on_kernel=on_kernel)
     return plan, report

@@ -23,7 +23,7 @@ from meganeura.runtime.dtypes import STORAGE
 from . import expr as E
 from .bindings import checks
 from .indexing import linear_index, simplify
-from .ir import Graph, Input, Node, Pointwise, Value, last_reads
+from .ir import Graph, Input, Node, Pointwise, Reduce, RowOutput, Value, last_reads
 
 
 class StoredOver(NamedTuple):
@@ -83,6 +83,49 @@ def _refusal(v: Value, target: Input, producers: dict, step: dict, last_read: di
             if ld.args[0] == old.id and simplify(linear_index(ld.args[1], old.shape), bounds) != here:
                 return "its kernel reads the input at other elements"
     return None
+
+
+def separate_checks(graph: Graph) -> int:
+    """Move the data checks of the kernels from the first requested in-place writer on into kernels of their own
+    (a reduction over the kernel's domain that only raises the status), each placed as early as what it reads
+    allows: the checks then all run before any input is overwritten, and the writers store only while the status
+    word is clear. A static KV cache's update checks its position, and a fused embedding lookup carries its index
+    check into later kernels: either refused every request. Returns how many check kernels were added."""
+    producers = graph.producers()
+    writers = [producers.get(graph.outputs[p].id) for p in graph.in_place]
+    first = min((graph.nodes.index(w) for w in writers if isinstance(w, Pointwise)), default=None)
+    if first is None:
+        return 0
+    next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
+    found: dict[tuple, Reduce] = {}  # (domain, checks) -> its kernel
+    for node in graph.nodes[first:]:
+        exprs = node.exprs()
+        if not checks(exprs):
+            continue
+        for e, domain in zip(exprs, node.domains()):
+            conditions = tuple(dict.fromkeys((n.args[1], n.args[2]) for n in E.walk(e) if n.op == "check"))
+            if conditions and (domain, conditions) not in found:
+                found[domain, conditions] = _check_kernel(Value(next_id + len(found), (), "int32"), domain,
+                                                          conditions)
+        node.set_exprs([_without_checks(e) for e in exprs])
+    for kernel in found.values():
+        loaded = {ld.args[0] for e in kernel.exprs() for ld in E.loads_of(e)}
+        after = max((i for i, n in enumerate(graph.nodes) if any(v.id in loaded for v in n.outs)), default=-1)
+        graph.nodes.insert(after + 1, kernel)
+    return len(found)
+
+
+def _check_kernel(out: Value, domain: tuple, conditions: tuple) -> Reduce:
+    """A reduction over ``domain`` that stores nothing of use and raises the status where a condition fails."""
+    checked = E.const(0, E.I32)
+    for condition, code in conditions:
+        checked = E.Expr("check", (checked, condition, code), E.I32)
+    return Reduce([out], domain=domain, axes=tuple(range(len(domain))), phases=[("max", checked)],
+                  results=[RowOutput(False, E.acc(0, E.I32))], label="checks")
+
+
+def _without_checks(e: E.Expr) -> E.Expr:
+    return E.substitute(e, lambda n: n.args[0] if n.op == "check" else None)
 
 
 def hoist_writers(graph: Graph) -> int:

@@ -123,6 +123,32 @@ def _plain_user_outputs(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in plain if isinstance(n, fx.Node)} - set(others)
 
 
+def _mutated_inputs(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """An inference graph's outputs that are new values of its inputs (a static KV cache's ``index_copy_``), each to
+    the placeholder it updates: aot_autograd copies them into the inputs after the call."""
+    meta = _fw_metadata()
+    if meta is None:
+        return {}
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = len(getattr(meta, "tokens", None) or ())
+    updates = {}
+    for k, i in enumerate(meta.mutated_inp_runtime_indices):
+        info = meta.input_info[i]
+        if info.mutates_data and not info.mutates_metadata and isinstance(outputs[first + k], fx.Node):
+            updates[outputs[first + k]] = placeholders[i]
+    return updates
+
+
+def _updates_in_place(node: fx.Node, mutated: dict[fx.Node, fx.Node]) -> dict[int, int]:
+    """Partition call ``node``'s outputs that are new values of its own arguments: output position -> argument
+    index (the plan stores them over the argument's device array: ``DevicePartition``)."""
+    args = list(node.args)
+    outputs = {0: node} if node in mutated else {}  # (a partition of one output is its value)
+    outputs.update({u.args[1]: u for u in node.users if u.target is operator.getitem and u in mutated})
+    return {position: args.index(mutated[out]) for position, out in outputs.items() if mutated[out] in args}
+
+
 def _resident_outputs(node: fx.Node, saved: set[fx.Node]) -> set[int]:
     """Output positions of partition call ``node`` whose only use is being returned in ``saved``."""
     output = next(n for n in node.graph.nodes if n.op == "output")
@@ -148,6 +174,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
     returned = _plain_user_outputs(fused) if mode == "inference" else set()  # stay on the device until read
+    mutated = _mutated_inputs(fused) if mode == "inference" else {}  # updated on the device, in place
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
@@ -157,7 +184,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 getattr(fused, node.target), sub_params, context, _resident_outputs(node, saved),
                 fast=not backward and context.options.precision == "fast",
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
-                lazy_outputs=_resident_outputs(node, returned)))
+                lazy_outputs=_resident_outputs(node, returned), mutated=_updates_in_place(node, mutated)))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
 

@@ -28,7 +28,7 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from .device_tensor import DeviceTensor, lazy_output
+from .device_tensor import DeviceTensor, adopt, device_input, lazy_output
 from .fx_lowering import LoweredGraph
 from .params import ParamStore, tensor_from_host
 from .resident import ResidentTensor
@@ -156,7 +156,8 @@ class DevicePartition(torch.nn.Module):
     """Runs ``gm`` on the device; stands in for the fused submodule the partitioner made."""
 
     def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
-                 fast: bool = False, kept_gradients=frozenset(), kept=None, lazy_outputs=frozenset()):
+                 fast: bool = False, kept_gradients=frozenset(), kept=None, lazy_outputs=frozenset(),
+                 mutated=None):
         super().__init__()
         self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
@@ -169,6 +170,10 @@ class DevicePartition(torch.nn.Module):
         # of a compiled call (``_returned``: a KV cache that Python only hands back) stay on the device from then on,
         # until eager code reads them (``device_tensor``); a position read once is read back at every later call.
         self.lazy_outputs, self._returned, self._read = frozenset(lazy_outputs), frozenset(), frozenset()
+        # An inference graph's outputs that are new values of its arguments (output position -> argument index: a
+        # static KV cache's update): stored over the argument's device array, which the argument then stands for
+        # (``device_tensor.adopt``); aot_autograd's copy of the new value into the argument is then a no-op.
+        self.mutated = dict(mutated or {})
         self.context = context  # the backend's shared state: device, parameter store, records
         self.dynamic = DynamicSizes.of(gm)  # a graph dynamo traced with symbolic sizes: its symbols, else None
         self._plans: dict[tuple, list[_BoundPlan] | None] = {}  # by variant and signature; None: falls back
@@ -230,19 +235,20 @@ class DevicePartition(torch.nn.Module):
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
         f16 = self.fast and self.context.f16_products(device)
         tune = tuning_enabled(self.context.options.tune)
-        shared = (self._code, _graph_key(key), frozenset(params), f16, tune,
+        shared = (self._code, _graph_key(key), frozenset(params), f16, tune, tuple(sorted(self.mutated.items())),
                   self.dynamic.sources if self.dynamic is not None else None)
         graph = SHARED_GRAPHS.find(shared, device, values)
         new = graph is None
         if new:
             graph = compile_device_graph(self.gm, list(args), params, device, tune=tune, f16_products=f16,
-                                         dynamic=self.dynamic)
+                                         dynamic=self.dynamic, in_place=self.mutated)
             SHARED_GRAPHS.add(shared, graph)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
         resident = {item for k, (kind, item) in enumerate(lowered.outputs)
                     if kind == "plan" and k in self._resident_positions(lowered, variant)}
+        updated = self._updated_inputs(graph)
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
-                     if arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
+                     if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
         program = program_for(graph, device, resident, on_device)
         entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
@@ -266,6 +272,13 @@ class DevicePartition(torch.nn.Module):
         return tuple(f"{names[i]}{'' if d is None else f'[{d}]'} <= {bound}"
                      for (i, d), bound in zip(self.dynamic.sources, plan.bounds or (None,) * len(self.dynamic.sources)))
 
+    def _updated_inputs(self, graph: DeviceGraph) -> dict[int, int]:
+        """Argument index -> output position of the updates the plan stores in place (``mutated``, where the plan
+        found it safe; the others come back as outputs, and aot_autograd copies them into the arguments)."""
+        names = dict(graph.lowered.inputs)
+        stored = set(graph.plan.in_place.values())
+        return {i: k for k, i in self.mutated.items() if names.get(i) in stored}
+
     def _resident_positions(self, lowered: LoweredGraph, variant: tuple) -> set[int]:
         """The output positions that stay on the device in ``variant``: saved activations, kept gradients, and an
         inference graph's outputs that come back as inputs and were not read."""
@@ -287,14 +300,23 @@ class DevicePartition(torch.nn.Module):
     def _run(self, entry: _BoundPlan, args):
         lowered, program = entry.lowered, entry.program
         sizes = self.dynamic.values(args) if self.dynamic is not None else ()
-        results = program.run(*feed(lowered, args, program.device), sizes=sizes)
+        host, on_device = feed(lowered, args, program.device)
+        updated = self._updated_inputs(entry.graph)
+        names = dict(lowered.inputs)
+        for i in updated:  # a new array the first time, the argument's own later
+            host.pop(names[i], None)
+            on_device[names[i]] = device_input(args[i], program.device)
+        results = program.run(host, on_device, sizes=sizes)
+        adopted = {k: adopt(args[i], results[lowered.outputs[k][1]]) for i, k in updated.items()}
         keep, _ = entry.variant
         saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
         lazy = self._resident_positions(lowered, entry.variant) - saved
         outs, made = [], {}
         for k, (kind, item) in enumerate(lowered.outputs):
             value = item if kind == "const" else results[item]
-            if kind == "const":
+            if k in adopted:
+                outs.append(adopted[k])
+            elif kind == "const":
                 outs.append(value)
             elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
                 outs.append(tensor_from_host(value))

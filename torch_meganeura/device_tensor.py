@@ -12,7 +12,8 @@ plain tensors they are, and the backend binds their device arrays instead of upl
   backend's ``ParamStore`` entry, which the device update writes.
 - ``DeviceTensor``: an output of an inference graph that eager code has not read (a KV cache that Python only hands
   back to the next call), with a device array of its own (``lazy_output``); a call that takes it back binds that
-  array (``bound_array``).
+  array (``bound_array``). Or an input that a graph updated in place on the device (a static KV cache): the tensor
+  itself then stands for the array (``adopt``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .registry import logical_dtype
 from .resident import TORCH_DTYPE
 
 _DATA_ATTRIBUTES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})  # properties that return the data
+_OVERWRITES = frozenset({torch.Tensor.zero_, torch.Tensor.fill_})  # methods that write every element of self
 _METADATA_METHODS = frozenset({
     torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
     torch.Tensor.element_size, torch.Tensor.data_ptr, torch.Tensor.is_contiguous, torch.Tensor.__hash__,
@@ -42,13 +44,15 @@ _METADATA_METHODS = frozenset({
 class Kept:
     """A tensor's link to its device values: its own ``array``, or a ``store``'s copy of it (a parameter);
     ``stale`` while the device holds values the host has not got; ``version``, the tensor's version when the array
-    was last current (a later one: the host wrote it); ``on_read``, called at the first download."""
+    was last current (a later one: the host wrote it); ``on_read``, called at the first download; ``self_copy``,
+    while aot_autograd may still copy the tensor into itself (``adopt``): one version step that writes nothing."""
 
-    __slots__ = ("store", "array", "stale", "version", "on_read")
+    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy")
 
     def __init__(self, store=None, array: DeviceArray | None = None, stale: bool = False, version: int = 0,
-                 on_read=None):
+                 on_read=None, self_copy: bool = False):
         self.store, self.array, self.stale, self.version, self.on_read = store, array, stale, version, on_read
+        self.self_copy = self_copy
 
     def device_array(self, t: torch.Tensor) -> DeviceArray:
         return self.array if self.array is not None else self.store.kept(t)
@@ -71,6 +75,8 @@ class _EagerOverride:
 
 def _torch_function(cls, func, types_, args=(), kwargs=None):
     kwargs = kwargs or {}
+    if func is torch.Tensor.copy_ and len(args) == 2 and args[0] is args[1]:
+        return args[0]  # a tensor into itself (aot_autograd applying a mutation already made on the device)
     _before_eager(cls, func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
@@ -120,15 +126,40 @@ def lazy_output(array: DeviceArray, on_read=None) -> DeviceTensor:
 
 
 def bound_array(t: DeviceTensor) -> DeviceArray:
-    """The device array of ``t`` with its current values: what eager code wrote since goes up first."""
+    """The device array of ``t`` with its current values: what eager code (or aot_autograd, copying a graph's new
+    value into it with overrides off) wrote since goes up first; but not the one version step of aot_autograd
+    copying an adopted tensor into itself."""
     kept = t._meganeura_kept
     with torch._C.DisableTorchFunctionSubclass():
+        if kept.self_copy and t._version == kept.version + 1:
+            kept.version = t._version
+        kept.self_copy = False
         if t._version != kept.version:
             data = host_words(host_form(t), logical_dtype(t.dtype))
             if data.size:
                 kept.array.device.write(kept.array.buffer, 0, data, "device tensor")
             kept.version, kept.stale = t._version, False
     return kept.array
+
+
+def adopt(t: torch.Tensor, array: DeviceArray) -> torch.Tensor:
+    """``t`` itself, its values now ``array``'s (a graph updated it on the device): a ``DeviceTensor`` from here on,
+    its host copy stale (a static KV cache that a compiled call updated in place)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if type(t) is not DeviceTensor:
+            t.__class__ = DeviceTensor
+        t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True)
+    return t
+
+
+def device_input(t: torch.Tensor, device) -> DeviceArray:
+    """The device array a graph updates ``t`` in (``adopt``): its own where it is a ``DeviceTensor`` of ``device``,
+    else a new one holding its values."""
+    found = kept_array(t, device)
+    if found is not None:
+        return found
+    with torch._C.DisableTorchFunctionSubclass():
+        return DeviceArray.upload(device, host_form(t), logical_dtype(t.dtype))
 
 
 def kept_array(value, device) -> DeviceArray | None:
@@ -148,7 +179,9 @@ def _before_eager(cls, func, args, kwargs) -> None:
             kept = getattr(arg, "_meganeura_kept", None) if type(arg) is cls else None
             if kept is None:
                 continue
-            if reads:
+            if func in _OVERWRITES and arg is args[0]:
+                kept.stale = False  # every element is written: the host's values become the truth, none downloaded
+            elif reads:
                 _sync(arg, kept)
             elif _descriptor(func) == "data" and func.__name__ == "__set__":
                 kept.stale = False

@@ -50,9 +50,7 @@ def test_an_update_is_stored_over_its_input_and_bound_once():
      "a later kernel reads the input"),
     (lambda b, p: b.map(lambda a, s: E.add(a, s), p, b.reshape(b.reduce_simple(p, (1,), "sum", "float32"), (6, 1)),
                         dtype="float32"), None, "its kernel is a Reduce"),
-    (lambda b, p: b.map(lambda a: b.check(a, E.binary("lt", a, E.const(100.0, E.F32)), "too large"), p,
-                        dtype="float32"), None, "checks data"),
-], ids=["transposed", "read-later", "reduction", "checks"])
+], ids=["transposed", "read-later", "reduction"])
 def test_unsafe_requests_keep_a_buffer_of_their_own(read, extra, reason):
     n = (6, 6)
     plan = plan_of(sgd_graph(n, read, extra))
@@ -119,6 +117,25 @@ def test_a_failed_check_leaves_the_input_as_it_was():
     np.testing.assert_array_equal(array.numpy(), start)
     program.run({"i": np.array([0, 1, 2, 3, 3, 0, 1, 2], np.int32), "table": entries}, device_inputs={"p": array})
     np.testing.assert_allclose(array.numpy(), start - 12.0, rtol=1e-6)
+
+
+def test_a_writer_that_checks_has_its_checks_run_first():
+    """An update whose own expression checks its input (a static KV cache's position check): the checks become a
+    kernel of their own before it, the request is granted, and a failing check leaves the input as it was."""
+    n = (6, 6)
+    plan = plan_of(sgd_graph(n, lambda b, p: b.map(
+        lambda a: b.check(a, E.binary("lt", a, E.const(100.0, E.F32)), "too large"), p, dtype="float32")))
+    assert plan.in_place == {"out0": "p"} and plan.stats["separated_checks"] == 1
+    device = get_device()
+    program = Program(device, compile_graph(sgd_graph(n, lambda b, p: b.map(
+        lambda a: b.check(a, E.binary("lt", a, E.const(100.0, E.F32)), "too large"), p, dtype="float32")),
+        device.limits)[0], device_only_inputs=["p"])
+    start = RNG.standard_normal(n, dtype=np.float32)
+    start[2, 3] = 500.0
+    array = DeviceArray.upload(device, start, "float32")
+    with pytest.raises(KernelStatusError, match="too large"):
+        program.run({"g": np.ones(n, np.float32)}, device_inputs={"p": array})
+    np.testing.assert_array_equal(array.numpy(), start)
 
 
 def test_updates_move_up_to_free_their_gradients_early():

@@ -1,7 +1,9 @@
 """HF ``generate`` through the backend as users call it: ``model.forward = torch.compile(model.forward,
-backend="meganeura")``, greedy, with the default (dynamic) KV cache and with the static cache. The tokens must equal
-eager's, and a decode step must not move the KV cache between host and device: the cache tensors a call returns stay
-on the device (``device_tensor.DeviceTensor``) and are bound as they are when the next call takes them back."""
+backend="meganeura")``, greedy, 64 new tokens, with the default (dynamic) KV cache and with the static cache. The
+tokens must equal eager's; no kernel is compiled once dynamo has its decode graph, whatever the length (plans over
+symbolic sizes); and a decode step does not move the KV cache between host and device: the cache tensors a call
+returns stay on the device (``device_tensor.DeviceTensor``) and are bound as they are when the next call takes them
+back, and a static cache is updated in place on the device."""
 import pytest
 import torch
 
@@ -9,26 +11,34 @@ from helpers.compare import device_counters
 from helpers.models import LLAMA
 
 PROMPT = 7
-NEW_TOKENS = 12
-STEP_UPLOAD_BYTES = 64  # a decode step's token id and cache position (int32 each), with room to spare
+NEW_TOKENS = 64
+STEP_UPLOAD_BYTES = 128  # a decode step's token id, positions and sizes (int32 each), with room to spare
 STEP_READBACK_EXTRA = 64  # beside the logits: the status words
+# Forward calls before the steady state, default cache: the prefill, dynamo's first decode graph (static sizes), its
+# dynamic one (kernels compiled last here), then the cache coming back as DeviceTensors (dynamo traces the frame
+# again: a new input class; the plans are shared) and the new graph learning which outputs come back.
+DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM = 3, 6
+# Static cache: the prefill, the decode graph, then the cache as DeviceTensors (traced again, plans shared).
+STATIC_CACHE_KERNELS_UNTIL, STATIC_CACHE_STEADY_FROM = 2, 3
 
 
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "use_cache": True})).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "use_cache": True, "max_position_embeddings": 128})).eval()
 
 
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    config = GPT2Config(vocab_size=128, n_positions=128, n_embd=64, n_layer=2, n_head=4)
     return GPT2LMHeadModel(config).eval()
 
 
 class StepCounter:
-    """Wraps a compiled forward: the device's bytes moved by each call."""
+    """Wraps a compiled forward: the device's bytes moved and pipelines created by each call."""
+
+    KEYS = ("bytes_uploaded", "bytes_downloaded", "pipelines_created")
 
     def __init__(self, forward):
         self.forward, self.steps = forward, []
@@ -37,13 +47,25 @@ class StepCounter:
         before = device_counters()
         out = self.forward(*args, **kwargs)
         after = device_counters()
-        self.steps.append({k: after[k] - before[k] for k in ("bytes_uploaded", "bytes_downloaded")})
+        self.steps.append({k: after[k] - before[k] for k in self.KEYS})
         return out
 
 
 def _generate(model, prompt, **kwargs):
     with torch.no_grad():
         return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+
+
+def _check_steps(steps, vocab: int, kernels_until: int, steady_from: int, mask_positions: int = 0) -> None:
+    """No kernel from call ``kernels_until`` on; from ``steady_from`` on, each call moves its inputs (and an attention
+    mask of ``mask_positions``, int32 each) up and the logits down, not the cache."""
+    assert len(steps) == NEW_TOKENS
+    for k, step in enumerate(steps):
+        if k >= kernels_until:
+            assert step["pipelines_created"] == 0, (k, step)
+        if k >= steady_from:
+            assert step["bytes_uploaded"] <= STEP_UPLOAD_BYTES + 4 * mask_positions, (k, step)
+            assert step["bytes_downloaded"] <= 4 * vocab + STEP_READBACK_EXTRA, (k, step)
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
@@ -54,23 +76,28 @@ def test_default_cache_gives_eager_tokens_and_keeps_the_cache_on_the_device(make
     want = _generate(model, prompt)
     model.forward = StepCounter(torch.compile(model.forward, backend="meganeura"))
     assert _generate(model, prompt).tolist() == want.tolist()
+    _check_steps(model.forward.steps, model.config.vocab_size, DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM)
     model.forward.steps.clear()
-    assert _generate(model, prompt).tolist() == want.tolist()  # every length compiled: steady steps only
-    vocab_bytes = 4 * model.config.vocab_size
-    decode = model.forward.steps[1:]
-    assert len(decode) == NEW_TOKENS - 1
-    for step in decode:
-        assert step["bytes_uploaded"] <= STEP_UPLOAD_BYTES, step
-        assert step["bytes_downloaded"] <= vocab_bytes + STEP_READBACK_EXTRA, step
+    assert _generate(model, prompt).tolist() == want.tolist()  # everything compiled: every step is steady
+    _check_steps(model.forward.steps, model.config.vocab_size, 0, 1)
 
 
-def test_static_cache_gives_eager_tokens():
+def test_static_cache_gives_eager_tokens_and_is_updated_on_the_device():
+    """The static cache's buffers are updated in place on the device (the position checks run first, in kernels of
+    their own), also across generate calls (the cache is reset in eager between them) and prompt lengths."""
     torch._dynamo.reset()
     model = _llama()
-    prompt = torch.randint(0, 128, (1, PROMPT))
-    want = _generate(model, prompt, cache_implementation="static")
-    model.forward = torch.compile(model.forward, backend="meganeura")
-    assert _generate(model, prompt, cache_implementation="static").tolist() == want.tolist()
+    prompts = [torch.randint(0, 128, (1, PROMPT)), torch.randint(0, 128, (1, PROMPT + 5))]
+    wants = [_generate(model, p, cache_implementation="static") for p in prompts]
+    model.forward = StepCounter(torch.compile(model.forward, backend="meganeura"))
+    cache = PROMPT + 5 + NEW_TOKENS  # positions of the longer call's cache: its mask covers them all
+    assert _generate(model, prompts[0], cache_implementation="static").tolist() == wants[0].tolist()
+    _check_steps(model.forward.steps, model.config.vocab_size, STATIC_CACHE_KERNELS_UNTIL, STATIC_CACHE_STEADY_FROM,
+                 cache)
+    model.forward.steps.clear()
+    assert _generate(model, prompts[1], cache_implementation="static").tolist() == wants[1].tolist()
+    # A new prefill length (its graph dynamic now); the new cache (another length) goes up once, at the first decode
+    _check_steps(model.forward.steps, model.config.vocab_size, 1, 2, cache)
 
 
 def test_a_returned_tensor_reads_as_eager_and_goes_back_without_an_upload():
