@@ -26,7 +26,7 @@ _COMPARE = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": opera
             "ne": operator.ne}
 
 
-class SizeError(RuntimeError):
+class SizeError(ValueError):
     """A size was decided outside a compile (no ``Guards`` recording), or sizes broke an invariant."""
 
 
@@ -220,6 +220,11 @@ def active() -> "Guards | None":
     return _active[-1] if _active else None
 
 
+def size_json(x):
+    """``x`` as JSON data: an int, or a symbolic size's ``to_json`` form."""
+    return x.to_json() if isinstance(x, Size) else x
+
+
 def symbol(index: int, hint: int) -> Size:
     """Symbol ``index`` (a dynamic dimension), whose value at this compile is ``hint``."""
     return Size((((index,), 1),), hint)
@@ -241,16 +246,26 @@ def hint(x) -> int:
 
 
 def from_json(data, hints) -> int | Size:
-    """A size written by ``Size.to_json`` (or an int), its hint taken from ``hints[k]`` for symbol k."""
-    if isinstance(data, int):
+    """A size written by ``Size.to_json`` (or an int), its hint taken from ``hints[k]`` for symbol k. Read from a
+    file: anything but ints, lists of them and the atom operators' names is refused (``SizeError``)."""
+    if _is_int(data):
         return data
+    if not isinstance(data, list):
+        raise SizeError(f"a size is an int or a list of terms, not {type(data).__name__}")
     total = 0
-    for monomial, coef in data:
-        term = coef
-        for atom in monomial:
+    for term_data in data:
+        if not (isinstance(term_data, list) and len(term_data) == 2 and isinstance(term_data[0], list)
+                and _is_int(term_data[1])):
+            raise SizeError(f"a size's term is [atoms, coefficient], not {term_data!r}")
+        term = term_data[1]
+        for atom in term_data[0]:
             term = term * _atom_from_json(atom, hints)
         total = total + term
     return total
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # ------------------------------------------------------------------------------------- atoms and helpers
@@ -399,10 +414,12 @@ def _atom_json(atom):
 
 
 def _atom_from_json(atom, hints):
-    if isinstance(atom, int):
+    if _is_int(atom):
         if not 0 <= atom < len(hints):
             raise SizeError(f"size refers to symbol {atom}, of {len(hints)}")
         return symbol(atom, hints[atom])
+    if not (isinstance(atom, list) and len(atom) == 3):
+        raise SizeError(f"a size's atom is a symbol or [operator, size, size], not {atom!r}")
     op, a, b = atom
     if op not in ATOM_OPS:
         raise SizeError(f"unknown size operator {op!r}")
@@ -468,18 +485,21 @@ class Guards:
     ``bounds[k]``, once ``bound`` set it, is the largest value of symbol k the plan's buffers are sized for
     (``upper``): buffers, bindings and the memory plan take the sizes at the bounds, and every smaller value fits."""
 
-    def __init__(self, lower: dict[int, int] | None = None, hints: dict[int, int] | None = None):
+    def __init__(self, lower: dict[int, int] | None = None, hints: dict[int, int] | None = None,
+                 bounds: dict[int, int] | None = None):
         self.lower = dict(lower or {})
         self.hints = dict(hints or {})  # each symbol's value at this compile
+        self.declared = dict(bounds or {})  # bounds given in advance (a bundle's declared ranges)
         self.bounds: dict[int, int] = {}
         self.items: list[tuple[str, Size, bool]] = []  # (op, a - b, answer of a - b op 0)
         self._seen: set = set()
         self._check = None
 
     def bound(self, k: int) -> int:
-        """Symbol k's bound: the next power of two above its hint (room to grow before a new plan), recorded."""
+        """Symbol k's bound: the one declared, else the next power of two above its hint (room to grow before a new
+        plan), recorded."""
         if k not in self.bounds:
-            self.bounds[k] = 1 << max(self.hints[k], 1).bit_length()
+            self.bounds[k] = self.declared.get(k) or 1 << max(self.hints[k], 1).bit_length()
             self.record("le", symbol(k, self.hints[k]) - self.bounds[k], True)
         return self.bounds[k]
 
@@ -504,10 +524,33 @@ class Guards:
             self._check = _compile_check(self.items, self.lower)
         return self._check(values)
 
-    def describe(self) -> list[str]:
+    def to_json(self) -> dict:
+        """The guards as JSON data (a bundle's manifest), for ``from_json``."""
+        return {"lower": [[k, low] for k, low in sorted(self.lower.items())],
+                "guards": [[op, diff.to_json(), answer] for op, diff, answer in self.items]}
+
+    @staticmethod
+    def from_json(data: dict, symbols: int) -> "Guards":
+        """Guards written by ``to_json`` for ``symbols`` symbols; refuses anything else (``SizeError``)."""
+        try:
+            lower = {int(k): int(low) for k, low in data["lower"]}
+            items = data["guards"]
+            guards = Guards(lower)
+            for op, diff, answer in items:
+                size = from_json(diff, [1] * symbols)
+                if op not in _COMPARE or not isinstance(answer, bool) or not isinstance(size, Size):
+                    raise SizeError(f"a guard is [comparison, symbolic size, bool], not {[op, diff, answer]!r}")
+                guards.record(op, size, answer)
+        except (KeyError, TypeError, ValueError) as err:
+            raise SizeError(f"guards are not valid: {err}") from err
+        return guards
+
+    def describe(self, values=None) -> list[str]:
+        """Each guard as the condition it asks (``(-16 + s[1]) <= 0``); with ``values``, only those they fail."""
         symbols = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
         flip = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
-        return [f"{diff!r} {symbols[op if answer else flip[op]]} 0" for op, diff, answer in self.items]
+        return [f"{diff!r} {symbols[op if answer else flip[op]]} 0" for op, diff, answer in self.items
+                if values is None or _COMPARE[op](evaluator([diff])(tuple(values))[0], 0) is not answer]
 
 
 def _compile_check(items, lower: dict[int, int]):

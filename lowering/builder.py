@@ -161,7 +161,8 @@ class GraphBuilder:
         dim %= len(v.shape)
         if not -v.shape[dim] <= index < v.shape[dim]:
             raise IndexError(f"select index {index} is out of range for dimension {dim} of size {v.shape[dim]}")
-        index %= v.shape[dim]
+        if index < 0:  # (a symbolic size's modulo would take its value)
+            index += v.shape[dim]
         coords = [E.coord(d if d < dim else d - 1) for d in range(len(v.shape))]
         coords[dim] = E.const(index, E.I32)
         return self.view(v, v.shape[:dim] + v.shape[dim + 1:], coords, "select")

@@ -30,7 +30,9 @@ from safetensors import SafetensorError, deserialize, serialize
 
 from .errors import BundleError
 from .dtypes import HOST_DTYPE
-from .plan import Plan, TensorSpec
+from meganeura.kernels.sizes import Guards, SizeError, size_json
+
+from .plan import SIZES_INPUT, Plan, TensorSpec
 
 FORMAT_NAME = "meganeura-bundle"
 FORMAT_VERSION = 1
@@ -45,6 +47,7 @@ KERNEL_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "inputs": list, "outputs": list,
                  "params": list, "rng_input": (str, type(None)), "kernels": list, "requires": dict, "files": dict}
 TENSOR_KEYS = {"name": str, "plan_name": str, "shape": list, "dtype": str}
+SYMBOL_KEYS = {"input": str, "dim": int, "min": int, "max": int}  # a dynamic dimension of the manifest's inputs
 SHARED_WEIGHTS = "shared"  # the manifest's optional "weights": params by source name, from the containing bundle
 
 
@@ -61,8 +64,12 @@ def kernel_file(name: str) -> str:
 
 
 def tensor_entry(name: str, spec: TensorSpec, **extra) -> dict:
-    """The manifest entry of a plan tensor exposed as ``name``."""
-    return {"name": name, "plan_name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype, **extra}
+    """The manifest entry of a plan tensor exposed as ``name`` (a symbolic size in its JSON form: ``dynamic``)."""
+    return {"name": name, "plan_name": spec.name, "shape": _shape_json(spec.shape), "dtype": spec.dtype, **extra}
+
+
+def _shape_json(shape) -> list:
+    return [size_json(s) for s in shape]
 
 
 # ---- writing
@@ -189,12 +196,34 @@ def _check_manifest(manifest: dict) -> None:
     for name in manifest["kernels"]:
         if not isinstance(name, str) or not KERNEL_NAME.match(name):
             raise BundleError(f"kernel name {name!r} is not a safe file name")
+    if "dynamic" in manifest:
+        dynamic_sizes(manifest)
     if manifest.get("weights", SHARED_WEIGHTS) != SHARED_WEIGHTS:
         raise BundleError(f"'weights' is {manifest['weights']!r}; the only value it may take is {SHARED_WEIGHTS!r}")
     own = set() if manifest.get("weights") == SHARED_WEIGHTS else {WEIGHTS_FILE}
     expected = {PLAN_FILE} | own | {kernel_file(name) for name in manifest["kernels"]}
     if set(manifest["files"]) != expected:
         raise BundleError(f"{MANIFEST} lists files {sorted(manifest['files'])}, expected {sorted(expected)}")
+
+
+def dynamic_sizes(manifest: dict) -> tuple[list[dict], Guards]:
+    """A bundle's dynamic dimensions (``manifest["dynamic"]``): each symbol's input, dimension and declared range,
+    and the guards the plan's sizes must meet. Checked here; anything else raises BundleError."""
+    dynamic = manifest.get("dynamic", {"symbols": [], "lower": [], "guards": []})
+    inputs = {entry["name"]: entry for entry in manifest["inputs"]}
+    symbols = dynamic.get("symbols") if isinstance(dynamic, dict) else None
+    if not isinstance(symbols, list):
+        raise BundleError("'dynamic' must hold a list of symbols")
+    for symbol in symbols:
+        _check_keys(symbol, SYMBOL_KEYS, "a dynamic symbol")
+        entry = inputs.get(symbol["input"])
+        if entry is None or not 0 <= symbol["dim"] < len(entry["shape"]) or not 0 <= symbol["min"] <= symbol["max"]:
+            raise BundleError(f"dynamic symbol {symbol} does not name a dimension of an input with a range")
+    try:
+        guards = Guards.from_json(dynamic, len(symbols))
+    except SizeError as err:
+        raise BundleError(f"'dynamic': {err}") from err
+    return symbols, guards
 
 
 def _check_keys(entry, keys: dict, what: str) -> None:
@@ -239,6 +268,7 @@ def _read_plan(data: dict[str, bytes], manifest: dict) -> Plan:
 def _check_against_plan(manifest: dict, plan: Plan) -> None:
     """Names, shapes and dtypes of the manifest's inputs, outputs and params against the plan's tensors."""
     rng = [manifest["rng_input"]] if manifest["rng_input"] else []
+    rng += [SIZES_INPUT] if plan.symbols else []  # (the runtime writes the symbols' values there itself)
     groups = (("inputs", plan.inputs, rng), ("outputs", plan.outputs, []), ("params", plan.params, []))
     for group, specs, extra in groups:
         by_name = {t.name: t for t in specs}
@@ -247,7 +277,7 @@ def _check_against_plan(manifest: dict, plan: Plan) -> None:
             raise BundleError(f"{MANIFEST} {group} {sorted(set(listed))} do not match the plan's {sorted(by_name)}")
         for entry in manifest[group]:
             spec = by_name[entry["plan_name"]]
-            if tuple(entry["shape"]) != spec.shape or entry["dtype"] != spec.dtype:
+            if entry["shape"] != _shape_json(spec.shape) or entry["dtype"] != spec.dtype:
                 raise BundleError(f"{MANIFEST} says {group[:-1]} {entry['name']!r} is {entry['dtype']}"
                                   f"{entry['shape']}, the plan says {spec.dtype}{list(spec.shape)}")
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meganeura.kernels.sizes import from_json
+
 from .bundle import read_bundle
 from .errors import MeganeuraError
 from .requirements import PORTABLE_LIMITS
@@ -203,7 +205,8 @@ def inspect_command(args) -> None:
     if args.dispatches:
         for i, d in enumerate(bundle.plan.dispatches):
             bound = ", ".join(f"{b.buffer}@{b.offset}+{b.size}" for b in d.bindings)
-            print(f"  {i:4d} {d.label or d.kernel}: kernel {d.kernel}, workgroups {list(d.workgroups)}, [{bound}]")
+            groups = [repr(w) for w in d.workgroups]  # (symbolic counts by their form)
+            print(f"  {i:4d} {d.label or d.kernel}: kernel {d.kernel}, workgroups [{', '.join(groups)}], [{bound}]")
 
 
 def _summary(bundle) -> dict:
@@ -216,8 +219,8 @@ def _summary(bundle) -> dict:
         "path": str(bundle.path),
         "format": f"{m['format']} v{m['format_version']}",
         "producer": m["producer"],
-        "inputs": [_tensor_line(e) for e in m["inputs"]],
-        "outputs": [_tensor_line(e) for e in m["outputs"]],
+        "inputs": [_tensor_line(e, plan.bounds) for e in m["inputs"]],
+        "outputs": [_tensor_line(e, plan.bounds) for e in m["outputs"]],
         "params": {"count": len(m["params"]), "bytes": sum(w.nbytes for w in bundle.weights.values())},
         "kernels": len(plan.kernels),
         "dispatches": len(plan.dispatches),
@@ -228,8 +231,11 @@ def _summary(bundle) -> dict:
     }
 
 
-def _tensor_line(entry: dict) -> str:
-    return f"{entry['name']}: {entry['dtype']}{entry['shape']}"
+def _tensor_line(entry: dict, bounds) -> str:
+    """``name: dtype[dims]``, a dynamic dimension by its form over the dynamic dimensions s[k] and its largest value."""
+    dims = [str(s) if isinstance(s, int) else f"{from_json(s, bounds)!r}<={from_json(s, bounds).hint}"
+            for s in entry["shape"]]
+    return f"{entry['name']}: {entry['dtype']}[{', '.join(dims)}]"
 
 
 def _print_summary(s: dict) -> None:

@@ -50,6 +50,7 @@ RANK_ENV = "LOCAL_RANK"  # set by torchrun: with no adapter chosen, each process
 log = logging.getLogger("meganeura.runtime")
 STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
 STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+INDIRECT_USAGE = wgpu.BufferUsage.INDIRECT | wgpu.BufferUsage.COPY_DST
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
 _WANTED_LIMITS = (
@@ -373,6 +374,10 @@ class Device:
     def storage_buffer(self, size: int, label: str = ""):
         """A storage buffer that can also be written from the host and copied from."""
         return self.create_buffer(size, STORAGE_USAGE, label)
+
+    def indirect_buffer(self, size: int, label: str = ""):
+        """A buffer of dispatches' workgroup counts (three u32 each), written from the host."""
+        return self.create_buffer(size, INDIRECT_USAGE, label)
 
     def staging_buffer(self, size: int, label: str = ""):
         """A host-readable buffer to copy results into."""

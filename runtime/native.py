@@ -29,6 +29,7 @@ import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -87,9 +88,17 @@ def compute_pass(encoder, commands) -> None:
         _lib.wgpuComputePassEncoderRelease(compute)
 
 
+class Indirect(NamedTuple):
+    """A dispatch's workgroup counts read from ``buffer`` at ``offset`` (three u32) when it runs: a plan over
+    symbolic sizes writes them at each run, and its recorded commands stay the same."""
+
+    buffer: object
+    offset: int
+
+
 def record_dispatches(compute_pass, commands) -> None:
-    """Record ``(pipeline, bind group, (x, y, z))`` commands into wgpu-py's ``compute_pass``, skipping repeated
-    pipelines and bind groups."""
+    """Record ``(pipeline, bind group, (x, y, z) or Indirect)`` commands into wgpu-py's ``compute_pass``, skipping
+    repeated pipelines and bind groups."""
     handle = getattr(compute_pass, "_internal", None)
     if _lib is None or handle is None:
         _record_with_api(compute_pass, commands)
@@ -101,16 +110,20 @@ def _record_raw(handle, commands) -> None:
     set_pipeline = _lib.wgpuComputePassEncoderSetPipeline
     set_group = _lib.wgpuComputePassEncoderSetBindGroup
     dispatch = _lib.wgpuComputePassEncoderDispatchWorkgroups
+    dispatch_indirect = _lib.wgpuComputePassEncoderDispatchWorkgroupsIndirect
     null = _ffi.NULL
     pipeline = group = None
-    for next_pipeline, next_group, (x, y, z) in commands:
+    for next_pipeline, next_group, workgroups in commands:
         if next_pipeline is not pipeline:
             pipeline = next_pipeline
             set_pipeline(handle, pipeline._internal)
         if next_group is not group:
             group = next_group
             set_group(handle, 0, group._internal, 0, null)
-        dispatch(handle, x, y, z)
+        if type(workgroups) is Indirect:
+            dispatch_indirect(handle, workgroups.buffer._internal, workgroups.offset)
+        else:
+            dispatch(handle, *workgroups)
 
 
 def _record_with_api(compute_pass, commands) -> None:
@@ -122,7 +135,10 @@ def _record_with_api(compute_pass, commands) -> None:
         if next_group is not group:
             group = next_group
             compute_pass.set_bind_group(0, group)
-        compute_pass.dispatch_workgroups(*workgroups)
+        if type(workgroups) is Indirect:
+            compute_pass.dispatch_workgroups_indirect(workgroups.buffer, workgroups.offset)
+        else:
+            compute_pass.dispatch_workgroups(*workgroups)
 
 
 def create_unchecked_shader_module(wgpu_device, wgsl: str, label: str):

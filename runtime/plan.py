@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from .dtypes import STORAGE, storage_bytes
-from meganeura.kernels.sizes import evaluator
+from meganeura.kernels.sizes import evaluator, from_json, size_json
 
 FORMAT_VERSION = 1
 
@@ -114,6 +114,12 @@ class Plan:
         d = asdict(self)
         d["format_version"] = FORMAT_VERSION
         d["status_messages"] = {str(k): v for k, v in self.status_messages.items()}
+        for group in ("inputs", "outputs"):  # symbolic sizes in their JSON form (``Size.to_json``)
+            for entry, spec in zip(d[group], getattr(self, group)):
+                entry["shape"] = [size_json(s) for s in spec.shape]
+        for entry, dispatch in zip(d["dispatches"], self.dispatches):
+            entry["workgroups"] = [size_json(w) for w in dispatch.workgroups]
+        d["bounds"] = list(self.bounds)
         return d
 
     @classmethod
@@ -122,8 +128,13 @@ class Plan:
         if version != FORMAT_VERSION:
             raise ValueError(f"plan format version {version!r} is not supported (this runtime reads {FORMAT_VERSION})")
 
+        bounds = tuple(int(b) for b in d.get("bounds", ()))
+
+        def sizes(items) -> tuple:
+            return tuple(from_json(x, bounds) for x in items)  # (symbolic sizes hinted with the bounds)
+
         def tensors(items):
-            return [TensorSpec(t["name"], t["buffer"], int(t["offset"]), tuple(t["shape"]), t["dtype"]) for t in items]
+            return [TensorSpec(t["name"], t["buffer"], int(t["offset"]), sizes(t["shape"]), t["dtype"]) for t in items]
 
         plan = cls(
             buffers=[BufferSpec(b["name"], int(b["size"]), b["role"]) for b in d["buffers"]],
@@ -135,7 +146,7 @@ class Plan:
                 Dispatch(
                     x["kernel"],
                     tuple(Binding(b["buffer"], int(b["offset"]), int(b["size"])) for b in x["bindings"]),
-                    tuple(x["workgroups"]),
+                    sizes(x["workgroups"]),
                     x.get("label", ""),
                 )
                 for x in d["dispatches"]
@@ -143,6 +154,8 @@ class Plan:
             status_messages={int(k): v for k, v in d.get("status_messages", {}).items()},
             in_place=dict(d.get("in_place", {})),
             stats=dict(d.get("stats", {})),
+            symbols=int(d.get("symbols", 0)),
+            bounds=bounds,
         )
         plan.validate()
         return plan

@@ -21,6 +21,11 @@ no buffer of its own for them. ``run(..., into=...)`` writes resident outputs in
 (a training step alternating between two sets of weights). Bind groups and whole command lists over those per-run
 buffers are cached by buffer, so a loop that alternates between the same buffers builds nothing after its first
 runs.
+
+A plan over symbolic sizes (``Plan.symbols``: a dynamic graph's) is built at its bounds, and ``run(...,
+sizes=...)`` runs it at a call's sizes: their values go to the plan's sizes input, and the workgroup counts that
+depend on them to an indirect-dispatch buffer (written only when the sizes change), so that the recorded commands,
+and the next run recorded ahead, stay the same whatever the sizes.
 """
 from __future__ import annotations
 
@@ -28,9 +33,11 @@ import time
 
 import numpy as np
 
+from meganeura.kernels.sizes import is_size
+
 from .device import Device
 from .errors import InputError, KernelStatusError, LimitError, MeganeuraError
-from .native import command_encoder, compute_pass, finish, record_dispatches
+from .native import Indirect, command_encoder, compute_pass, finish, record_dispatches
 from .dtypes import HOST_DTYPE, from_storage, host_words
 from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
 from .readback import ReadBackBuffers
@@ -146,6 +153,10 @@ class Program:
         # shapes and workgroup counts of each run's sizes (``_sized``)
         self.symbolic = plan if plan.symbols else None
         self._sized: tuple = ((), None)  # (sizes, the plan at them) of the last run
+        # Dispatches with symbolic workgroup counts read them from this buffer, written when a run's sizes change
+        self._indirect = [i for i, d in enumerate(plan.dispatches) if any(map(is_size, d.workgroups))]
+        self._indirect_buffer = (device.indirect_buffer(12 * len(self._indirect), "workgroups")
+                                 if self._indirect else None)
         plan = plan.at(plan.bounds)
         self.plan = plan
         check_limits(device, plan)
@@ -272,12 +283,13 @@ class Program:
         Dispatches that bind a resident output get their group per run (``_with_swaps``); here None."""
         self.wait_pipelines()
         self._commands = []
-        for d in self.plan.dispatches:
+        indirect = {i: Indirect(self._indirect_buffer, 12 * k) for k, i in enumerate(self._indirect)}
+        for i, d in enumerate(self.plan.dispatches):
             group = self._bind_groups.get(d.bindings)
             if group is None and not any(b.buffer not in self._owned and b.buffer not in self._params
                                          for b in d.bindings):
                 group = self._bind_groups[d.bindings] = self._group(d)
-            self._commands.append((self._pipelines[d.kernel], group, d.workgroups))
+            self._commands.append((self._pipelines[d.kernel], group, indirect.get(i, d.workgroups)))
         self._copies = [(self._buffer(n), src, dst, size) for n, src, dst, size in self._readback]
         if not self._copies:  # nothing to read back: still wait for the GPU through a 4-byte copy
             self._copies = [(self.device.fence, 0, 0, 4)]
@@ -373,8 +385,6 @@ class Program:
                     block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
                 dev.write(self._owned[name], offset, block, name)
         commands = self._with_swaps(swaps)
-        if self.symbolic is not None:
-            commands = [(pipeline, group, d.workgroups) for (pipeline, group, _), d in zip(commands, plan.dispatches)]
         profiler = dev.profiler if commands else None
         ahead, self._ahead = self._ahead, None
         if swaps or profiler is not None:
@@ -387,7 +397,7 @@ class Program:
             for source, src_offset, dst_offset, size in self._copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
-        if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES and self.symbolic is None:
+        if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
@@ -407,8 +417,12 @@ class Program:
             raise InputError(f"this plan takes the values of {self.symbolic.symbols} symbolic sizes, got {sizes}")
         if any(not 0 <= s <= b for s, b in zip(sizes, self.symbolic.bounds)):
             raise InputError(f"symbolic sizes {sizes} exceed this plan's bounds {self.symbolic.bounds}")
-        if self._sized[0] != sizes:
-            self._sized = (sizes, self.symbolic.at(sizes))
+        if self._sized[0] != sizes:  # (the workgroup counts stay in their buffer until the sizes change)
+            plan = self.symbolic.at(sizes)
+            counts = [plan.dispatches[i].workgroups for i in self._indirect]
+            if counts:
+                self.device.write(self._indirect_buffer, 0, np.asarray(counts, np.uint32), "workgroups")
+            self._sized = (sizes, plan)
         return self._sized[1], {**inputs, SIZES_INPUT: np.asarray(sizes, np.int32)}
 
     def _record(self, encoder, commands, profiler):
@@ -564,6 +578,7 @@ class Program:
         if self._released:
             return
         owned = list(self._owned.values()) + [self._params[n] for n in self._uploaded_params]
+        owned += [self._indirect_buffer] if self._indirect_buffer is not None else []
         for buffer in owned:
             self.device.destroy_buffer(buffer)
         self._read_back.release()

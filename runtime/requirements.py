@@ -105,7 +105,9 @@ def default_limits(adapter_limits: dict) -> dict:
 
 
 def plan_requirements(plan: Plan, limits: dict) -> dict:
-    """``{"features": [...], "limits": {...}}`` that an adapter needs to run ``plan`` generated for ``limits``."""
+    """``{"features": [...], "limits": {...}}`` that an adapter needs to run ``plan`` generated for ``limits`` (a plan
+    over symbolic sizes: at its bounds, the most it serves)."""
+    plan = plan.at(plan.bounds)
     features = sorted({f for wgsl in plan.kernels.values() for pattern, f in FEATURE_PATTERNS.items()
                        if pattern.search(wgsl)})
     bindings = [b for d in plan.dispatches for b in d.bindings]

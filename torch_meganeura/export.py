@@ -45,6 +45,7 @@ from .device_graph import compile_device_graph, unsupported_listing
 from .params import host_form
 from .partition import fallback_ops
 from .registry import LoweringError
+from .symbolic import DynamicSizes
 
 STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 ASSERTIONS = {  # checks torch.export inserts; the runtime checks input shapes and dtypes itself
@@ -59,11 +60,13 @@ class ExportError(RuntimeError):
 
 
 def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int | None = None,
-           portable: bool = True, overwrite: bool = False) -> dict:
+           portable: bool = True, overwrite: bool = False, dynamic_shapes=None) -> dict:
     """Trace ``model`` on ``example_inputs`` and write its bundle to the directory ``path``; return the manifest.
 
     ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments. The bundle is
-    specialised to their shapes and dtypes. The model is traced as it is: call ``model.eval()`` first for
+    specialised to their shapes and dtypes, but for the dimensions ``dynamic_shapes`` declares (torch.export's
+    form: ``{"input_ids": {1: torch.export.Dim("seq", max=512)}}``), each with a largest value: the plan is then
+    over symbolic sizes, sized for those values, and a call may take any size in the range. The model is traced as it is: call ``model.eval()`` first for
     inference behaviour. A ``torch.compile``d model is exported through its original module, with its current
     (e.g. trained) weights. A ``compile_train_step`` step exports its module (traced as it is: call
     ``step.model.eval()`` first) with the weights it holds on the device, read directly: the module's own tensors
@@ -74,7 +77,7 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     resident = model.device_weights() if isinstance(model, TrainStep) else {}
     module = model.model if isinstance(model, TrainStep) else getattr(model, "_orig_mod", model)
     args, kwargs = _split_inputs(example_inputs)
-    program = trace(module, args, kwargs)
+    program = trace(module, args, kwargs, dynamic_shapes)
     device = get_device(adapter)
     compiled = compile_program(program, args, kwargs, device, compile_limits(device.limits, portable), module)
     weights = {name: resident[source] if source in resident else host_form(compiled.state[source])
@@ -100,7 +103,8 @@ def compile_program(program: torch.export.ExportedProgram, args: tuple, kwargs: 
     gm = program.graph_module
     _drop_assertions(gm)
     _check_supported(program, gm)
-    lowered, plan, sources = _compile(program, gm, args, kwargs, device, limits, in_place)
+    dynamic = _dynamic_sizes(program, gm)
+    lowered, plan, sources, guards = _compile(program, gm, args, kwargs, device, limits, in_place, dynamic)
     specs = {t.name: t for t in plan.inputs + plan.outputs + plan.params}
     input_specs = program.graph_signature.input_specs
     outputs = zip(_output_names(program), lowered.outputs)
@@ -112,7 +116,25 @@ def compile_program(program: torch.export.ExportedProgram, args: tuple, kwargs: 
         "rng_input": lowered.rng_seed,
         "requires": plan_requirements(plan, limits),
     }
+    if dynamic is not None:
+        names = {i: input_specs[i].arg.name for i, _ in lowered.inputs}
+        symbols = [{"input": names[i], "dim": d, "min": low, "max": high}
+                   for (i, d), low, high in zip(dynamic.sources, dynamic.lower, plan.bounds)]
+        description["dynamic"] = {"symbols": symbols, **guards.to_json()}
     return CompiledProgram(plan, description, sources, _state(program))
+
+
+def _dynamic_sizes(program: torch.export.ExportedProgram, gm: fx.GraphModule) -> DynamicSizes | None:
+    """The exported graph's dynamic dimensions, each with its declared range; a dimension with no largest value
+    is refused (a bundle's buffers are sized for it)."""
+    dynamic = DynamicSizes.of(gm, program.range_constraints)
+    if dynamic is None:
+        return None
+    unbounded = [name for name, high in zip(dynamic.names, dynamic.upper) if high is None]
+    if unbounded or any(d is None for _, d in dynamic.sources):
+        raise ExportError(f"dynamic dimensions {unbounded} have no largest value: declare one (torch.export.Dim("
+                          "..., max=N)); a bundle's buffers are sized for it")
+    return dynamic
 
 
 def _split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -123,13 +145,13 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def trace(module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def trace(module, args: tuple, kwargs: dict, dynamic_shapes=None) -> torch.export.ExportedProgram:
     """``module`` on ``args``, ``kwargs`` as an exported program decomposed to the ops the backend lowers."""
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"export takes an nn.Module, got {type(module).__name__}")
     with _without_kv_cache(module, kwargs):
         try:
-            program = torch.export.export(module, args, kwargs)
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
         except Exception as err:  # noqa: BLE001 - any tracing failure is reported with torch's message
             raise ExportError(f"torch.export could not trace {type(module).__name__}{_cause(err)}: "
                               f"{type(err).__name__}: {err}") from err
@@ -190,9 +212,10 @@ def _check_supported(program: torch.export.ExportedProgram, gm: fx.GraphModule) 
                           + unsupported_listing(fallbacks))
 
 
-def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, limits: dict, in_place=None):
-    """Lower and compile ``gm`` with every placeholder's value for ``limits``; return the lowered graph, the plan
-    and plan param name -> state dict name."""
+def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, limits: dict, in_place=None,
+             dynamic: DynamicSizes | None = None):
+    """Lower and compile ``gm`` with every placeholder's value for ``limits``; return the lowered graph, the plan,
+    plan param name -> state dict name, and the guards of a plan over ``dynamic`` sizes (else None)."""
     state = _state(program)
     kwargs_spec = _children(program.call_spec.in_spec)[1]  # torch.export orders kwargs by the signature
     user_values = iter(pytree.tree_leaves((args, {key: kwargs[key] for key in kwargs_spec.context})))
@@ -207,7 +230,8 @@ def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, lim
             user_placeholders.append(i)
     stored_over = {out: user_placeholders[i] for out, i in (in_place or {}).items()}
     try:
-        graph = compile_device_graph(gm, values, state_indices, device, limits=limits, in_place=stored_over)
+        graph = compile_device_graph(gm, values, state_indices, device, limits=limits, in_place=stored_over,
+                                     dynamic=dynamic)
     except LoweringError as err:
         raise ExportError(f"lowering the exported graph failed: {err}") from err
     lowered = graph.lowered
@@ -215,7 +239,7 @@ def _compile(program, gm: fx.GraphModule, args: tuple, kwargs: dict, device, lim
     if constants:
         raise ExportError(f"outputs {constants} are Python constants, not tensors computed by the model; a bundle "
                           "returns tensors only")
-    return lowered, graph.plan, {name: targets[i] for i, name in lowered.params}
+    return lowered, graph.plan, {name: targets[i] for i, name in lowered.params}, graph.guards
 
 
 def _output_names(program) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from meganeura.kernels import sizes as S
 from meganeura.lowering.builder import GraphBuilder
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import FLOAT_DTYPES, Graph, Value
@@ -19,6 +20,15 @@ from meganeura.lowering.ir import FLOAT_DTYPES, Graph, Value
 from . import aten  # noqa: F401  (fills the registry)
 from .registry import LOWERINGS, LowerCtx, LoweringError, logical_dtype
 from .symbolic import SymbolicExample
+
+
+# The arithmetic of sizes in a graph with symbolic shapes, on the lowered values (ints, or ``Size``s).
+SIZE_ARITHMETIC = {
+    torch.ops.aten.sym_size.int: lambda x, dim: x.shape[dim],
+    torch.ops.aten.sym_numel.default: lambda x: x.numel,
+    operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul, operator.neg: operator.neg,
+    operator.floordiv: S.floordiv, operator.mod: S.mod, torch.sym_max: S.size_max, torch.sym_min: S.size_min,
+}
 
 
 @dataclass
@@ -58,6 +68,9 @@ def lower_graph(gm: fx.GraphModule, args: list, param_indices: set[int]) -> Lowe
         kwargs_ = fx.node.map_arg(node.kwargs, lambda n: env[n])
         if node.target is operator.getitem:
             env[node] = args_[0][args_[1]]
+            continue
+        if node.target in SIZE_ARITHMETIC:  # a dynamic graph's size computations (an exported program keeps them)
+            env[node] = SIZE_ARITHMETIC[node.target](*args_, **kwargs_)
             continue
         fn = LOWERINGS.get(node.target)
         if fn is None:

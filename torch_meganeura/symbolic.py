@@ -34,10 +34,12 @@ class DynamicSizes:
     sources: tuple[tuple[int, int | None], ...]
     lower: tuple[int, ...]
     dynamic: tuple[tuple[int, frozenset | None], ...]
+    upper: tuple[int | None, ...] = ()  # declared largest values (an exported program's ranges): the plan's bounds
 
     @staticmethod
-    def of(gm: torch.fx.GraphModule) -> "DynamicSizes | None":
-        """The graph's symbols, or None where it has none, or one that no argument holds as it is."""
+    def of(gm: torch.fx.GraphModule, ranges: dict | None = None) -> "DynamicSizes | None":
+        """The graph's symbols, or None where it has none, or one that no argument holds as it is. ``ranges`` (an
+        exported program's ``range_constraints``) give each symbol's declared lower and upper bounds."""
         sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
         wanted: set[sympy.Symbol] = set()
         lower: dict[sympy.Symbol, int] = {}
@@ -55,8 +57,11 @@ class DynamicSizes:
         if not wanted or wanted - set(sources):
             return None
         order = sorted(wanted, key=lambda s: sources[s])
-        return DynamicSizes(tuple(str(s) for s in order), tuple(sources[s] for s in order),
-                            tuple(lower[s] for s in order), tuple(dynamic))
+        declared = {str(s): r for s, r in (ranges or {}).items()}
+        lows = tuple(_declared(declared.get(str(s)), "lower", lower[s]) for s in order)
+        highs = tuple(_declared(declared.get(str(s)), "upper", None) for s in order) if ranges is not None else ()
+        return DynamicSizes(tuple(str(s) for s in order), tuple(sources[s] for s in order), lows, tuple(dynamic),
+                            highs)
 
     def abstract(self, key: tuple) -> tuple:
         """A call's signature (``compiled.signature``) with the symbolic sizes left out: what selects the plans
@@ -81,8 +86,10 @@ class DynamicSizes:
         return list(args)
 
     def guards(self, args) -> S.Guards:
-        """The guards of a compile for a call with placeholder values ``args`` (its symbols' hints)."""
-        return S.Guards(dict(enumerate(self.lower)), dict(enumerate(self.values(args))))
+        """The guards of a compile for a call with placeholder values ``args`` (its symbols' hints), with the
+        declared upper bounds as the plan's bounds where there are any."""
+        bounds = {k: high for k, high in enumerate(self.upper) if high is not None}
+        return S.Guards(dict(enumerate(self.lower)), dict(enumerate(self.values(args))), bounds)
 
     def example(self, gm: torch.fx.GraphModule, args) -> list:
         """``args`` with the sizes of tensors and the int arguments of the graph's placeholders as Sizes, hinted with
@@ -115,6 +122,15 @@ class SymbolicExample:
     @property
     def dtype(self):
         return self.tensor.dtype
+
+
+def _declared(value_range, end: str, default):
+    """A declared range's finite ``end`` ("lower" or "upper") as an int, else ``default``."""
+    value = getattr(value_range, end, None)
+    try:
+        return int(value) if value is not None and value.is_finite else default
+    except (TypeError, AttributeError):
+        return default
 
 
 def _expr(s: torch.SymInt) -> sympy.Expr:
