@@ -4,9 +4,11 @@
     python -m bench.generate --out /tmp/generate-smoke --smoke                 # tiny model: checks the path
 
 Rows: PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache, on CUDA where it
-exists, else on the CPU; and the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime,
-with its export time, bundle size, load time, prefill and decode tokens/s, and decode tokens/s by context length
-(each decode step's time at its position). Every row's tokens are compared with eager's default ``generate`` on the
+exists, else on the CPU; HF ``generate`` with ``model.forward`` compiled with backend="meganeura", both caches, with
+the first call's time (compile included) and a second call's tokens/s and decode tokens/s by context length; and
+the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime, with its export time, bundle
+size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each decode step's time at its
+position). Every row's tokens are compared with eager's default ``generate`` on the
 CPU in float32: a row whose tokens differ is marked. Writes ``OUT.json`` and the markdown table ``OUT.md``.
 """
 from __future__ import annotations
@@ -52,6 +54,42 @@ def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
     return rows
 
 
+def _backend_rows(model, prompt, new: int) -> list[dict]:
+    """HF ``generate`` with ``forward`` compiled by the backend: the first call (compiling) and a second, timed."""
+    import copy
+
+    import torch
+
+    rows = []
+    for cache in ("dynamic", "static"):
+        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+        torch._dynamo.reset()
+        compiled = copy.deepcopy(model)
+        forward = torch.compile(compiled.forward, backend="meganeura")
+        ends: list[float] = []
+
+        def timed(*args, _forward=forward, _ends=ends, **kw):
+            out = _forward(*args, **kw)  # returns once the device is done: the logits are read back
+            _ends.append(time.perf_counter())
+            return out
+
+        compiled.forward = timed
+        start = time.perf_counter()
+        compiled.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+        first = time.perf_counter() - start
+        ends.clear()
+        start = time.perf_counter()
+        out = compiled.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+        seconds = time.perf_counter() - start
+        steps = [b - a for a, b in zip(ends, ends[1:])]  # decode steps: from one call's end to the next's
+        by_context = {str(prompt.shape[1] + i + 1): 1.0 / t for i, t in enumerate(steps)}
+        rows.append({"competitor": "meganeura-backend", "cache": cache, "first_call_seconds": first,
+                     "seconds": seconds, "tokens_per_second": new / seconds,
+                     "decode_tokens_per_second": len(steps) / sum(steps), "decode_by_context": by_context,
+                     "tokens": out[0].tolist()})
+    return rows
+
+
 def _bundle_row(model, prompt, new: int, max_cache_len: int, adapter) -> dict:
     import numpy as np
 
@@ -87,15 +125,15 @@ def markdown(result: dict) -> str:
     lines = [f"# Generation at {result['description']}", "",
              f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, {result['new_tokens']} new tokens; "
              "tokens/s over the whole generate call (prefill included) unless a column says otherwise.", "",
-             "| competitor | cache | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | load s | "
-             "export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| competitor | cache | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | first call s | "
+             "load s | export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
         size = f"{r['bundle_bytes'] / (1 << 20):.1f}" if "bundle_bytes" in r else "-"
         lines.append(f"| {r['competitor']} | {r['cache']} | {r['tokens_per_second']:.1f} | "
                      f"{f('prefill_tokens_per_second', '.1f')} | {f('decode_tokens_per_second', '.1f')} | "
-                     f"{'yes' if r['equal'] else 'NO'} | {f('load_seconds', '.2f')} | {f('export_seconds', '.1f')} | "
-                     f"{size} |")
+                     f"{'yes' if r['equal'] else 'NO'} | {f('first_call_seconds', '.1f')} | "
+                     f"{f('load_seconds', '.2f')} | {f('export_seconds', '.1f')} | {size} |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,6 +153,7 @@ def main(argv=None) -> int:
         reference = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         rows = _eager_rows(model, prompt, new, device)
+        rows += _backend_rows(model, prompt, new)
     rows.append(_bundle_row(model, prompt, new, args.max_cache_len, args.adapter))
     for row in rows:
         row["equal"] = row.pop("tokens") == reference
