@@ -173,3 +173,17 @@ def test_an_adapter_without_what_a_phase_needs_is_refused_before_anything_is_bui
     with pytest.raises(FeatureError, match="a-feature-no-adapter-has"):
         load(broken)
     assert counters.buffers_created == before
+
+
+def test_the_cache_is_held_once(exported):
+    """Both phases store every cache update over the cache's own array (lowering/in_place.py; the position checks
+    run first, in kernels of their own), so the cache is held once, not in two arrays that alternate."""
+    _, path = exported
+    lm = load(path)
+    for phase in lm._phases.values():
+        plan = phase.program.plan
+        assert len(plan.in_place) == len(lm._cache_names) and not plan.stats["in_place_refused"], plan.stats
+    cache = {name: array for name, array in lm._cache.items()}
+    lm.generate(np.arange(5), 8)
+    assert all(lm._cache[name] is array for name, array in cache.items())  # the same arrays, updated in place
+    lm.release()
