@@ -91,13 +91,17 @@ class Plan:
     symbols: int = 0
     bounds: tuple = ()
 
+    def sized(self, values) -> tuple[list[tuple], list[tuple]]:
+        """(the shapes of the inputs then the outputs, the workgroup counts of each dispatch) at symbol values
+        ``values``, from one compiled evaluation."""
+        return _evaluator(self)(tuple(values))
+
     def at(self, values) -> "Plan":
         """The plan for symbol values ``values``: shapes and workgroup counts evaluated (the plan itself when it has
         no symbols)."""
         if not self.symbols:
             return self
-        evaluate = _evaluator(self)
-        shapes, workgroups = evaluate(tuple(values))
+        shapes, workgroups = self.sized(values)
         specs = iter(shapes)
         return replace(self, inputs=[replace(t, shape=next(specs)) for t in self.inputs],
                        outputs=[replace(t, shape=next(specs)) for t in self.outputs],

@@ -30,6 +30,8 @@ and the next run recorded ahead, stay the same whatever the sizes.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -59,6 +61,13 @@ AHEAD_MIN_DISPATCHES = 2 * FIRST_PART
 
 _INT32 = np.iinfo(np.int32)
 _HOST_FORM = {"bfloat16": " (its raw bits as uint16; numpy has no bfloat16)"}
+
+
+class RunTensors(NamedTuple):
+    """A run's inputs and outputs at its sizes (a plan over symbolic sizes)."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
 
 
 def submission_parts(count: int) -> list[tuple[int, int]]:
@@ -408,8 +417,9 @@ class Program:
         return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
                 for t in plan.outputs}
 
-    def _plan_for(self, sizes, inputs: dict) -> tuple[Plan, dict]:
-        """The plan at this run's ``sizes`` (a plan over symbolic sizes), and ``inputs`` with their values added."""
+    def _plan_for(self, sizes, inputs: dict) -> tuple[Plan | "RunTensors", dict]:
+        """The inputs and outputs at this run's ``sizes`` (a plan over symbolic sizes: ``RunTensors``; else the plan),
+        and ``inputs`` with the sizes' values added."""
         if self.symbolic is None:
             return self.plan, inputs
         sizes = tuple(int(s) for s in sizes)
@@ -418,11 +428,14 @@ class Program:
         if any(not 0 <= s <= b for s, b in zip(sizes, self.symbolic.bounds)):
             raise InputError(f"symbolic sizes {sizes} exceed this plan's bounds {self.symbolic.bounds}")
         if self._sized[0] != sizes:  # (the workgroup counts stay in their buffer until the sizes change)
-            plan = self.symbolic.at(sizes)
-            counts = [plan.dispatches[i].workgroups for i in self._indirect]
-            if counts:
-                self.device.write(self._indirect_buffer, 0, np.asarray(counts, np.uint32), "workgroups")
-            self._sized = (sizes, plan)
+            shapes, workgroups = self.symbolic.sized(sizes)
+            if self._indirect:
+                counts = np.asarray([workgroups[i] for i in self._indirect], np.uint32)
+                self.device.write(self._indirect_buffer, 0, counts, "workgroups")
+            specs = iter(shapes)  # only the inputs and outputs: what a run checks and reads back at its sizes
+            inputs_at = [replace(t, shape=next(specs)) for t in self.symbolic.inputs]
+            outputs_at = [replace(t, shape=next(specs)) for t in self.symbolic.outputs]
+            self._sized = (sizes, RunTensors(inputs_at, outputs_at))
         return self._sized[1], {**inputs, SIZES_INPUT: np.asarray(sizes, np.int32)}
 
     def _record(self, encoder, commands, profiler):
