@@ -82,11 +82,12 @@ def test_default_cache_gives_eager_tokens_and_keeps_the_cache_on_the_device(make
     _check_steps(model.forward.steps, model.config.vocab_size, 0, 1)
 
 
-def test_static_cache_gives_eager_tokens_and_is_updated_on_the_device():
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_static_cache_gives_eager_tokens_and_is_updated_on_the_device(make):
     """The static cache's buffers are updated in place on the device (the position checks run first, in kernels of
     their own), also across generate calls (the cache is reset in eager between them) and prompt lengths."""
     torch._dynamo.reset()
-    model = _llama()
+    model = make()
     prompts = [torch.randint(0, 128, (1, PROMPT)), torch.randint(0, 128, (1, PROMPT + 5))]
     wants = [_generate(model, p, cache_implementation="static") for p in prompts]
     model.forward = StepCounter(torch.compile(model.forward, backend="meganeura"))
