@@ -94,10 +94,7 @@ class DynamicSizes:
     def example(self, gm: torch.fx.GraphModule, args) -> list:
         """``args`` with the sizes of tensors and the int arguments of the graph's placeholders as Sizes, hinted with
         this call's values: tensors as ``SymbolicExample``s."""
-        hints = self.values(args)
-        symbols = {sympy.Symbol(name, integer=True): S.symbol(k, h) for k, (name, h) in enumerate(zip(self.names,
-                                                                                                      hints))}
-        by_name = {str(s): v for s, v in symbols.items()}
+        by_name = dict(zip(self.names, self._unified(self.values(args))))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         out = []
         for node, arg in zip(placeholders, args):
@@ -110,6 +107,20 @@ class DynamicSizes:
             else:
                 out.append(arg)
         return out
+
+
+    def _unified(self, hints: tuple) -> list[S.Size]:
+        """Each symbol's Size, symbols of equal values taken as one, with a guard that they are equal (the plan's
+        kernels then read one size, not one per tensor: dynamo gives each layer's KV cache a symbol of its own, 30
+        where one serves, and 30 times the kernels). A call where they differ compiles another plan."""
+        first: dict[int, S.Size] = {}
+        sizes = []
+        for k, h in enumerate(hints):
+            own = S.symbol(k, h)
+            if h in first:
+                S.decide("eq", own, first[h])
+            sizes.append(first.setdefault(h, own))
+        return sizes
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,11 @@ class Compiles:
         return self._device.counters.pipelines_created - self._pipelines
 
     @property
+    def kernels(self) -> int:
+        """Distinct kernels of the plans compiled."""
+        return sum(r.kernels for r in self._records if isinstance(r, self._kind))
+
+    @property
     def dynamic(self) -> list[str]:
         """The symbolic sizes of the plans compiled (each "placeholder[dim] <= bound")."""
         return [d for r in self._records if isinstance(r, self._kind) for d in r.dynamic]
