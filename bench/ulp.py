@@ -18,7 +18,9 @@ import torch
 
 SAMPLES = 1 << 18
 # (name, function, [(lo, hi, spacing)]): "lin" evenly in value over [lo, hi]; "log" evenly in magnitude over
-# [lo, hi] (lo > 0), "log2" the same and its negatives
+# [lo, hi] (lo > 0), "log2" the same and its negatives. A function of two inputs has the second's ranges after the
+# first's (SECOND); its inputs are paired in a fixed shuffled order.
+SECOND = {"pow": [(-10.0, 10.0, "lin")]}
 FUNCTIONS = [
     ("exp", torch.exp, [(-87.0, 88.0, "lin")]),
     ("exp2", torch.exp2, [(-125.0, 127.0, "lin")]),
@@ -41,6 +43,7 @@ FUNCTIONS = [
     ("sigmoid", torch.sigmoid, [(-80.0, 80.0, "lin")]),
     ("erf", torch.erf, [(-4.0, 4.0, "lin"), (1e-8, 1.0, "log")]),
     ("erfc", torch.erfc, [(-2.0, 9.0, "lin")]),
+    ("pow", torch.pow, [(1e-3, 1e3, "log")]),
 ]
 
 
@@ -68,12 +71,16 @@ def ulp_errors(got, exact64):
 
 
 def measure(name: str, fn, ranges) -> dict:
-    x = _inputs(ranges)
+    inputs = [_inputs(ranges)]
+    if name in SECOND:
+        inputs.append(_inputs(SECOND[name])[torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0))])
     torch._dynamo.reset()
-    ours = torch.compile(fn, backend="meganeura")(x)
-    eager = fn(x)
-    exact = fn(x.double())
-    row = {"function": name, "samples": int(x.numel()), "ranges": [list(r) for r in ranges]}
+    ours = torch.compile(fn, backend="meganeura")(*inputs)
+    eager = fn(*inputs)
+    exact = fn(*(x.double() for x in inputs))
+    row = {"function": name, "samples": int(inputs[0].numel()), "ranges": [list(r) for r in ranges]}
+    if name in SECOND:
+        row["second_ranges"] = [list(r) for r in SECOND[name]]
     for who, values in (("ours", ours), ("eager", eager)):
         errors = ulp_errors(values, exact)
         row[f"{who}_max_ulp"] = float(errors.max())
@@ -88,7 +95,9 @@ def markdown(result: dict) -> str:
              "| function | ranges | ours max | ours mean | eager max | eager mean |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         shown = {"lin": "", "log": " (log)", "log2": " (log, both signs)"}
-        ranges = ", ".join(f"[{lo:g}, {hi:g}]{shown[s]}" for lo, hi, s in r["ranges"])
+        listed = [", ".join(f"[{lo:g}, {hi:g}]{shown[s]}" for lo, hi, s in r[key])
+                  for key in ("ranges", "second_ranges") if key in r]
+        ranges = listed[0] if len(listed) == 1 else f"x in {listed[0]}; y in {listed[1]}"
         lines.append(f"| {r['function']} | {ranges} | {r['ours_max_ulp']:.2f} | {r['ours_mean_ulp']:.3f} | "
                      f"{r['eager_max_ulp']:.2f} | {r['eager_mean_ulp']:.3f} |")
     return "\n".join(lines) + "\n"

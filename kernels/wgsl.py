@@ -75,16 +75,69 @@ HELPERS = {
     "mg_min": """fn mg_min(a: f32, b: f32) -> f32 {
   return select(min(a, b), a + b, mg_isnan(a) || mg_isnan(b));
 }""",
+    # pow as C99's powf (torch's special cases: zeros, infinities, NaN, negative bases with integer exponents) around
+    # |x|^y for finite |x| > 0 and y (mg_pow_positive).
     "mg_pow": """fn mg_pow(x: f32, y: f32) -> f32 {
-  if (y == 0.0) { return 1.0; }
-  if (x == 0.0) { return select(0.0, bitcast<f32>(0x7f800000u), y < 0.0); }
-  if (x < 0.0) {
-    if (trunc(y) != y) { return bitcast<f32>(0x7fc00000u); }
-    let m = pow(-x, y);
-    return select(m, -m, (abs(y) % 2.0) == 1.0);
-  }
-  return pow(x, y);
+  let a = abs(x);
+  let integer = trunc(y) == y;
+  let odd = integer && trunc(0.5 * y) != 0.5 * y;
+  let edge = a == 0.0 || mg_isinf(a) || mg_isinf(y);  // 0 or inf, by whether |x| and y lie on one side of 1 and 0
+  var r = select(mg_pow_positive(a, y), select(0.0, bitcast<f32>(0x7f800000u), (y > 0.0) == (a > 1.0)), edge);
+  r = select(r, -r, odd && (bitcast<u32>(x) & 0x80000000u) != 0u);
+  r = select(r, bitcast<f32>(0x7fc00000u), x < 0.0 && !mg_isinf(x) && !integer);
+  r = select(r, x + y, mg_isnan(x) || mg_isnan(y));
+  return select(r, 1.0, y == 0.0 || x == 1.0 || (a == 1.0 && mg_isinf(y)));
 }""",
+    # |x|^y = 2^(y log2 |x|) with the exponent's rounding left out (the built-in, exp2(y log2(x)) in f32, was 14-270x
+    # eager's relative error on lavapipe, 94 ULP at most): log2 |x| = e + h + l (mg_log2_parts), y = yh + yl in 12-bit
+    # halves, so that yh e, yh h, yl e and yl h are exact and only y l (at most 1 % of the whole) rounds; the integer
+    # parts leave the sum before it rounds. Now 1.0-1.35x eager's error, 1.5 ULP at most where |y log2 x| < 30; up to
+    # 4 ULP where it nears 128 with x's mantissa near sqrt(2)^+-1 (log2 parts' 2^-28.5 times y). Exponents beyond
+    # +-512 give 0 or inf directly (their exact parts could overflow to inf - inf).
+    "mg_pow_positive": """fn mg_pow_positive(a: f32, y: f32) -> f32 {
+  let g = mg_log2_parts(a);
+  let yh = mg_hi12(y);
+  let yl = y - yh;
+  let t1 = yh * g.x;
+  let t2 = yh * g.y;
+  let n1 = round(t1);
+  let n2 = round(t2);
+  let u = ((t1 - n1) + (t2 - n2)) + ((yl * g.x + y * g.z) + yl * g.y);  // (no two products of one factor summed:
+  let n3 = round(u);                                                    //  a compiler may factor them, rounding once)
+  let k = clamp(n1 + n2 + n3, -160.0, 140.0);  // beyond: 0 or inf, within ldexp's defined range in two halves
+  let r = mg_ldexp_halves(mg_exp_poly((u - n3) * 0.6931471805599453), k);
+  let rough = y * (g.x + g.y);
+  return select(r, select(0.0, bitcast<f32>(0x7f800000u), rough > 0.0), abs(rough) > 512.0);
+}""",
+    # log2 x = e + h + l for finite x > 0: e an integer, h of 12 significant bits, l the rest (at most 1 % of h); h + l
+    # within 2^-28.5 of log2 m (2^-31.5 rms). With m = 1 + f (mg_log_reduce), log m = 2 atanh(s), s = f / (2 + f) =
+    # sh + sl: sh rounded, sl from the residual f - sh (2 + f), taken exactly (f - 2 sh and each 12-bit partial product
+    # of sh f subtracted in turn cancel exactly, by Sterbenz's lemma); the series' tail (to s^13, at most 1 % of 2s: its
+    # f32 rounding is the 2^-28.5) and sl's share in it in f32; 2 sh / ln 2 with 1 / ln 2 = C1 + C2, C1 of 12 bits.
+    "mg_log2_parts": """fn mg_log2_parts(x: f32) -> vec3<f32> {
+  let me = mg_log_reduce(x);
+  let f = me.x - 1.0;
+  let d = 2.0 + f;
+  let sh = f / d;
+  let s1 = mg_hi12(sh);
+  let s2 = sh - s1;
+  let f1 = mg_hi12(f);
+  let f2 = f - f1;
+  let sl = ((((f - 2.0 * sh) - s1 * f1) - (s1 * f2 + s2 * f1)) - s2 * f2) / d;
+  let z = sh * sh;
+  let q = 0.3333333333333333 + z * (0.2 + z * (0.14285714285714285 + z * (0.1111111111111111
+      + z * (0.09090909090909091 + z * 0.07692307692307693))));
+  let tail = 2.0 * sl * (1.0 + z) + 2.0 * sh * z * q;
+  let a = 2.0 * sh;
+  let a1 = mg_hi12(a);
+  let p = a1 * 1.4423828125;  // C1 (exact product: 12 bits by 12)
+  let h = mg_hi12(p);
+  let l = ((p - h) + (a - a1) * 1.4423828125) + (a * 3.1222839e-04 + tail * 1.4426950408889634);
+  return vec3<f32>(me.y, h, l);
+}""",
+    # x's upper 12 significant bits (the product of two such numbers is exact in f32: Dekker's split by a mask, as
+    # fma is not fused on every driver and a compiler may simplify Veltkamp's (c x) - (c x - x) to x)
+    "mg_hi12": "fn mg_hi12(x: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) & 0xfffff000u); }",
     "mg_remainder": """fn mg_remainder(a: f32, b: f32) -> f32 {
   let r = a % b;
   return select(r, r + b, r != 0.0 && ((r < 0.0) != (b < 0.0)));
@@ -136,14 +189,19 @@ HELPERS = {
 }""",
     # log to about 1 ULP (the built-in's error is absolute, 2^-21, on [0.5, 2]: relative 1e-3 near 1): x = m 2^e
     # with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) for s = (m - 1) / (m + 1), |s| < 0.172, by its series to
-    # s^11 (truncation below 3e-10); subnormal x scaled up by 2^23 first. mg_log_parts returns (e, log m); log adds
-    # e ln2 with ln2 split as in mg_exp, log2 adds e exactly. 0, negatives, inf and NaN as IEEE (mg_log_special).
-    "mg_log_parts": """fn mg_log_parts(x: f32) -> vec2<f32> {
+    # s^11 (truncation below 3e-10); subnormal x scaled up by 2^23 first. mg_log_reduce returns (m, e), mg_log_parts
+    # (e, log m); log adds e ln2 with ln2 split as in mg_exp, log2 adds e exactly. 0, negatives, inf and NaN as IEEE (mg_log_special).
+    "mg_log_reduce": """fn mg_log_reduce(x: f32) -> vec2<f32> {
   let tiny = x < 1.1754943508222875e-38;
   let parts = frexp(select(x, x * 8388608.0, tiny));
   let low = parts.fract < 0.70710678118654752;
   let m = select(parts.fract, parts.fract * 2.0, low);
-  let e = f32(select(parts.exp, parts.exp - 1i, low) - select(0i, 23i, tiny));
+  return vec2<f32>(m, f32(select(parts.exp, parts.exp - 1i, low) - select(0i, 23i, tiny)));
+}""",
+    "mg_log_parts": """fn mg_log_parts(x: f32) -> vec2<f32> {
+  let me = mg_log_reduce(x);
+  let m = me.x;
+  let e = me.y;
   let s = (m - 1.0) / (m + 1.0);
   let z = s * s;
   let series = z * (0.3333333333333333 + z * (0.2 + z * (0.14285714285714285 + z * (0.1111111111111111
@@ -344,7 +402,10 @@ HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16
                "mg_exp2": ["mg_exp_poly", "mg_ldexp_halves", "mg_isnan"], "mg_sinh": ["mg_exp", "mg_isnan"],
                "mg_cosh": ["mg_exp", "mg_isnan"], "mg_log": ["mg_log_parts", "mg_log_special"],
                "mg_log2": ["mg_log_parts", "mg_log_special"], "mg_log10": ["mg_log_parts", "mg_log_special"],
-               "mg_log_special": ["mg_isnan", "mg_isinf"],
+               "mg_log_special": ["mg_isnan", "mg_isinf"], "mg_log_parts": ["mg_log_reduce"],
+               "mg_log2_parts": ["mg_log_reduce", "mg_hi12"],
+               "mg_pow_positive": ["mg_log2_parts", "mg_hi12", "mg_exp_poly", "mg_ldexp_halves"],
+               "mg_pow": ["mg_pow_positive", "mg_isnan", "mg_isinf"],
                "mg_expm1": ["mg_exp"], "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs", "mg_isnan"], "mg_erfc_abs": ["mg_exp"],
                "mg_erfc": ["mg_erfc_abs", "mg_isnan"], "mg_atan": ["mg_isnan"], "mg_atan2": ["mg_atan", "mg_isnan"],
                "mg_asin": ["mg_asin_poly", "mg_asin_far", "mg_isnan"], "mg_acos": ["mg_asin_poly", "mg_asin_far"],
