@@ -13,6 +13,8 @@ partials and writes its results, one workgroup per (row, slice) again when there
 Where the device offers subgroup operations, sums combine each subgroup's values with ``subgroupAdd`` and then the
 subgroups' sums through workgroup memory: two barriers instead of a tree's one per halving. Nothing assumes a
 subgroup size; other reductions keep the tree (a subgroup maximum's NaN handling is not specified).
+A ``sum2`` phase (variance and its mean, which eager accumulates in double) adds every value into a pair of floats
+whose high part sums exactly (``mg_sum2``), by the tree, and is not split.
 """
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ IDENTITY = {
     ("min", "f32"): "bitcast<f32>(0x7f800000u)", ("min", "i32"): "2147483647i",
     ("argmax", "f32"): "bitcast<f32>(0xff800000u)", ("argmax", "i32"): "i32(-2147483647 - 1)",
     ("argmin", "f32"): "bitcast<f32>(0x7f800000u)", ("argmin", "i32"): "2147483647i",
-    ("max", "bool"): "false", ("min", "bool"): "true",
+    ("max", "bool"): "false", ("min", "bool"): "true", ("sum2", "f32"): "vec2<f32>(0.0)",
 }
 COMBINE = {
-    "sum": "({a} + {b})", "prod": "({a} * {b})",
+    "sum": "({a} + {b})", "prod": "({a} * {b})", "sum2": "mg_sum2({a}, {b})",
     ("max", "f32"): "mg_max({a}, {b})", ("min", "f32"): "mg_min({a}, {b})",
     ("max", "i32"): "max({a}, {b})", ("min", "i32"): "min({a}, {b})",
     ("max", "bool"): "({a} || {b})", ("min", "bool"): "({a} && {b})",
@@ -49,8 +51,10 @@ SPLIT_MIN_SLICE = 2048          # ...while every slice keeps at least this many 
 SPLIT_MAX = 64
 SPLIT_OPS = ("sum", "prod", "max", "min")
 UNROLL = 8  # a thread's elements that a phase loads before combining them; H200, rows of 4096: sum 0.51 -> 0.27 ms
-PAIRWISE_OPS = ("sum", "prod")  # their unrolled values combine as a tree (``_pairwise``)
+PAIRWISE_OPS = ("sum", "prod", "sum2")  # their unrolled values combine as a tree (``_pairwise``)
 PARTIAL_GROUP = 8  # a row's partial results (split rows) are added in groups of this many, each group pairwise
+RUNNING_TYPE = {**wgsl.VALUE_TYPE, "pair": "vec2<f32>"}  # a phase's running value, by kind (``_kind``)
+SHARED_TYPE = {**RUNNING_TYPE, "bool": "u32"}  # the elements of its workgroup array
 
 
 def workgroup_size(row_length, max_invocations: int) -> int:
@@ -136,9 +140,9 @@ def _source(bindings, text, phases, serial, wg, groups, units, slices, parts, ro
             subgroups: bool) -> str:
     """The kernel around a body: ``row`` and ``slice`` (of ``slices`` per row) from the workgroup (or thread, when
     serial) index; ``parts`` is the number of partial results per row and phase."""
-    shared_types = {e.dtype for _, e in phases}
-    shared = "\n".join(f"var<workgroup> red_{t}: array<{wgsl.VALUE_TYPE[t] if t != 'bool' else 'u32'}, {wg}>;"
-                       for t in sorted(shared_types)) if not serial else ""
+    shared_kinds = {_kind(op, e.dtype) for op, e in phases}
+    shared = "\n".join(f"var<workgroup> red_{t}: array<{SHARED_TYPE[t]}, {wg}>;"
+                        for t in sorted(shared_kinds)) if not serial else ""
     if any(op.startswith("arg") for op, _ in phases) and not serial:  # an i32 argmax keeps its values in red_i32
         shared += f"\nvar<workgroup> red_idx: array<i32, {wg}>;"
     unit = f"{wgsl.flat_workgroup(groups[0])} * {wg}u + lid" if serial else wgsl.flat_workgroup(groups[0])
@@ -230,7 +234,7 @@ def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool =
     value = em.value(expr)
     is_arg = op.startswith("arg")
     a, ai = f"a{p}", f"ai{p}"
-    lines = [f"  var {a}: {wgsl.VALUE_TYPE[dt]} = {IDENTITY[(op, dt)]};"]
+    lines = [f"  var {a}: {RUNNING_TYPE[_kind(op, dt)]} = {IDENTITY[(op, dt)]};"]
     if is_arg:
         lines.append(f"  var {ai}: i32 = 2147483647i;")
     start = "lo" if wg == 1 else "lo + i32(lid)"
@@ -244,11 +248,11 @@ def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool =
         better = ARG_BETTER[(op, dt)].format(v=value, i="j", bv=a, bi=ai)
         lines += [f"    if ({better}) {{ {a} = {value}; {ai} = j; }}"]
     else:
-        lines += [f"    {a} = {_combine(op, dt, a, value)};"]
+        lines += [f"    {a} = {_combine(op, dt, a, _lift(op, value))};"]
     lines += ["  }"]
     if wg == 1:  # one thread per row: the loop saw the whole row
-        return lines + [f"  let acc{p} = {ai if is_arg else a};"]
-    shared = f"red_{dt}"
+        return lines + [f"  let acc{p} = {_total(op, ai if is_arg else a)};"]
+    shared = f"red_{_kind(op, dt)}"
     if subgroups and op == "sum" and dt in ("f32", "i32"):  # every thread adds the subgroups' sums in one order
         return lines + [f"  let s{p} = subgroupAdd({a});", f"  if (sg_lane == 0u) {{ {shared}[sg_id] = s{p}; }}",
                         "  workgroupBarrier();", f"  var t{p}: {wgsl.VALUE_TYPE[dt]} = {IDENTITY[(op, dt)]};",
@@ -271,7 +275,7 @@ def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool =
         lines.append(f"      {shared}[lid] = {to_shared(_combine(op, dt, mine, other))};")
     lines += ["    }", "    workgroupBarrier();", "  }"]
     result = "red_idx[0]" if is_arg else from_shared(f"{shared}[0]")
-    lines += [f"  let acc{p} = {result};", "  workgroupBarrier();"]
+    lines += [f"  let acc{p} = {_total(op, result)};", "  workgroupBarrier();"]
     return lines
 
 
@@ -291,9 +295,9 @@ def _unrolled_loop(p, op, expr, names, axes, red_shape, wg, acc_names) -> list[s
         lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="      ")
         lines += em.lines + [f"      {v} = {value};", "    }"]
     if op in PAIRWISE_OPS and dt == "f32":
-        lines += [f"    {a} = {_combine(op, dt, a, _pairwise(op, dt, values))};"]
+        lines += [f"    {a} = {_combine(op, dt, a, _pairwise(op, dt, [_lift(op, v) for v in values]))};"]
     else:
-        lines += [f"    {a} = {_combine(op, dt, a, v)};" for v in values]
+        lines += [f"    {a} = {_combine(op, dt, a, _lift(op, v))};" for v in values]
     return lines + ["  }"]
 
 
@@ -305,6 +309,21 @@ def _pairwise(op, dt, values: list[str]) -> str:
         pairs = [_combine(op, dt, values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
         values = pairs + ([values[-1]] if len(values) % 2 else [])
     return values[0]
+
+
+def _kind(op, dt) -> str:
+    """The kind of a phase's running value: its dtype, or "pair" (a ``sum2``'s high and low parts)."""
+    return "pair" if op == "sum2" else dt
+
+
+def _lift(op, value: str) -> str:
+    """An element's value as the phase's running value takes it."""
+    return f"vec2<f32>({value}, 0.0)" if op == "sum2" else value
+
+
+def _total(op, running: str) -> str:
+    """A phase's result from its running value."""
+    return f"mg_sum2_total({running})" if op == "sum2" else running
 
 
 def _combine(op, dt, a, b) -> str:

@@ -135,6 +135,23 @@ HELPERS = {
   let l = ((p - h) + (a - a1) * 1.4423828125) + (a * 3.1222839e-04 + tail * 1.4426950408889634);
   return vec3<f32>(me.y, h, l);
 }""",
+    # (a.x + a.y) + (b.x + b.y) as a pair (hi, lo) for accurate sums: hi = a.x + b.x after both are cut to a multiple of
+    # twice the spacing of the larger (mg_grid), which makes it exact (a float sum's rounding is not recovered by
+    # cancellation, (s - a) - b, which compilers may fold to 0); the bits cut off (under 2 ULP of the larger) and the
+    # los add into lo, which stays far below hi. mg_sum2_total rounds the pair once (hi alone where it is infinite: lo
+    # is NaN then).
+    "mg_sum2": """fn mg_sum2(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
+  let e = max((bitcast<u32>(a.x) >> 23u) & 0xffu, (bitcast<u32>(b.x) >> 23u) & 0xffu);
+  let ah = mg_grid(a.x, e);
+  let bh = mg_grid(b.x, e);
+  return vec2<f32>(ah + bh, (a.y + b.y) + ((a.x - ah) + (b.x - bh)));
+}""",
+    "mg_grid": """fn mg_grid(x: f32, e: u32) -> f32 {  // x cut toward 0 to a multiple of 2^(e - 149), e a biased exponent
+  let bits = bitcast<u32>(x);
+  let cut = e + 1u - max((bits >> 23u) & 0xffu, 1u);  // low bits of x's significand to clear
+  return select(bitcast<f32>(bits & (0xffffffffu << min(cut, 31u))), 0.0, cut > 23u);
+}""",
+    "mg_sum2_total": "fn mg_sum2_total(a: vec2<f32>) -> f32 { return select(a.x + a.y, a.x, mg_isinf(a.x)); }",
     # x's upper 12 significant bits (the product of two such numbers is exact in f32: Dekker's split by a mask, as
     # fma is not fused on every driver and a compiler may simplify Veltkamp's (c x) - (c x - x) to x)
     "mg_hi12": "fn mg_hi12(x: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) & 0xfffff000u); }",
@@ -405,7 +422,8 @@ HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16
                "mg_log_special": ["mg_isnan", "mg_isinf"], "mg_log_parts": ["mg_log_reduce"],
                "mg_log2_parts": ["mg_log_reduce", "mg_hi12"],
                "mg_pow_positive": ["mg_log2_parts", "mg_hi12", "mg_exp_poly", "mg_ldexp_halves"],
-               "mg_pow": ["mg_pow_positive", "mg_isnan", "mg_isinf"],
+               "mg_pow": ["mg_pow_positive", "mg_isnan", "mg_isinf"], "mg_sum2": ["mg_grid"],
+               "mg_sum2_total": ["mg_isinf"],
                "mg_expm1": ["mg_exp"], "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs", "mg_isnan"], "mg_erfc_abs": ["mg_exp"],
                "mg_erfc": ["mg_erfc_abs", "mg_isnan"], "mg_atan": ["mg_isnan"], "mg_atan2": ["mg_atan", "mg_isnan"],
                "mg_asin": ["mg_asin_poly", "mg_asin_far", "mg_isnan"], "mg_acos": ["mg_asin_poly", "mg_asin_far"],

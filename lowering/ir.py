@@ -27,7 +27,7 @@ from . import expr as E
 LOGICAL_TO_COMPUTE = {"float32": E.F32, "bfloat16": E.F32, "float16": E.F32, "int64": E.I32, "int32": E.I32,
                       "bool": E.BOOL}
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-REDUCE_OPS = ("sum", "prod", "max", "min", "argmax", "argmin")
+REDUCE_OPS = ("sum", "prod", "max", "min", "argmax", "argmin", "sum2")  # sum2: an accurate sum (kernels.reduce)
 
 
 def numel(shape) -> int:

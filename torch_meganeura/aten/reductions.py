@@ -117,7 +117,7 @@ def _moments(ctx, x, dims, correction, keepdim, want_mean):
     value = _element(ctx, x, E.F32)
     mean = E.binary("div", E.acc(0), E.const(n, E.F32))
     dev = E.binary("sub", value, mean)
-    phases = [("sum", value), ("sum", E.mul(dev, dev))]
+    phases = [("sum2", value), ("sum2", E.mul(dev, dev))]  # eager accumulates both in double
     correction = 1 if correction is None else correction
     var = E.binary("div", E.acc(1), E.const(max(n - correction, 0), E.F32))
     results = [RowOutput(False, var)] + ([RowOutput(False, mean)] if want_mean else [])
