@@ -1,4 +1,6 @@
 """Graphs that dynamo recompiles with symbolic sizes (its automatic dynamic shapes, after a second distinct shape)."""
+import warnings
+
 import torch
 
 from helpers.compare import Compiles
@@ -31,6 +33,20 @@ def test_computed_outputs_over_symbolic_sizes_match_eager():
     for width, heads in [(128, 2), (320, 5), (192, 3)]:
         x = torch.randn(2, 3, width)
         torch.testing.assert_close(compiled(x, heads), f(x, heads), rtol=1e-5, atol=1e-6)
+
+
+def test_variances_over_a_symbolic_row_length_stay_on_the_device():
+    """var divides by n - correction, n symbolic: the lowering failed on Size - float and the graph ran in eager."""
+    def f(x):
+        return torch.var_mean(x, 1), x.std(1, correction=0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="meganeura")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to eager warns
+        for length in (96, 160, 33):
+            x = torch.randn(3, length)
+            torch.testing.assert_close(compiled(x), f(x), rtol=1e-5, atol=1e-6)
 
 
 def test_a_view_of_an_input_in_a_training_graph():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from meganeura.kernels.sizes import is_size
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import FLOAT_DTYPES, RowOutput, Value, numel
 
@@ -119,7 +120,12 @@ def _moments(ctx, x, dims, correction, keepdim, want_mean):
     dev = E.binary("sub", value, mean)
     phases = [("sum2", value), ("sum2", E.mul(dev, dev))]  # eager accumulates both in double
     correction = 1 if correction is None else correction
-    var = E.binary("div", E.acc(1), E.const(max(n - correction, 0), E.F32))
+    if is_size(n):  # a dynamic graph's row length: n - correction counted when the kernel runs
+        divisor = E.binary("maximum", E.binary("sub", E.const(n, E.F32), E.const(correction, E.F32)),
+                           E.const(0.0, E.F32))
+    else:
+        divisor = E.const(max(n - correction, 0), E.F32)
+    var = E.binary("div", E.acc(1), divisor)
     results = [RowOutput(False, var)] + ([RowOutput(False, mean)] if want_mean else [])
     outs = ctx.b.reduce(x.shape, axes, phases, results, ["float32"] * len(results), "var")
     return tuple(_keep(ctx, o, x, axes, keepdim) for o in outs)
