@@ -33,34 +33,73 @@ SPLIT_TARGET_WORKGROUPS = 1024
 # may use subgroup operations (whatever the subgroup size).
 SUBGROUP_OPS = "meganeura-subgroup-ops"
 
+# erfc's fits (mg_erfc_abs): z erfcx(z) - 1/2 for z >= 1 as a polynomial in 1/z - 0.55, and erfcx(z) - 1/2 for
+# 0.47 <= z < 1 in z - 0.735 (erfcx(z) = erfc(z) exp(z^2)), least squares in relative error with each coefficient
+# rounded to f32 in turn: within 2.0e-9 and 2.5e-10 of them.
+ERFCX_FAR = (0.002353423275053501, -0.17003512382507324, -0.020363885909318924, 0.09835844486951828,
+             -0.09701512008905411, 0.049838170409202576, 0.011788437142968178, -0.06028817594051361,
+             0.0851764902472496, -0.09662264585494995, 0.042506955564022064, 0.12043057382106781,
+             -0.15005552768707275)
+ERFCX_NEAR = (0.012509647756814957, -0.37498998641967773, 0.23689202964305878, -0.13391618430614471,
+              0.06923064589500427, -0.03320932388305664, 0.01496181171387434, -0.006470789201557636,
+              0.0024613626301288605)
+
+
+def _horner(x: str, coefficients) -> str:
+    """WGSL for the polynomial sum(c_i x^i), in Horner's form."""
+    text = repr(coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        text = f"{c!r} + {x} * ({text})"
+    return text
+
+
 # Helper functions referenced by the op table; only those used are emitted.
 HELPERS = {
-    # erfc(z) for z >= 0 via a Chebyshev-fitted exponent (|relative error| < 1.2e-7): exp(-z^2 + p(t)) as
-    # exp(p(t)) exp(-hi) exp(-lo), z^2 = hi + lo with hi = zh^2 exact for z's upper 12 significant bits zh (Dekker's
-    # split: fma is not fused on every driver). exp(-z^2 - ...) in one piece took the rounding of z^2 and of the sum
-    # into its exponent: 149 ULP at z = 9, 10.6 on average over [-2, 9].
-    "mg_erfc_abs": """fn mg_erfc_abs(x: f32) -> f32 {
-  let z = min(x, 11.0);  // erfc is 0 in f32 from 10.06 on (and inf - inf would be NaN below)
-  let t = 1.0 / (1.0 + 0.5 * z);
-  let zh = bitcast<f32>(bitcast<u32>(z) & 0xfffff000u);
+    # erfc(z) for z >= 0 (the Chebyshev fit this replaces, 1.2e-7 relative, was 4-5x eager's error): 1 - erf(z) below
+    # 0.47, where erf < 1/2 rounds finer than erfc; above, erfcx(z) exp(-z^2) with erfcx fitted (ERFCX_NEAR below 1,
+    # ERFCX_FAR as z erfcx(z) over 1/z = vh + vl, the division's residual taken exactly) and exp(-z^2) =
+    # 2^k (1 + w) exp(-d): z = zh + zl in 12-bit parts, zh^2 exact and reduced by k ln2 in two parts (as mg_exp), d =
+    # zl (2 zh + zl) small. erfcx = a + b with a = 1/2 or vh / 2 exact, so that erfcx (1 + w) (1 + expm1(-d)) rounds
+    # once, at its end. erfc is 0 in f32 from 10.06 on (z is clamped at 11: inf - inf would be NaN below).
+    "mg_erfc_abs": f"""fn mg_erfc_abs(x: f32) -> f32 {{
+  let z = min(x, 11.0);
+  let zh = mg_hi12(z);
   let zl = z - zh;
-  let p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806
-        + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))));
-  return (t * mg_exp(p)) * mg_exp(-(zh * zh)) * mg_exp(-(zl * (zh + zh + zl)));
+  let q = zh * zh;
+  let k = round(q * -1.4426950408889634);
+  let r = (-q - k * 0.693145751953125) - k * 1.4286068203094173e-06;
+  let w = r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0
+      + r * (1.0 / 5040.0 + r * (1.0 / 40320.0))))))));
+  let d = zl * (zh + zh + zl);
+  let m = -d * (1.0 - d * (0.5 - d * (1.0 / 6.0 - d * (1.0 / 24.0 - d * (1.0 / 120.0 - d * (1.0 / 720.0))))));
+  let vh = 1.0 / z;
+  let v1 = mg_hi12(vh);
+  let v2 = vh - v1;
+  let vl = (((1.0 - zh * v1) - (zh * v2 + zl * v1)) - zl * v2) * vh;
+  let u = vh - 0.55;
+  let t = z - 0.735;
+  let far = {_horner("u", ERFCX_FAR)};
+  let near = {_horner("t", ERFCX_NEAR)};
+  let a = select(0.5, 0.5 * vh, z >= 1.0);
+  let b = select(near, vh * far + vl * (0.5 + far), z >= 1.0);
+  let p = a + (b + (a + b) * ((w + m) + w * m));
+  return select(mg_ldexp_halves(p, k), 1.0 - mg_erf_series(z), z < 0.47);
+}}""",
+    # erf below 1 by its Maclaurin series to x^21 (the first term left out is below 1.5e-9 relative) as a + a k(a^2),
+    # fdlibm's form: a itself exact, k = erf(a) / a - 1 at most 16 % of the sum (c a + a (...), 2/sqrt(pi) = c in two
+    # parts, was factored by lavapipe's compiler into a (c + ...), rounding c: 2.4x eager's error; now 1.0-1.15x).
+    # 1 - erfc above, where erfc < 0.16.
+    "mg_erf_series": """fn mg_erf_series(a: f32) -> f32 {
+  let z = a * a;
+  let k = 0.12837916709551256 + z * (-0.37612638903183754 + z * (0.11283791670955126 + z * (-0.026866170645131252
+      + z * (0.005223977625442188 + z * (-0.0008548327023450852 + z * (0.00012055332981789664
+      + z * (-1.492565035840625e-05 + z * (1.6462114365889246e-06 + z * (-1.6365844691234924e-07
+      + z * 1.4807192815879218e-08)))))))));
+  return a + a * k;
 }""",
-    # erf below 1 by its Maclaurin series to x^21 (the first term left out is below 1.5e-9 relative), with
-    # 2/sqrt(pi) in two parts (one part alone is 0.44 ULP off for every x): 1 - erfc cancels there (erf(1e-3) would
-    # keep only erfc's absolute error).
     "mg_erf": """fn mg_erf(x: f32) -> f32 {
   let a = abs(x);
-  let z = a * a;
-  let q = -0.33333333333333333 + z * (0.1 + z * (-0.023809523809523808
-      + z * (0.0046296296296296296 + z * (-0.00075757575757575758 + z * (0.00010683760683760684
-      + z * (-1.3227513227513228e-05 + z * (1.4589169000933707e-06 + z * (-1.4503852223150468e-07
-      + z * 1.3122532963802805e-08))))))));
-  let c = bitcast<f32>(0x3f906ebbu);  // 2/sqrt(pi) = c - 5.8635383e-08, its f32 part exactly
-  let series = c * a + a * (-5.8635383e-08 + c * z * q);
-  let r = select(series, 1.0 - mg_erfc_abs(a), a >= 1.0);
+  let r = select(mg_erf_series(a), 1.0 - mg_erfc_abs(a), a >= 1.0);
   return select(bitcast<f32>(bitcast<u32>(r) | (bitcast<u32>(x) & 0x80000000u)), x, mg_isnan(x));
 }""",
     "mg_erfc": """fn mg_erfc(x: f32) -> f32 {
@@ -146,7 +185,8 @@ HELPERS = {
   let bh = mg_grid(b.x, e);
   return vec2<f32>(ah + bh, (a.y + b.y) + ((a.x - ah) + (b.x - bh)));
 }""",
-    "mg_grid": """fn mg_grid(x: f32, e: u32) -> f32 {  // x cut toward 0 to a multiple of 2^(e - 149), e a biased exponent
+    # x cut toward 0 to a multiple of 2^(e - 149), e a biased exponent at least x's
+    "mg_grid": """fn mg_grid(x: f32, e: u32) -> f32 {
   let bits = bitcast<u32>(x);
   let cut = e + 1u - max((bits >> 23u) & 0xffu, 1u);  // low bits of x's significand to clear
   return select(bitcast<f32>(bits & (0xffffffffu << min(cut, 31u))), 0.0, cut > 23u);
@@ -207,7 +247,8 @@ HELPERS = {
     # log to about 1 ULP (the built-in's error is absolute, 2^-21, on [0.5, 2]: relative 1e-3 near 1): x = m 2^e
     # with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) for s = (m - 1) / (m + 1), |s| < 0.172, by its series to
     # s^11 (truncation below 3e-10); subnormal x scaled up by 2^23 first. mg_log_reduce returns (m, e), mg_log_parts
-    # (e, log m); log adds e ln2 with ln2 split as in mg_exp, log2 adds e exactly. 0, negatives, inf and NaN as IEEE (mg_log_special).
+    # (e, log m); log adds e ln2 with ln2 split as in mg_exp, log2 adds e exactly. 0, negatives, inf and NaN as IEEE
+    # (mg_log_special).
     "mg_log_reduce": """fn mg_log_reduce(x: f32) -> vec2<f32> {
   let tiny = x < 1.1754943508222875e-38;
   let parts = frexp(select(x, x * 8388608.0, tiny));
@@ -424,7 +465,9 @@ HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16
                "mg_pow_positive": ["mg_log2_parts", "mg_hi12", "mg_exp_poly", "mg_ldexp_halves"],
                "mg_pow": ["mg_pow_positive", "mg_isnan", "mg_isinf"], "mg_sum2": ["mg_grid"],
                "mg_sum2_total": ["mg_isinf"],
-               "mg_expm1": ["mg_exp"], "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"], "mg_erf": ["mg_erfc_abs", "mg_isnan"], "mg_erfc_abs": ["mg_exp"],
+               "mg_expm1": ["mg_exp"], "mg_log1p": ["mg_log"], "mg_sigmoid": ["mg_exp"],
+               "mg_erf": ["mg_erf_series", "mg_erfc_abs", "mg_isnan"],
+               "mg_erfc_abs": ["mg_hi12", "mg_ldexp_halves", "mg_erf_series"],
                "mg_erfc": ["mg_erfc_abs", "mg_isnan"], "mg_atan": ["mg_isnan"], "mg_atan2": ["mg_atan", "mg_isnan"],
                "mg_asin": ["mg_asin_poly", "mg_asin_far", "mg_isnan"], "mg_acos": ["mg_asin_poly", "mg_asin_far"],
                "mg_asin_far": ["mg_asin_poly"], "mg_max": ["mg_isnan"], "mg_min": ["mg_isnan"],

@@ -45,14 +45,13 @@ def test_tanh_special_values():
     assert torch.equal(torch.signbit(got), torch.signbit(torch.tanh(x)))
 
 
-# erf below 1 comes from its series and stays within 2.4x eager's error on lavapipe (the series is 1.4x in float32
-# arithmetic emulated by numpy; the rest is lavapipe's compilation): bounded by 3x there, 2x beyond. It was 6,800x
-# near 0 (1 - erfc kept only erfc's absolute error) and 6.5x up to 0.9.
-@pytest.mark.parametrize("lo, hi, bound", [(-1e-3, 1e-3, 3), (-0.9, 0.9, 3), (1.0, 4.0, 2), (-3.0, 3.0, 2)])
-def test_erf_is_about_as_accurate_as_eager(lo, hi, bound):
+@pytest.mark.parametrize("lo, hi", [(-1e-3, 1e-3), (-0.9, 0.9), (0.5, 1.0), (1.0, 4.0), (-3.0, 3.0)])
+def test_erf_is_as_accurate_as_eager(lo, hi):
+    """erf below 1 by its series as a + a k(a^2): 1.0-1.15x eager's error. Written c a + a (...) with 2/sqrt(pi) = c in
+    two parts, lavapipe's compiler factored it into a (c + ...): 2.4x; 1 - erfc was 6,800x near 0."""
     x = torch.empty(20000).uniform_(lo, hi)
     ours_error, eager_error = errors(torch.erf, x)
-    assert ours_error <= bound * eager_error, (ours_error, eager_error)
+    assert ours_error <= 2 * eager_error, (ours_error, eager_error)
 
 
 def test_erf_special_values():
@@ -177,13 +176,14 @@ def test_batch_norm_statistics_are_as_accurate_as_eager():
         assert ours_error <= 2 * eager_error, (output, ours_error, eager_error)
 
 
-@pytest.mark.parametrize("lo, hi", [(-2.0, 0.0), (0.0, 2.0), (2.0, 5.0), (5.0, 9.5)])
-def test_erfc_is_about_as_accurate_as_eager(lo, hi):
-    """erfc's exponent splits z^2 exactly (Dekker): it was 149 ULP off at 9, 10.6 ULP on average over [-2, 9]; now
-    about 1 on average (bench.ulp). Within 3x eager's relative error, as erf below 1."""
+@pytest.mark.parametrize("lo, hi", [(-2.0, 0.0), (0.0, 0.47), (0.4, 1.1), (1.0, 2.0), (2.0, 5.0), (5.0, 9.5)])
+def test_erfc_is_as_accurate_as_eager(lo, hi):
+    """erfc: 1 - erf below 0.47, erfcx(z) exp(-z^2) above with erfcx fitted to 2e-9 and exp(-z^2) from z^2 split exactly
+    (Dekker), rounded once at the end: 1.0-1.25x eager's error (the Chebyshev fit of 1.2e-7 was 4-5x; the exponent in
+    one piece was 149 ULP off at 9). The ranges span the switches at 0.47 and 1."""
     x = torch.empty(20000).uniform_(lo, hi)
     ours_error, eager_error = errors(torch.erfc, x)
-    assert ours_error <= 3 * eager_error, (ours_error, eager_error)
+    assert ours_error <= 2 * eager_error, (ours_error, eager_error)
 
 
 def test_erfc_and_log10_special_values():
