@@ -6,8 +6,8 @@ Node kinds (the archetypes):
                 views (permute, slice, expand, reshape...) are Pointwise nodes whose expr is a single load;
                 ``also`` holds expressions of further outputs of the same size, stored at the same linear index;
   ``Reduce``    a row program: for each row of ``domain`` (the non-reduced axes) it runs ``phases``, each
-                a reduction (sum/prod/max/min/argmax/argmin) of an expression that may use the results of
-                earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
+                a reduction (sum/prod/max/min/argmax/argmin, or sum2: an accurate sum) of an expression that may
+                use the results of earlier phases (``acc(i)``), then writes row outputs and/or element outputs;
   ``Matmul``    C[b, i, j] = sum_p A[b, i, p] * B[b, p, j], operands given as expressions over (b, i, p) and
                 (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``; ``more_blocks`` holds further outputs
                 that share A (each a block of columns with its own B and epilogue) or B (blocks of rows);
@@ -27,7 +27,7 @@ from . import expr as E
 LOGICAL_TO_COMPUTE = {"float32": E.F32, "bfloat16": E.F32, "float16": E.F32, "int64": E.I32, "int32": E.I32,
                       "bool": E.BOOL}
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-REDUCE_OPS = ("sum", "prod", "max", "min", "argmax", "argmin", "sum2")  # sum2: an accurate sum (kernels.reduce)
+REDUCE_OPS = ("sum", "prod", "max", "min", "argmax", "argmin", "sum2")
 
 
 def numel(shape) -> int:
