@@ -327,7 +327,7 @@ class DevicePartition(torch.nn.Module):
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
             if k in self.lazy_outputs and k not in self._returned and type(outs[-1]) is torch.Tensor:
-                outs[-1]._meganeura_returned = (weakref.ref(self), k)  # seen again as an input: lazy from then on
+                _may_come_back(outs[-1], self, k)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
 
@@ -367,6 +367,16 @@ def _graph_key(key: tuple) -> tuple:
     the same input of the plan (only the program binds them differently)."""
     return tuple((*item[:-1], "tensor") if isinstance(item, tuple) and item[-1:] == ("resident",) else item
                  for item in key)
+
+
+def _may_come_back(t: torch.Tensor, partition: DevicePartition, position: int) -> None:
+    """Tag an output that may come back as an input of a compiled call (seen again: lazy from then on), and let
+    dynamo trace the graph it comes back to with its sizes symbolic: a KV cache, new at the first decode step, would
+    otherwise make that graph static, and the next step, one position longer, a graph of its own."""
+    t._meganeura_returned = (weakref.ref(partition), position)
+    dims = [d for d, size in enumerate(t.shape) if size > 1]
+    if dims:
+        torch._dynamo.maybe_mark_dynamic(t, dims)
 
 
 def _note_returned(args) -> None:

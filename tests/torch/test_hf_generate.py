@@ -14,10 +14,11 @@ PROMPT = 7
 NEW_TOKENS = 64
 STEP_UPLOAD_BYTES = 128  # a decode step's token id, positions and sizes (int32 each), with room to spare
 STEP_READBACK_EXTRA = 64  # beside the logits: the status words
-# Forward calls before the steady state, default cache: the prefill, dynamo's first decode graph (static sizes), its
-# dynamic one (kernels compiled last here), then the cache coming back as DeviceTensors (dynamo traces the frame
-# again: a new input class; the plans are shared) and the new graph learning which outputs come back.
-DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM = 3, 6
+# Forward calls before the steady state, default cache: the prefill and the decode graph (dynamic from its first
+# call: the cache the prefill returned is marked so; kernels compiled last here), the cache coming back and then as
+# DeviceTensors (dynamo traces the frame again for the new input class, the plans shared, and the new graph learns
+# which outputs come back).
+DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM = 2, 5
 # Static cache: the prefill, the decode graph, then the cache as DeviceTensors (traced again, plans shared).
 STATIC_CACHE_KERNELS_UNTIL, STATIC_CACHE_STEADY_FROM = 2, 3
 
@@ -75,8 +76,11 @@ def test_default_cache_gives_eager_tokens_and_keeps_the_cache_on_the_device(make
     prompt = torch.randint(0, 128, (1, PROMPT))
     want = _generate(model, prompt)
     model.forward = StepCounter(torch.compile(model.forward, backend="meganeura"))
+    graphs = torch._dynamo.utils.counters["stats"]
+    first = graphs["unique_graphs"]
     assert _generate(model, prompt).tolist() == want.tolist()
     _check_steps(model.forward.steps, model.config.vocab_size, DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM)
+    assert graphs["unique_graphs"] - first == 3  # the prefill, the decode, the decode traced again (no kernel)
     model.forward.steps.clear()
     assert _generate(model, prompt).tolist() == want.tolist()  # everything compiled: every step is steady
     _check_steps(model.forward.steps, model.config.vocab_size, 0, 1)
