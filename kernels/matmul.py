@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from . import wgsl
 from .matmul_staging import SHARED_PAD_VEC4, Checks, Staging, shared_row
-from .sizes import ceil_div, is_size
+from .sizes import ceil_div, is_size, upper
 from .wgsl import SPLIT_TARGET_WORKGROUPS
 
 THREADS_WANTED = 256          # threads per workgroup when the device allows it
@@ -171,11 +171,16 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                          block=block, split=split, partial=partial, f16=f16, looped=looped)
 
 
-def split_k(batch: int, m, n: int, k: int, limits: dict) -> int:
+def split_k(batch, m, n, k, limits: dict) -> int:
     """Slices to cut K into: 1, or a power of two when the output tiles alone make too few workgroups for a long K
     (a convolution's weight gradient, a narrow projection). The slices' partial sums go through workgroup-owned
-    scratch and a second, deterministic reduction pass. Not where M is symbolic (one kernel for every M)."""
-    if is_size(m) or not is_tiled(m, n) or k < 2 * SPLIT_MIN_K:
+    scratch and a second, deterministic reduction pass. Symbolic sizes (a dynamic graph's) count at their bounds,
+    the most the plan serves (a token count's weight gradient: slices past the end sum nothing); none where the
+    outputs are symbolic (they give the workgroups)."""
+    if is_size(m) or is_size(n) or is_size(batch) or not is_tiled(m, n):
+        return 1
+    k = upper(k)
+    if k < 2 * SPLIT_MIN_K:
         return 1
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
     workgroups = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
@@ -186,25 +191,23 @@ def split_k(batch: int, m, n: int, k: int, limits: dict) -> int:
     return split
 
 
-def split_reduce_kernel(prelude: str, *, batch: int, m: int, n: int, split: int, partial: str,
+def split_reduce_kernel(prelude: str, *, batch, m, n, split: int, partial: str,
                         limits: dict) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) that sums the ``split`` slices of ``partial`` and calls store_c once per
     output element."""
     total = batch * m * n
-    grid = fold_grid(-(-total // THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
+    grid = fold_grid(ceil_div(total, THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
+    sizes = "".join(wgsl.size_constant(name, value) for name, value in (("OUTPUTS", total), ("M", m), ("N", n)))
     kernel = f"""
 // ---- matmul: sum of {split} K slices
-const OUTPUTS: u32 = {total}u;
-const GRID_X: u32 = {grid[0]}u;
-const GRID_XY: u32 = {grid[0] * grid[1]}u;
-
+{sizes}{wgsl.grid_constants(grid)}
 @compute @workgroup_size({THREADS_WANTED})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
     let e = (wg.x + wg.y * GRID_X + wg.z * GRID_XY) * {THREADS_WANTED}u + lid;
     if (e >= OUTPUTS) {{ return; }}
     var acc = 0.0;
     for (var s = 0u; s < {split}u; s++) {{ acc += {partial}[s * OUTPUTS + e]; }}
-    store_c(e / {m * n}u, (e / {n}u) % {m}u, e % {n}u, acc);
+    store_c(e / (M * N), (e / N) % M, e % N, acc);
 }}
 """
     return prelude + kernel, grid
@@ -264,9 +267,9 @@ ENTRY = "@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
 LINEAR_WORKGROUP = """    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
     let live = wg_linear < WORKGROUPS;  // folded grids round up: extra workgroups only pass barriers
 """
-# The M the tiled kernel's tile and variant are chosen for where M is symbolic: one kernel for every M (a long one
-# pays for rows past a ragged edge, a short one for a tile larger than it needs).
-SYMBOLIC_M_CHOICE = 64
+# The sizes the tiled kernel's tile and chunk are chosen for where a size is symbolic: one kernel for every value (a
+# long one pays for rows past a ragged edge, a short one for a tile larger than it needs); K as a long one.
+SYMBOLIC_CHOICE = {"batch": 1, "m": 64, "n": 64, "k": 1 << 12}
 
 
 # ---------------------------------------------------------------- tiled
@@ -276,9 +279,11 @@ def _tile_edge(size: int) -> int:
     return next((t for t in reversed(TILE_SIZES) if t >= size), TILE_SIZES[0])
 
 
-def _choose_tiled_plan(batch: int, m, n: int, k: int, shared_limit: int, max_threads: int,
+def _choose_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int,
                        tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None) -> TiledPlan:
-    m = SYMBOLIC_M_CHOICE if is_size(m) else m
+    # A symbolic size counts as a typical one: the tile and chunk serve every value (SYMBOLIC_CHOICE)
+    batch, m, n, k = (SYMBOLIC_CHOICE[name] if is_size(x) else x
+                      for name, x in (("batch", batch), ("m", m), ("n", n), ("k", k)))
     tile_m, tile_n = tile or (_tile_edge(m), _tile_edge(n))
     smallest = TILE_SIZES[-1]
 
@@ -319,14 +324,13 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                               block)
     element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
-    tiles_m, tiles_n = ceil_div(m, plan.tile_m), -(-n // plan.tile_n)
+    tiles_m, tiles_n = ceil_div(m, plan.tile_m), ceil_div(n, plan.tile_n)
     total = split * batch * tiles_m * tiles_n
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
-    per_slice = -(-k // split)
-    k_slice = -(-per_slice // plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
-    symbolic = is_size(m)
-    checks = Checks(live=symbolic or grid[0] * grid[1] * grid[2] != total, rows=symbolic or m % plan.tile_m != 0,
-                     cols=n % plan.tile_n != 0, k=k == 0 or k % (split * plan.chunk_k) != 0)
+    k_slice = ceil_div(ceil_div(k, split), plan.chunk_k) * plan.chunk_k  # K per slice, whole chunks
+    checks = Checks(live=is_size(total) or grid[0] * grid[1] * grid[2] != total,
+                    rows=is_size(m) or m % plan.tile_m != 0, cols=is_size(n) or n % plan.tile_n != 0,
+                    k=is_size(k) or k == 0 or k % (split * plan.chunk_k) != 0)
     a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
     stage_a, stage_b = Staging(plan, True, a_fast, looped == "a"), Staging(plan, False, b_fast, looped == "b")
 
@@ -458,6 +462,7 @@ def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Che
 
 def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool) -> GemvPlan:
     per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
+    k = SYMBOLIC_CHOICE["k"] if is_size(k) else k  # (a symbolic K counts as a long one)
     lanes = max(4, min(GEMV_MAX_LANES, threads, _pow2_floor(k // per_lane)))
     if is_size(outputs):  # symbolic: one plan for every count
         return GemvPlan(threads // lanes, lanes, out_fastest)

@@ -312,8 +312,8 @@ def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | Non
 
 
 def _attention_shape(node: Attention) -> attention_kernels.AttentionShape:
-    """The pass's shape: a forward's batch and lengths may be symbolic; other sizes concrete (as a matmul's)."""
-    dynamic = ("batch", "lq", "lk") if node.kind == "forward" else ()
+    """The pass's shape: its batch and lengths may be symbolic; the head counts and sizes are concrete."""
+    dynamic = ("batch", "lq", "lk")
     sizes = [getattr(node, f) if f in dynamic else concrete(getattr(node, f))
              for f in ("batch", "heads", "kv_heads", "lq", "lk", "d", "dv")]
     return attention_kernels.AttentionShape(*sizes, node.scale, node.causal, node.bias is not None)
@@ -408,9 +408,8 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     """The matmul pass; cut into slices of K, the slices' pass and the pass summing them."""
     a_fast, b_fast = _fast_axes(slots.exprs)
     prelude = _matmul_prelude(node, slots)
-    # (the generator takes a symbolic M; other sizes concrete: a dynamic graph's plan then holds for these alone)
-    dims = dict(batch=concrete(node.batch), m=node.rows, n=concrete(node.columns))
-    shape = dict(k=concrete(node.k), limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
+    dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
+    shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
                  f16=variant.f16, looped=_looped_operand(node))
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]

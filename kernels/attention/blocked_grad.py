@@ -5,6 +5,7 @@ log-sum-exp, and dS = P (dO.V - delta)."""
 from __future__ import annotations
 
 from ..matmul import fold_grid
+from ..sizes import ceil_div
 from .blocked import blocked_header, partial_stores, row_dot, row_stores, stage, vec4_load
 from .common import block_entry, slice_bounds, vec4_loaders
 from .plans import AttentionShape, BlockPlan
@@ -17,7 +18,7 @@ def blocked_grad_q(prelude: str, s: AttentionShape, outs: list[str], plan: Block
     keys, each slice stores its unscaled share of dQ into ``partial``."""
     (dq,) = outs
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
-    per_block = -(-s.lq // plan.rows)
+    per_block = ceil_div(s.lq, plan.rows)
     blocks = s.batch * s.heads * per_block
     grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     dout_regs = "\n".join(f"  let o{c} = {vec4_load('load_dout', 'b, h, iq', c, s.dv)};" for c in range(dv4))
@@ -87,7 +88,7 @@ def blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     unscaled share of dK and dV into ``partial``."""
     dk, dv = outs
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
-    per_block = -(-s.lk // plan.rows)
+    per_block = ceil_div(s.lk, plan.rows)
     blocks = s.batch * s.kv_heads * per_block
     grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     acc_regs = "\n".join([f"  var gk{c} = vec4<f32>();" for c in range(d4)]

@@ -147,3 +147,32 @@ def test_equal_dynamic_sizes_share_their_kernels():
         args = [torch.randn(1, n, 4) for n in (2, 3, 4, 5)] + [torch.randn(1, 1, 4)]  # unequal: another plan
         for got, want in zip(compiled(*args), f(*args)):
             torch.testing.assert_close(got, want)
+
+
+def test_training_over_varying_lengths_compiles_its_kernels_once(recwarn):
+    """HF Llama's labels= loss and backward over lengths that vary (dynamic padding): the forward and backward
+    graphs are over symbolic sizes (matmuls contracting over the tokens, attention's gradients), so after dynamo's
+    dynamic graph no plan and no kernel is compiled within the bounds; loss and gradients match eager's."""
+    from helpers.models import llama
+
+    model = llama().train()
+    reference = llama().train()
+    reference.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="meganeura")
+    for step, length in enumerate([6, 9, 12, 7, 15]):  # dynamic from 9 on: bound 16
+        ids = torch.randint(0, 128, (2, length))
+        with Compiles() as compiles:
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+        want = reference(input_ids=ids, labels=ids).loss
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+            p.grad, q.grad = None, None
+        if step >= 2:
+            assert (compiles.plans, compiles.pipelines) == (0, 0), (length, compiles.plans, compiles.pipelines)
+        if step == 1:
+            assert compiles.dynamic, "the dynamic graph's plans were not over symbolic sizes"
+    assert not [str(w.message) for w in recwarn if "meganeura" in str(w.message)]  # nothing fell back
