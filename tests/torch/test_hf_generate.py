@@ -133,3 +133,19 @@ def test_a_returned_tensor_reads_as_eager_and_goes_back_without_an_upload():
     torch.testing.assert_close(kept[1] + 1, want[1] + 1)
     kept.mul_(3)  # an eager write: goes up with the next call that takes it
     torch.testing.assert_close(use_c(kept, y), use(3 * want, y))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_batch_with_left_padding_gives_eager_tokens(cache):
+    """Two prompts, one left-padded (HF's attention mask grows with the cache each step): eager's tokens."""
+    torch._dynamo.reset()
+    model = _llama()
+    ids = torch.randint(1, 128, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    kwargs.update({"cache_implementation": "static"} if cache == "static" else {})
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        model.forward = torch.compile(model.forward, backend="meganeura")
+        assert model.generate(ids, **kwargs).tolist() == want.tolist()
