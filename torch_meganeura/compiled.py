@@ -28,7 +28,7 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from .device_tensor import DeviceTensor, adopt, device_input, lazy_output
+from .device_tensor import DeviceTensor, adopt, device_input, lazy_output, read_back_output
 from .fx_lowering import LoweredGraph
 from .params import ParamStore, tensor_from_host
 from .resident import ResidentTensor
@@ -135,8 +135,10 @@ def arg_kind(a) -> str | None:
         return "param"
     if cls is torch.Tensor:
         return "param" if getattr(a, "_is_param", False) else "tensor"  # (what Parameter's isinstance accepts too)
-    if isinstance(a, ResidentTensor) or cls is DeviceTensor:
+    if isinstance(a, ResidentTensor) or cls is DeviceTensor and a._meganeura_kept.array is not None:
         return "resident"
+    if cls is DeviceTensor:  # (read back: its values are on the host)
+        return "tensor"
     if isinstance(a, torch.Tensor):
         return "param" if isinstance(a, torch.nn.Parameter) else "tensor"
     return None
@@ -326,8 +328,8 @@ class DevicePartition(torch.nn.Module):
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
-            if k in self.lazy_outputs and k not in self._returned and type(outs[-1]) is torch.Tensor:
-                _may_come_back(outs[-1], self, k)
+            if k in self.lazy_outputs and k not in self._read and type(outs[-1]) is torch.Tensor:
+                outs[-1] = _may_come_back(outs[-1], self, k)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
 
@@ -369,20 +371,25 @@ def _graph_key(key: tuple) -> tuple:
                  for item in key)
 
 
-def _may_come_back(t: torch.Tensor, partition: DevicePartition, position: int) -> None:
-    """Tag an output that may come back as an input of a compiled call (seen again: lazy from then on), and let
-    dynamo trace the graph it comes back to with its sizes symbolic: a KV cache, new at the first decode step, would
-    otherwise make that graph static, and the next step, one position longer, a graph of its own."""
-    t._meganeura_returned = (weakref.ref(partition), position)
-    dims = [d for d, size in enumerate(t.shape) if size > 1]
-    if dims:
-        torch._dynamo.maybe_mark_dynamic(t, dims)
+def _may_come_back(t: torch.Tensor, partition: DevicePartition, position: int) -> torch.Tensor:
+    """An output that may come back as an input of a compiled call, read back: a ``DeviceTensor`` already (filled),
+    so that its class is the one it keeps once it stays on the device (dynamo traces a graph again when an input's
+    class changes); eager code's first touch makes it a plain tensor. Tagged (seen again as an input: lazy from then
+    on), and marked for dynamo to trace the graph it comes back to with its sizes symbolic: a KV cache, new at the
+    first decode step, would otherwise make that graph static, and the next step, one position longer, another."""
+    t = read_back_output(t, partition._reader(position))
+    with torch._C.DisableTorchFunctionSubclass():  # (marking it is not eager code reading it)
+        t._meganeura_returned = (weakref.ref(partition), position)
+        dims = [d for d, size in enumerate(t.shape) if size > 1]
+        if dims:
+            torch._dynamo.maybe_mark_dynamic(t, dims)
+    return t
 
 
 def _note_returned(args) -> None:
     """Tell the partitions whose read-back outputs are among ``args`` that those positions come back as inputs."""
     for a in args:
-        source = getattr(a, "_meganeura_returned", None) if type(a) is torch.Tensor else None
+        source = getattr(a, "_meganeura_returned", None) if type(a) in (torch.Tensor, DeviceTensor) else None
         if source is not None:
             partition, position = source[0](), source[1]
             if partition is not None:

@@ -127,7 +127,8 @@ def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
             on_device[name] = kept_array(value, device)
         else:  # the program checks the dtype, shape and int32 range, and converts to device layout
             value = value.materialize() if isinstance(value, ResidentTensor) else value
-            host[name] = host_form(value)
+            with torch._C.DisableTorchFunctionSubclass():  # (a graph's input is not eager code reading it)
+                host[name] = host_form(value.as_subclass(torch.Tensor))
     if lowered.rng_seed:
         host[lowered.rng_seed] = rng_seed()
     return host, on_device

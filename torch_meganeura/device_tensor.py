@@ -125,6 +125,15 @@ def lazy_output(array: DeviceArray, on_read=None) -> DeviceTensor:
     return t
 
 
+def read_back_output(t: torch.Tensor, on_read=None) -> DeviceTensor:
+    """``t`` (an output read back) as a ``DeviceTensor`` whose values are on the host already: the class an output
+    that may stay on the device has from its first call. Eager code's first touch makes it plain (``on_read``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        t = t.as_subclass(DeviceTensor)
+        t._meganeura_kept = Kept(stale=False, version=t._version, on_read=on_read)
+    return t
+
+
 def bound_array(t: DeviceTensor) -> DeviceArray:
     """The device array of ``t`` with its current values: what eager code (or aot_autograd, copying a graph's new
     value into it with overrides off) wrote since goes up first; but not the one version step of aot_autograd
@@ -135,7 +144,7 @@ def bound_array(t: DeviceTensor) -> DeviceArray:
             kept.version = t._version
         kept.self_copy = False
         if t._version != kept.version:
-            data = host_words(host_form(t), logical_dtype(t.dtype))
+            data = host_words(host_form(t.as_subclass(torch.Tensor)), logical_dtype(t.dtype))
             if data.size:
                 kept.array.device.write(kept.array.buffer, 0, data, "device tensor")
             kept.version, kept.stale = t._version, False
@@ -159,13 +168,15 @@ def device_input(t: torch.Tensor, device) -> DeviceArray:
     if found is not None:
         return found
     with torch._C.DisableTorchFunctionSubclass():
-        return DeviceArray.upload(device, host_form(t), logical_dtype(t.dtype))
+        return DeviceArray.upload(device, host_form(t.as_subclass(torch.Tensor)), logical_dtype(t.dtype))
 
 
 def kept_array(value, device) -> DeviceArray | None:
     """The device array a graph input binds instead of an upload: a ``DeviceTensor`` of ``device``'s; else None."""
-    if type(value) is DeviceTensor and value._meganeura_kept.array.device is device:
-        return bound_array(value)
+    if type(value) is DeviceTensor:
+        array = value._meganeura_kept.array
+        if array is not None and array.device is device:
+            return bound_array(value)
     return None
 
 
@@ -183,19 +194,29 @@ def _before_eager(cls, func, args, kwargs) -> None:
                 kept.stale = False  # every element is written: the host's values become the truth, none downloaded
             elif reads:
                 _sync(arg, kept)
+                if cls is DeviceTensor and kept.on_read is not None:  # an output: an ordinary tensor from now
+                    _release(arg, kept)
             elif _descriptor(func) == "data" and func.__name__ == "__set__":
                 kept.stale = False
 
 
 def _sync(t: torch.Tensor, kept: Kept) -> None:
-    """Download ``t``'s device values into it where the host copy is stale (subclass overrides off)."""
+    """Download ``t``'s device values into it where the host copy is stale (subclass overrides off); an output
+    read by eager code is an ordinary tensor from then on (``_release``)."""
     if not kept.stale:
         return
     host = tensor_from_host(kept.device_array(t).numpy()).reshape(t.shape)
     t.data.copy_(host)  # through .data: the version stays, so nothing uploads it back
     kept.stale = False
-    if kept.on_read is not None:
+    if kept.on_read is not None and type(t) is not DeviceTensor:  # (an output is released by the caller)
         kept.on_read()
+
+
+def _release(t: DeviceTensor, kept: Kept) -> None:
+    """Eager code read an output: it becomes a plain tensor (its partition reads that position back from now)."""
+    t.__class__ = torch.Tensor
+    del t._meganeura_kept
+    kept.on_read()
 
 
 def sync(tensors) -> None:
