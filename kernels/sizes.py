@@ -332,22 +332,22 @@ def ceil_div(a, b):
 
 
 def size_max(a, b):
-    """The larger of two sizes, without a decision (an atom where it is not settled)."""
-    if not isinstance(a, Size) and not isinstance(b, Size):
-        return max(a, b)
-    settled = _settled("ge", a, b)
-    if settled is not None:
-        return a if settled else b
-    return _atom("max", a, b)
+    """The larger of two sizes, without a decision (an atom where the bounds do not settle it)."""
+    return _extreme("max", a, b)
 
 
 def size_min(a, b):
+    """The smaller of two sizes, without a decision."""
+    return _extreme("min", a, b)
+
+
+def _extreme(op: str, a, b):
     if not isinstance(a, Size) and not isinstance(b, Size):
-        return min(a, b)
-    settled = _settled("le", a, b)
+        return ATOM_OPS[op][0](a, b)
+    settled = _settled("ge" if op == "max" else "le", a, b)
     if settled is not None:
         return a if settled else b
-    return _atom("min", a, b)
+    return _atom(op, a, b)
 
 
 def product(values):

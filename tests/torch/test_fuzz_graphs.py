@@ -185,18 +185,6 @@ def _check_sum(got, eager, exact_terms, what: str) -> None:
         f"{what}: error {ours:.3g} of the terms' magnitude, eager float32's {theirs:.3g}")
 
 
-@pytest.mark.parametrize("seed", FAST_SEEDS)
-def test_random_program_three_ways(seed, monkeypatch):
-    _check(seed, monkeypatch)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", SLOW_SEEDS)
-def test_random_program_three_ways_more_seeds(seed, monkeypatch):
-    _check(seed, monkeypatch)
-
-
-
 def _check_symbolic(seed: int, monkeypatch):
     """The backend with every size symbolic (``dynamic=True``: one plan for any size), forward and backward, at the
     program's sizes and at a longer sequence where no weight's shape depends on it."""
@@ -226,12 +214,17 @@ def _check_symbolic(seed: int, monkeypatch):
             assert_within_eager_error(leaf.grad, e, want, what=f"{what}: grad of {name}")
 
 
+WAYS = {"three_ways": _check, "with_symbolic_sizes": _check_symbolic}
+
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("seed", FAST_SEEDS)
-def test_random_program_with_symbolic_sizes(seed, monkeypatch):
-    _check_symbolic(seed, monkeypatch)
+def test_random_program(seed, way, monkeypatch):
+    WAYS[way](seed, monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
-def test_random_program_with_symbolic_sizes_more_seeds(seed, monkeypatch):
-    _check_symbolic(seed, monkeypatch)
+def test_random_program_more_seeds(seed, way, monkeypatch):
+    WAYS[way](seed, monkeypatch)
