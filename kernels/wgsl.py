@@ -24,8 +24,10 @@ STORAGE_TYPE = {"f32": "f32", "i32": "i32", "bool": "u32", "u32": "u32", "bf16":
 HALF_STORAGE = ("bf16", "f16")
 VALUE_TYPE = {"f32": "f32", "i32": "i32", "bool": "bool"}
 STATUS_VAR = "mg_status"
-# The binding of a dynamic graph's size buffer: the value of symbol k (``meganeura.runtime.sizes``) at mg_sizes[k].
+# A dynamic graph's size buffer: a uniform array of vec4s, the value of symbol k (``sizes``) at component k % 4 of
+# element k / 4, bound in a group of its own (group 1), so that it takes none of a kernel's storage bindings.
 SIZES_VAR = "mg_sizes"
+SIZES_GROUP = 1
 # Kernels cut their work (K of a matmul, long rows of a reduction, attention's other sequence) into slices merged by
 # a second pass until the first pass has this many workgroups: on an H200 splits past about 1,000 workgroups gained
 # nothing (Whisper's 1500x1536 @ 1536x384 196 -> 122 us from split 1 to 4; 50x720 @ 720x2048 43.5 -> 27.6 us).
@@ -221,7 +223,17 @@ def store(value: str, dtype: str) -> str:
 
 def size_i32(x) -> str:
     """WGSL i32 text of a size: a literal, or a symbolic size over the plan's size buffer."""
-    return f"{x}i" if isinstance(x, int) else x.wgsl(lambda k: f"{SIZES_VAR}[{k}]")
+    return f"{x}i" if isinstance(x, int) else x.wgsl(lambda k: f"{SIZES_VAR}[{k // 4}][{k % 4}]")
+
+
+def sizes_declaration(symbols: int) -> str:
+    """The declaration of the size buffer of a plan over ``symbols`` symbols (``SIZES_VAR``)."""
+    return (f"@group({SIZES_GROUP}) @binding(0) var<uniform> {SIZES_VAR}: "
+            f"array<vec4<i32>, {sizes_vec4s(symbols)}>;\n")
+
+
+def sizes_vec4s(symbols: int) -> int:
+    return max(-(-symbols // 4), 1)
 
 
 def size_u32(x) -> str:
@@ -248,9 +260,11 @@ def grid_constants(grid) -> str:
     return f"const GRID_X: u32 = {grid[0]}u;\nconst GRID_XY: u32 = {grid[0] * grid[1]}u;\n"
 
 
-def with_size_inits(source: str) -> str:
+def with_size_inits(source: str, symbols: int) -> str:
     """``source`` with its symbolic sizes (``size_constant``) set at the top of ``main``, which then takes the
-    workgroup counts where anything reads them (``nwg``)."""
+    workgroup counts where anything reads them (``nwg``), and the size buffer declared where it is read."""
+    if f"{SIZES_VAR}[" in source:
+        source = sizes_declaration(symbols) + source
     inits = [line.split(SIZE_INIT) for line in source.splitlines() if SIZE_INIT in line]
     if not inits and "nwg." not in source:
         return source

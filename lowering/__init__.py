@@ -11,8 +11,8 @@ side in one matmul) -> separate_checks (the data checks from the first in-place 
 their own) -> hoist_writers (in-place updates moved up to just after their last dependency: in_place.py)
 -> schedule (memory plan + WGSL + dispatches).
 
-A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``: every kernel then keeps
-one storage binding for the plan's size buffer (``schedule.symbol_count``).
+A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
+symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output
 from .remat import rematerialize
-from .schedule import schedule, symbol_count
+from .schedule import schedule
 from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
 
@@ -32,7 +32,7 @@ from .sibling_reductions import fuse_sibling_reductions
 def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=None):
     """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants and
     ``on_kernel`` hears of each kernel as it is generated (see ``schedule``)."""
-    max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8) - (1 if symbol_count() else 0)
+    max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     fit_bindings(graph, max_bindings)
     copies = rematerialize(graph)
     report = fuse(graph, max_bindings)

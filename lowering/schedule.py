@@ -85,12 +85,11 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     if graph.status_messages:
         buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
     symbols = symbol_count()
-    if symbols:  # a dynamic graph's: the symbols' values, written by each run (``Plan.symbols``)
-        buffers.append(BufferSpec(f"input:{SIZES_INPUT}", 4 * symbols, "input"))
+    if symbols:  # a dynamic graph's: the symbols' values, written by each run (``Plan.symbols``), bound as a uniform
+        buffers.append(BufferSpec(f"input:{SIZES_INPUT}", 16 * wgsl.sizes_vec4s(symbols), "input"))
         inputs.append(TensorSpec(SIZES_INPUT, f"input:{SIZES_INPUT}", 0, (symbols,), "int32"))
-        placement[SIZES_INPUT] = (f"input:{SIZES_INPUT}", 0)
 
-    binding_of = _binding_table(placement, sizes, values, stored, symbols)
+    binding_of = _binding_table(placement, sizes, values, stored)
     stored_over = StoredOver({target.out.id: graph.outputs[i].id for i, target in over.items()},
                              bool(graph.status_messages))
     sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel,
@@ -110,8 +109,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
 
 
 def symbol_count() -> int:
-    """The number of symbols of the dynamic graph being compiled (0 for a static one): its plan binds their values
-    to every kernel, which takes one storage binding of the limit (``compile_graph``)."""
+    """The number of symbols of the dynamic graph being compiled (0 for a static one): its kernels read their values
+    from the plan's size buffer (``wgsl.SIZES_VAR``)."""
     guards = active()
     return len(guards.hints) if guards is not None else 0
 
@@ -183,14 +182,12 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
     return intervals, scratch
 
 
-def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict, symbols: int) -> dict:
-    """Bound value id (or "status", the arena key of partial results, or SIZES_INPUT) -> its ``Binding``: bindings
-    of symbolic sizes span the most they hold (``upper``)."""
+def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict) -> dict:
+    """Bound value id (or "status", or the arena key of partial results) -> its ``Binding``: bindings of symbolic
+    sizes span the most they hold (``upper``)."""
     table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else upper(tensor_bytes(values[vid], stored)))
-             for vid, (buf, off) in placement.items() if vid != SIZES_INPUT}
+             for vid, (buf, off) in placement.items()}
     table["status"] = Binding("status", 0, STATUS_BYTES)
-    if symbols:
-        table[SIZES_INPUT] = Binding(f"input:{SIZES_INPUT}", 0, 4 * symbols)
     return table
 
 
@@ -208,7 +205,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over)
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
-            source = wgsl.with_size_inits(source)  # (a dynamic graph's kernel: its sizes set as main starts)
+            source = wgsl.with_size_inits(source, symbol_count())  # (a dynamic graph's: its sizes set as main starts)
             if len(bound) > max_bindings:  # a pass fusion or a generator let grow past the limit: never sent to wgpu
                 raise ValueError(f"kernel {label!r} needs {len(bound)} storage buffers but the limits' "
                                  f"max-storage-buffers-per-shader-stage is {max_bindings}")
@@ -297,7 +294,7 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr
 def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
-    if kernel_bindings(node) >= limits.get("max-storage-buffers-per-shader-stage", 8) - (1 if symbol_count() else 0):
+    if kernel_bindings(node) >= limits.get("max-storage-buffers-per-shader-stage", 8):
         return 1, 0  # no binding left for the partial results: one pass
     if isinstance(node, Matmul):
         return variant.split, variant.split * node.batch * node.rows * node.columns
@@ -343,23 +340,19 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
     guarded = bool(same) and stored_over.guarded
     if checks(exprs) or guarded:
         slot_of("status")
-    if symbol_count():
-        slot_of(SIZES_INPUT)
 
     def name(slot):
-        return {"status": wgsl.STATUS_VAR, SIZES_INPUT: wgsl.SIZES_VAR}.get(bound[slot], f"b{slot}")
+        return wgsl.STATUS_VAR if bound[slot] == "status" else f"b{slot}"
 
     if scratch_key is not None:
         slot_of(scratch_key)
     decl, storage = [], []
     for slot, vid in enumerate(bound):
-        plain = vid in ("status", SIZES_INPUT) or (scratch_key is not None and vid == scratch_key)
+        plain = vid == "status" or (scratch_key is not None and vid == scratch_key)
         kind = "" if plain else _storage(values[vid], stored)
         storage.append(kind)
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
-        elif vid == SIZES_INPUT:
-            decl.append((slot, wgsl.SIZES_VAR, "i32"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[kind] if kind else "f32"))
     return Slots(bound, decl, storage, exprs, out_slots, name, guarded)

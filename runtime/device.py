@@ -51,6 +51,9 @@ log = logging.getLogger("meganeura.runtime")
 STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
 STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 INDIRECT_USAGE = wgpu.BufferUsage.INDIRECT | wgpu.BufferUsage.COPY_DST
+UNIFORM_USAGE = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+# A kernel of a plan over symbolic sizes reads them from a uniform in this bind group (``meganeura.kernels.wgsl``)
+SIZES_GROUP_DECLARATION = "@group(1) @binding(0) var<uniform>"
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
 _WANTED_LIMITS = (
@@ -258,6 +261,7 @@ class Device:
         self.max_workgroups_per_dim = self.limits["max-compute-workgroups-per-dimension"]
         self.spin_seconds = _spin_seconds(self.adapter_type)
         self._layouts: dict[int, object] = {}
+        self._sizes_layout = None
         self._pipelines: dict[tuple[str, int], Future] = {}  # (wgsl, bindings) -> its pipeline, compiled or compiling
         self._compiler: ThreadPoolExecutor | None = None  # the compiling threads, started by the first compile_ahead
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
@@ -312,6 +316,7 @@ class Device:
             return
         for n in {n for _, n in jobs}:
             self.bind_group_layout(n)  # created here, not raced for by the threads
+        self.sizes_group_layout()
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="meganeura-pipelines")
         for (wgsl, n), label in sorted(jobs.items(), key=lambda job: -len(job[0][0])):
@@ -341,12 +346,34 @@ class Device:
                 module = native.create_unchecked_shader_module(self.wgpu_device, wgsl, label)
             if module is None:  # checks asked for, or wgpu-native's trusted entry point is unavailable
                 module = self.wgpu_device.create_shader_module(code=wgsl, label=label)
-            layout = self.wgpu_device.create_pipeline_layout(
-                bind_group_layouts=[self.bind_group_layout(n_bindings)], label=label
-            )
+            groups = [self.bind_group_layout(n_bindings)]
+            if SIZES_GROUP_DECLARATION in wgsl:  # (a plan over symbolic sizes: their uniform, group 1)
+                groups.append(self.sizes_group_layout())
+            layout = self.wgpu_device.create_pipeline_layout(bind_group_layouts=groups, label=label)
             return self.wgpu_device.create_compute_pipeline(
                 layout=layout, compute={"module": module, "entry_point": "main"}, label=label
             )
+
+    def sizes_group_layout(self):
+        """The layout of group 1 of a kernel over symbolic sizes: one uniform buffer, the sizes' values."""
+        if self._sizes_layout is None:
+            entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,
+                        "buffer": {"type": wgpu.BufferBindingType.uniform}}]
+            with self.checked("bind group layout of a size buffer"):
+                self._sizes_layout = self.wgpu_device.create_bind_group_layout(entries=entries)
+        return self._sizes_layout
+
+    def sizes_group(self, buffer):
+        """The bind group of a plan's size buffer (``sizes_group_layout``)."""
+        entries = [{"binding": 0, "resource": {"buffer": buffer, "offset": 0, "size": buffer.size}}]
+        with self.checked("bind group of a size buffer"):
+            group = self.wgpu_device.create_bind_group(layout=self.sizes_group_layout(), entries=entries)
+        self.counters.bind_groups_created += 1
+        return group
+
+    def uniform_buffer(self, size: int, label: str = ""):
+        """A uniform buffer written from the host (a plan's size buffer)."""
+        return self.create_buffer(size, UNIFORM_USAGE, label)
 
     def bind_group(self, ranges: list[tuple[object, int, int]], label: str = ""):
         """A bind group of (buffer, offset, size) storage ranges at bindings 0, 1, ..."""

@@ -71,17 +71,22 @@ def finish(encoder):
     return _api.GPUCommandBuffer("", _api.libf.wgpuCommandEncoderFinish(handle, _ffi.NULL), encoder._device)
 
 
-def compute_pass(encoder, commands) -> None:
-    """Record ``(pipeline, bind group, (x, y, z))`` commands into a new compute pass of ``encoder`` and end it.
-    With the native backend the pass is raw: begun without a descriptor and released here, with no Python object."""
+def compute_pass(encoder, commands, sizes_group=None) -> None:
+    """Record ``(pipeline, bind group, (x, y, z))`` commands into a new compute pass of ``encoder`` and end it, with
+    ``sizes_group`` (a plan's size buffer) bound as group 1 first where given. With the native backend the pass is
+    raw: begun without a descriptor and released here, with no Python object."""
     handle = getattr(encoder, "_internal", None)
     if _lib is None or handle is None:
         compute = encoder.begin_compute_pass()
+        if sizes_group is not None:
+            compute.set_bind_group(1, sizes_group)
         _record_with_api(compute, commands)
         compute.end()
         return
     compute = _lib.wgpuCommandEncoderBeginComputePass(handle, _ffi.NULL)
     try:
+        if sizes_group is not None:
+            _lib.wgpuComputePassEncoderSetBindGroup(compute, 1, sizes_group._internal, 0, _ffi.NULL)
         _record_raw(compute, commands)
         _api.libf.wgpuComputePassEncoderEnd(compute)
     finally:

@@ -194,10 +194,13 @@ class Program:
             raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
         self._own_buffer_specs([input_specs[n] for n in self._device_only], "a device-only input")
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
+        sizes_buffer = f"input:{SIZES_INPUT}" if self.symbolic is not None else None
         self._owned = {
-            b.name: device.storage_buffer(b.size, b.name)
+            b.name: (device.uniform_buffer if b.name == sizes_buffer else device.storage_buffer)(b.size, b.name)
             for b in plan.buffers if b.role in OWNED_ROLES and b.name not in per_run
         }
+        # group 1 of every pass: the sizes' uniform (``meganeura.kernels.wgsl.SIZES_VAR``)
+        self._sizes_group = device.sizes_group(self._owned[sizes_buffer]) if sizes_buffer else None
         swappable = per_run | {t.buffer for t in plan.inputs}
         self._swap_names = [tuple(dict.fromkeys(b.buffer for b in d.bindings if b.buffer in swappable))
                             for d in plan.dispatches]
@@ -450,7 +453,7 @@ class Program:
             if start:
                 dev.submit(encoder, "plan part")
                 encoder = command_encoder(dev.wgpu_device)
-            compute_pass(encoder, commands[start:end])
+            compute_pass(encoder, commands[start:end], self._sizes_group)
         return encoder
 
     def _record_ahead(self):
@@ -458,19 +461,20 @@ class Program:
         this run: the next run submits it before its own copies, over the same buffers (a rebind drops it)."""
         encoder = command_encoder(self.device.wgpu_device)
         self._clear_status(encoder)
-        compute_pass(encoder, self._commands)
+        compute_pass(encoder, self._commands, self._sizes_group)
         return finish(encoder)
 
     def _clear_status(self, encoder) -> None:
         for name, _, _ in self._status_offsets:
             encoder.clear_buffer(self._owned[name])
 
-    @staticmethod
-    def _record_profiled(encoder, commands, profiler) -> None:
+    def _record_profiled(self, encoder, commands, profiler) -> None:
         """Each dispatch in a compute pass of its own, its beginning and end timestamped."""
         profiler.prepare(len(commands))
         for i, command in enumerate(commands):
             compute = encoder.begin_compute_pass(timestamp_writes=profiler.timestamp_writes(i))
+            if self._sizes_group is not None:
+                compute.set_bind_group(1, self._sizes_group)
             record_dispatches(compute, [command])
             compute.end()
         profiler.resolve(encoder, len(commands))

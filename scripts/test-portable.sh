@@ -9,7 +9,8 @@ bash scripts/setup.sh
 # as meganeura.kernels) would shadow Hugging Face's ``kernels`` package, which transformers >= 5.2x imports.
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" PYTHONSAFEPATH=1 MEGANEURA_LIMITS=webgpu-default
 tests=(inference_models vision_models attention training train_step export conv precision portable fuzz_graphs
-       pooling_norms scatter_ops op_gradients half_precision runtime_behaviour device_optimizer export_lm dynamic_shapes)
+       pooling_norms scatter_ops op_gradients half_precision runtime_behaviour device_optimizer export_lm dynamic_shapes
+       hf_generate export_dynamic)
 paths=()
 for t in "${tests[@]}"; do paths+=("tests/torch/test_$t.py"); done
 exec .venv/bin/pytest -q "${paths[@]}" "$@"

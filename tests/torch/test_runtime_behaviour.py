@@ -176,8 +176,8 @@ with torch.no_grad():
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     first = get_device()
     original = program_module.compute_pass
-    def record_then_lose(encoder, commands):  # the device goes away while the plan is being recorded
-        original(encoder, commands)
+    def record_then_lose(encoder, commands, *group):  # the device goes away while the plan is being recorded
+        original(encoder, commands, *group)
         first.wgpu_device.destroy()
     program_module.compute_pass = record_then_lose
     try:
