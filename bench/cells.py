@@ -286,7 +286,11 @@ class _Meter:
             from torch_meganeura.backend import BackendContext
 
             BackendContext.recorders.append(self.records)
-            counters = _device().counters
+            device = _device()
+            # Buffers an earlier competitor gave back to the pool would serve this one's arrays of the same sizes
+            # without an allocation, so its peak would leave them out: they are destroyed first.
+            device.pool.clear()
+            counters = device.counters
             counters.peak_bytes_allocated = self.start = counters.bytes_allocated
         elif self.competitor.startswith("torch-cuda"):
             torch.cuda.synchronize()
