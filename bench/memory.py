@@ -187,7 +187,8 @@ def train(workload: Workload, way: str, steps: int, smoke: bool = True, seed: in
     torch._dynamo.reset()
     gc.collect()
     device = get_device()
-    device.pool.clear()  # another run's free buffers are not this one's
+    device.pool.clear()  # another run's free buffers and programs' arena are not this one's
+    device.arena.shrink()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     holders = {"of": dict}  # none named until the way is built
     tracker = Tracker(device, lambda: holders["of"]())

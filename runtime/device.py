@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import wgpu
 
 from . import native
+from .arena import SharedArena
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
 from .profiler import profiler_from_env
@@ -266,6 +267,7 @@ class Device:
         self._compiler: ThreadPoolExecutor | None = None  # the compiling threads, started by the first compile_ahead
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
         self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
+        self.arena = SharedArena(self)  # the arena buffer of every program on this device
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
 
     def describe(self) -> str:

@@ -1,8 +1,8 @@
 """A plan instantiated on a device: buffers, pipelines and bind groups built once, then replayed by ``run``.
 
-``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output, arena and
-status buffers, starts compiling every kernel on background threads (``Device.compile_ahead``) and prepares the
-read-back. Param buffers come from outside (``bind_params`` or ``upload_params``), uploaded while the kernels
+``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output and status
+buffers (the arena is the device's, shared by its programs: ``meganeura.runtime.arena``), starts compiling every
+kernel on background threads (``Device.compile_ahead``) and prepares the read-back. Param buffers come from outside (``bind_params`` or ``upload_params``), uploaded while the kernels
 compile; binding the last of them waits for the kernels (``wait_pipelines``) and raises a compile error there.
 ``run`` then uploads the inputs, records the dispatches into compute passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the mapped
 memory (``meganeura.runtime.readback``), not copies. A plan of more than a few dozen
@@ -45,7 +45,7 @@ from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
 from .readback import ReadBackBuffers
 from .resident import DeviceArray
 
-OWNED_ROLES = ("input", "output", "arena", "status")
+OWNED_ROLES = ("input", "output", "status")  # and the arena, the device's (``meganeura.runtime.arena``)
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
@@ -201,6 +201,10 @@ class Program:
         }
         # group 1 of every pass: the sizes' uniform (``meganeura.kernels.wgsl.SIZES_VAR``)
         self._sizes_group = device.sizes_group(self._owned[sizes_buffer]) if sizes_buffer else None
+        arena = next((b for b in plan.buffers if b.role == "arena"), None)
+        self._arena = device.arena if arena is not None else None
+        if arena is not None:
+            self._arena.claim(self, arena.size)
         swappable = per_run | {t.buffer for t in plan.inputs}
         self._swap_names = [tuple(dict.fromkeys(b.buffer for b in d.bindings if b.buffer in swappable))
                             for d in plan.dispatches]
@@ -219,6 +223,8 @@ class Program:
         self._copies: list[tuple] = []
         self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
         self._ready = False  # True once every param buffer is bound and the commands are built
+        if self._arena is not None:
+            self._bind_arena()
         if not self.missing_params():
             self._resolve()
 
@@ -308,6 +314,16 @@ class Program:
         self._ahead = None  # recorded over the old bind groups
         self._ready = True
 
+    def _bind_arena(self) -> None:
+        """Bind the device's arena buffer as it is now (it was replaced since this program last bound it)."""
+        self._owned["arena"] = self._arena.buffer()
+        self._arena_generation = self._arena.generation
+        for key in [k for k in self._bind_groups if any(b.buffer == "arena" for b in k)]:
+            del self._bind_groups[key]
+        self._swapped_groups, self._swapped_commands = {}, {}  # built over the old buffer
+        if self._ready:
+            self._resolve()
+
     # ---- params
 
     def param_buffers(self) -> list[str]:
@@ -361,6 +377,14 @@ class Program:
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
             into: dict[str, DeviceArray] | None = None, sizes=()) -> dict:
+        """``_run``; a plan with an arena runs alone on the device (its arena is the device's)."""
+        if self._arena is None:
+            return self._run(inputs, device_inputs, into, sizes)
+        with self._arena.running():
+            return self._run(inputs, device_inputs, into, sizes)
+
+    def _run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None,
+             into: dict[str, DeviceArray] | None, sizes) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
@@ -373,6 +397,8 @@ class Program:
             raise MeganeuraError("this program was released")
         if not self._ready:
             raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
+        if self._arena is not None and self._arena_generation != self._arena.generation:
+            self._bind_arena()
         device_inputs, into = device_inputs or {}, into or {}
         plan, inputs = self._plan_for(sizes, inputs)
         arrays = self._convert_inputs(inputs, device_inputs, plan)
@@ -594,7 +620,8 @@ class Program:
         """Destroy the buffers this program owns; the program cannot run afterwards."""
         if self._released:
             return
-        owned = list(self._owned.values()) + [self._params[n] for n in self._uploaded_params]
+        owned = [b for name, b in self._owned.items() if name != "arena"]
+        owned += [self._params[n] for n in self._uploaded_params]
         owned += [self._indirect_buffer] if self._indirect_buffer is not None else []
         for buffer in owned:
             self.device.destroy_buffer(buffer)
@@ -603,4 +630,6 @@ class Program:
         self._swapped_groups, self._swapped_commands = {}, {}
         self._uploaded_params = set()
         self._released = True
+        if self._arena is not None:
+            self._arena.release(self)
         self._ready = False

@@ -27,6 +27,7 @@ import numpy as np
 from meganeura.runtime.counters import Counters
 from meganeura.runtime.errors import DeviceLostError, MeganeuraError
 from meganeura.runtime.requirements import WEBGPU_DEFAULT_LIMITS  # every adapter has at least these
+from meganeura.runtime.arena import SharedArena
 from meganeura.runtime.resident import BufferPool
 
 _BINDING = re.compile(r"@group\(0\)\s*@binding\((\d+)\)")
@@ -163,6 +164,7 @@ class RecordingDevice:
         self._pipelines: dict[tuple[str, int], RecordedPipeline] = {}
         self.fence = self.storage_buffer(4, "meganeura fence")
         self.pool = BufferPool(self)
+        self.arena = SharedArena(self)
 
     def describe(self) -> str:
         return f"{self.name} (no GPU)"
