@@ -13,17 +13,21 @@ that element. A run that fails a check (an index out of range) must leave the in
 the writer on may check anything, and where the plan checks data the writer stores only while the status word is
 clear (``StoredOver.guarded``). Requests that are not safe are refused, with the reason, and the output keeps a
 buffer of its own.
+
+The same rule lets an intermediate take the arena range of an operand it is the last to read (``arena_aliases``):
+no request is needed there, since nothing outside the run reads the arena.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from meganeura.kernels.sizes import is_size
 from meganeura.runtime.dtypes import STORAGE
 
 from . import expr as E
 from .bindings import checks
 from .indexing import linear_index, simplify
-from .ir import Graph, Input, Node, Pointwise, Reduce, RowOutput, Value, last_reads
+from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, last_reads
 
 
 class StoredOver(NamedTuple):
@@ -31,6 +35,7 @@ class StoredOver(NamedTuple):
 
     values: dict[int, int]  # input value id -> id of the output value stored over it
     guarded: bool  # the plan checks data: the writers store only while the status word is clear
+    arena: dict[int, int] = {}  # arena value id -> id of the value its last reader stores over it (``arena_aliases``)
 
 
 def in_place_outputs(graph: Graph, kernels: list[Node]) -> tuple[dict[int, Input], dict[int, str]]:
@@ -82,6 +87,53 @@ def _refusal(v: Value, target: Input, producers: dict, step: dict, last_read: di
         for ld in E.loads_of(e):
             if ld.args[0] == old.id and simplify(linear_index(ld.args[1], old.shape), bounds) != here:
                 return "its kernel reads the input at other elements"
+    return None
+
+
+def arena_aliases(kernels: list[Node], placement: dict, values: dict[int, Value]) -> dict[int, int]:
+    """{value id: id of the arena value its last reader stores over it}: where a kernel computes a value of the same
+    shape and arena storage as an operand it is the last to read, reading it only at the element it stores, the
+    two share one arena range (the operand's lifetime ends where the value's begins). The same rule as for outputs
+    stored over inputs (the module docstring), for a pointwise kernel and for a matmul's epilogue, which the kernel
+    evaluates once per element, in the thread that stores it (``kernels.matmul``), the operands being other
+    tensors. The unfused attention backward's dS is so stored over its score matrix (Whisper-tiny: one 51.5 MiB
+    matrix of two). ``placement``: the values with buffers of their own (not in the arena); ``values`` by id."""
+    last_read = last_reads(kernels)
+    aliases: dict[int, int] = {}
+    for step, node in enumerate(kernels):
+        target = _arena_target(node, step, placement, last_read, values)
+        if target is not None:
+            aliases[target] = node.outs[0].id
+    return aliases
+
+
+def _arena_target(node: Node, step: int, placement: dict, last_read: dict, values: dict) -> int | None:
+    """The id of the arena operand ``node`` may store its one output over (``arena_aliases``), or None."""
+    if len(node.outs) != 1 or node.outs[0].id in placement:
+        return None
+    if isinstance(node, Pointwise):
+        domain, free = node.exprs(), []
+    elif isinstance(node, Matmul) and not node.more_blocks:
+        domain, free = [node.epilogue], [node.a, node.b]
+    else:
+        return None
+    out = node.outs[0]
+    shape = node.domains()[-1] if isinstance(node, Matmul) else out.shape
+    if any(is_size(s) for s in (*shape, *out.shape)):
+        return None
+    bounds = dict(enumerate(shape))
+    here = simplify(linear_index([E.coord(d) for d in range(len(shape))], shape), bounds)
+    operands = dict.fromkeys(ld.args[0] for e in domain for ld in E.loads_of(e))
+    avoided = {ld.args[0] for e in free for ld in E.loads_of(e)}
+    for vid in operands:
+        old = values.get(vid)
+        if (vid in placement or vid in avoided or last_read.get(vid) != step or old is None
+                or any(is_size(s) for s in old.shape) or old.numel != out.numel
+                or old.compute_dtype != out.compute_dtype):
+            continue
+        if all(simplify(linear_index(ld.args[1], old.shape), bounds) == here
+               for e in domain for ld in E.loads_of(e) if ld.args[0] == vid):
+            return vid
     return None
 
 

@@ -1,6 +1,7 @@
 """Memory planner: place intermediate tensors in one arena by lifetime.
 
-Each intermediate lives from the kernel that writes it to the last kernel that reads it. Tensors are
+Each intermediate lives from the kernel that writes it to the last kernel that reads it (a value stored over an
+operand it reads last extends the operand's lifetime instead: ``in_place.arena_aliases``). Tensors are
 placed largest first at the lowest aligned offset that overlaps no already-placed tensor whose lifetime
 intersects (greedy by size, as in TFLite's arena planner). The arena size is the planned peak; the sum
 of all intermediates is what a one-buffer-per-tensor scheme would allocate.

@@ -25,7 +25,7 @@ from meganeura.kernels.sizes import active, concrete, is_size, size_max, upper
 from . import expr as E
 from .bindings import checks, kernel_bindings
 from .indexing import linear_index, quad_row_index, simplify, unit_stride_coord
-from .in_place import StoredOver, in_place_outputs
+from .in_place import StoredOver, arena_aliases, in_place_outputs
 from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value, last_reads
 from .planner import Interval, place
 
@@ -76,12 +76,15 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     buffers, inputs, params, outputs, placement = _own_buffers(graph, over)
     stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
     variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls)
-    intervals, scratch = _arena_intervals(kernels, placement, limits, variants)
+    aliases = arena_aliases(kernels, placement, values)
+    intervals, scratch = _arena_intervals(kernels, placement, limits, variants, aliases)
     sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
     offsets, arena_size = place(intervals, limits.get("min-storage-buffer-offset-alignment", 256))
     if intervals:
         buffers.append(BufferSpec("arena", arena_size, "arena"))
         placement.update({key: ("arena", off) for key, off in offsets.items()})
+        for old, new in aliases.items():  # (in kernel order: a chain's first is placed first)
+            placement[new] = placement[old]
     if graph.status_messages:
         buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
     symbols = symbol_count()
@@ -91,12 +94,12 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
 
     binding_of = _binding_table(placement, sizes, values, stored)
     stored_over = StoredOver({target.out.id: graph.outputs[i].id for i, target in over.items()},
-                             bool(graph.status_messages))
+                             bool(graph.status_messages), aliases)
     sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel,
                                            stored_over)
     plan_stats = dict(stats or {})
     plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
-                      dispatches=len(dispatches), kernels=len(sources))
+                      dispatches=len(dispatches), kernels=len(sources), arena_aliases=len(aliases))
     if graph.in_place:
         saved = sum(tensor_bytes(target.out, stored) for target in over.values())
         plan_stats.update(in_place_outputs=len(over), in_place_bytes=saved,
@@ -163,16 +166,27 @@ def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec]
     return buffers, inputs, params, outputs, placement
 
 
-def _arena_intervals(kernels: list[Node], placement: dict, limits: dict,
-                     variants: dict) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
+def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variants: dict,
+                     aliases: dict[int, int]) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
     """The lifetimes the arena holds, and node id -> (slices, arena key of their partial results) of each node cut
-    into slices. Each value without a buffer of its own lives from the step that writes it to its last read; the
-    partial results of a sliced node, keyed -1 - step (no value id collides), during its step."""
+    into slices. Each value without a buffer of its own lives from the step that writes it to its last read, and a
+    value stored over an operand (``aliases``: operand id -> value id) extends the operand's range, keyed by the
+    first of the chain; the partial results of a sliced node, keyed -1 - step (no value id collides), during its
+    step."""
     last_use = last_reads(kernels)
-    intervals = [
-        Interval(v.id, upper(tensor_bytes(v)), step, last_use.get(v.id, step))
-        for step, node in enumerate(kernels) for v in node.outs if v.id not in placement
-    ]
+    first_of: dict[int, int] = {}
+    for old, new in aliases.items():  # (in kernel order)
+        first_of[new] = first_of.get(old, old)
+    spans: dict[int, Interval] = {}
+    for step, node in enumerate(kernels):
+        for v in node.outs:
+            if v.id not in placement:
+                key = first_of.get(v.id, v.id)
+                size, last = upper(tensor_bytes(v)), last_use.get(v.id, step)
+                span = spans.get(key)
+                spans[key] = (Interval(key, size, step, last) if span is None
+                              else Interval(key, max(size, span.size), span.first, max(last, span.last)))
+    intervals = list(spans.values())
     scratch: dict[int, tuple[int, int]] = {}
     for step, node in enumerate(kernels):
         split, floats = _slices(node, limits, variants.get(id(node)))
@@ -320,11 +334,15 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
               stored_over: StoredOver | None = None) -> Slots:
     """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
     ``scratch_key`` (f32 partial results) comes last. The node reads an input that one of its outputs is stored over
-    (``in_place``) through the output's binding: one buffer range is bound once (WebGPU forbids a writable binding
-    that overlaps another in one dispatch); such a node binds the status buffer too where ``stored_over.guarded``."""
+    (``in_place``), or an arena operand it stores over (``arena_aliases``), through the output's binding: one buffer
+    range is bound once (WebGPU forbids a writable binding that overlaps another in one dispatch); a node storing
+    over an input binds the status buffer too where ``stored_over.guarded``."""
     bound: list = []
     outs = {v.id for v in node.outs}
-    same = {old: new for old, new in (stored_over.values if stored_over else {}).items() if new in outs}
+    stored_over = stored_over or StoredOver({}, False)
+    same = {old: new for old, new in stored_over.values.items() if new in outs}
+    guarded = bool(same) and stored_over.guarded
+    same.update({old: new for old, new in stored_over.arena.items() if new in outs})  # (arena_aliases)
 
     def slot_of(vid) -> int:
         vid = same.get(vid, vid)
@@ -337,7 +355,6 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
     exprs = [_linearise(e, d, values, stored, slot_of) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
-    guarded = bool(same) and stored_over.guarded
     if checks(exprs) or guarded:
         slot_of("status")
 

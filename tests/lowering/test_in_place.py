@@ -162,3 +162,40 @@ def test_updates_move_up_to_free_their_gradients_early():
     assert plan.stats["hoisted_writers"] == 1
     assert plan.stats["arena_bytes"] == 32 * 32 * 4  # one gradient at a time
     assert [d.label.split()[0] for d in plan.dispatches] == ["matmul", "pointwise", "matmul", "pointwise"]
+
+
+def epilogue_graph(transposed: bool = False):
+    """S = A B, then Y = (C D) * S in the epilogue of a second matmul (the last reader of S), then the row sums of Y:
+    Y may be stored over S, where its epilogue reads S at the element it stores (``transposed``: at another)."""
+    b = GraphBuilder()
+    a, bb, c, d = (b.input(name, shape, "float32") for name, shape in
+                   (("a", (2, 12, 4)), ("b", (2, 4, 12)), ("c", (2, 12, 4)), ("d", (2, 4, 12))))
+    s = b.matmul(a, bb)
+    at = [E.coord(0), E.coord(2), E.coord(1)] if transposed else [E.coord(0), E.coord(1), E.coord(2)]
+    y = b.gemm(2, 12, 12, 4, b.load(c, [E.coord(0), E.coord(1), E.coord(2)]),
+               b.load(d, [E.coord(0), E.coord(1), E.coord(2)]), epilogue=E.mul(E.acc(0), b.load(s, at)))
+    b.output(b.reduce_simple(y, (2,), "sum", "float32"))
+    return b.graph
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["same-element", "transposed"])
+def test_a_matmul_epilogue_stores_over_the_arena_operand_it_reads_last(transposed):
+    """``arena_aliases``: Y's epilogue is the last reader of S and reads it only at the element it stores, so Y takes
+    S's arena range, bound once in Y's dispatch, and the arena holds one 2x12x12 matrix, not two (the unfused
+    attention backward so stores dS over its score matrix); read transposed, S keeps a range of its own. Values on
+    the adapter."""
+    graph = epilogue_graph(transposed)
+    plan = plan_of(epilogue_graph(transposed))
+    one = 2 * 12 * 12 * 4  # bytes; ranges start at multiples of 256 under WebGPU's default limits
+    assert plan.stats["arena_aliases"] == (0 if transposed else 1)
+    assert plan.stats["arena_bytes"] == (1280 + one if transposed else one)
+    first, second, _ = plan.dispatches
+    arena = [(b.offset, b.size) for b in second.bindings if b.buffer == "arena"]
+    assert arena == ([(0, one), (1280, one)] if transposed else [(0, one)])
+    device = get_device()
+    plan, _ = compile_graph(graph, device.limits)
+    x = {name: RNG.standard_normal(shape, dtype=np.float32) for name, shape in
+         (("a", (2, 12, 4)), ("b", (2, 4, 12)), ("c", (2, 12, 4)), ("d", (2, 4, 12)))}
+    s = x["a"] @ x["b"]
+    want = ((x["c"] @ x["d"]) * (s.transpose(0, 2, 1) if transposed else s)).sum(axis=2)
+    np.testing.assert_allclose(Program(device, plan).run(x)["out0"], want, rtol=1e-5, atol=1e-5)

@@ -12,10 +12,10 @@ the backward, where the score matrices of a call fit ``UNFUSED_MAX_SCORE_BYTES``
 (``UNFUSED_MIN_KEYS``), the attention is lowered unfused instead, as PyTorch's math path computes it, onto the
 matmul and reduction archetypes: the scores S = scale q.k + bias (masked) stored by a matmul, the row log-sum-exp
 by a reduction over them, and out = softmax(S) v by a matmul that exponentiates S as it loads it. The backward
-recomputes S, stores dS = P (dO.V - delta) from a matmul's epilogue, and gets dQ, dK and dV as three matmuls (dV's
-operand P again from S and the log-sum-exp). The tiled matmuls reuse every loaded row many times, where the blocked
-and per-row kernels run one row per thread: on long rows that is faster, at the price of one or two score
-matrices in memory.
+recomputes S, gets dV as a matmul of P (from S and the log-sum-exp), then stores dS = P (dO.V - delta) from a
+matmul's epilogue over S (its last reader), and gets dQ and dK as two matmuls of dS. The tiled matmuls reuse
+every loaded row many times, where the blocked and per-row kernels run one row per thread: on long rows that is
+faster, at the price of one score matrix in memory.
 """
 from __future__ import annotations
 
@@ -172,14 +172,6 @@ def _unfused_backward(b, f: dict):
         return _prob(b.load(scores, [batch_head, i, j]), _at(f["lse"], heads, batch_head, i))
 
     h, i, j = E.coord(0), E.coord(1), E.coord(2)
-    # dS = P * (dO.V - delta): A = dO over (bh, i, c), B = V over (bh, c, j)
-    ds_epilogue = E.mul(prob(h, i, j), E.binary("sub", E.acc(0), _at(f["delta"], heads, h, i)))
-    grad_scores = b.gemm(f["batch"] * heads, lq, lk, f["dv"], _at(f["dout"], heads, h, i, E.coord(2)),
-                         _at(f["v"], heads, h, E.coord(2), E.coord(1)), epilogue=ds_epilogue,
-                         label="attention_grad_scores")
-    scaled = E.mul(E.acc(0), scale)
-    dq = b.gemm(f["batch"] * heads, lq, f["d"], lk, b.load(grad_scores, [h, i, E.coord(2)]),
-                _at(f["k"], heads, h, E.coord(1), E.coord(2)), epilogue=scaled, label="attention_grad_q")
     # dK, dV per KV head g: sums over the group's query heads and their rows, p = head-in-group * lq + query row
     kv = f["kv_heads"]
     g, p = E.coord(0), E.coord(2)
@@ -193,10 +185,19 @@ def _unfused_backward(b, f: dict):
         return E.binary("imod", p_coord, _i32(lq))
 
     b_p = E.coord(1)  # in a B operand, (0: g, 1: p, 2: channel)
+    # dV first: dS, the last reader of S, is then stored over it (``lowering.in_place.arena_aliases``)
+    dv = b.gemm(f["batch"] * kv, lk, f["dv"], group * lq, prob(query_head(p), query_row(p), E.coord(1)),
+                _at(f["dout"], heads, query_head(b_p), query_row(b_p), E.coord(2)), label="attention_grad_v")
+    # dS = P * (dO.V - delta): A = dO over (bh, i, c), B = V over (bh, c, j)
+    ds_epilogue = E.mul(prob(h, i, j), E.binary("sub", E.acc(0), _at(f["delta"], heads, h, i)))
+    grad_scores = b.gemm(f["batch"] * heads, lq, lk, f["dv"], _at(f["dout"], heads, h, i, E.coord(2)),
+                         _at(f["v"], heads, h, E.coord(2), E.coord(1)), epilogue=ds_epilogue,
+                         label="attention_grad_scores")
+    scaled = E.mul(E.acc(0), scale)
+    dq = b.gemm(f["batch"] * heads, lq, f["d"], lk, b.load(grad_scores, [h, i, E.coord(2)]),
+                _at(f["k"], heads, h, E.coord(1), E.coord(2)), epilogue=scaled, label="attention_grad_q")
     dk = b.gemm(f["batch"] * kv, lk, f["d"], group * lq, b.load(grad_scores, [query_head(p), query_row(p), E.coord(1)]),
                 _at(f["q"], heads, query_head(b_p), query_row(b_p), E.coord(2)), epilogue=scaled,
                 label="attention_grad_k")
-    dv = b.gemm(f["batch"] * kv, lk, f["dv"], group * lq, prob(query_head(p), query_row(p), E.coord(1)),
-                _at(f["dout"], heads, query_head(b_p), query_row(b_p), E.coord(2)), label="attention_grad_v")
     return (b.reshape(dq, (f["batch"], heads, lq, f["d"])), b.reshape(dk, (f["batch"], kv, lk, f["d"])),
             b.reshape(dv, (f["batch"], kv, lk, f["dv"])))
