@@ -13,7 +13,17 @@ from typing import Callable
 from . import expr as E
 from .bindings import checks
 from .fusion import FusionReport, _name
-from .ir import Graph, Node
+from .ir import Graph, Input, Node
+
+# Siblings are not merged where the merge would keep more than KEEP_ALIVE_BYTES of the first one's operands alive
+# across more than KEEP_ALIVE_ACROSS other kernels (in the arena, where the planner could not reuse them). Full-size
+# Whisper-tiny's bias gradient reductions of different layers kept each layer's 1500x1536 and 1500x384 gradients
+# (2.2-9.2 MB each, 9 to 46 kernels apart) until the last layer's: refused, its backward's arena 141.6 -> 69.1 MiB
+# for 28 more dispatches (161 -> 189). ResNet-50's BatchNorm reductions, one kernel apart, and SD U-Net's
+# reductions, which keep 1 MiB or less, merge as before (refusing those cost SD U-Net's backward 184 dispatches for
+# 7.6 MiB of arena).
+KEEP_ALIVE_ACROSS = 2
+KEEP_ALIVE_BYTES = 2 << 20
 
 
 def fuse_siblings(graph: Graph, max_bindings: int, report: FusionReport, key_of: Callable[[Node], object],
@@ -44,6 +54,16 @@ def fuse_siblings(graph: Graph, max_bindings: int, report: FusionReport, key_of:
             break
 
 
+def _kept_alive(graph: Graph, end: int, read: set, loads) -> dict[int, int]:
+    """{value id: arena bytes} of the intermediates among ``read`` (the earlier node's) that neither the later node,
+    at ``end``, nor any node after it reads: the merged node, in the later one's place, would keep them alive until
+    there. Inputs and outputs have buffers of their own."""
+    own = {v.id for v in graph.outputs} | {n.out.id for n in graph.nodes if isinstance(n, Input)}
+    read_from_end = set().union(*(loads[id(n)] for n in graph.nodes[end:]))
+    return {v.id: 4 * v.numel for n in graph.nodes for v in n.outs
+            if v.id in read and v.id not in own and v.id not in read_from_end}
+
+
 def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings) -> str | None:
     """Remove ``earlier`` and move the nodes between the two that depend on it to after ``later``; None when done,
     else why the two cannot merge."""
@@ -57,6 +77,11 @@ def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings) -> str
             tainted |= {v.id for v in n.outs}
     if loads[id(later)] & tainted:
         return "the second reads a result of the first"
+    kept = _kept_alive(graph, end, loads[id(earlier)], loads)
+    across = end - start - 1 - len(dependent)
+    if across > KEEP_ALIVE_ACROSS and sum(kept.values()) > KEEP_ALIVE_BYTES:
+        return (f"it would keep {sum(kept.values())} bytes that the first reads last in memory across {across} other "
+                "kernels")
     status = checks([*earlier.exprs(), *later.exprs()])  # and one binding spare for partial results (.bindings)
     if len(loads[id(earlier)] | loads[id(later)]) + len(earlier.outs) + len(later.outs) + 1 + status > max_bindings:
         return f"more than {max_bindings} storage bindings"

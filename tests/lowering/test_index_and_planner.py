@@ -539,3 +539,33 @@ def test_compile_graph_runs_a_repeated_kernel_once():
     xw = data["x"].astype(np.float64) @ data["w"]
     for spec, v in zip(plan.outputs, ("v1", "v2")):
         np.testing.assert_allclose(out[spec.name].reshape(8, 8), xw @ data[v], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [768, 256])
+def test_sibling_reductions_far_apart_keep_no_large_operand_alive(rows):
+    """Bias-gradient-like sums of two "layers" over the same rows, with four unrelated kernels between them: merged,
+    the first layer's (rows, 1024) operand would stay in the arena until the second's sum. At 768 rows (3 MiB, over
+    ``KEEP_ALIVE_BYTES``) they stay apart, the reason recorded, and the operand's range is reused; at 256 rows (1 MiB)
+    they merge (full-size Whisper-tiny's backward arena held its four layers' FFN gradients so: 141.6 MiB, 69.1
+    without)."""
+    b = GraphBuilder()
+    chain = b.input("c", (64, 64), "float32")
+    sums = []
+    for layer in range(2):
+        grad = b.matmul(b.input(f"a{layer}", (rows, 16), "float32"), b.input(f"w{layer}", (16, 1024), "float32"))
+        sums.append(b.reduce_simple(grad, (0,), "sum", "float32", label="sum"))
+        for _ in range(4 if layer == 0 else 0):
+            chain = b.matmul(chain, b.input(f"v{len(b.graph.nodes)}", (64, 64), "float32"))
+    for v in (*sums, chain):
+        b.output(v)
+    plan, report = compile_graph(b.graph, RecordingDevice().limits)
+    labels = [d.label.split()[0] for d in plan.dispatches]
+    grad_bytes = rows * 1024 * 4
+    if rows == 768:
+        assert labels.count("sum") == 2
+        assert any(f"it would keep {grad_bytes} bytes that the first reads last in memory across" in why
+                   for *_, why in report.refused)
+        assert plan.stats["arena_bytes"] < 2 * grad_bytes
+    else:
+        assert labels.count("sum") == 1
+        assert plan.stats["arena_bytes"] >= 2 * grad_bytes
