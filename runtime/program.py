@@ -408,8 +408,8 @@ class Program:
         dev = self.device
         swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
         shapes = {t.name: t.shape for t in plan.outputs}
-        kept = {name: into[name] if name in into else DeviceArray(dev.pool, shapes[name], t.dtype)
-                for name, t in self._resident.items()}
+        kept = {name: into[name] if name in into else DeviceArray(dev.pool, shapes[name], t.dtype, capacity=t.nbytes)
+                for name, t in self._resident.items()}  # (``t``: at the plan's bounds)
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
         for name, offset, parts, block in self._writes:

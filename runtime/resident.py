@@ -79,12 +79,15 @@ class DeviceArray:
 
     __slots__ = ("device", "buffer", "shape", "dtype", "_pool")
 
-    def __init__(self, pool: BufferPool | DedicatedBuffers, shape: tuple[int, ...], dtype: str):
+    def __init__(self, pool: BufferPool | DedicatedBuffers, shape: tuple[int, ...], dtype: str, capacity: int = 0):
+        """``capacity``: the buffer's bytes where more than the shape's (an output of a plan over symbolic sizes
+        takes its size at the plan's bounds, so that the pool's buffers serve every length: a KV cache one token
+        longer each step reuses the buffer of the step before, where exact sizes would leave one per length)."""
         self.device = pool.device
         self.shape = tuple(shape)
         self.dtype = dtype
         self._pool = pool
-        self.buffer = pool.acquire(buffer_bytes(self.shape, dtype))
+        self.buffer = pool.acquire(max(buffer_bytes(self.shape, dtype), capacity))
 
     @classmethod
     def upload(cls, device, array: np.ndarray, dtype: str, pool=None) -> "DeviceArray":

@@ -1,9 +1,10 @@
 """HF ``generate`` through the backend as users call it: ``model.forward = torch.compile(model.forward,
 backend="meganeura")``, greedy, 64 new tokens, with the default (dynamic) KV cache and with the static cache. The
 tokens must equal eager's; no kernel is compiled once dynamo has its decode graph, whatever the length (plans over
-symbolic sizes); and a decode step does not move the KV cache between host and device: the cache tensors a call
+symbolic sizes); a decode step does not move the KV cache between host and device: the cache tensors a call
 returns stay on the device (``device_tensor.DeviceTensor``) and are bound as they are when the next call takes them
-back, and a static cache is updated in place on the device."""
+back, and a static cache is updated in place on the device; and once compiled, a decode step allocates no device
+memory."""
 import copy
 
 import pytest
@@ -22,6 +23,9 @@ STEP_READBACK_EXTRA = 64  # beside the logits: the status words
 DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM = 2, 3
 # Static cache: the prefill, the decode graph, then the cache as DeviceTensors (traced again, plans shared).
 STATIC_CACHE_KERNELS_UNTIL, STATIC_CACHE_STEADY_FROM = 2, 3
+# Default cache, first generate: the first calls, then two steps at each doubling of the decode plan's bound on the
+# cache's length (16, 32, 64, 128 positions; measured: 11 steps of 64).
+ALLOCATING_STEPS = DEFAULT_CACHE_STEADY_FROM + 2 * 4 + 1
 
 
 def _llama():
@@ -40,7 +44,7 @@ def _gpt2():
 class StepCounter:
     """Wraps a compiled forward: the device's bytes moved and pipelines created by each call."""
 
-    KEYS = ("bytes_uploaded", "bytes_downloaded", "pipelines_created")
+    KEYS = ("bytes_uploaded", "bytes_downloaded", "pipelines_created", "bytes_allocated")
 
     def __init__(self, forward):
         self.forward, self.steps = forward, []
@@ -82,6 +86,10 @@ def test_default_cache_gives_eager_tokens_and_keeps_the_cache_on_the_device(make
     assert _generate(model, prompt).tolist() == want.tolist()
     _check_steps(model.forward.steps, model.config.vocab_size, DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM)
     assert graphs["unique_graphs"] - first == 2  # the prefill and the decode
+    # A decode step allocates no device memory but where its plan's bounds grow: the cache one token longer takes
+    # the buffers the step before gave back (with buffers of exact sizes, every step allocated, and kept, its own).
+    allocating = [k for k, s in enumerate(model.forward.steps) if s["bytes_allocated"] > 0]
+    assert len(allocating) <= ALLOCATING_STEPS, allocating
     model.forward.steps.clear()
     assert _generate(model, prompt).tolist() == want.tolist()  # everything compiled: every step is steady
     _check_steps(model.forward.steps, model.config.vocab_size, 0, 1)
