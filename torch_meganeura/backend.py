@@ -16,7 +16,6 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import OutputType
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
@@ -28,6 +27,7 @@ from .device_graph import unsupported_listing
 from .options import Options
 from .params import ParamStore
 from .partition import fallback_ops, partition
+from .saved_values import partition_joint
 
 log = logging.getLogger("torch_meganeura")
 
@@ -261,7 +261,7 @@ def backend_with_context(gm: fx.GraphModule, example_inputs, context: BackendCon
         fw_compiler=functools.partial(compiler, mode="forward"),
         bw_compiler=functools.partial(compiler, mode="backward"),
         inference_compiler=functools.partial(compiler, mode="inference"),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=partition_joint,
         decompositions=aot_decomposition_table(),
     )(gm, example_inputs)
 

@@ -135,20 +135,28 @@ class _DeviceStep:
         """Each role's device array for this update: parameters (uploaded first where eager code wrote them),
         gradients (resident, or uploaded), optimizer state (created at a parameter's first update)."""
         arrays = {}
+        if not all(self._on_device(self.optimizer.state[p].get(slot)) for p in params for slot in self.opts["slots"]):
+            # The state is made once, after the first backward, whose saved activations wait in the device's pool
+            # for the next forward: they would sit beside the new state at the run's peak (full-size Whisper-tiny:
+            # 165 MiB), so they go first, and the next forward makes them again, once.
+            self.device.pool.clear()
         for i, p in enumerate(params):
             name = str(i)
             arrays[Role.param(name)] = self.store.array(p)
             grad = p.grad
-            arrays[Role.grad(name)] = (grad if isinstance(grad, ResidentTensor) and grad.array.device is self.device
-                                       else upload_array(self.device, grad.detach()))
+            arrays[Role.grad(name)] = grad if self._on_device(grad) else upload_array(self.device, grad.detach())
             state = self.optimizer.state[p]
             for slot in self.opts["slots"]:
                 value = state.get(slot)
-                if not (isinstance(value, ResidentTensor) and value.array.device is self.device):
+                if not self._on_device(value):
                     value = state[slot] = ResidentTensor(upload_array(
                         self.device, torch.zeros_like(p.detach()) if value is None else value.detach()))
                 arrays[Role.state(slot, name)] = value
         return arrays
+
+    def _on_device(self, value) -> bool:
+        """Whether ``value`` is a tensor kept on this optimizer's device."""
+        return isinstance(value, ResidentTensor) and value.array.device is self.device
 
     def _take(self, params: list, arrays: dict, results: dict) -> None:
         """Take the update's results in: an output stored over its input's array needs nothing; another becomes the
