@@ -50,6 +50,7 @@ def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
         seconds = time.perf_counter() - start
         rows.append({"competitor": f"torch-{device}-eager", "cache": cache, "tokens_per_second": new / seconds,
                      "seconds": seconds, "tokens": out[0].tolist()})
+        print(f"torch-{device}-eager {cache}: {new / seconds:.1f} tokens/s", flush=True)
     model.to("cpu")
     return rows
 
@@ -87,6 +88,7 @@ def _backend_rows(model, prompt, new: int) -> list[dict]:
                      "seconds": seconds, "tokens_per_second": new / seconds,
                      "decode_tokens_per_second": len(steps) / sum(steps), "decode_by_context": by_context,
                      "tokens": out[0].tolist()})
+        print(f"meganeura-backend {cache}: first generate {first:.1f} s, then {new / seconds:.1f} tokens/s", flush=True)
     return rows
 
 
