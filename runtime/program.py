@@ -30,6 +30,7 @@ and the next run recorded ahead, stay the same whatever the sizes.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -49,6 +50,7 @@ OWNED_ROLES = ("input", "output", "status")  # and the arena, the device's (``me
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
+RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input alternates between two buffers
 # Submitted parts of a plan: the first of FIRST_PART dispatches, each next one twice as long up to SUBMIT_EVERY. A
 # submit costs about as much host time as recording ten dispatches (H200: 37 us), and ResNet-50's 105 dispatches
 # took 0.9 ms to record before the GPU got any of them, in one part.
@@ -222,6 +224,7 @@ class Program:
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
         self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
+        self._recent_outputs: dict[str, deque] = {}  # each resident output's latest buffers (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
         if self._arena is not None:
             self._bind_arena()
@@ -408,8 +411,8 @@ class Program:
         dev = self.device
         swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
         shapes = {t.name: t.shape for t in plan.outputs}
-        kept = {name: into[name] if name in into else DeviceArray(dev.pool, shapes[name], t.dtype, capacity=t.nbytes)
-                for name, t in self._resident.items()}  # (``t``: at the plan's bounds)
+        kept = {name: into[name] if name in into else self._new_output(name, shapes[name], t)
+                for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
         for name, offset, parts, block in self._writes:
@@ -504,6 +507,16 @@ class Program:
             record_dispatches(compute, [command])
             compute.end()
         profiler.resolve(encoder, len(commands))
+
+    def _new_output(self, name: str, shape: tuple, spec: TensorSpec) -> DeviceArray:
+        """A resident output's array, in a buffer of its size at the plan's bounds (``spec``'s): the one this output
+        had one or two runs before where the pool has it back, so that a run's buffers repeat and its bind groups
+        are reused (a KV cache: the cache of two steps before is the one given back; the pool alone deals its
+        buffers to the layers in another order, and a generate call's first steps built their groups again)."""
+        recent = self._recent_outputs.setdefault(name, deque(maxlen=RECENT_OUTPUT_BUFFERS))
+        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=spec.nbytes, prefer=tuple(recent))
+        recent.append(array.buffer)
+        return array
 
     def _with_swaps(self, swaps: dict):
         """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""

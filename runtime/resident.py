@@ -34,11 +34,13 @@ class BufferPool:
         self._free: dict[int, list] = {}
         self.live = 0  # buffers handed out and not yet released
 
-    def acquire(self, nbytes: int):
+    def acquire(self, nbytes: int, prefer=()):
+        """A buffer of ``nbytes``: the first of ``prefer`` that is free here, else the most recently released."""
         free = self._free.get(nbytes, [])
         while free and not _alive(free[-1]):
             free.pop()
-        buffer = free.pop() if free else self.device.storage_buffer(nbytes, "resident")
+        at = next((i for b in prefer for i, f in enumerate(free) if f is b and _alive(f)), -1)
+        buffer = free.pop(at) if free else self.device.storage_buffer(nbytes, "resident")
         self.live += 1
         return buffer
 
@@ -66,7 +68,7 @@ class DedicatedBuffers:
     def __init__(self, device, label: str):
         self.device, self.label = device, label
 
-    def acquire(self, nbytes: int):
+    def acquire(self, nbytes: int, prefer=()):
         return self.device.storage_buffer(nbytes, self.label)
 
     def release(self, buffer) -> None:
@@ -79,15 +81,17 @@ class DeviceArray:
 
     __slots__ = ("device", "buffer", "shape", "dtype", "_pool")
 
-    def __init__(self, pool: BufferPool | DedicatedBuffers, shape: tuple[int, ...], dtype: str, capacity: int = 0):
+    def __init__(self, pool: BufferPool | DedicatedBuffers, shape: tuple[int, ...], dtype: str, capacity: int = 0,
+                 prefer=()):
         """``capacity``: the buffer's bytes where more than the shape's (an output of a plan over symbolic sizes
         takes its size at the plan's bounds, so that the pool's buffers serve every length: a KV cache one token
-        longer each step reuses the buffer of the step before, where exact sizes would leave one per length)."""
+        longer each step reuses the buffer of the step before, where exact sizes would leave one per length).
+        ``prefer``: buffers to take from the pool first, where free (``BufferPool.acquire``)."""
         self.device = pool.device
         self.shape = tuple(shape)
         self.dtype = dtype
         self._pool = pool
-        self.buffer = pool.acquire(max(buffer_bytes(self.shape, dtype), capacity))
+        self.buffer = pool.acquire(max(buffer_bytes(self.shape, dtype), capacity), prefer)
 
     @classmethod
     def upload(cls, device, array: np.ndarray, dtype: str, pool=None) -> "DeviceArray":

@@ -44,7 +44,7 @@ def _gpt2():
 class StepCounter:
     """Wraps a compiled forward: the device's bytes moved and pipelines created by each call."""
 
-    KEYS = ("bytes_uploaded", "bytes_downloaded", "pipelines_created", "bytes_allocated")
+    KEYS = ("bytes_uploaded", "bytes_downloaded", "pipelines_created", "bytes_allocated", "bind_groups_created")
 
     def __init__(self, forward):
         self.forward, self.steps = forward, []
@@ -186,3 +186,24 @@ def test_a_bfloat16_model_generates_within_eager_bfloat16s_error(cache):
         return ((x - exact).norm() / exact.norm()).item()
 
     assert error(got) <= 1.5 * error(eager), (error(got), error(eager))
+
+
+def test_steady_decode_steps_build_no_bind_groups():
+    """Many layers' cache arrays of one size share the pool: each output takes back the buffer it had two steps
+    before (``Program._new_output``), so a generate call's steps repeat the buffers of the call before and reuse
+    its bind groups from the fourth step on. Dealt in the pool's order, two more steps per call built them again
+    (8 layers: 48 bind groups; SmolLM2's 30: 180)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    config = LlamaConfig(**{**LLAMA, "use_cache": True, "max_position_embeddings": 64, "num_hidden_layers": 8})
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (1, PROMPT))
+    model.forward = StepCounter(torch.compile(model.forward, backend="meganeura"))
+    for _ in range(2):
+        model.forward.steps.clear()
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    built = [k for k, s in enumerate(model.forward.steps) if s["bind_groups_created"]]
+    assert built == list(range(DEFAULT_CACHE_STEADY_FROM + 1)), built  # the prefill and the decode's first calls
+
