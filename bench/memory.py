@@ -134,7 +134,7 @@ class Tracker:
 
     def _snapshot(self) -> Breakdown:
         named = self.holders()
-        free = {id(b) for buffers in self.device.pool._free.values() for b in buffers}
+        free = {id(b) for b in self.device.pool.free_buffers()}
         result = Breakdown()
         for key, (size, label) in self.live.items():
             result.add("pool (free for reuse)" if key in free else named.get(key) or _program_kind(label), size)

@@ -27,20 +27,23 @@ def _alive(buffer) -> bool:
 
 
 class BufferPool:
-    """Storage buffers kept for reuse, by exact size. ``acquire`` reuses the most recently released one."""
+    """Storage buffers kept for reuse, by exact size. ``acquire`` reuses a preferred one where it is free, else the
+    most recently released one."""
 
     def __init__(self, device):
         self.device = device
-        self._free: dict[int, list] = {}
+        self._free: dict[int, dict[int, object]] = {}  # size -> {id(buffer): buffer}, in order of release
         self.live = 0  # buffers handed out and not yet released
 
     def acquire(self, nbytes: int, prefer=()):
         """A buffer of ``nbytes``: the first of ``prefer`` that is free here, else the most recently released."""
-        free = self._free.get(nbytes, [])
-        while free and not _alive(free[-1]):
-            free.pop()
-        at = next((i for b in prefer for i, f in enumerate(free) if f is b and _alive(f)), -1)
-        buffer = free.pop(at) if free else self.device.storage_buffer(nbytes, "resident")
+        free = self._free.get(nbytes, {})
+        buffer = next((b for b in (free.pop(id(p), None) for p in prefer) if b is not None and _alive(b)), None)
+        while buffer is None and free:
+            buffer = free.popitem()[1]
+            buffer = buffer if _alive(buffer) else None
+        if buffer is None:
+            buffer = self.device.storage_buffer(nbytes, "resident")
         self.live += 1
         return buffer
 
@@ -48,16 +51,19 @@ class BufferPool:
         self.live -= 1
         if self.device.lost or not _alive(buffer):
             return
-        self._free.setdefault(buffer.size, []).append(buffer)
+        self._free.setdefault(buffer.size, {})[id(buffer)] = buffer
+
+    def free_buffers(self) -> list:
+        """The buffers waiting for reuse."""
+        return [b for buffers in self._free.values() for b in buffers.values()]
 
     def pooled_bytes(self) -> int:
         return sum(size * len(buffers) for size, buffers in self._free.items())
 
     def clear(self) -> None:
         """Destroy the buffers waiting for reuse (buffers still handed out are not touched)."""
-        for buffers in self._free.values():
-            for buffer in buffers:
-                self.device.destroy_buffer(buffer)
+        for buffer in self.free_buffers():
+            self.device.destroy_buffer(buffer)
         self._free.clear()
 
 
