@@ -10,7 +10,9 @@ loop through the backend held its forward's, backward's and optimizer's arenas a
 A program claims its plan's arena size while it lives (``claim``; ``release`` gives the claim back, and so does the
 program's collection). The buffer is replaced when it no longer has the size of the largest claim, never during a
 run: at the start of the next one, or at once where ``release`` is called between runs. ``generation`` then
-changes, and each program binds the new buffer before its next run (``buffer``).
+changes, and each program binds the new buffer wherever it builds bind groups: before its next run, and when its
+params are bound (``Program._use_current_arena``). A program made before another's run replaced the buffer, and
+bound after it, would otherwise bind the destroyed one.
 """
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ class Program:
         self._recent_outputs: dict[str, deque] = {}  # each resident output's latest buffers (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
         if self._arena is not None:
-            self._bind_arena()
+            self._use_current_arena()
         if not self.missing_params():
             self._resolve()
 
@@ -238,7 +238,10 @@ class Program:
     def _resolve(self) -> None:
         """Build the missing bind groups, then the command and copy lists that ``run`` replays.
 
-        Dispatches that bind a resident output get their group per run (``_with_swaps``); here None."""
+        Dispatches that bind a resident output get their group per run (``_with_swaps``); here None. Groups are
+        built over the arena of now: another program's run may have replaced it since this one last ran."""
+        if self._arena is not None:
+            self._use_current_arena()
         self.wait_pipelines()
         self._commands = []
         indirect = {i: Indirect(self._indirect_buffer, 12 * k) for k, i in enumerate(self._indirect)}
@@ -254,15 +257,18 @@ class Program:
         self._ahead = None  # recorded over the old bind groups
         self._ready = True
 
-    def _bind_arena(self) -> None:
-        """Bind the device's arena buffer as it is now (it was replaced since this program last bound it)."""
-        self._owned["arena"] = self._arena.buffer()
+    def _use_current_arena(self) -> None:
+        """Take the device's arena buffer as it is now; what was built over an older one (destroyed when it was
+        replaced) is dropped, to be built again by ``_resolve`` or per run."""
+        buffer = self._arena.buffer()
         self._arena_generation = self._arena.generation
+        if self._owned.get("arena") is buffer:
+            return
+        self._owned["arena"] = buffer
         for key in [k for k in self._bind_groups if any(b.buffer == "arena" for b in k)]:
             del self._bind_groups[key]
         self._swapped_groups, self._swapped_commands = {}, {}  # built over the old buffer
-        if self._ready:
-            self._resolve()
+        self._ahead = None
 
     # ---- params
 
@@ -338,7 +344,7 @@ class Program:
         if not self._ready:
             raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
         if self._arena is not None and self._arena_generation != self._arena.generation:
-            self._bind_arena()
+            self._resolve()  # over the arena that replaced the one this program last bound
         device_inputs, into = device_inputs or {}, into or {}
         plan, inputs = self._plan_for(sizes, inputs)
         arrays = self._convert_inputs(inputs, device_inputs, plan)

@@ -84,6 +84,25 @@ def arena_chain_plan(n: int = 40) -> Plan:
     )
 
 
+def arena_param_plan(n: int = 40) -> Plan:
+    """``arena_chain_plan`` with its first dispatch reading a param as well: out = 4 x w (bound by ``bind_params``)."""
+    nb, off = 4 * n, align(4 * n)
+    multiply = kernel([("a", "f32"), ("b", "f32"), ("out", "f32")], "out[i] = a[i] * b[i];")
+    return Plan(
+        buffers=[BufferSpec("x", nb, "input"), BufferSpec("w", nb, "param"), BufferSpec("arena", off + nb, "arena"),
+                 BufferSpec("y", nb, "output")],
+        inputs=[TensorSpec("x", "x", 0, (n,), "float32")],
+        params=[TensorSpec("w", "w", 0, (n,), "float32")],
+        outputs=[TensorSpec("y", "y", 0, (n,), "float32")],
+        kernels={"multiply": multiply, "double": DOUBLE},
+        dispatches=[
+            Dispatch("multiply", (Binding("x", 0, nb), Binding("w", 0, nb), Binding("arena", 0, nb)), groups(n), "t0"),
+            Dispatch("double", (Binding("arena", 0, nb), Binding("arena", off, nb)), groups(n), "t1"),
+            Dispatch("double", (Binding("arena", off, nb), Binding("y", 0, nb)), groups(n), "t2"),
+        ],
+    )
+
+
 def chain_plan(n: int, steps: int) -> Plan:
     """``steps`` dependent dispatches: out = a, then out = 2 out + a, so out = a (2^steps - 1)."""
     init = kernel([("a", "f32"), ("out", "f32")], "out[i] = a[i];")

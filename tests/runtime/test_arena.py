@@ -10,7 +10,7 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.program import Program
 from meganeura.runtime.readback import START_BUFFERS
 
-from helpers.plans import arena_chain_plan
+from helpers.plans import arena_chain_plan, arena_param_plan
 
 RNG = np.random.default_rng(0)
 
@@ -61,3 +61,37 @@ def test_programs_share_the_largest_arena_and_give_it_back(monkeypatch):
     device.arena.shrink()
     assert counters.bytes_allocated == held - arena_bytes(large_plan)
     check(small, 40)
+
+
+def test_params_bound_after_the_arena_was_replaced(monkeypatch):
+    """A program made before another program's run replaced the arena, whose params are bound only after that run
+    (a training step whose loss runs in segments: each segment's program is made, the next one runs, then the first
+    one's params are bound), builds its bind groups over the current arena, never the destroyed one. The bind
+    groups were made at ``bind_params`` over the arena of the program's construction: wgpu refused them ("Buffer
+    with 'arena' label has been destroyed")."""
+    device = get_device()
+    monkeypatch.setattr(device, "arena", SharedArena(device))
+    waiting = Program(device, arena_param_plan(40))  # params not bound yet: nothing built
+    large = Program(device, arena_chain_plan(4000))
+    check(large, 4000)  # the arena grows: the buffer the first program knew is destroyed
+    large.release()  # and shrinks again: replaced a second time
+    w = RNG.standard_normal(40, dtype=np.float32)
+    waiting.upload_params({"w": w})
+    x = RNG.standard_normal(40, dtype=np.float32)
+    np.testing.assert_allclose(waiting.run({"x": x})["y"], 4 * x * w, rtol=1e-6)
+
+
+def test_rebinding_params_between_other_programs_runs(monkeypatch):
+    """Params rebound (an optimizer's new weights) after another program grew the arena: the rebuilt groups bind the
+    arena of now, and the run's result is right."""
+    device = get_device()
+    monkeypatch.setattr(device, "arena", SharedArena(device))
+    small = Program(device, arena_param_plan(40))
+    small.upload_params({"w": np.ones(40, np.float32)})
+    x = RNG.standard_normal(40, dtype=np.float32)
+    np.testing.assert_allclose(small.run({"x": x})["y"], 4 * x, rtol=1e-6)
+    large = Program(device, arena_chain_plan(4000))
+    check(large, 4000)
+    w = RNG.standard_normal(40, dtype=np.float32)
+    small.upload_params({"w": w})
+    np.testing.assert_allclose(small.run({"x": x})["y"], 4 * x * w, rtol=1e-6)
