@@ -10,6 +10,7 @@ class Counters:
     buffers_created: int = 0
     bind_groups_created: int = 0
     submits: int = 0
+    waits: int = 0  # host waits for the GPU: read-backs and downloads (``meganeura.runtime.in_flight``)
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
     bytes_allocated: int = 0  # live: buffer creation adds its size, destruction subtracts it

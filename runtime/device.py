@@ -35,6 +35,7 @@ import wgpu
 
 from . import native
 from .arena import SharedArena
+from .in_flight import InFlight
 from .counters import Counters
 from .errors import DeviceLostError, MeganeuraError, NoAdapterError
 from .profiler import profiler_from_env
@@ -268,6 +269,8 @@ class Device:
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
         self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
         self.arena = SharedArena(self)  # the arena buffer of every program on this device
+        self.in_flight = InFlight()  # runs submitted whose status is unread (``meganeura.runtime.in_flight``)
+        self._fence_staging = None  # where ``synchronize`` copies the fence to wait for the queue
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
 
     def describe(self) -> str:
@@ -437,6 +440,26 @@ class Device:
             self.queue.submit([*before, commands])
         self.counters.submits += 1
 
+    def synchronize(self) -> None:
+        """Wait for everything submitted; raise the first status error a run in flight set."""
+        if self.in_flight:
+            self.counters.waits += 1
+            self.in_flight.settle()
+            return
+        if self._fence_staging is None:
+            self._fence_staging = self.staging_buffer(4, "meganeura fence read")
+        with self.checked("synchronize"):
+            encoder = self.wgpu_device.create_command_encoder()
+            encoder.copy_buffer_to_buffer(self.fence, 0, self._fence_staging, 0, 4)
+        self.submit(encoder, "synchronize")
+        self.read_staging(self._fence_staging, 4)
+
+    def _waited(self) -> None:
+        """After a wait for the queue: count it, and read the runs in flight (the queue has passed them)."""
+        if not self.in_flight.settling:
+            self.counters.waits += 1
+            self.in_flight.settle()
+
     def read_mapped(self, buffer, size: int, on_unmapped) -> np.ndarray | memoryview:
         """Wait for the queue, then return the first ``size`` bytes of a staging buffer as an array over its mapped
         memory (no host copy); the buffer is unmapped and passed to ``on_unmapped`` once no array over it is left.
@@ -449,8 +472,9 @@ class Device:
         if data is None:
             data = self.read_staging(buffer, size)
             on_unmapped(buffer)
-        else:
-            self.counters.bytes_downloaded += size
+            return data
+        self.counters.bytes_downloaded += size
+        self._waited()
         return data
 
     def read_staging(self, buffer, size: int) -> np.ndarray | memoryview:
@@ -467,4 +491,5 @@ class Device:
                 finally:
                     buffer.unmap()
         self.counters.bytes_downloaded += size
+        self._waited()
         return data

@@ -5,7 +5,8 @@ buffers (the arena is the device's, shared by its programs: ``meganeura.runtime.
 kernel on background threads (``Device.compile_ahead``) and prepares the read-back. Param buffers come from outside (``bind_params`` or ``upload_params``), uploaded while the kernels
 compile; binding the last of them waits for the kernels (``wait_pipelines``) and raises a compile error there.
 ``run`` then uploads the inputs, records the dispatches into compute passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the mapped
-memory (``meganeura.runtime.readback``), not copies. A plan of more than a few dozen
+memory (``meganeura.runtime.readback``), not copies. A run with no host outputs (every output resident or stored in
+place) returns once it is submitted, and its status is read at the device's next wait (``meganeura.runtime.in_flight``). A plan of more than a few dozen
 dispatches is submitted in parts (``submission_parts``): a short first part, so that the GPU starts while the host
 records the rest, then parts doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the
 host waits once, at the read-back. A run of a plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -94,9 +96,11 @@ def pipeline_jobs(plan: Plan) -> list[tuple[str, int, str]]:
 class Program:
     """A plan bound to a device; ``run`` replays it with no allocation."""
 
-    def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=()):
+    def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=(), label: str = ""):
         plan.validate()
         self.device = device
+        self.label = label or f"a plan of {len(plan.dispatches)} dispatches"  # names the runs in deferred errors
+        self.runs = 0  # runs submitted
         # A plan over symbolic sizes runs as its plan at its bounds (buffers and bindings sized for them), with the
         # shapes and workgroup counts of each run's sizes (``_sized``)
         self.symbolic = plan if plan.symbols else None
@@ -373,22 +377,32 @@ class Program:
         ahead, self._ahead = self._ahead, None
         if swaps or profiler is not None:
             ahead = None  # recorded over the program's own buffers, without timestamps
+        # A run with no host outputs returns once submitted; its status is read at the next wait (``in_flight``)
+        waits = bool(self._output_offsets) or profiler is not None or dev.in_flight.sync
+        copies = self._copies if waits or self._status_offsets else []
         with dev.checked("recording the plan"):
-            staging = self._read_back.take()
+            staging = self._read_back.take() if copies else None
             encoder = command_encoder(dev.wgpu_device)
             if ahead is None:
                 encoder = self._record(encoder, commands, profiler)
-            for source, src_offset, dst_offset, size in self._copies:
+            for source, src_offset, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
+        self.runs += 1
         if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
-        data = self._read_back.read(staging)
-        if profiler is not None:
-            profiler.collect(self.plan.dispatches)
-        self._raise_status(data)
+        data = b""
+        if waits:
+            data = self._read_back.read(staging)
+            if profiler is not None:
+                profiler.collect(self.plan.dispatches)
+            error = self._status_error(data)
+            if error is not None:
+                raise error
+        elif staging is not None:
+            dev.in_flight.add(f"run {self.runs} of {self.label}", partial(self._read_status, staging))
         return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
                 for t in plan.outputs}
 
@@ -549,14 +563,24 @@ class Program:
                                  f"{array.dtype}{list(array.shape)}")
         return {name: to_device_array(spec, inputs[name]) for name, spec in specs.items() if name in inputs}
 
-    def _raise_status(self, data) -> None:
+    def _status_error(self, data) -> KernelStatusError | None:
+        """The error of the first status word set in read-back ``data``, or None."""
         for name, offset, size in self._status_offsets:
             words = np.frombuffer(data, np.uint32, size // 4, offset)
             nonzero = np.flatnonzero(words)
             if nonzero.size:
                 code = int(words[nonzero[0]])
                 default = f"a kernel raised status code {code} (word {int(nonzero[0])} of {name!r})"
-                raise KernelStatusError(code, self.plan.status_messages.get(code, default))
+                return KernelStatusError(code, self.plan.status_messages.get(code, default))
+        return None
+
+    def _read_status(self, staging) -> KernelStatusError | None:
+        """The status error left by a run that was not waited for (its status words copied into ``staging``)."""
+        data = self._read_back.read(staging)
+        try:
+            return self._status_error(data)
+        finally:
+            del data  # the last view of the mapping: the staging buffer goes back
 
     # ---- reporting and teardown
 

@@ -28,6 +28,7 @@ from meganeura.runtime.counters import Counters
 from meganeura.runtime.errors import DeviceLostError, MeganeuraError
 from meganeura.runtime.requirements import WEBGPU_DEFAULT_LIMITS  # every adapter has at least these
 from meganeura.runtime.arena import SharedArena
+from meganeura.runtime.in_flight import InFlight
 from meganeura.runtime.resident import BufferPool
 
 _BINDING = re.compile(r"@group\(0\)\s*@binding\((\d+)\)")
@@ -165,6 +166,7 @@ class RecordingDevice:
         self.fence = self.storage_buffer(4, "meganeura fence")
         self.pool = BufferPool(self)
         self.arena = SharedArena(self)
+        self.in_flight = InFlight()
 
     def describe(self) -> str:
         return f"{self.name} (no GPU)"
@@ -291,4 +293,12 @@ class RecordingDevice:
     def read_staging(self, buffer: RecordedBuffer, size: int) -> np.ndarray:
         assert buffer.kind == "staging" and size <= buffer.size, f"read of {size} bytes from {buffer!r}"
         self.counters.bytes_downloaded += size
-        return np.frombuffer(bytes(buffer.data[:size]), np.uint8).copy()
+        data = np.frombuffer(bytes(buffer.data[:size]), np.uint8).copy()
+        if not self.in_flight.settling:  # a wait: the runs in flight are read (``Device._waited``)
+            self.counters.waits += 1
+            self.in_flight.settle()
+        return data
+
+    def synchronize(self) -> None:
+        self.counters.waits += 1
+        self.in_flight.settle()

@@ -189,6 +189,28 @@ def test_status_without_message_names_the_code():
         program.run({"table": np.zeros(8, np.float32), "idx": np.full(20, -1, np.int64)})
 
 
+def test_a_status_set_by_a_run_in_flight_raises_at_the_next_wait_naming_it():
+    """A run with no host outputs returns once submitted; the index out of range it met is raised at the next wait
+    (a download, another run's read-back, ``synchronize``), naming that run and the op, once; later runs go on."""
+    device = get_device()
+    device.synchronize()
+    program = Program(device, gather_plan(1), resident_outputs=["out"], label="the gather plan")
+    table = RNG.standard_normal(8, dtype=np.float32)
+    idx = RNG.integers(0, 8, 20)
+    bad = idx.copy()
+    bad[3] = 8
+    waits = device.counters.waits
+    program.run({"table": table, "idx": idx})
+    failed = program.run({"table": table, "idx": bad})["out"]  # no error yet: nothing was waited for
+    good = program.run({"table": table, "idx": idx})["out"]
+    assert device.counters.waits == waits
+    with pytest.raises(KernelStatusError, match=r"index out of range in embedding \(set by run 2 of the gather plan"):
+        good.numpy()
+    np.testing.assert_array_equal(good.numpy(), table[idx])  # raised once; the run after it computed its result
+    assert failed.numpy()[3] == 0
+    device.synchronize()
+
+
 def test_empty_tensors():
     n = 8
     plan = add_plan(n)
@@ -221,14 +243,23 @@ def test_release_frees_buffers():
         program.run({"x": np.zeros(64, np.float32)})
 
 
-def test_plan_without_outputs_still_waits():
+def test_plan_without_outputs_returns_once_submitted(monkeypatch):
+    """A run that reads nothing back does not wait for the GPU (``meganeura.runtime.in_flight``);
+    ``Device.synchronize`` waits, and under ``MEGANEURA_SYNC`` every run waits."""
     plan = no_output_plan()
     device = get_device()
     program = Program(device, plan)
+    device.synchronize()
     before = device.counters.snapshot()
     assert program.run({"x": np.ones(16, np.float32)}) == {}
     assert device.counters.submits == before["submits"] + 1
-    assert device.counters.bytes_downloaded == before["bytes_downloaded"] + 4
+    assert device.counters.waits == before["waits"]
+    assert device.counters.bytes_downloaded == before["bytes_downloaded"]
+    device.synchronize()
+    assert device.counters.waits == before["waits"] + 1
+    monkeypatch.setattr(device.in_flight, "sync", True)
+    program.run({"x": np.ones(16, np.float32)})
+    assert device.counters.waits == before["waits"] + 2
 
 
 def test_submission_parts_start_short_and_grow():

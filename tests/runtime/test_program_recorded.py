@@ -159,14 +159,14 @@ def test_status_words_are_cleared_before_each_runs_dispatches(monkeypatch, ahead
 
 def test_resident_output_is_written_into_the_array_given_and_not_read_back():
     """A resident output's dispatch binds the pool buffer of its DeviceArray, or the one ``into`` hands back; the run
-    reads back only the fence. Alternating between two arrays builds one bind group per array, then nothing."""
+    reads nothing back and waits for nothing. Alternating between two arrays builds one bind group per array, then nothing."""
     device = RecordingDevice()
     program = Program(device, add_plan(), resident_outputs=["sum"])
     a = np.ones(100, np.float32)
     first = program.run({"a": a, "b": a})["sum"]
     second = program.run({"a": a, "b": a})["sum"]
     assert first.buffer is not second.buffer
-    assert copies_of(device.submits[-1]) == [("meganeura fence", 0, 0, 4)]
+    assert copies_of(device.submits[-1]) == [] and device.counters.waits == 0
     before = device.counters.snapshot()
     for array in (first, second, first, second):
         program.run({"a": a, "b": a}, into={"sum": array})
@@ -175,12 +175,25 @@ def test_resident_output_is_written_into_the_array_given_and_not_read_back():
     assert device.counters.snapshot()["buffers_created"] == before["buffers_created"]
 
 
-def test_plan_without_outputs_waits_through_a_copy_of_the_fence():
+def test_plan_without_outputs_copies_nothing_and_waits_for_nothing():
     device = RecordingDevice()
     program = Program(device, no_output_plan())
     assert program.run({"x": np.ones(16, np.float32)}) == {}
-    assert copies_of(device.submits[-1]) == [("meganeura fence", 0, 0, 4)]
-    assert device.counters.bytes_downloaded == 4
+    assert copies_of(device.submits[-1]) == []
+    assert device.counters.bytes_downloaded == 0 and device.counters.waits == 0
+
+
+def test_runs_in_flight_are_bounded():
+    """A loop that never reads keeps at most MAX_IN_FLIGHT runs' staging buffers: the next run reads the oldest."""
+    from meganeura.runtime.in_flight import MAX_IN_FLIGHT
+
+    device = RecordingDevice()
+    program = Program(device, gather_plan(1), resident_outputs=["out"])
+    for _ in range(3 * MAX_IN_FLIGHT):
+        program.run({"table": np.zeros(8, np.float32), "idx": np.zeros(20, np.int64)})
+    assert len(device.in_flight) == MAX_IN_FLIGHT
+    staging = [b for b in device.buffers if b.kind == "staging"]
+    assert len(staging) <= MAX_IN_FLIGHT + 2, [b.label for b in staging]
 
 
 @pytest.mark.parametrize(

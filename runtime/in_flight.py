@@ -1,0 +1,76 @@
+"""Runs submitted and not yet waited for: asynchronous execution, as CUDA's.
+
+A plan run that reads nothing back to the host (a backward whose gradients stay on the device, an optimizer update,
+a decode step whose cache stays there) returns once it is submitted. The queue keeps runs in order, and every
+WebGPU queue operation (a buffer write, a copy, a submit) is ordered with them, so nothing else needs to wait for it:
+a later run reads what it wrote, a buffer given back to the pool is written again only by later queue operations,
+and a destroyed buffer lives on in wgpu until the submissions that use it are done.
+
+What such a run leaves unread is its status word (an index out of range, a failed check), copied into a staging
+buffer. The device keeps those runs here, in order, and reads their status at the next wait: any read of data on the
+host (a run with host outputs, a download), or ``Device.synchronize()``. By then the queue has passed them, so their
+read costs no further wait. A status that is set raises there, naming the run's plan, its number and the op, as CUDA
+raises an asynchronous error at the next synchronizing call. The runs after it still ran: their outputs may hold
+values computed from the failed op's (a clamped index's) results.
+
+``MEGANEURA_SYNC=1`` waits after every run, as ``CUDA_LAUNCH_BLOCKING=1`` does: the error is then raised by the run
+that set it. At most ``MAX_IN_FLIGHT`` runs wait here: the next one settles the oldest first (a wait), so that a loop
+that never reads keeps a bounded number of staging buffers.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Callable
+
+SYNC_ENV = "MEGANEURA_SYNC"  # "1": wait for the GPU after every plan run
+# Runs whose status is unread: a training loop that reads nothing for a while (gradient accumulation) keeps this many
+# staging buffers at most. CUDA's queue holds about a thousand launches; a run here is a whole plan.
+MAX_IN_FLIGHT = 8
+
+
+def sync_from_env() -> bool:
+    return os.environ.get(SYNC_ENV, "").strip() not in ("", "0")
+
+
+class InFlight:
+    """The device's runs whose status is unread, oldest first: (description, reader). A reader waits for its run if it
+    has not completed, and returns the status error it left (an exception) or None."""
+
+    def __init__(self, sync: bool | None = None):
+        self.sync = sync_from_env() if sync is None else sync  # wait after every run (``MEGANEURA_SYNC``)
+        self._runs: deque[tuple[str, Callable[[], Exception | None]]] = deque()
+        self.settling = False  # True while the runs are read: their reads are not waits of their own
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def add(self, description: str, reader: Callable[[], Exception | None]) -> None:
+        """Keep a submitted run whose status ``reader`` reads; past ``MAX_IN_FLIGHT`` runs, the oldest is read now."""
+        self._runs.append((description, reader))
+        if len(self._runs) > MAX_IN_FLIGHT:
+            self._settle(1)
+
+    def settle(self) -> None:
+        """Read every run's status (after a wait: the queue has passed them); raise the first error set, naming its
+        run. Every staging buffer is read and given back before it raises."""
+        self._settle(len(self._runs))
+
+    def _settle(self, count: int) -> None:
+        if self.settling or not count:
+            return
+        first = None
+        self.settling = True
+        try:
+            for _ in range(count):
+                description, reader = self._runs.popleft()
+                error = reader()
+                if error is not None and first is None:
+                    first = (description, error)
+        finally:
+            self.settling = False
+        if first is not None:
+            description, error = first
+            error.args = (f"{error.args[0]} (set by {description}, raised at the next wait for the GPU; "
+                          f"{SYNC_ENV}=1 waits after every run)",)
+            raise error
