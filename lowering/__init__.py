@@ -28,7 +28,7 @@ from __future__ import annotations
 from .bindings import fit_bindings
 from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
-from .fusion import FusionReport, fuse
+from .fusion import fuse
 from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output

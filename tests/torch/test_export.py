@@ -25,7 +25,7 @@ from meganeura.runtime.bundle import read_bundle
 from meganeura.runtime.cli import main as cli
 from meganeura.runtime.device import get_device
 from meganeura.runtime.requirements import PORTABLE_LIMITS, compile_limits, plan_requirements
-from helpers.bad_bundles import DEPLOY, SHARED, expected
+from helpers.bad_bundles import DEPLOY, SHARED, expected as shared_message
 from helpers.models import llama, randomize_layer_norms, resnet50
 from helpers.torch_free import BLOCK_TORCH
 
@@ -203,7 +203,7 @@ BAD = {
                            "not a plain name"),
 }
 # and what both kinds of bundle refuse alike (the generation bundle's cases: test_export_lm.py)
-BAD.update({case: (lambda p, damage=damage: damage(p, DEPLOY), expected(case, DEPLOY))
+BAD.update({case: (lambda p, damage=damage: damage(p, DEPLOY), shared_message(case, DEPLOY))
             for case, (damage, _) in SHARED.items()})
 
 
