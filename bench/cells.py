@@ -216,7 +216,7 @@ def measure(workload: Workload, mode: str, competitors: list[str], warmup: int, 
             runner.step()
 
     def call(i: int, timed: bool) -> None:
-        runner, cell = runners[i]
+        runner, cell = runners[i]  # noqa: F821 - ``del runners`` below runs after the last call
         if not timed:
             runner.step()
             return

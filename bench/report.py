@@ -1,5 +1,5 @@
-"""``python -m bench.report RESULTS.json [--readme README.md]``: the markdown table and the PNG plot of a results
-file, next to it; with ``--readme``, also the compact table between the README's ``<!-- bench:TAG -->`` and
+"""``python -m bench.report RESULTS.json [--readme docs/performance.md]``: the markdown table and the PNG plot of a
+results file, next to it; with ``--readme``, also the compact table between that page's ``<!-- bench:TAG -->`` and
 ``<!-- /bench:TAG -->`` markers (TAG is the results file's name).
 
 All of it is generated from the JSON only. Ratios are meganeura's median time over a competitor's (below 1: meganeura
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -355,7 +356,7 @@ def update_readme(results: Path, readme: Path) -> None:
     text = readme.read_text()
     if begin not in text or end not in text:
         raise SystemExit(f"{readme} has no {begin} ... {end} markers")
-    image = results.with_suffix(".png").resolve().relative_to(readme.resolve().parent)
+    image = os.path.relpath(results.with_suffix(".png").resolve(), readme.resolve().parent)
     block = summary(json.loads(results.read_text()), str(image))
     readme.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{block}\n{end}", text,
                              flags=re.S))
@@ -365,7 +366,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, help="bench/results/TAG.json")
-    parser.add_argument("--readme", type=Path, help="also update this README's table for TAG")
+    parser.add_argument("--readme", type=Path, help="also update this page's table for TAG")
     args = parser.parse_args()
     write(args.results)
     if args.readme:

@@ -1,3 +1,30 @@
 """meganeura.kernels: WGSL generators, one module per archetype (pointwise, reduce, matmul, attention), the
 shared rendering helpers (``wgsl``) and the matmul tuner's candidates (``matmul_tuning``); torch-free, and free of
-``meganeura.runtime``: what depends on a device (limits, timing) comes in as values."""
+``meganeura.runtime``: what depends on a device (limits, timing) comes in as values.
+
+Modules: ``pointwise`` and ``reduce`` (their archetypes' kernels), ``matmul`` (the tiled, split-K and GEMV matmul
+kernels) with ``matmul_staging`` (a tile's loads into shared memory and its range checks) and ``matmul_tuning``
+(per-shape candidate variants), ``attention`` (a package: fused attention forward and backward), ``prelude`` (the
+WGSL through which a matmul or attention kernel reads a fused node's operands and writes its outputs), ``wgsl``
+(storage types, bindings, the op table, expression emission) with ``wgsl_functions`` (the op table's helper
+functions), ``sizes`` (symbolic sizes as values: ``Size``, ``Guards``).
+"""
+if __name__ == "kernels":  # pragma: no cover - only where Python runs with the checkout's root on sys.path
+    # This folder is the package meganeura.kernels (pyproject.toml's package-dir); a Python started in the
+    # checkout's root (python -c, python -m, a REPL) also finds it as the top-level ``kernels``, the name of Hugging
+    # Face's package, which transformers >= 5.25 imports. Hand that import to the installed ``kernels``, found on
+    # sys.path without the checkout's root: import machinery returns what sys.modules holds once this file has run.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None:
+        raise ImportError("no package 'kernels' outside this checkout (its kernels/ folder is meganeura.kernels, "
+                          "not Hugging Face's kernels)", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)

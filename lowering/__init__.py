@@ -13,13 +13,22 @@ their own) -> hoist_writers (in-place updates moved up to just after their last 
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
 symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).
+
+Modules: ``ir`` (the typed static graph and its archetype nodes), ``expr`` (scalar expression trees, the kernels'
+bodies), ``builder`` (``GraphBuilder``: the vocabulary op lowerings add nodes with), ``indexing`` (coordinate loads
+to linear reads, i32 simplification), ``bindings`` (each kernel within the adapter's storage-binding limit),
+``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
+``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``epilogues``, ``multi_output``, ``cse``
+(repeated kernels dropped), ``in_place`` (outputs written over an input's buffer), ``planner`` (intermediates placed
+in one arena by lifetime), ``schedule`` (a fused graph to a ``Plan``: memory plan, WGSL, dispatches), ``plan_cache``
+(compiled plans kept on disk across processes).
 """
 from __future__ import annotations
 
 from .bindings import fit_bindings
 from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
-from .fusion import FusionReport, fuse
+from .fusion import fuse
 from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output

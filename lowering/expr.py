@@ -68,7 +68,7 @@ class Expr:
 
 
 class SizeLeaf:
-    """A symbolic size (``meganeura.runtime.sizes.Size``) inside an expression, compared and hashed by its structure
+    """A symbolic size (``meganeura.kernels.sizes.Size``) inside an expression, compared and hashed by its structure
     (comparing the Size itself would be a decision, recorded as a guard)."""
 
     __slots__ = ("size", "_key")

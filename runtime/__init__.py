@@ -1,12 +1,16 @@
 """The torch-free runtime: load a plan, run it on a wgpu device. Imports only numpy, wgpu, safetensors and
 ``meganeura.kernels`` (the generators' limit names; the matmul tuner's candidates), never ``meganeura.lowering``.
 
-Modules: ``plan`` (the plan format), ``device`` (adapter choice, the process-wide device), ``program`` (a plan
-instantiated on a device), ``native`` (the replay loop's direct wgpu-native calls), ``profiler`` (per-dispatch GPU
-timestamps), ``resident`` (arrays kept on the device and their buffer pool), ``bundle`` (the deploy bundle format),
-``requirements`` (what a plan needs of an adapter), ``model`` (``load``: a bundle as a callable), ``lm_bundle`` and
-``generate`` (a language model's generation bundle and its ``LanguageModel``), ``cli`` (the ``meganeura``
-command), ``timing`` and ``matmul_tuner`` (kernel variants timed on the device), ``errors``, ``counters``.
+Modules: ``plan`` (the plan format), ``dtypes`` (logical dtypes, their device storage and host form), ``device``
+(adapter choice, the process-wide device), ``program`` (a plan instantiated on a device), ``program_checks`` (a plan
+against the device's limits, host arrays against their specs, the read-back's bytes taken apart), ``arena`` (the
+intermediates' buffer, one per device), ``readback`` (the staging buffers whose mapped memory the outputs view),
+``native`` (the replay loop's direct wgpu-native calls), ``profiler`` (per-dispatch GPU timestamps), ``resident``
+(arrays kept on the device and their buffer pool), ``bundle`` (the deploy bundle format), ``manifest`` (the
+manifest and file reader both bundle kinds share), ``requirements`` (what a plan needs of an adapter), ``model``
+(``load``: a bundle as a callable), ``lm_bundle`` and ``generate`` (a language model's generation bundle and its
+``LanguageModel``), ``cli`` and ``__main__`` (the ``meganeura`` command), ``timing`` and ``matmul_tuner`` (kernel
+variants timed on the device), ``errors``, ``counters``.
 ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load``, ``Model`` and ``LanguageModel`` are
 importable from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
 """

@@ -17,7 +17,6 @@ the WGSL later handed to wgpu. Every failure raises ``BundleError`` naming the b
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -32,6 +31,7 @@ from .errors import BundleError
 from .dtypes import HOST_DTYPE
 from meganeura.kernels.sizes import Guards, SizeError, size_json
 
+from .manifest import Format, check_file_list, check_keys, read_files, read_manifest, sha256
 from .plan import SIZES_INPUT, Plan, TensorSpec
 
 FORMAT_NAME = "meganeura-bundle"
@@ -49,6 +49,7 @@ MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "inputs
 TENSOR_KEYS = {"name": str, "plan_name": str, "shape": list, "dtype": str}
 SYMBOL_KEYS = {"input": str, "dim": int, "min": int, "max": int}  # a dynamic dimension of the manifest's inputs
 SHARED_WEIGHTS = "shared"  # the manifest's optional "weights": params by source name, from the containing bundle
+FORMAT = Format(FORMAT_NAME, FORMAT_VERSION, MANIFEST, MANIFEST_KEYS, "bundle", "torch_meganeura.export")
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,10 @@ def write_bundle(path, plan: Plan, description: dict, weights: dict[str, np.ndar
         files[WEIGHTS_FILE] = weights_file(weights, {t.name: t.dtype for t in plan.params})
     files.update({kernel_file(name): wgsl.encode() for name, wgsl in plan.kernels.items()})
     manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **description,
-                "kernels": sorted(plan.kernels), "files": {name: _sha256(data) for name, data in sorted(files.items())}}
+                "kernels": sorted(plan.kernels), "files": {name: sha256(data) for name, data in sorted(files.items())}}
     if weights is None:
         manifest["weights"] = SHARED_WEIGHTS
+    check_keys(manifest, MANIFEST_KEYS, MANIFEST)
     _check_manifest(manifest)  # also: every kernel name is a safe file name
     prepare_directory(path, overwrite)
     (path / KERNEL_DIR).mkdir()
@@ -117,10 +119,6 @@ def prepare_directory(path: Path, overwrite: bool, manifest: str = MANIFEST) -> 
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # ---- reading
 
 
@@ -129,8 +127,9 @@ def read_bundle(path, shared_weights: dict[str, np.ndarray] | None = None) -> Bu
     bundle with shared weights takes them from ``shared_weights`` (by source name, read by its container)."""
     path = Path(path)
     try:
-        manifest = _read_manifest(path)
-        data = _read_files(path, manifest)
+        manifest = read_manifest(path, FORMAT)
+        _check_manifest(manifest)
+        data = read_files(path, manifest, FORMAT)
         plan = _read_plan(data, manifest)
         _check_against_plan(manifest, plan)
         specs = {t.name: t for t in plan.params}
@@ -160,29 +159,11 @@ def _shared(manifest: dict, specs: dict, shared: dict[str, np.ndarray]) -> dict[
     return weights
 
 
-def _read_manifest(path: Path) -> dict:
-    if not (path / MANIFEST).is_file():
-        raise BundleError(f"no {MANIFEST} (a bundle is a directory written by torch_meganeura.export)")
-    try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise BundleError(f"{MANIFEST} is not valid JSON (truncated or corrupt?): {err}") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise BundleError(f"{MANIFEST} does not describe a {FORMAT_NAME}")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise BundleError(f"format version {version!r} is not supported: this runtime reads version {FORMAT_VERSION}; "
-                          "export the model again with a matching torch-meganeura")
-    _check_manifest(manifest)
-    return manifest
-
-
 def _check_manifest(manifest: dict) -> None:
-    """The manifest's keys, types, names and file list."""
-    _check_keys(manifest, MANIFEST_KEYS, MANIFEST)
+    """The manifest's names, requirements, kernels and file list (its keys and their types checked before)."""
     for group in ("inputs", "outputs", "params"):
         for entry in manifest[group]:
-            _check_keys(entry, TENSOR_KEYS, f"an entry of {group}")
+            check_keys(entry, TENSOR_KEYS, f"an entry of {group}")
             if group != "params" and not NAME.match(entry["name"]):
                 raise BundleError(f"{group[:-1]} name {entry['name']!r} is not a plain name")
         names = [entry["name"] for entry in manifest[group]]
@@ -202,8 +183,7 @@ def _check_manifest(manifest: dict) -> None:
         raise BundleError(f"'weights' is {manifest['weights']!r}; the only value it may take is {SHARED_WEIGHTS!r}")
     own = set() if manifest.get("weights") == SHARED_WEIGHTS else {WEIGHTS_FILE}
     expected = {PLAN_FILE} | own | {kernel_file(name) for name in manifest["kernels"]}
-    if set(manifest["files"]) != expected:
-        raise BundleError(f"{MANIFEST} lists files {sorted(manifest['files'])}, expected {sorted(expected)}")
+    check_file_list(manifest, expected, FORMAT)
 
 
 def dynamic_sizes(manifest: dict) -> tuple[list[dict], Guards]:
@@ -215,7 +195,7 @@ def dynamic_sizes(manifest: dict) -> tuple[list[dict], Guards]:
     if not isinstance(symbols, list):
         raise BundleError("'dynamic' must hold a list of symbols")
     for symbol in symbols:
-        _check_keys(symbol, SYMBOL_KEYS, "a dynamic symbol")
+        check_keys(symbol, SYMBOL_KEYS, "a dynamic symbol")
         entry = inputs.get(symbol["input"])
         if entry is None or not 0 <= symbol["dim"] < len(entry["shape"]) or not 0 <= symbol["min"] <= symbol["max"]:
             raise BundleError(f"dynamic symbol {symbol} does not name a dimension of an input with a range")
@@ -224,30 +204,6 @@ def dynamic_sizes(manifest: dict) -> tuple[list[dict], Guards]:
     except SizeError as err:
         raise BundleError(f"'dynamic': {err}") from err
     return symbols, guards
-
-
-def _check_keys(entry, keys: dict, what: str) -> None:
-    if not isinstance(entry, dict):
-        raise BundleError(f"{what} is not a JSON object")
-    for key, kind in keys.items():
-        if key not in entry:
-            raise BundleError(f"{what} has no {key!r}")
-        if not isinstance(entry[key], kind) or (kind is int and isinstance(entry[key], bool)):
-            raise BundleError(f"{what}: {key!r} has the wrong type ({type(entry[key]).__name__})")
-
-
-def _read_files(path: Path, manifest: dict) -> dict[str, bytes]:
-    """Every file the manifest lists, checked against its SHA-256."""
-    data = {}
-    for name, digest in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            what = "kernel" if name.startswith(KERNEL_DIR + "/") else "file"
-            raise BundleError(f"missing {what} {name}")
-        data[name] = file.read_bytes()
-        if _sha256(data[name]) != digest:
-            raise BundleError(f"{name} does not match its SHA-256 in {MANIFEST} (truncated or modified)")
-    return data
 
 
 def _read_plan(data: dict[str, bytes], manifest: dict) -> Plan:

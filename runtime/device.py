@@ -31,6 +31,7 @@ import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import wgpu
 
 from . import native

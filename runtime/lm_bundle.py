@@ -14,11 +14,11 @@ to predict from), ``temperature`` [1] and ``sampling`` [1] (float32; 0 for greed
 a key and a value tensor per layer, [1, kv heads, max_cache_len, head dim]); they return ``token`` [1] (int64: the
 argmax of the scores, with Gumbel noise where sampling), ``scores`` [1, vocab] (the last row's logits over the
 temperature) and the new cache, which the plans store over the old one. ``read_lm_bundle`` checks the
-manifest, every file's SHA-256, both phases (``read_bundle``) and that they agree with the manifest on the cache.
+manifest and every file's SHA-256 (``manifest``, as a deploy bundle's), both phases (``read_bundle``) and that they
+agree with the manifest on the cache.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import numpy as np
 
 from .bundle import Bundle, prepare_directory, read_bundle, read_weights_file, weights_file, write_bundle
 from .errors import BundleError
+from .manifest import Format, check_file_list, check_keys, read_files, read_manifest, sha256
 
 FORMAT_NAME = "meganeura-lm"
 FORMAT_VERSION = 1
@@ -39,6 +40,7 @@ OUTPUTS = ("token", "scores")  # then the new cache
 MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "max_cache_len": int, "prefill_tokens": int,
                  "vocab_size": int, "eos_token_ids": list, "cache": list, "weights": list, "tokenizer": (str, type(None)),
                  "files": dict}
+FORMAT = Format(FORMAT_NAME, FORMAT_VERSION, MANIFEST, MANIFEST_KEYS, "generation bundle", "torch_meganeura.export_lm")
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ def write_lm_bundle(path, phases: dict, weights: dict[str, np.ndarray], dtypes: 
     manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta,
                 "weights": [{"name": n, "shape": list(np.shape(a)), "dtype": dtypes[n]} for n, a in weights.items()],
                 "tokenizer": TOKENIZER_FILE if tokenizer is not None else None,
-                "files": {name: _sha256(data) for name, data in sorted(files.items())}}
+                "files": {name: sha256(data) for name, data in sorted(files.items())}}
+    check_keys(manifest, MANIFEST_KEYS, MANIFEST)
     _check_manifest(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -95,10 +98,14 @@ def read_lm_bundle(path) -> LMBundle:
     """Read and validate the generation bundle at ``path``; raise BundleError naming the problem."""
     path = Path(path)
     try:
-        manifest = _read_manifest(path)
-        data = _read_files(path, manifest)
+        manifest = read_manifest(path, FORMAT)
+        _check_manifest(manifest)
+        data = read_files(path, manifest, FORMAT)
         specs = {e["name"]: WeightEntry(e["name"], tuple(e["shape"]), e["dtype"]) for e in manifest["weights"]}
         weights = read_weights_file(data[WEIGHTS_FILE], specs)
+        for phase in PHASES:
+            if not (path / phase).is_dir():
+                raise BundleError(f"missing phase {phase}/ (a bundle directory)")
     except BundleError as err:
         raise BundleError(f"generation bundle {path}: {err}") from err.__cause__
     phases = {phase: read_bundle(path / phase, shared_weights=weights) for phase in PHASES}
@@ -110,44 +117,14 @@ def read_lm_bundle(path) -> LMBundle:
     return LMBundle(path, manifest, phases, weights)
 
 
-def _read_manifest(path: Path) -> dict:
-    try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except OSError as err:
-        raise BundleError(f"no readable {MANIFEST}: {err}") from err
-    except (ValueError, UnicodeDecodeError) as err:
-        raise BundleError(f"{MANIFEST} is not valid JSON (truncated or corrupt?): {err}") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise BundleError(f"{MANIFEST} does not describe a {FORMAT_NAME}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise BundleError(f"format version {manifest.get('format_version')!r} is not supported: this runtime reads "
-                          f"version {FORMAT_VERSION}")
-    _check_manifest(manifest)
-    return manifest
-
-
 def _check_manifest(manifest: dict) -> None:
-    for key, kind in MANIFEST_KEYS.items():
-        if key not in manifest:
-            raise BundleError(f"{MANIFEST} has no {key!r}")
-        if not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)):
-            raise BundleError(f"{MANIFEST}: {key!r} has the wrong type ({type(manifest[key]).__name__})")
+    """The manifest's prefill length, tokenizer and file list (its keys and their types checked before)."""
     if not 0 < manifest["prefill_tokens"] <= manifest["max_cache_len"]:
         raise BundleError(f"{MANIFEST}: prefill_tokens {manifest['prefill_tokens']} must lie in 1..max_cache_len")
     expected = {WEIGHTS_FILE} | ({TOKENIZER_FILE} if manifest["tokenizer"] is not None else set())
-    if manifest["tokenizer"] not in (None, TOKENIZER_FILE) or set(manifest["files"]) != expected:
-        raise BundleError(f"{MANIFEST} lists files {sorted(manifest['files'])}, expected {sorted(expected)}")
-
-
-def _read_files(path: Path, manifest: dict) -> dict[str, bytes]:
-    data = {}
-    for name, digest in manifest["files"].items():
-        if not (path / name).is_file():
-            raise BundleError(f"missing file {name}")
-        data[name] = (path / name).read_bytes()
-        if _sha256(data[name]) != digest:
-            raise BundleError(f"{name} does not match its SHA-256 in {MANIFEST} (truncated or modified)")
-    return data
+    if manifest["tokenizer"] not in (None, TOKENIZER_FILE):
+        raise BundleError(f"{MANIFEST}: 'tokenizer' is {manifest['tokenizer']!r}, expected {TOKENIZER_FILE!r} or null")
+    check_file_list(manifest, expected, FORMAT)
 
 
 def _check_phase(manifest: dict, phase: str, bundle_manifest: dict) -> None:
@@ -167,7 +144,3 @@ def _check_phase(manifest: dict, phase: str, bundle_manifest: dict) -> None:
             if (side["shape"], side["dtype"]) != (entry["shape"], entry["dtype"]):
                 raise BundleError(f"phase {phase}'s {name} is {side['dtype']}{side['shape']}, the cache is "
                                   f"{entry['dtype']}{entry['shape']}")
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -6,6 +6,25 @@ what a model lowers to; ``export`` writes a bundle that ``meganeura.runtime.load
 ``compile_train_step`` runs forward, backward and the optimizer update on the device with weights kept there;
 ``profile`` times every dispatch on the GPU; ``keep_on_device(optimizer)`` keeps the ordinary training loop's
 parameters, gradients and optimizer state on the device.
+
+Modules, by the way a graph travels:
+- entry points: ``backend`` (the dynamo backend), ``options`` (its options, validated), ``tuning`` (the ``tune`` and
+  ``precision`` options), ``explain``, ``export`` (a deploy bundle), ``lm_export`` (a generation bundle), ``demo``
+  (the main job, ``python -m torch_meganeura.demo``);
+- aten to IR: ``decompositions`` (the table handed to aot_autograd), ``registry`` (aten overload -> lowering) and
+  ``aten`` (the lowerings, one module per op family), ``partition`` (device partitions and eager fallbacks, with
+  reasons), ``fx_lowering`` (an fx graph into the IR), ``symbolic`` (a dynamic graph's sizes);
+- running: ``device_graph`` (fx graph -> plan -> program, shared by the backend, the step and export), ``compiled``
+  (a device partition, one plan per input signature), ``params`` (device copies of parameters and buffers),
+  ``resident`` (``ResidentTensor``: data left on the device), ``device_tensor`` (``DeviceParameter``,
+  ``DeviceTensor``);
+- training: ``saved_values`` (what a forward keeps for its backward), ``train_step`` (``compile_train_step``),
+  ``train_trace`` (a step traced into one graph), ``train_segments`` (a loss dynamo cannot capture whole),
+  ``roles`` and ``role_program`` (a step's graphs by role), ``optimizers`` (torch.optim updates as traceable
+  functions), ``device_optimizer`` (``keep_on_device``), ``data_parallel`` (gradients averaged across processes),
+  ``dynamo_capture`` (logging calls that would break a graph);
+- the OpInfo sweep: ``coverage`` (``python -m torch_meganeura.coverage``), ``coverage_step`` (the resident step's
+  path), ``coverage_compare`` (how a result is judged), ``coverage_report`` (the JSON and markdown report).
 """
 from .backend import FallbackError, meganeura_backend
 from .device_optimizer import keep_on_device, sync_parameters

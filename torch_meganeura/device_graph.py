@@ -52,7 +52,7 @@ class DeviceGraph:
     report: FusionReport
     from_cache: bool  # the plan came from the persistent plan cache
     device: object = None
-    guards: Guards | None = None  # a dynamic graph's: the sizes the plan holds for (``meganeura.runtime.sizes``)
+    guards: Guards | None = None  # a dynamic graph's: the sizes the plan holds for (``meganeura.kernels.sizes``)
 
     def holds(self, values) -> bool:
         """Whether the plan serves a call whose symbols have ``values`` (a static graph's: always)."""

@@ -39,6 +39,7 @@ from torch import nn
 from meganeura.runtime.device import get_device
 
 from . import optimizers
+from .backend import param_store
 from .device_tensor import DeviceParameter, Kept, sync
 from .params import upload_array
 from .resident import ResidentTensor
@@ -56,8 +57,6 @@ def sync_parameters(optimizer: torch.optim.Optimizer) -> None:
 def keep_on_device(optimizer: torch.optim.Optimizer, adapter=None) -> torch.optim.Optimizer:
     """Keep ``optimizer``'s parameters, their gradients and its state on the device, and run its ``step()`` there
     (module docstring). ``adapter`` must be the backend's (default: the same default). Returns ``optimizer``."""
-    from .backend import param_store  # (the backend imports this module)
-
     optimizers.check(optimizer)
     if hasattr(optimizer, "_meganeura_step"):
         raise ValueError("this optimizer is already kept on the device")

@@ -1,4 +1,4 @@
-"""The dynamic sizes of a graph that dynamo compiled with symbolic shapes, as ``meganeura.runtime.sizes`` symbols.
+"""The dynamic sizes of a graph that dynamo compiled with symbolic shapes, as ``meganeura.kernels.sizes`` symbols.
 
 Dynamo hands a graph whose placeholders carry SymInt sizes (its automatic dynamic shapes, after a second distinct
 shape, or ``dynamic=True``): tensors with symbolic dimensions, and SymInt arguments (``2*s27``). ``DynamicSizes.of``

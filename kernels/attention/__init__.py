@@ -13,7 +13,8 @@ Three passes (forward, grad_q, grad_kv), each in two forms, and the forward in a
   ``flash``                     the forward, register-tiled (head sizes up to ``plans.FLASH_MAX_HEAD``).
 Where row blocks are too few to fill the GPU, the other sequence is cut into slices whose partial results a second
 dispatch merges (``merge``). ``plans`` picks the form, rows per workgroup and slices; ``dispatch`` assembles a
-pass's dispatches; ``common`` holds the WGSL pieces the passes share.
+pass's dispatches; ``common`` holds the WGSL pieces the passes share. (Modules: ``blocked``, ``blocked_grad``,
+``per_row``, ``flash``, ``merge``, ``plans``, ``dispatch``, ``common``.)
 
 A score at or below ``MASKED`` (an additive mask of -inf or the dtype's minimum) counts as masked out; a row with
 every score masked outputs zeros (like PyTorch's math attention).

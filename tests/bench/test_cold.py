@@ -7,7 +7,7 @@ import pytest
 from bench import cold
 
 
-@pytest.mark.slow  # 12 s on the 2-core machine: fresh processes (the slow stage: README, Tests)
+@pytest.mark.slow  # 12 s on the 2-core machine: fresh processes (the slow stage: docs/architecture.md, Tests)
 def test_cold_first_call_is_measured_in_a_fresh_process_and_split(tmp_path):
     out = tmp_path / "cold"
     assert cold.main(["--out", str(out), "--smoke", "--workloads", "whisper_tiny", "--competitors", "meganeura"]) == 0

@@ -1,4 +1,4 @@
-"""Sizes as values (``meganeura.runtime.sizes``): arithmetic, decisions recorded as guards, evaluation and WGSL."""
+"""Sizes as values (``meganeura.kernels.sizes``): arithmetic, decisions recorded as guards, evaluation and WGSL."""
 import pytest
 
 from meganeura.kernels import sizes as S

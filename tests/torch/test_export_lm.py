@@ -4,16 +4,20 @@ bundles are refused by name."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import torch_meganeura
+from helpers.bad_bundles import GENERATION, SHARED, edit_manifest, expected
 from helpers.models import LLAMA
 from helpers.torch_free import run_without_torch
 from meganeura.runtime import BundleError, InputError, load
 from meganeura.runtime.cli import main as cli
+from meganeura.runtime.lm_bundle import read_lm_bundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
@@ -91,20 +95,31 @@ def test_bad_requests_are_refused(exported):
         lm.generate(np.zeros(3, dtype=np.int64), 4, temperature=1.0, top_p=1.5)
 
 
-def test_bad_bundles_are_refused_by_name(exported, tmp_path):
-    import shutil
-
-    _, path = exported
-    for damage, match in [(lambda p: (p / "weights.safetensors").write_bytes((p / "weights.safetensors").read_bytes()[:-64]),
-                           "weights.safetensors does not match its SHA-256"),
-                          (lambda p: (p / "decode" / "plan.json").write_text("{}"),
+LM_BAD = {  # a generation bundle's own damage; what both kinds refuse alike: helpers.bad_bundles
+    "decode plan edited": (lambda p: (p / "decode" / "plan.json").write_text("{}"),
                            "plan.json does not match its SHA-256"),
-                          (lambda p: (p / "lm.json").write_text("{"), "lm.json is not valid JSON")]:
-        broken = tmp_path / f"broken{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(path, broken)
+    "missing phase": (lambda p: shutil.rmtree(p / "prefill"), "missing phase prefill/"),
+    "prefill longer than the cache": (
+        lambda p: edit_manifest(p, GENERATION, lambda m: m.update(prefill_tokens=m["max_cache_len"] + 1)),
+        "prefill_tokens 97 must lie in 1..max_cache_len"),
+}
+
+
+def test_bad_bundles_are_refused_by_name(exported, tmp_path):
+    """Every case of ``helpers.bad_bundles.SHARED`` with the message a deploy bundle gives, then ``LM_BAD``."""
+    _, path = exported
+    cases = [(lambda p, damage=damage: damage(p, GENERATION), expected(case, GENERATION))
+             for case, (damage, _) in SHARED.items()] + list(LM_BAD.values())
+    for k, (damage, message) in enumerate(cases):
+        broken = Path(shutil.copytree(path, tmp_path / f"broken{k}"))
         damage(broken)
-        with pytest.raises(BundleError, match=match):
-            load(broken)
+        with pytest.raises(BundleError, match="bundle .*: ") as err:
+            read_lm_bundle(broken)
+        assert message in str(err.value), (message, str(err.value))
+    broken = Path(shutil.copytree(path, tmp_path / "through-load"))
+    (broken / "lm.json").write_text("{")
+    with pytest.raises(BundleError, match="lm.json is not valid JSON"):
+        load(broken)
 
 
 def test_cli_generate_prints_ids_and_rates(exported, capsys):

@@ -8,7 +8,6 @@ the seeds force the unfused attention path (matmul-softmax-matmul, ``UNFUSED_MIN
 fused kernels at these short lengths. Any bug of the kind a single-op test misses (a view composed wrongly with its
 neighbours: the coordinate renaming that made select(0) of a matmul output read row 0) shows as one program's
 error far beyond eager's."""
-import copy
 import random
 import warnings
 

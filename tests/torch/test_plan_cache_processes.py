@@ -33,7 +33,7 @@ def _run(cache_dir) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # 25 s on the 2-core machine: a second process compiles every plan (the slow stage: README, Tests)
+@pytest.mark.slow  # 25 s on the 2-core machine: a second process compiles every plan (the slow stage: docs/architecture.md, Tests)
 def test_second_process_reads_every_plan_from_the_cache(tmp_path):
     cold = _run(tmp_path)
     warm = _run(tmp_path)

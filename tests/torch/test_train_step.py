@@ -66,7 +66,7 @@ def _assert_losses(losses, rel=1e-4):
         assert abs(got - want) <= rel * abs(want), f"step {i + 1}: loss {got} vs eager {want}"
 
 
-@pytest.mark.slow  # 23 s on the 2-core machine: 50 steps and a fresh process (the slow stage: README, Tests)
+@pytest.mark.slow  # 23 s on the 2-core machine: 50 steps and a fresh process (the slow stage: docs/architecture.md, Tests)
 def test_adamw_cosine_llama_50_steps_and_checkpoint_resume_in_a_fresh_process(tmp_path):
     torch.manual_seed(0)
     model = _llama()
@@ -131,7 +131,7 @@ def _resume_in_subprocess(checkpoint, first: int, last: int) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # 10 s on the 2-core machine: 50 steps (the slow stage: README, Tests)
+@pytest.mark.slow  # 10 s on the 2-core machine: 50 steps (the slow stage: docs/architecture.md, Tests)
 def test_sgd_nesterov_resnet_with_batchnorm_50_steps():
     from transformers import ResNetConfig, ResNetForImageClassification
 

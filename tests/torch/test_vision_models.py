@@ -37,7 +37,7 @@ def _compiled_step(model, loss_fn, *inputs):
     return out, loss
 
 
-@pytest.mark.slow  # about a minute on the 2-core CI machine: the slow stage (README, Tests)
+@pytest.mark.slow  # about a minute on the 2-core CI machine: the slow stage (docs/architecture.md, Tests)
 def test_resnet50_train_step():
     model = resnet50().train()
     eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -72,7 +72,7 @@ def test_resnet50_eval():
     assert_same(got, want, rtol=RTOL, atol=ATOL, rel=REL, what="logits")
 
 
-@pytest.mark.slow  # about a minute on the 2-core CI machine: the slow stage (README, Tests)
+@pytest.mark.slow  # about a minute on the 2-core CI machine: the slow stage (docs/architecture.md, Tests)
 def test_resnet50_explain_training_step():
     report = torch_meganeura.explain(resnet50().train(), torch.randn(2, 3, 32, 32), torch.tensor([1, 0]),
                                      loss_fn=lambda out: out.loss)
