@@ -5,6 +5,7 @@ Modules: ``plan`` (the plan format), ``dtypes`` (logical dtypes, their device st
 (adapter choice, the process-wide device), ``program`` (a plan instantiated on a device), ``program_checks`` (a plan
 against the device's limits, host arrays against their specs, the read-back's bytes taken apart), ``arena`` (the
 intermediates' buffer, one per device), ``readback`` (the staging buffers whose mapped memory the outputs view),
+``in_flight`` (runs submitted and not yet waited for: asynchronous execution, deferred status errors),
 ``native`` (the replay loop's direct wgpu-native calls), ``profiler`` (per-dispatch GPU timestamps), ``resident``
 (arrays kept on the device and their buffer pool), ``bundle`` (the deploy bundle format), ``manifest`` (the
 manifest and file reader both bundle kinds share), ``requirements`` (what a plan needs of an adapter), ``model``
