@@ -102,8 +102,12 @@ class Runner:
             self.optimizer = self.resident.optimizer
 
     def sync(self) -> None:
+        """Wait for the competitor's device: CUDA's queue, or meganeura's runs in flight (a loop step that reads
+        nothing returns once submitted)."""
         if self.device == "cuda":
             torch.cuda.synchronize()
+        elif self.competitor.startswith("meganeura"):
+            _device().synchronize()
 
     def first_call(self):
         """The first call (compiles), returning what the gate compares: the output, or (loss, gradients).

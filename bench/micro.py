@@ -121,8 +121,10 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
 def _prepare(competitor: str, fn, args):
     """(call, sync, result, dispatches per call or None, host ms of the last call or None) of one competitor."""
     if competitor == "meganeura":
-        run, result, dispatches, host_ms = _device_call(fn, args)
-        return run, lambda: None, result, dispatches, host_ms
+        from meganeura.runtime.device import get_device
+
+        run, result, dispatches, host_ms = _device_call(fn, args)  # (its outputs stay on the device: it returns
+        return run, get_device().synchronize, result, dispatches, host_ms  # once submitted, and is waited for here)
     device = "cuda" if competitor == "torch-cuda-eager" else "cpu"
     on = [a.to(device) for a in args]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
