@@ -29,7 +29,7 @@ from .memory import use_null_device
 from .workloads import WORKLOADS
 
 WAYS = {"loop": "meganeura-loop", "resident": "meganeura-resident"}
-INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__")
+INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
 
 
 def _counts(profile: cProfile.Profile) -> dict[str, int]:
