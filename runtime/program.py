@@ -247,8 +247,12 @@ class Program:
     def _resolve(self) -> None:
         """Build the missing bind groups, then the command and copy lists that ``run`` replays.
 
-        Dispatches that bind a resident output get their group per run (``_with_swaps``); here None."""
+        Dispatches that bind a resident output get their group per run (``_with_swaps``); here None. The arena is
+        taken again where another program's run replaced it since: binding new params between runs (a segmented
+        training step's new parameter arrays) built groups over the destroyed buffer."""
         self.wait_pipelines()
+        if self._arena_replaced():
+            self._bind_arena()
         self._commands = []
         indirect = {i: Indirect(self._indirect_buffer, 12 * k) for k, i in enumerate(self._indirect)}
         for i, d in enumerate(self.plan.dispatches):
@@ -264,14 +268,16 @@ class Program:
         self._ready = True
 
     def _bind_arena(self) -> None:
-        """Bind the device's arena buffer as it is now (it was replaced since this program last bound it)."""
+        """Take the device's arena buffer as it is now (it was replaced since this program last took it): the bind
+        groups over the old one go; ``_resolve`` builds them again."""
         self._owned["arena"] = self._arena.buffer()
         self._arena_generation = self._arena.generation
         for key in [k for k in self._bind_groups if any(b.buffer == "arena" for b in k)]:
             del self._bind_groups[key]
         self._swapped_groups, self._swapped_commands = {}, {}  # built over the old buffer
-        if self._ready:
-            self._resolve()
+
+    def _arena_replaced(self) -> bool:
+        return self._arena is not None and self._arena_generation != self._arena.generation
 
     # ---- params
 
@@ -346,8 +352,8 @@ class Program:
             raise MeganeuraError("this program was released")
         if not self._ready:
             raise MeganeuraError(f"param buffers {self.missing_params()} are not bound; call bind_params first")
-        if self._arena is not None and self._arena_generation != self._arena.generation:
-            self._bind_arena()
+        if self._arena_replaced():
+            self._resolve()
         device_inputs, into = device_inputs or {}, into or {}
         plan, inputs = self._plan_for(sizes, inputs)
         arrays = self._convert_inputs(inputs, device_inputs, plan)

@@ -84,6 +84,25 @@ def arena_chain_plan(n: int = 40) -> Plan:
     )
 
 
+def affine_arena_plan(n: int = 40) -> Plan:
+    """y = 2 (x * w + bias), through one arena tensor; w and bias in one param buffer."""
+    nb, off = 4 * n, align(4 * n)
+    affine = kernel([("x", "f32"), ("w", "f32"), ("bias", "f32"), ("out", "f32")], "out[i] = x[i] * w[i] + bias[i];")
+    return Plan(
+        buffers=[BufferSpec("x", nb, "input"), BufferSpec("weights", off + nb, "param"),
+                 BufferSpec("arena", nb, "arena"), BufferSpec("y", nb, "output")],
+        inputs=[TensorSpec("x", "x", 0, (n,), "float32")],
+        params=[TensorSpec("w", "weights", 0, (n,), "float32"), TensorSpec("bias", "weights", off, (n,), "float32")],
+        outputs=[TensorSpec("y", "y", 0, (n,), "float32")],
+        kernels={"affine": affine, "double": DOUBLE},
+        dispatches=[
+            Dispatch("affine", (Binding("x", 0, nb), Binding("weights", 0, nb), Binding("weights", off, nb),
+                                Binding("arena", 0, nb)), groups(n), "t0"),
+            Dispatch("double", (Binding("arena", 0, nb), Binding("y", 0, nb)), groups(n), "t1"),
+        ],
+    )
+
+
 def chain_plan(n: int, steps: int) -> Plan:
     """``steps`` dependent dispatches: out = a, then out = 2 out + a, so out = a (2^steps - 1)."""
     init = kernel([("a", "f32"), ("out", "f32")], "out[i] = a[i];")

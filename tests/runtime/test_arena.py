@@ -10,7 +10,7 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.program import Program
 from meganeura.runtime.readback import START_BUFFERS
 
-from helpers.plans import arena_chain_plan
+from helpers.plans import affine_arena_plan, arena_chain_plan
 
 RNG = np.random.default_rng(0)
 
@@ -61,3 +61,22 @@ def test_programs_share_the_largest_arena_and_give_it_back(monkeypatch):
     device.arena.shrink()
     assert counters.bytes_allocated == held - arena_bytes(large_plan)
     check(small, 40)
+
+
+def test_params_bound_after_another_program_replaced_the_arena(monkeypatch):
+    """A segmented training step binds new parameter arrays before each run of its plans, and binding builds the
+    bind groups: over the arena buffer as the program last took it, which a larger program's run had destroyed since
+    (wgpu: "Buffer with 'arena' label has been destroyed"). Binding takes the current arena first."""
+    device = get_device()
+    monkeypatch.setattr(device, "arena", SharedArena(device))
+    n = 40
+    small = Program(device, affine_arena_plan(n))
+    x = RNG.standard_normal(n, dtype=np.float32)
+    for step in range(2):
+        w, bias = RNG.standard_normal(n, dtype=np.float32), RNG.standard_normal(n, dtype=np.float32)
+        small.upload_params({"w": w, "bias": bias})  # the second: after the larger program replaced the arena
+        np.testing.assert_allclose(small.run({"x": x})["y"], 2 * (x * w + bias), rtol=1e-6)
+        if step == 0:
+            large = Program(device, arena_chain_plan(4000))
+            check(large, 4000)
+            assert arena_bytes(large) > small.plan.buffer("arena").size
