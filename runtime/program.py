@@ -212,8 +212,8 @@ class Program:
         spans: dict[str, tuple[int, int]] = {}
         for t in self.plan.outputs:
             if t.nbytes and t.name not in self._resident and t.name not in self._in_place:
-                start, end = spans.get(t.buffer, (t.offset // 4 * 4, t.offset + t.nbytes))
-                spans[t.buffer] = (min(start, t.offset // 4 * 4), max(end, t.offset + t.nbytes))
+                start, end = spans.get(t.buffer, (t.offset // 4 * 4, t.offset + self._output_room(t)))
+                spans[t.buffer] = (min(start, t.offset // 4 * 4), max(end, t.offset + self._output_room(t)))
         self._readback, cursor, placed = [], 0, {}
         for name, (start, end) in spans.items():
             self._readback.append((name, start, cursor, end - start))
@@ -228,6 +228,15 @@ class Program:
                 self._readback.append((b.name, 0, cursor, b.size))
                 cursor += b.size
         self._staging_size = max(cursor, 4)
+
+    def _output_room(self, t: TensorSpec) -> int:
+        """The most bytes output ``t`` holds in any run: its size at the plan's bounds, or for a plan over symbolic
+        sizes the room its buffer has, which the compile sized for the largest value of its size (``sizes.upper``).
+        A size that shrinks as a symbol grows (``13 // s``, a convolution over a symbolic stride) is largest at the
+        symbol's least value, not at its bound."""
+        if self.symbolic is None:
+            return t.nbytes
+        return max(t.nbytes, self.plan.buffer(t.buffer).size - t.offset)
 
     def _buffer(self, name: str, swaps: dict | None = None):
         if swaps and name in swaps:
@@ -471,7 +480,7 @@ class Program:
         are reused (a KV cache: the cache of two steps before is the one given back; the pool alone deals its
         buffers to the layers in another order, and a generate call's first steps built their groups again)."""
         recent = self._recent_outputs.setdefault(name, deque(maxlen=RECENT_OUTPUT_BUFFERS))
-        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=spec.nbytes, prefer=tuple(recent))
+        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=self._output_room(spec), prefer=tuple(recent))
         recent.append(array.buffer)
         return array
 

@@ -64,17 +64,25 @@ class _EagerOverride:
     """The classes' ``__torch_function__``: the override eager code meets, and none while dynamo traces (a
     tracing context is active), so that dynamo traces these tensors as the plain ones it compiles: tracing through
     an override that calls the function again with subclass overrides off, dynamo misreads a function with a
-    dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm, F.embedding) and breaks the graph there."""
+    dispatch of its own (F.layer_norm, F.rms_norm, F.batch_norm, F.embedding) and breaks the graph there.
+
+    The override is eager code, and dynamo must not compile it as a frame of its own: a frame dynamo gave up on (a
+    graph break inside a loop: HF Whisper's layerdrop) runs eagerly under dynamo's frame callback, which then
+    compiled ``__get__`` and ``_torch_function``, one graph per op, again with automatic dynamic sizes for each op
+    met with other arguments (a convolution's stride as a SymInt, a weight's sizes as symbols). Both are therefore
+    ``torch.compiler.disable``d: the op runs in eager PyTorch, as the override intends."""
 
     def __init__(self, function):
         self.function = function
 
+    @torch.compiler.disable
     def __get__(self, instance, owner):
         if torch._guards.TracingContext.try_get() is not None:
             return torch._C._disabled_torch_function_impl
         return types.MethodType(self.function, owner)
 
 
+@torch.compiler.disable
 def _torch_function(cls, func, types_, args=(), kwargs=None):
     kwargs = kwargs or {}
     if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, no disabled frame to enter

@@ -42,6 +42,14 @@ def lowering(*ops, supports: Callable | None = None):
     return register
 
 
+def tensor_inputs(node: torch.fx.Node) -> list:
+    """The values of ``node``'s tensor operands. A graph dynamo traced with symbolic sizes also passes SymInt
+    arguments (a convolution's stride, once automatic dynamic saw two), which support checks must not read as
+    tensors."""
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
 def logical_dtype(dtype: torch.dtype) -> str:
     if dtype not in TORCH_TO_LOGICAL:
         raise LoweringError(f"dtype {dtype} is not supported on the device")

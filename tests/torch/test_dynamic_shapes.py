@@ -176,3 +176,26 @@ def test_training_over_varying_lengths_compiles_its_kernels_once(recwarn):
         if step == 1:
             assert compiles.dynamic, "the dynamic graph's plans were not over symbolic sizes"
     assert not [str(w.message) for w in recwarn if "meganeura" in str(w.message)]  # nothing fell back
+
+
+def test_a_convolution_whose_stride_dynamo_made_symbolic():
+    """Called with a second stride, dynamo passes the stride as a SymInt placeholder: the convolution's support check
+    read it as a tensor ('SymInt' object has no attribute 'dtype'), and the output length (13 // stride + 1), which
+    shrinks as the stride grows, was read back at the stride's bound (4: 4 of 7 columns, "buffer is smaller than
+    requested size"). Forward and both gradients against eager, with no fallback."""
+    def f(x, w, stride):
+        return torch.nn.functional.conv1d(x, w, stride=stride)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="meganeura", options={"fallback": "error"})
+    with Compiles() as compiles:
+        for stride in (1, 2, 3):
+            x, w = torch.randn(1, 4, 16, requires_grad=True), torch.randn(8, 4, 3, requires_grad=True)
+            got = compiled(x, w, stride)
+            upstream = torch.randn(got.shape)
+            got_grads = torch.autograd.grad(got, (x, w), upstream)
+            want = f(x, w, stride)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for g, e in zip(got_grads, torch.autograd.grad(want, (x, w), upstream)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert any("<=" in d for d in compiles.dynamic), compiles.dynamic  # the stride was symbolic

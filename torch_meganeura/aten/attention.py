@@ -29,7 +29,7 @@ from meganeura.kernels.sizes import is_size
 from meganeura.lowering import expr as E
 from meganeura.lowering.ir import RowOutput
 
-from ..registry import DEVICE_FLOATS, lowering
+from ..registry import DEVICE_FLOATS, lowering, tensor_inputs
 
 aten = torch.ops.aten
 UNFUSED_MAX_SCORE_BYTES = 64 << 20  # one (batch * heads, lq, lk) float32 score matrix at most
@@ -46,7 +46,7 @@ def _supported(q_arg: int, dropout_arg: int):
             return "attention on the device takes (batch, heads, seq, head_dim) tensors"
         if q.shape[1] % k.shape[1]:
             return "query heads are not a multiple of key/value heads"
-        if any(a.meta["val"].dtype not in (*DEVICE_FLOATS, torch.bool) for a in node.all_input_nodes):
+        if any(t.dtype not in (*DEVICE_FLOATS, torch.bool) for t in tensor_inputs(node)):
             return "attention on the device takes floating point and bool operands only"
         return None
     return check

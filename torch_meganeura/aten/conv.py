@@ -20,7 +20,7 @@ from meganeura.lowering import expr as E
 from meganeura.lowering.builder import unravel
 from meganeura.lowering.ir import Value
 
-from ..registry import DEVICE_FLOATS, lowering
+from ..registry import DEVICE_FLOATS, lowering, tensor_inputs
 
 aten = torch.ops.aten
 
@@ -184,7 +184,7 @@ def _back_to_rank(b, v: Value | None, rank: int) -> Value | None:
 def _supported(weight_arg: int):
     """The support check of a convolution op whose weight is argument ``weight_arg``."""
     def check(node) -> str | None:
-        if any(a.meta["val"].dtype not in DEVICE_FLOATS for a in node.all_input_nodes):
+        if any(t.dtype not in DEVICE_FLOATS for t in tensor_inputs(node)):
             return "convolution on the device takes floating point operands only"
         rank = node.args[weight_arg].meta["val"].dim()
         return None if rank in (3, 4) else f"{rank - 2}-D convolution (only 1-D and 2-D are lowered)"
