@@ -14,6 +14,8 @@ if __name__ == "kernels":  # pragma: no cover - only where Python runs with the 
     # checkout's root (python -c, python -m, a REPL) also finds it as the top-level ``kernels``, the name of Hugging
     # Face's package, which transformers >= 5.25 imports. Hand that import to the installed ``kernels``, found on
     # sys.path without the checkout's root: import machinery returns what sys.modules holds once this file has run.
+    # Where there is none (transformers before 5.25 only asks whether it is installed, by its distribution's
+    # metadata, which this folder has not), this folder stays what it was: meganeura's kernels under that name.
     import importlib.machinery
     import importlib.util
     import os
@@ -22,9 +24,7 @@ if __name__ == "kernels":  # pragma: no cover - only where Python runs with the 
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None:
-        raise ImportError("no package 'kernels' outside this checkout (its kernels/ folder is meganeura.kernels, "
-                          "not Hugging Face's kernels)", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+    if _spec is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)

@@ -85,7 +85,7 @@ class _EagerOverride:
 @torch.compiler.disable
 def _torch_function(cls, func, types_, args=(), kwargs=None):
     kwargs = kwargs or {}
-    if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, no disabled frame to enter
+    if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, _before_eager not entered
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func is torch.Tensor.copy_ and len(args) == 2 and args[0] is args[1]:
