@@ -10,7 +10,10 @@ one data-parallel steps use) writes the new parameters and state on the device. 
 may read parameters (where dynamo cannot resume inside a loop it runs the rest of the frame, layers and all, in
 eager PyTorch), so the new parameters are also copied down into the module after each update: per step the
 gradients cross the bus twice and the parameters once (down); nothing is uploaded but the batch and the gradients.
-A parameter with no gradient (``.grad`` None: unused this step) is left as it is, as torch's optimizers leave it.
+A parameter with no gradient (``.grad`` None: unused this step, a layer that layerdrop skipped) is left as it is,
+as torch's optimizers leave it, its step count included: each parameter counts its own updates (``TrainStep.
+param_steps``), and the update reads a row of hyperparameters per parameter (Adam's bias corrections, SGD's first
+momentum step) from those counts.
 
 Buffers that the forward changes (BatchNorm statistics) are written into the torch module by the backend, so in
 this mode the module's buffers are the current ones, and the step's buffer arrays are refreshed from them before
@@ -30,6 +33,7 @@ from .options import Options
 from .optimizers import clip_by_global_norm
 from .params import ParamStore, tensor_from_host, upload_array
 from .roles import Mode, Role
+from .train_trace import per_parameter_rows
 
 
 class StepParams(ParamStore):
@@ -117,11 +121,13 @@ class SegmentedStep:
         untouched = {n for n, p in zip(owner._trainable, trainable) if p.grad is None}  # eager skips them too
         uploaded = {Role.grad(n): upload_array(owner.device, g) for n, g in zip(owner._trainable, grads)}
         _zero_grads(trainable)
+        rows = per_parameter_rows(owner, owner.param_steps())
         try:
-            _, updated = owner._compiled((), Mode.UPDATE).run({**arrays, **uploaded}, (), hyper, into)
+            _, updated = owner._compiled((), Mode.UPDATE).run({**arrays, **uploaded}, (), rows, into)
         finally:
             for array in uploaded.values():
                 array.release()
+        owner.counted({n for n in owner._trainable if n not in untouched})
         updated = {role: a for role, a in updated.items() if role.name not in untouched}
         _copy_params_down(owner, trainable, updated)
         return loss, updated

@@ -37,6 +37,8 @@ the step was compiled or last synced. Changing them directly has no effect on th
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -52,7 +54,7 @@ from .resident import TORCH_DTYPE
 from .role_program import RoleProgram
 from .roles import Kind, Mode, Role
 from .train_segments import SegmentedLoss, SegmentedStep
-from .train_trace import trace_step, trace_update
+from .train_trace import per_parameter_rows, trace_step, trace_update
 from .tuning import tuning_enabled
 
 
@@ -129,6 +131,7 @@ class TrainStep:
         if len(steps) > 1:
             raise ValueError(f"optimizer state has different step counts {sorted(steps)} across parameters")
         self.steps = steps.pop() if steps else 0
+        self._param_steps = None  # a segmented step's counts per parameter, once they differ (``param_steps``)
         if not self.steps and any(self.optimizer.state.get(params[n], {}).get("momentum_buffer") is not None
                                   for n in self._trainable):
             self.steps = 1  # SGD counts no steps; a momentum buffer means the next step is not its first
@@ -153,9 +156,21 @@ class TrainStep:
                 for slot in self._opts["slots"]:
                     state[slot] = _download(self._arrays[Role.state(slot, n)], params[n]).clone()
                 if self._opts["kind"] != "sgd":
-                    state["step"] = torch.tensor(float(self.steps))
+                    state["step"] = torch.tensor(float(self.param_steps()[n]))
             for n in self._buffers if self._segmented is None else ():  # (segmented: the module's are current)
                 buffers[n].copy_(_download(self._arrays[Role.buffer(n)], buffers[n]))
+
+    def param_steps(self) -> dict[str, int]:
+        """Each trainable parameter's count of updates: the step's count, but where a segmented step left a parameter
+        with no gradient alone (``train_segments``)."""
+        if self._param_steps is None:
+            return dict.fromkeys(self._trainable, self.steps)
+        return dict(self._param_steps)
+
+    def counted(self, names: set[str]) -> None:
+        """The parameters ``names`` were updated once more (a segmented step's update)."""
+        steps = self.param_steps()
+        self._param_steps = {n: steps[n] + (n in names) for n in self._trainable}
 
     def _refresh_buffers(self) -> None:
         """Segmented steps change the module's buffers, not the step's arrays: copy them up before reading these."""
@@ -183,9 +198,11 @@ class TrainStep:
 
         self._refresh_buffers()
         tensors = {role.key: array.numpy() for role, array in self._arrays.items() if role.kind is not Kind.FROZEN}
-        save_file(tensors, str(path), metadata={"format": CHECKPOINT_FORMAT, "steps": str(self.steps),
-                                                "micro_batches": str(self.micro_batches),
-                                                "optimizer": self._opts["kind"]})
+        metadata = {"format": CHECKPOINT_FORMAT, "steps": str(self.steps), "micro_batches": str(self.micro_batches),
+                    "optimizer": self._opts["kind"]}
+        if self._param_steps is not None:
+            metadata["param_steps"] = json.dumps(self._param_steps)
+        save_file(tensors, str(path), metadata=metadata)
 
     def load(self, path) -> None:
         """Restore a checkpoint written by ``save`` for the same model and optimizer kind."""
@@ -219,6 +236,7 @@ class TrainStep:
                 for n in self._buffers:
                     buffers[n].copy_(_download(self._arrays[Role.buffer(n)], buffers[n]))
         self.steps = int(meta["steps"])
+        self._param_steps = json.loads(meta["param_steps"]) if "param_steps" in meta else None
         self.micro_batches = int(meta.get("micro_batches", "0"))
 
     # ---- stepping
@@ -380,8 +398,8 @@ class _CompiledStep:
 def _example(owner: TrainStep, role: Role, batch: tuple):
     if role.kind is Kind.BATCH:
         return batch[role.index]
-    if role.kind is Kind.HYPER:
-        return optimizers.hyperparameters(owner.optimizer, 1)
+    if role.kind is Kind.HYPER:  # (a segmented step's update: a row per parameter, ``trace_update``)
+        return per_parameter_rows(owner) if owner._segmented is not None else optimizers.hyperparameters(owner.optimizer, 1)
     if role.kind is Kind.GRAD:
         param = dict(owner.model.named_parameters())[role.name]
         return torch.empty(param.shape, dtype=param.dtype)

@@ -208,12 +208,24 @@ def trace_update_graph(opts: dict, rows: list[int], params: list, hyper: torch.T
 
 
 def trace_update(owner):
-    """fx graph of a data-parallel step's update: (params, optimizer state, hyperparameters, averaged gradients)
-    -> (new params, new state), the gradients clipped first if ``max_grad_norm``. Returns what ``trace_step`` does."""
+    """fx graph of the update of a data-parallel or a segmented step: (params, optimizer state, hyperparameters,
+    gradients) -> (new params, new state), the gradients clipped first if ``max_grad_norm``. A segmented step's
+    update reads a row of hyperparameters per parameter (``per_parameter_rows``): its parameters keep step counts of
+    their own. Returns what ``trace_step`` does."""
     params = dict(owner.model.named_parameters())
-    return trace_update_graph(owner._opts, owner._groups, [params[n].detach() for n in owner._trainable],
-                              optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), owner._trainable,
-                              owner.max_grad_norm)
+    if owner._segmented is not None:
+        rows, hyper = list(range(len(owner._trainable))), per_parameter_rows(owner)
+    else:
+        rows, hyper = owner._groups, optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1))
+    return trace_update_graph(owner._opts, rows, [params[n].detach() for n in owner._trainable], hyper,
+                              owner._trainable, owner.max_grad_norm)
+
+
+def per_parameter_rows(owner, steps: dict[str, int] | None = None) -> torch.Tensor:
+    """Hyperparameters with a row per trainable parameter of ``owner``, at its next update: ``steps`` (name ->
+    updates so far) or its first."""
+    return optimizers.hyperparameter_rows(owner.optimizer, [(g, (steps[n] if steps else 0) + 1)
+                                                            for g, n in zip(owner._groups, owner._trainable)])
 
 
 def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple, table: dict):

@@ -109,13 +109,12 @@ def test_small_whisper_encoder_with_the_layerdrop_branch_trains_on_both_paths():
     check_both_paths(encoder, mel, steps=5)
 
 
-@pytest.mark.xfail(strict=True, reason="the resident step's update counts one step for all parameters: a parameter "
-                                       "whose layer was dropped (no gradient) gets the next step's bias correction")
 def test_layers_dropped_by_layerdrop_keep_their_own_adamw_step_count_in_the_resident_step():
     """Layerdrop 0.5 drops layer 0 at steps 1-3 and layer 1 at steps 2 and 4 (seeds SEED + i): eager AdamW leaves a
     parameter with no gradient alone, its step count included. The ordinary loop does (per-parameter counts,
-    ``device_optimizer``); the resident step's update gives every parameter the step's count, and its loss at step 5
-    is 4e-5 from float64 where eager float32 is 1e-7."""
+    ``device_optimizer``), and so does the resident step (``TrainStep.param_steps``). With one count for all, a
+    parameter whose layer was dropped got the next step's bias correction: the loss at step 5 was 4e-5 from float64
+    where eager float32 is 1e-7."""
     encoder, mel = whisper_encoder(**SMALL, encoder_layerdrop=0.5)
     exact = torch.tensor(eager_losses(encoder, mel, 5, torch.float64))
     eager = torch.tensor(eager_losses(encoder, mel, 5, torch.float32))
