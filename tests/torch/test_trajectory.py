@@ -6,8 +6,8 @@ Each case trains a small model for a few steps (SGD with momentum, Adam or AdamW
 ``FACTOR`` times eager float32's distance from the float64 weights (L2 per parameter).
 
 Eager float32's distance is measured on ``1 + NUDGED_RUNS`` eager float32 runs: the run from the model's weights, and
-runs from weights nudged by at most one ulp each (every element moved up or down by one ulp at random: the rounding
-that storing the weights in float32 already implies). The yardstick is their root mean square. A single eager run is
+runs from weights nudged by at most one ulp each (each element moved one ulp up or down, or left, at random: the
+rounding that storing the weights in float32 already implies). The yardstick is their root mean square. A single eager run is
 one sample of a noisy quantity: after 8 AdamW steps of a GPT-2 (n_embd 96, batch 8 x 64) the eager run with its batch
 reversed, as exact as the eager run itself, was up to 4.0x the eager run's distance on one parameter (a bias, whose
 error comes from a few elements), while the geometric mean of the ratio over the parameters was 1.0-1.26. Ours was
@@ -167,7 +167,7 @@ PATHS = {"resident": train_resident, "loop": train_loop}
 
 
 def nudged(model: nn.Module, seed: int) -> nn.Module:
-    """A copy whose every weight moved one ulp up or down at random (none moves where the coin says stay)."""
+    """A copy whose weights each move one ulp up, one ulp down, or stay, at random."""
     model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
