@@ -22,7 +22,7 @@ from meganeura.runtime.profiler import attach as attach_profiler
 
 from .compiled import SHARED_GRAPHS, DevicePartition
 from .decompositions import aot_decomposition_table
-from .device_tensor import DeviceParameter
+from .device_tensor import DeviceParameter, mark_updated
 from .device_graph import unsupported_listing
 from .options import Options
 from .params import ParamStore
@@ -124,8 +124,10 @@ def _plain_user_outputs(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def _mutated_inputs(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """An inference graph's outputs that are new values of its inputs (a static KV cache's ``index_copy_``), each to
-    the placeholder it updates: aot_autograd copies them into the inputs after the call."""
+    """A forward or inference graph's outputs that are new values of its inputs (BatchNorm's running statistics in
+    training, a static KV cache's ``index_copy_``), each to the placeholder it updates: aot_autograd copies them into
+    the inputs after the call. (Both kinds of graph return them first, in the order of
+    ``mutated_inp_runtime_indices``.)"""
     meta = _fw_metadata()
     if meta is None:
         return {}
@@ -161,10 +163,12 @@ def _resident_outputs(node: fx.Node, saved: set[fx.Node]) -> set[int]:
     return positions
 
 
-def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: BackendContext, mode: str):
+def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: BackendContext, mode: str,
+                         graph_inputs=()):
     """The aot_autograd compiler for ``mode`` "forward" (of training), "backward" or "inference": returns a boxed
     callable running ``gm`` on the device where it can. A training forward keeps its saved activations there, and a
-    backward the gradients of parameters kept on the device (``KeptGradients``)."""
+    backward the gradients of parameters kept on the device (``KeptGradients``). ``graph_inputs``: the real tensors
+    of dynamo's graph (``backend_with_context``), whose buffers that ``gm`` updates are marked as such."""
     backward = mode == "backward"
     meta = None if backward else _fw_metadata()
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
@@ -174,17 +178,20 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
     returned = _plain_user_outputs(fused) if mode == "inference" else set()  # stay on the device until read
-    mutated = _mutated_inputs(fused) if mode == "inference" else {}  # updated on the device, in place
+    mutated = {} if backward else _mutated_inputs(fused)  # updated on the device, in place
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
+    _mark_updated(placeholders, set(mutated.values()), graph_inputs)
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
         if node.op == "call_module" and node.target in names:
-            sub_params = {j for j, a in enumerate(node.args) if index_of.get(a) in param_indices}
+            updates = _updates_in_place(node, mutated)  # (a buffer updated in place is bound as a device input)
+            sub_params = {j for j, a in enumerate(node.args)
+                          if index_of.get(a) in param_indices and j not in updates.values()}
             setattr(fused, node.target, DevicePartition(
                 getattr(fused, node.target), sub_params, context, _resident_outputs(node, saved),
                 fast=not backward and context.options.precision == "fast",
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
-                lazy_outputs=_resident_outputs(node, returned), mutated=_updates_in_place(node, mutated)))
+                lazy_outputs=_resident_outputs(node, returned), mutated=updates))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
 
@@ -197,6 +204,19 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
 
     run._boxed_call = True
     return run
+
+
+def _mark_updated(placeholders: list[fx.Node], updated: set[fx.Node], graph_inputs) -> None:
+    """Make the real tensors of the ``updated`` placeholders the ``DeviceTensor``s that the first run's update makes
+    of them (``device_tensor.adopt``) now, before dynamo builds the frame's guards: the guards then expect that
+    class, where a class changed at the first run would make dynamo trace the frame again. Only where the
+    placeholders are dynamo's graph inputs one for one, and only plain tensors (buffers, caches)."""
+    if len(placeholders) != len(graph_inputs):
+        return
+    for node, t in zip(placeholders, graph_inputs):
+        value = node.meta.get("val")
+        if node in updated and type(t) is torch.Tensor and value is not None and value.shape == t.shape:
+            mark_updated(t)
 
 
 def _all_kept(args, static: list[int]) -> bool:
@@ -256,7 +276,7 @@ def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 
 def backend_with_context(gm: fx.GraphModule, example_inputs, context: BackendContext):
     """aot_autograd over ``gm`` with the device compilers sharing ``context``."""
-    compiler = functools.partial(compile_graph_module, context=context)
+    compiler = functools.partial(compile_graph_module, context=context, graph_inputs=example_inputs)
     return aot_autograd(
         fw_compiler=functools.partial(compiler, mode="forward"),
         bw_compiler=functools.partial(compiler, mode="backward"),

@@ -28,7 +28,8 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from .device_tensor import DeviceTensor, adopt, device_input, lazy_output, read_back_output
+from .device_tensor import (DeviceTensor, adopt, device_input, kept_array, lazy_output, read_back_output,
+                            spare_array)
 from .fx_lowering import LoweredGraph
 from .params import ParamStore, tensor_from_host
 from .resident import ResidentTensor
@@ -70,15 +71,21 @@ class _BoundPlan:
     graph: DeviceGraph | None = None  # what it instantiates: a dynamic graph's guards say which sizes it serves
     dynamic: DynamicSizes | None = None
     bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
+    updated: dict = field(default_factory=dict)  # argument index -> output position of the updates kept on the
+    # device (``DevicePartition._updates``): those arguments are bound per run, each from its own device array
     _refs: list = field(default_factory=list)
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
     _generation: int = 0
+    _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
-        params = set(self._param_positions)
+        params = set(self._param_positions) | set(self.updated)
         dims = dict(self.dynamic.dynamic) if self.dynamic is not None else {}
         self._free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
+        outputs, in_place = self.lowered.outputs, self.graph.plan.in_place if self.graph is not None else {}
+        # the updates written into an array of their own: the argument's spare one (``device_tensor.adopt``)
+        self.alternating = {i: outputs[k][1] for i, k in self.updated.items() if outputs[k][1] not in in_place}
         self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims]  # checked through the abstract key
 
     def _params(self, args) -> list:
@@ -98,14 +105,21 @@ class _BoundPlan:
 
     def replays(self, args) -> bool:
         """Whether a call with ``args`` can replay this entry as bound, checked without building the signature: the
-        non-parameter arguments are compared, and each parameter must be the bound object with the same version and
-        storage. (Its shape and dtype are then the bound ones: ``.data`` swaps change the storage, and dynamo's
-        guards check every parameter's metadata before the graph runs.)"""
+        non-parameter arguments are compared, each parameter must be the bound object with the same version and
+        storage, and each argument updated in place the object of the last call (which the update made a
+        ``DeviceTensor``: its kind changed, not its shape or dtype). (Their shapes and dtypes are then the bound
+        ones: ``.data`` swaps change the storage, and dynamo's guards check every parameter's metadata before the
+        graph runs.)"""
         if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
             return False
         if self._sized and not self._serves(args):
             return False
-        return self.params_current(args) and not self.program.device.lost
+        return (self.params_current(args) and tuple(id(args[i]) for i in self.updated) == self._updated_ids
+                and not self.program.device.lost)
+
+    def select(self, args) -> None:
+        """Remember the arguments updated in place of a call that selected this entry by its signature."""
+        self._updated_ids = tuple(id(args[i]) for i in self.updated)
 
     def _serves(self, args) -> bool:
         """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards."""
@@ -113,8 +127,9 @@ class _BoundPlan:
         return all(key[i] == item for i, item in self._sized) and self.graph.holds(self.dynamic.values(args))
 
     def bind(self, args, store: ParamStore) -> None:
-        """Bind the parameter arguments' device copies (uploading what changed) and remember them."""
-        self.program.bind_params({f"param:{name}": store.buffer(args[i], f"parameter {name}")
+        """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph
+        updates on the device (``DeviceTensor``s), and remember them."""
+        self.program.bind_params({f"param:{name}": _param_array(args[i], store, name).buffer
                                   for i, name in self.lowered.params})
         params = self._params(args)
         self._store, self._generation = store, store.generation
@@ -192,6 +207,16 @@ class DevicePartition(torch.nn.Module):
                 return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
         return self._run(entry, args)
 
+    def _signature(self, args) -> tuple:
+        """``signature(args)``, an argument updated in place seen as the tensor it was before its first update (a
+        ``DeviceTensor`` since): the program binds it from the device either way."""
+        key = signature(args)
+        if not self.mutated:
+            return key
+        updated = set(self.mutated.values())
+        return tuple((*item[:-1], "tensor") if i in updated and item[-1:] == ("resident",) else item
+                     for i, item in enumerate(key))
+
     def _keeps_gradients(self) -> bool:
         return bool(self.kept_gradients) and self._kept.kept
 
@@ -199,7 +224,7 @@ class DevicePartition(torch.nn.Module):
         """The compiled entry for the signature of ``args`` and ``variant`` (compiled now if new, or its device was
         lost), with its parameters bound; None where the partition falls back to eager PyTorch. A dynamic graph's
         signature leaves its symbolic sizes out, and the entry is the first whose guards its sizes meet."""
-        key = signature(args)
+        key = self._signature(args)
         values = None
         if self.dynamic is not None:
             key, values = self.dynamic.abstract(key), self.dynamic.values(args)
@@ -214,6 +239,7 @@ class DevicePartition(torch.nn.Module):
                 return None
             entries[:] = [e for e in entries if not e.program.device.lost] + [entry]
         self._last = entry
+        entry.select(args)
         if not entry.params_current(args):
             entry.bind(args, self.context.params())
         return entry
@@ -246,13 +272,13 @@ class DevicePartition(torch.nn.Module):
                                          dynamic=self.dynamic, in_place=self.mutated)
             SHARED_GRAPHS.add(shared, graph)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
+        updated = self._updates(lowered)
         resident = {item for k, (kind, item) in enumerate(lowered.outputs)
-                    if kind == "plan" and k in self._resident_positions(lowered, variant)}
-        updated = self._updated_inputs(graph)
+                    if kind == "plan" and (k in self._resident_positions(lowered, variant) or k in updated.values())}
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
         program = program_for(graph, device, resident, on_device)
-        entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic)
+        entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start
@@ -274,12 +300,14 @@ class DevicePartition(torch.nn.Module):
         return tuple(f"{names[i]}{'' if d is None else f'[{d}]'} <= {bound}"
                      for (i, d), bound in zip(self.dynamic.sources, plan.bounds or (None,) * len(self.dynamic.sources)))
 
-    def _updated_inputs(self, graph: DeviceGraph) -> dict[int, int]:
-        """Argument index -> output position of the updates the plan stores in place (``mutated``, where the plan
-        found it safe; the others come back as outputs, and aot_autograd copies them into the arguments)."""
-        names = dict(graph.lowered.inputs)
-        stored = set(graph.plan.in_place.values())
-        return {i: k for k, i in self.mutated.items() if names.get(i) in stored}
+    def _updates(self, lowered: LoweredGraph) -> dict[int, int]:
+        """Argument index -> output position of the updates (``mutated``) that stay on the device: the plan stores
+        each over the argument's array where it found that safe (``Plan.in_place``), else in another array (a
+        BatchNorm statistic updated in a reduction's epilogue: two arrays alternate, ``device_tensor.adopt``).
+        The argument then stands for that array (``device_tensor.adopt``), and aot_autograd's copy of the new value
+        into it changes nothing."""
+        names = dict(lowered.inputs)
+        return {i: k for k, i in self.mutated.items() if i in names and lowered.outputs[k][0] == "plan"}
 
     def _resident_positions(self, lowered: LoweredGraph, variant: tuple) -> set[int]:
         """The output positions that stay on the device in ``variant``: saved activations, kept gradients, and an
@@ -303,13 +331,17 @@ class DevicePartition(torch.nn.Module):
         lowered, program = entry.lowered, entry.program
         sizes = self.dynamic.values(args) if self.dynamic is not None else ()
         host, on_device = feed(lowered, args, program.device)
-        updated = self._updated_inputs(entry.graph)
+        updated = entry.updated
         names = dict(lowered.inputs)
+        into = {}
         for i in updated:  # a new array the first time, the argument's own later
             host.pop(names[i], None)
             on_device[names[i]] = device_input(args[i], program.device)
-        results = program.run(host, on_device, sizes=sizes)
-        adopted = {k: adopt(args[i], results[lowered.outputs[k][1]]) for i, k in updated.items()}
+            spare = spare_array(args[i], program.device) if i in entry.alternating else None
+            if spare is not None:
+                into[entry.alternating[i]] = spare
+        results = program.run(host, on_device, into, sizes=sizes)
+        adopted = {k: adopt(args[i], results[lowered.outputs[k][1]], on_device[names[i]]) for i, k in updated.items()}
         keep, _ = entry.variant
         saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
         lazy = self._resident_positions(lowered, entry.variant) - saved
@@ -395,6 +427,13 @@ def _note_returned(args) -> None:
             if partition is not None:
                 partition._returned = partition._returned | {position}
             del a._meganeura_returned
+
+
+def _param_array(t: torch.Tensor, store: ParamStore, name: str) -> DeviceArray:
+    """The device array a parameter argument binds: the store's copy, or the array of a buffer that a graph updates
+    on the device (BatchNorm's running statistics read by an inference graph after training)."""
+    array = kept_array(t, store.device)
+    return array if array is not None else store.array(t, f"parameter {name}")
 
 
 def _array_of(value) -> DeviceArray:

@@ -12,8 +12,9 @@ plain tensors they are, and the backend binds their device arrays instead of upl
   backend's ``ParamStore`` entry, which the device update writes.
 - ``DeviceTensor``: an output of an inference graph that eager code has not read (a KV cache that Python only hands
   back to the next call), with a device array of its own (``lazy_output``); a call that takes it back binds that
-  array (``bound_array``). Or an input that a graph updated in place on the device (a static KV cache): the tensor
-  itself then stands for the array (``adopt``).
+  array (``bound_array``). Or an input that a graph updates on the device (a static KV cache, BatchNorm's running
+  statistics in training): the tensor itself then stands for the array (``adopt``), and is one from the graph's
+  compilation on (``mark_updated``).
 """
 from __future__ import annotations
 
@@ -47,14 +48,15 @@ class Kept:
     """A tensor's link to its device values: its own ``array``, or a ``store``'s copy of it (a parameter);
     ``stale`` while the device holds values the host has not got; ``version``, the tensor's version when the array
     was last current (a later one: the host wrote it); ``on_read``, called at the first download; ``self_copy``,
-    while aot_autograd may still copy the tensor into itself (``adopt``): one version step that writes nothing."""
+    while aot_autograd may still copy the tensor into itself (``adopt``): one version step that writes nothing;
+    ``spare``, the array a graph's update replaced, where the next update is written (``adopt``)."""
 
-    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy")
+    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy", "spare")
 
     def __init__(self, store=None, array: DeviceArray | None = None, stale: bool = False, version: int = 0,
-                 on_read=None, self_copy: bool = False):
+                 on_read=None, self_copy: bool = False, spare: DeviceArray | None = None):
         self.store, self.array, self.stale, self.version, self.on_read = store, array, stale, version, on_read
-        self.self_copy = self_copy
+        self.self_copy, self.spare = self_copy, spare
 
     def device_array(self, t: torch.Tensor) -> DeviceArray:
         return self.array if self.array is not None else self.store.kept(t)
@@ -88,11 +90,36 @@ def _torch_function(cls, func, types_, args=(), kwargs=None):
     if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, _before_eager not entered
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    if func is torch.Tensor.copy_ and len(args) == 2 and args[0] is args[1]:
+    if func is torch.Tensor.copy_ and len(args) == 2 and _same_values(args[0], args[1]):
+        kept = getattr(args[0], "_meganeura_kept", None)
+        if kept is not None:
+            kept.self_copy = False  # seen, and no version step made: the next step is eager code writing it
         return args[0]  # a tensor into itself (aot_autograd applying a mutation already made on the device)
+    if func is torch.Tensor.view_as and len(args) == 2 and args[0] is args[1]:
+        return _view_of_itself(args[0])
     _before_eager(cls, func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+def _view_of_itself(t: torch.Tensor) -> torch.Tensor:
+    """``t.view_as(t)``, reading no data: what autograd makes of an input that a training forward's function returns
+    unchanged (an update in place). Outside dispatch modes: aot_autograd's first call checks custom ops under one
+    that refuses tensor subclasses."""
+    with torch._C.DisableTorchFunctionSubclass(), torch.utils._python_dispatch._disable_current_modes():
+        return torch.Tensor.view_as(t, t)
+
+
+def _same_values(t: torch.Tensor, source) -> bool:
+    """Whether ``source`` is ``t`` or a view of all of it as it lies (``_view_of_itself``): copying it into ``t``
+    changes nothing."""
+    if source is t:
+        return True
+    if type(source) is not torch.Tensor:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return (source.data_ptr() == t.data_ptr() and source.dtype == t.dtype and source.shape == t.shape
+                and source.stride() == t.stride())
 
 
 class DeviceParameter(nn.Parameter):
@@ -164,14 +191,39 @@ def bound_array(t: DeviceTensor) -> DeviceArray:
     return kept.array
 
 
-def adopt(t: torch.Tensor, array: DeviceArray) -> torch.Tensor:
+def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None) -> torch.Tensor:
     """``t`` itself, its values now ``array``'s (a graph updated it on the device): a ``DeviceTensor`` from here on,
-    its host copy stale (a static KV cache that a compiled call updated in place)."""
+    its host copy stale (a static KV cache that a compiled call updated in place, BatchNorm's running statistics).
+    ``read``, the array the graph read ``t`` from, is kept as its ``spare`` where ``array`` is another: the next
+    update is written there, so that the two alternate and the runs' bindings repeat. Its version steps, as an
+    eager update's would (a plan that binds it as a parameter binds its new array: ``compiled._BoundPlan``)."""
     with torch._C.DisableTorchFunctionSubclass():
         if type(t) is not DeviceTensor:
             t.__class__ = DeviceTensor
-        t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True)
+        torch.autograd.graph.increment_version(t)
+        spare = read if read is not array else None
+        t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare)
     return t
+
+
+def mark_updated(t: torch.Tensor) -> None:
+    """``t`` as the ``DeviceTensor`` that a graph's update will make of it (``adopt``), its values still on the
+    host (``backend``: before dynamo's guards are built)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        t.__class__ = DeviceTensor
+        t._meganeura_kept = Kept(stale=False, version=t._version)
+
+
+def spare_array(t: torch.Tensor, device) -> DeviceArray | None:
+    """Where a graph may write ``t``'s update: its ``spare`` array (``adopt``), if it is live on ``device`` and of
+    ``t``'s current array's shape and dtype; else None (the program takes a new one)."""
+    kept = getattr(t, "_meganeura_kept", None) if type(t) is DeviceTensor else None
+    if kept is None or kept.spare is None or kept.array is None:
+        return None
+    spare, array = kept.spare, kept.array
+    if spare.buffer is None or spare.device is not device or (spare.shape, spare.dtype) != (array.shape, array.dtype):
+        return None
+    return spare
 
 
 def device_input(t: torch.Tensor, device) -> DeviceArray:

@@ -4,10 +4,13 @@
 Criteria: the loss at every step within 1e-4 relative of eager's (the device and eager sum in different orders;
 over 30 AdamW steps eager's own float32 noise stays below that), final parameters and optimizer state elementwise
 (``assert_close`` rtol 1e-3, atol 1e-4, the training tests' tolerances); the bytes a step moves between host and
-device counted (the batch and what eager code reads, not the weights).
+device counted (the batch and what eager code reads, not the weights), and the bind groups it builds (none once
+its buffers repeat). BatchNorm's running statistics stay on the device, read as eager's through ``state_dict()`` and
+printing, in eval mode after training, and with eager writes between steps.
 """
 import copy
 import io
+import re
 import warnings
 
 import pytest
@@ -18,10 +21,11 @@ import torch.nn.functional as F
 import torch_meganeura
 from helpers.models import llama, randomize_norms
 from meganeura.runtime.device import get_device
-from torch_meganeura.device_tensor import DeviceParameter
+from torch_meganeura.device_tensor import DeviceParameter, DeviceTensor
 from torch_meganeura.resident import ResidentTensor
 
 RTOL, ATOL, LOSS_REL = 1e-3, 1e-4, 1e-4
+PRINTED_DIGITS = 8  # printed well below ATOL's digits
 
 
 class Loops:
@@ -35,12 +39,14 @@ class Loops:
         self.compiled = torch.compile(self.model, backend="meganeura")
         self.loss_of = loss_of
         self.moved: list[int] = []  # bytes up and down of each kept step
+        self.groups: list[int] = []  # bind groups each kept step built
 
     def step(self, *batch, micro_batches: int = 1, between=None) -> tuple[float, float]:
         """One step of both loops (``micro_batches`` backward calls, then ``between(model, optimizer)`` if given,
         then the optimizer's step); returns (kept loss, eager loss) of the last micro-batch."""
         counters = get_device().counters
         before = counters.bytes_uploaded + counters.bytes_downloaded
+        groups = counters.bind_groups_created
         losses = []
         for module, opt in ((self.compiled, self.opt), (self.ref, self.ref_opt)):
             for _ in range(micro_batches):
@@ -53,6 +59,7 @@ class Loops:
             losses.append(loss.item())
             if module is self.compiled:
                 self.moved.append(counters.bytes_uploaded + counters.bytes_downloaded - before)
+                self.groups.append(counters.bind_groups_created - groups)
         return losses[0], losses[1]
 
     def assert_parameters_match(self) -> None:
@@ -92,25 +99,86 @@ def test_llama_30_adamw_steps_with_hf_labels_loss():
                                rtol=RTOL, atol=1e-7)
 
 
-def test_resnet_30_adamw_steps_in_train_mode():
-    """HF ResNet (basic blocks, 32x32 images): BatchNorm in training updates its running statistics through the
-    backend while the optimizer runs on the device."""
+def resnet_loops() -> Loops:
+    """HF ResNet (basic blocks, 32x32 images), train mode, AdamW."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=5)
-    loops = Loops(randomize_norms(ResNetForImageClassification(config)).train(),
-                  lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda m, x, y: F.cross_entropy(m(x).logits, y))
+    return Loops(randomize_norms(ResNetForImageClassification(config)).train(),
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda m, x, y: F.cross_entropy(m(x).logits, y))
+
+
+def assert_buffers_match(loops: Loops, state: dict | None = None) -> None:
+    """The model's buffers (or ``state``, its ``state_dict()``) elementwise as eager's."""
+    got = state.items() if state is not None else loops.model.named_buffers()
+    want = dict(loops.ref.named_buffers())
+    names = [name for name, _ in got]
+    assert set(want) <= set(names) if state is not None else names == list(want)
+    for name, b in got:
+        if name in want:
+            torch.testing.assert_close(b, want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def assert_printed_as(t: torch.Tensor, want: torch.Tensor) -> None:
+    """``t``'s printed values (its first read) are ``want``'s."""
+    torch.set_printoptions(precision=PRINTED_DIGITS)
+    try:
+        text = str(t)
+    finally:
+        torch.set_printoptions(profile="default")
+    numbers = [float(v) for v in re.findall(r"-?\d+\.\d*(?:e[-+]\d+)?", text)]
+    torch.testing.assert_close(torch.tensor(numbers), want, rtol=RTOL, atol=ATOL)
+
+
+def test_resnet_30_adamw_steps_in_train_mode():
+    """BatchNorm in training updates its running statistics on the device, where they stay (each forward binds
+    them as they are: no bind group built, nothing uploaded but the batch) while the optimizer runs there too;
+    ``state_dict()`` and printing read them as eager's."""
+    loops = resnet_loops()
     batches = [(torch.randn(2, 3, 32, 32), torch.randint(0, 5, (2,))) for _ in range(3)]
     for step in range(30):
         assert_losses_match(*loops.step(*batches[step % 3]), step)
     loops.assert_parameters_match()
-    for (name, b), c in zip(loops.model.named_buffers(), loops.ref.buffers()):
-        torch.testing.assert_close(b, c, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    stats = loops.model.resnet.embedder.embedder.normalization.running_mean
+    assert type(stats) is DeviceTensor and stats._meganeura_kept.stale  # not read back by the steps
+    assert_buffers_match(loops, loops.model.state_dict())
+    assert_printed_as(stats, loops.ref.resnet.embedder.embedder.normalization.running_mean)
+    assert_buffers_match(loops)
     # the images up for the forward and again for the backward (its first convolution's weight gradient), the
-    # running statistics down and up (autograd writes them into the module's buffers), the logits: no weight
-    images, buffers = batches[0][0].nbytes, sum(b.numel() * b.element_size() for b in loops.model.buffers())
-    bound = 2 * images + 2 * buffers + 1024
-    assert max(loops.moved[1:]) <= bound < parameter_bytes(loops.model)
+    # labels, the logits and the loss: no weight, no running statistic
+    images = batches[0][0].nbytes
+    assert max(loops.moved[1:]) <= 2 * images + 1024
+    # from the fourth step: the first optimizer step frees the pool's buffers (the first saved activations'), and
+    # the second and third steps bind the new ones with each of the statistics' two alternating arrays
+    assert loops.groups[3:] == [0] * len(loops.groups[3:]), loops.groups
+
+
+def test_batchnorm_statistics_written_by_eager_code_and_read_in_eval_mode():
+    """Eager writes to the running statistics between steps (``zero_``, which downloads nothing, and ``mul_``, which
+    reads them first) reach the device; eval mode after training, and again after another training step, reads
+    the statistics the device holds."""
+    loops = resnet_loops()
+    images = [torch.randn(2, 3, 32, 32) for _ in range(2)]
+    labels = torch.randint(0, 5, (2,))
+
+    def write_statistics(model, opt):
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.zero_()
+                m.running_var.mul_(0.5)
+
+    for step in range(4):
+        loops.step(images[step % 2], labels, between=write_statistics if step == 2 else None)
+    assert_buffers_match(loops)
+    for train_again in (False, True):
+        if train_again:
+            loops.model.train(), loops.ref.train()
+            loops.step(images[0], labels)
+        loops.model.eval(), loops.ref.eval()
+        with torch.no_grad():
+            got, want = loops.compiled(images[1]).logits, loops.ref(images[1]).logits
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert_buffers_match(loops)
 
 
 class MLP(nn.Module):
