@@ -2,6 +2,7 @@
 
     python -m bench.host --workloads resnet50,smollm2 --steps 5           # full size
     python -m bench.host --smoke --workloads resnet50 --steps 3
+    python -m bench.host --workloads none --decode                        # per decode token: HF vs the bundle
 
 Each way (``loop``: ``torch.compile`` + ``keep_on_device(AdamW)``, the ordinary loop; ``resident``:
 ``compile_train_step``) trains the workload on a device that allocates, uploads and records like a GPU but computes
@@ -70,6 +71,48 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
             "parameters": sum(1 for _ in base.parameters()), **_counts(profile), **moved}
 
 
+def _per_token(generate, short: int, long: int) -> float:
+    """Host microseconds per decode token: ``generate(n)`` timed at two lengths (each warmed at its own length), the
+    difference over the tokens between them, so that the prompt's prefill cancels out."""
+    seconds = {}
+    for n in (short, long, short, long):
+        start = time.perf_counter()
+        generate(n)
+        seconds[n] = time.perf_counter() - start  # the second call of each length: warm
+    return (seconds[long] - seconds[short]) / (long - short) * 1e6
+
+
+def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
+    """Host us per decode token of SmolLM2's config (greedy, a 16-token prompt): HF ``generate`` through the
+    backend with its default cache, and the torch-free generation bundle (``export_lm``). The null device computes
+    nothing: every token is 0, which HF is kept from stopping at (``min_new_tokens``) and the bundle too."""
+    import tempfile
+
+    import torch_meganeura
+    from meganeura.runtime import load
+
+    torch.manual_seed(0)
+    model = WORKLOADS["smollm2"].build(smoke).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16))
+    rows = []
+    compiled = torch.compile(model.forward, backend="meganeura")
+
+    def hf(n):
+        with torch.no_grad():
+            model.forward = compiled
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False)
+
+    rows.append({"workload": "smollm2", "way": "hf-generate", "per_token_us": _per_token(hf, short, long)})
+    with tempfile.TemporaryDirectory() as folder:
+        torch_meganeura.export_lm(model, f"{folder}/lm", max_cache_len=long + 32)
+        lm = load(f"{folder}/lm")
+        ids = prompt[0].numpy()
+        rows.append({"workload": "smollm2", "way": "bundle",
+                     "per_token_us": _per_token(lambda n: lm.generate(ids, n, eos_token_id=-1), short, long)})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="resnet50,smollm2", help=f"comma-separated, from {', '.join(WORKLOADS)}")
@@ -77,10 +120,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps per way, after two untimed")
     p.add_argument("--smoke", action="store_true", help="the workloads at smoke scale")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--decode", action="store_true", help="also host us per decode token: HF generate through the "
+                                                         "backend against the generation bundle (SmolLM2's config)")
     args = p.parse_args(argv)
     use_null_device()
     rows = []
-    for name in args.workloads.split(","):
+    if args.decode:
+        decode = measure_decode(args.smoke)
+        rows += decode
+        print(f"smollm2 decode, host us per token: HF generate through the backend {decode[0]['per_token_us']:.0f}, "
+              f"the bundle {decode[1]['per_token_us']:.0f} (ratio {decode[0]['per_token_us'] / decode[1]['per_token_us']:.2f})",
+              flush=True)
+    for name in [w for w in args.workloads.split(",") if w != "none"]:
         for way in args.ways.split(","):
             row = measure(name, way, args.steps, args.smoke)
             rows.append(row)

@@ -270,7 +270,7 @@ class Device:
         self.fence = self.storage_buffer(4, "meganeura fence")  # a copy source for runs that read nothing back
         self.pool = BufferPool(self)  # buffers of DeviceArrays (tensors kept on the device between runs)
         self.arena = SharedArena(self)  # the arena buffer of every program on this device
-        self.in_flight = InFlight()  # runs submitted whose status is unread (``meganeura.runtime.in_flight``)
+        self.in_flight = InFlight(self.counters)  # runs whose status is unread (``meganeura.runtime.in_flight``)
         self._fence_staging = None  # where ``synchronize`` copies the fence to wait for the queue
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
 

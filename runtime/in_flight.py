@@ -37,8 +37,9 @@ class InFlight:
     """The device's runs whose status is unread, oldest first: (description, reader). A reader waits for its run if it
     has not completed, and returns the status error it left (an exception) or None."""
 
-    def __init__(self, sync: bool | None = None):
+    def __init__(self, counters=None, sync: bool | None = None):
         self.sync = sync_from_env() if sync is None else sync  # wait after every run (``MEGANEURA_SYNC``)
+        self._counters = counters  # the device's: a read of the oldest run to bound the queue counts as a wait
         self._runs: deque[tuple[str, Callable[[], Exception | None]]] = deque()
         self.settling = False  # True while the runs are read: their reads are not waits of their own
 
@@ -49,6 +50,8 @@ class InFlight:
         """Keep a submitted run whose status ``reader`` reads; past ``MAX_IN_FLIGHT`` runs, the oldest is read now."""
         self._runs.append((description, reader))
         if len(self._runs) > MAX_IN_FLIGHT:
+            if self._counters is not None:
+                self._counters.waits += 1
             self._settle(1)
 
     def settle(self) -> None:

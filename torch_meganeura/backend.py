@@ -177,7 +177,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     saved = _saved_for_backward(fused) if mode == "forward" else set()  # stay on the device for the backward
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
-    returned = _plain_user_outputs(fused) if mode == "inference" else set()  # stay on the device until read
+    returned = set() if backward else _plain_user_outputs(fused)  # stay on the device until read
     mutated = {} if backward else _mutated_inputs(fused)  # updated on the device, in place
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     _mark_updated(placeholders, set(mutated.values()), graph_inputs)
@@ -191,7 +191,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 getattr(fused, node.target), sub_params, context, _resident_outputs(node, saved),
                 fast=not backward and context.options.precision == "fast",
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
-                lazy_outputs=_resident_outputs(node, returned), mutated=updates))
+                lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward"))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
 

@@ -174,7 +174,7 @@ class DevicePartition(torch.nn.Module):
 
     def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
                  fast: bool = False, kept_gradients=frozenset(), kept=None, lazy_outputs=frozenset(),
-                 mutated=None):
+                 mutated=None, lazy_from_first: bool = False):
         super().__init__()
         self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
@@ -187,6 +187,9 @@ class DevicePartition(torch.nn.Module):
         # of a compiled call (``_returned``: a KV cache that Python only hands back) stay on the device from then on,
         # until eager code reads them (``device_tensor``); a position read once is read back at every later call.
         self.lazy_outputs, self._returned, self._read = frozenset(lazy_outputs), frozenset(), frozenset()
+        # A training forward's user outputs (the loss, the logits) stay on the device at every call, until eager code
+        # reads them: a step that reads nothing (no ``loss.item()``) waits for nothing, one that reads the loss once.
+        self.lazy_from_first = lazy_from_first
         # An inference graph's outputs that are new values of its arguments (output position -> argument index: a
         # static KV cache's update): stored over the argument's device array, which the argument then stands for
         # (``device_tensor.adopt``); aot_autograd's copy of the new value into the argument is then a no-op.
@@ -200,7 +203,8 @@ class DevicePartition(torch.nn.Module):
     def forward(self, *args):
         entry = self._last
         _note_returned(args)
-        variant = (self._keeps_gradients(), (self._returned - self._read) & self.lazy_outputs)
+        lazy = self.lazy_outputs if self.lazy_from_first else (self.lazy_outputs - self._read) & self._returned
+        variant = (self._keeps_gradients(), lazy)
         if entry is None or entry.variant != variant or not entry.replays(args):
             entry = self._entry_for(args, variant)
             if entry is None:
@@ -360,7 +364,8 @@ class DevicePartition(torch.nn.Module):
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
-            if k in self.lazy_outputs and k not in self._read and type(outs[-1]) is torch.Tensor:
+            if (k in self.lazy_outputs and k not in self._read and type(outs[-1]) is torch.Tensor
+                    and not self.lazy_from_first):
                 outs[-1] = _may_come_back(outs[-1], self, k)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DeviceArray
@@ -41,6 +42,7 @@ _METADATA_METHODS = frozenset({
     torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__len__, torch.Tensor.storage_offset,
     torch.Tensor.get_device, torch.Tensor._is_view, torch.Tensor.__format__,
+    torch.ones_like, torch.zeros_like, torch.empty_like,  # (``loss.backward()``'s seed: only the loss's metadata)
 })
 
 
@@ -97,6 +99,8 @@ def _torch_function(cls, func, types_, args=(), kwargs=None):
         return args[0]  # a tensor into itself (aot_autograd applying a mutation already made on the device)
     if func is torch.Tensor.view_as and len(args) == 2 and args[0] is args[1]:
         return _view_of_itself(args[0])
+    if func is torch.Tensor.backward or func is torch.autograd.backward:  # no data of the loss needed
+        return _backward(*args, **kwargs)
     _before_eager(cls, func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
@@ -120,6 +124,20 @@ def _same_values(t: torch.Tensor, source) -> bool:
     with torch._C.DisableTorchFunctionSubclass():
         return (source.data_ptr() == t.data_ptr() and source.dtype == t.dtype and source.shape == t.shape
                 and source.stride() == t.stride())
+
+
+def _backward(tensors, *args, **kwargs):
+    """``loss.backward()`` (or ``torch.autograd.backward``) of tensors whose values may be on the device only (a
+    training forward's loss), seeded without downloading them (a wait): each runs as an alias of the base class,
+    attached to the same autograd graph (``as_subclass``), while the backward's own ops keep the override."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if isinstance(tensors, torch.Tensor):
+            tensors = tensors.as_subclass(torch.Tensor)
+        else:
+            tensors = [t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t for t in tensors]
+    if "gradient" in kwargs:  # (Tensor.backward's name of it)
+        kwargs["grad_tensors"] = kwargs.pop("gradient")
+    torch.autograd.backward(tensors, *args, **kwargs)
 
 
 class DeviceParameter(nn.Parameter):
@@ -247,19 +265,21 @@ def kept_array(value, device) -> DeviceArray | None:
 
 @torch.compiler.disable  # eager code between graphs runs it as it is, not traced into a graph
 def _before_eager(cls, func, args, kwargs) -> None:
-    """Before eager code runs ``func``: download the device values of the arguments of class ``cls`` if it reads
-    their data; a parameter whose data are replaced (``p.data = t``) holds the truth on the host from then on."""
+    """Before eager code runs ``func``: download the device values of its ``DeviceParameter`` and ``DeviceTensor``
+    arguments if it reads their data (both classes: the override of whichever comes first runs the call, with
+    overrides off); a parameter whose data are replaced (``p.data = t``) holds the truth on the host from then on."""
     reads = _reads_data(func)
     with torch._C.DisableTorchFunctionSubclass():
         for arg in _flat(args, kwargs):
-            kept = getattr(arg, "_meganeura_kept", None) if type(arg) is cls else None
+            kind = type(arg)
+            kept = getattr(arg, "_meganeura_kept", None) if kind is DeviceTensor or kind is DeviceParameter else None
             if kept is None:
                 continue
             if func in _OVERWRITES and arg is args[0]:
                 kept.stale = False  # every element is written: the host's values become the truth, none downloaded
             elif reads:
                 _sync(arg, kept)
-                if cls is DeviceTensor and kept.on_read is not None:  # an output: an ordinary tensor from now
+                if kind is DeviceTensor and kept.on_read is not None:  # an output: an ordinary tensor from now
                     _release(arg, kept)
             elif _descriptor(func) == "data" and func.__name__ == "__set__":
                 kept.stale = False
@@ -271,7 +291,11 @@ def _sync(t: torch.Tensor, kept: Kept) -> None:
     if not kept.stale:
         return
     host = tensor_from_host(kept.device_array(t).numpy()).reshape(t.shape)
-    t.data.copy_(host)  # through .data: the version stays, so nothing uploads it back
+    # Through .data: the version stays, so nothing uploads it back. Outside any dispatch mode: filling the host copy
+    # is not an op of the program (aot_autograd's first call of a graph analyses its ops under a mode that refuses
+    # tensor subclasses, and a training forward's output, read by eager code between graphs, meets it there).
+    with _disable_current_modes():
+        t.data.copy_(host)
     kept.stale = False
     if kept.on_read is not None and type(t) is not DeviceTensor:  # (an output is released by the caller)
         kept.on_read()

@@ -166,7 +166,7 @@ class RecordingDevice:
         self.fence = self.storage_buffer(4, "meganeura fence")
         self.pool = BufferPool(self)
         self.arena = SharedArena(self)
-        self.in_flight = InFlight()
+        self.in_flight = InFlight(self.counters)
 
     def describe(self) -> str:
         return f"{self.name} (no GPU)"

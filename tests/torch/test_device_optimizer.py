@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import torch_meganeura
 from helpers.models import llama, randomize_norms
 from meganeura.runtime.device import get_device
+from meganeura.runtime.errors import KernelStatusError
 from torch_meganeura.device_tensor import DeviceParameter, DeviceTensor
 from torch_meganeura.resident import ResidentTensor
 
@@ -338,3 +339,97 @@ def test_kept_parameters_trace_as_one_graph():
         assert_losses_match(*loops.step(ids, y), step)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     loops.assert_parameters_match()
+
+
+class Embedded(nn.Module):
+    """Token ids through an embedding into the MLP's head: an id out of range is a kernel's status, not a crash."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 16), nn.Linear(16, 5)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids))).mean(1)
+
+
+def test_a_step_that_reads_nothing_waits_for_nothing():
+    """As CUDA's launches: forward, backward and the optimizer's step return once submitted; reading the loss is the
+    one wait of a step. Losses and weights stay eager's."""
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend="meganeura")
+    data, counters = batch(), get_device().counters
+    for step in range(6):
+        waits = counters.waits
+        loss = compiled(*data)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert counters.waits == waits, f"step {step} waited {counters.waits - waits} times, reading nothing"
+        ref_loss = F.cross_entropy(ref(data[0]), data[1])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step % 2:
+            assert_losses_match(loss.item(), ref_loss.item(), step)
+            assert counters.waits == waits + 1, "reading the loss: one wait"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_an_index_out_of_range_raises_at_the_next_read_naming_the_op_and_the_loop_goes_on():
+    """An embedding id out of range in a step that reads nothing raises at the next read of a value (``loss.item()``
+    of the next step), naming the op; the steps after it run and train as eager does from there."""
+    model = Embedded()
+    opt = torch_meganeura.keep_on_device(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids, y: F.cross_entropy(model(ids), y), backend="meganeura")
+    good, bad, y = torch.randint(0, 10, (4, 6)), torch.randint(0, 10, (4, 6)), torch.randint(0, 5, (4,))
+    bad[1, 2] = 10
+    for ids in (good, bad):
+        loss = compiled(ids, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    loss = compiled(good, y)
+    with pytest.raises(KernelStatusError, match="index out of range in .*embedding"):
+        loss.item()
+    ref = copy.deepcopy(model)  # the state the failed step left (its clamped ids read row 0), then eager steps
+    with torch.no_grad():
+        for (_, p), q in zip(model.named_parameters(), ref.parameters()):
+            q.copy_(p)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        loss = compiled(good, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(good), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_losses_match(loss.item(), ref_loss.item(), step)
+
+
+def test_an_eager_op_mixing_a_kept_parameter_and_a_lazy_output_reads_both():
+    """The override of a call's first tensor subclass runs it with overrides off: it downloads every kept argument,
+    a ``DeviceParameter``'s and a ``DeviceTensor``'s alike (it synced only its own class: the other was read stale)."""
+    model = MLP()
+    opt = torch_meganeura.keep_on_device(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend="meganeura")
+    data = batch()
+    for _ in range(2):
+        compiled(*data).backward()
+        opt.step()
+        opt.zero_grad()
+    loss = compiled(*data)  # stays on the device until read
+    bias = model.fc2.bias  # stale on the host after the device's steps
+    assert type(loss) is DeviceTensor and type(bias) is DeviceParameter
+    mixed = torch.mul(bias, loss)  # the parameter's override runs the op
+    want = bias.detach().clone() * loss.item()
+    torch.testing.assert_close(mixed.detach(), want)
+    assert loss.item() > 0.1
