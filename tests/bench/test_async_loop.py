@@ -1,0 +1,57 @@
+"""The ordinary loop (``torch.compile`` + ``keep_on_device(AdamW)``) on the five benchmark workloads' smoke models,
+asynchronous against synchronous (``MEGANEURA_SYNC``'s switch, ``InFlight.sync``): 10 steps from the same weights
+and batch give identical losses and final weights, elementwise; an asynchronous step that reads nothing waits for
+nothing, and one that reads the loss waits once (the device's counters)."""
+import copy
+
+import pytest
+import torch
+
+import torch_meganeura
+from bench.workloads import WORKLOADS
+from meganeura.runtime.device import get_device
+
+STEPS = 10
+READ_EVERY = 3  # steps that read the loss; the others read nothing
+
+
+def loop(workload, base: torch.nn.Module, batch: tuple, sync: bool) -> tuple[list[float], dict, list[int]]:
+    """(losses, final parameters, waits of each step) of ``STEPS`` AdamW steps of the loop."""
+    device = get_device()
+    device.synchronize()
+    model = copy.deepcopy(base).train(workload.train_mode)
+    opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: workload.loss(model, *args), backend="meganeura")
+    losses, waits, was = [], [], device.in_flight.sync
+    device.in_flight.sync = sync
+    try:
+        for step in range(STEPS):
+            before = device.counters.waits
+            loss = compiled(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % READ_EVERY == 0:
+                losses.append(loss.item())
+            waits.append(device.counters.waits - before)
+    finally:
+        device.in_flight.sync = was
+    torch_meganeura.sync_parameters(opt)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, waits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_asynchronous_loop_equals_the_synchronous_one(name):
+    workload = WORKLOADS[name]
+    torch.manual_seed(0)
+    base = workload.build(True)
+    batch = workload.batch("full", torch.Generator().manual_seed(0), True)
+    sync_losses, sync_weights, _ = loop(workload, base, batch, sync=True)
+    losses, weights, waits = loop(workload, base, batch, sync=False)
+    assert losses == sync_losses
+    for n, p in weights.items():
+        assert torch.equal(p, sync_weights[n]), n
+    steady = waits[2:]  # (the first steps compile: plans that read nothing back still upload and may time)
+    assert steady == [1 if step % READ_EVERY == 0 else 0 for step in range(2, STEPS)], waits
