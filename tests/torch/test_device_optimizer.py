@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import torch_meganeura
 from helpers.models import llama, randomize_norms
 from meganeura.runtime.device import get_device
+from torch_meganeura.compiled import DevicePartition
 from torch_meganeura.device_tensor import DeviceParameter, DeviceTensor
 from torch_meganeura.resident import ResidentTensor
 
@@ -130,14 +131,18 @@ def assert_printed_as(t: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(torch.tensor(numbers), want, rtol=RTOL, atol=ATOL)
 
 
-def test_resnet_30_adamw_steps_in_train_mode():
-    """BatchNorm in training updates its running statistics on the device, where they stay (each forward binds
-    them as they are: no bind group built, nothing uploaded but the batch) while the optimizer runs there too;
-    ``state_dict()`` and printing read them as eager's."""
+def test_resnet_30_adamw_steps_in_train_mode(monkeypatch):
+    """BatchNorm in training updates its running statistics on the device, where they stay (each forward and
+    backward replays its entry as bound: no signature built, no bind group, nothing uploaded but the batch, once)
+    while the optimizer runs there too; ``state_dict()`` and printing read them as eager's."""
     loops = resnet_loops()
     batches = [(torch.randn(2, 3, 32, 32), torch.randint(0, 5, (2,))) for _ in range(3)]
+    looked_up = []  # entries selected by signature, each step
+    entry_for = DevicePartition._entry_for
+    monkeypatch.setattr(DevicePartition, "_entry_for", lambda *a: looked_up.append(len(loops.moved)) or entry_for(*a))
     for step in range(30):
         assert_losses_match(*loops.step(*batches[step % 3]), step)
+    assert max(looked_up) == 0, looked_up  # from the second step every partition call replays its entry
     loops.assert_parameters_match()
     stats = loops.model.resnet.embedder.embedder.normalization.running_mean
     assert type(stats) is DeviceTensor and stats._meganeura_kept.stale  # not read back by the steps
