@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import OutputType
@@ -180,7 +181,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
     returned = _plain_user_outputs(fused) if mode == "inference" else set()  # stay on the device until read
-    mutated = {} if backward else _mutated_inputs(fused)  # updated on the device, in place
+    mutated = {} if backward or mode == "forward" and _buffers_shared() else _mutated_inputs(fused)  # on the device
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     _mark_updated(placeholders, set(mutated.values()), graph_inputs)
     index_of = {n: i for i, n in enumerate(placeholders)}
@@ -233,6 +234,13 @@ def _kept_as_is(dtype: torch.dtype) -> bool:
     """Whether a device array of ``dtype`` values has that torch dtype again (int64 is stored as int32)."""
     logical = TORCH_TO_LOGICAL.get(dtype)
     return logical is not None and TORCH_DTYPE.get(logical) == dtype
+
+
+def _buffers_shared() -> bool:
+    """Whether this process trains in a group of several (torch.distributed): DDP's ``broadcast_buffers`` then
+    reads and writes the module buffers' host copies from C++, below ``device_tensor``'s override, so a training
+    forward's buffer updates come back to the host, and aot_autograd writes them into the buffers."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _mark_updated(placeholders: list[fx.Node], updated: set[fx.Node], graph_inputs) -> None:
