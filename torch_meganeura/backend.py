@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import OutputType
@@ -25,7 +26,9 @@ from .decompositions import aot_decomposition_table
 from .device_tensor import DeviceParameter, mark_updated
 from .device_graph import unsupported_listing
 from .options import Options
-from .params import ParamStore
+from .params import ParamStore, upload_array
+from .registry import TORCH_TO_LOGICAL
+from .resident import TORCH_DTYPE, ResidentTensor
 from .partition import fallback_ops, partition
 from .saved_values import partition_joint
 
@@ -178,7 +181,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
     returned = set() if backward else _plain_user_outputs(fused)  # stay on the device until read
-    mutated = {} if backward else _mutated_inputs(fused)  # updated on the device, in place
+    mutated = {} if backward or mode == "forward" and _buffers_shared() else _mutated_inputs(fused)  # on the device
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     _mark_updated(placeholders, set(mutated.values()), graph_inputs)
     index_of = {n: i for i, n in enumerate(placeholders)}
@@ -194,16 +197,50 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward"))
     context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
+    shared = _shared_inputs(fused, saved - set(mutated.values()), param_indices, names) if mode == "forward" else []
 
     def run(args):
         if watched:
             kept.kept = _all_kept(args, watched)
+        for i in shared:  # uploaded once, for the forward's partitions and the backward's
+            if type(args[i]) is torch.Tensor:  # (a resident or kept tensor is bound as it is)
+                args[i] = ResidentTensor(upload_array(context.device(), args[i]))
         result = fused(*args)
         args.clear()
         return result
 
     run._boxed_call = True
     return run
+
+
+def _shared_inputs(gm: fx.GraphModule, saved: set[fx.Node], static: set[int], partitions) -> list[int]:
+    """The inputs of a training forward that it saves for the backward as they are (the image batch, which the
+    first convolution's weight gradient reads) and that only device partitions read: the forward uploads each into
+    a device array and passes it as a ``ResidentTensor``, which its partitions bind and the backward gets, where
+    each would upload it again. Parameters and buffers are not among them (their device copies are kept), nor
+    inputs the graph updates, nor values whose dtype the device stores as another (int64)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    shared = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("val")
+        readers = [u for u in node.users if u is not output]
+        if (node in saved and i not in static and isinstance(value, torch.Tensor) and _kept_as_is(value.dtype)
+                and readers and all(u.op == "call_module" and u.target in partitions for u in readers)):
+            shared.append(i)
+    return shared
+
+
+def _kept_as_is(dtype: torch.dtype) -> bool:
+    """Whether a device array of ``dtype`` values has that torch dtype again (int64 is stored as int32)."""
+    logical = TORCH_TO_LOGICAL.get(dtype)
+    return logical is not None and TORCH_DTYPE.get(logical) == dtype
+
+
+def _buffers_shared() -> bool:
+    """Whether this process trains in a group of several (torch.distributed): DDP's ``broadcast_buffers`` then
+    reads and writes the module buffers' host copies from C++, below ``device_tensor``'s override, so a training
+    forward's buffer updates come back to the host, and aot_autograd writes them into the buffers."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _mark_updated(placeholders: list[fx.Node], updated: set[fx.Node], graph_inputs) -> None:

@@ -130,3 +130,38 @@ def test_process_group_step_matches_the_single_plan_step(world_of_one, tmp_path)
     dp.load(tmp_path / "dp.safetensors")
     assert torch.equal(dp(*batches[3]), after) and dp.steps == 4
     assert torch.equal(dp.state_dict()["1.running_mean"], torch.from_numpy(dp.device_weights()["1.running_mean"]))
+
+
+BATCHNORM_SCRIPT = """
+import copy, sys
+import torch, torch.nn as nn, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).train()
+ref = copy.deepcopy(model)
+compiled = nn.parallel.DistributedDataParallel(torch.compile(model, backend="meganeura"))
+eager = nn.parallel.DistributedDataParallel(ref)
+batches = torch.Generator().manual_seed(rank)  # each rank its own
+for _ in range(3):
+    x = torch.randn(4, 6, generator=batches)
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+torch.save({"got": dict(model.named_buffers()), "want": dict(ref.named_buffers())}, f"{sys.argv[1]}/rank{rank}.pt")
+"""
+
+
+def test_ddp_around_the_compiled_model_broadcasts_batchnorm_statistics_as_eager(tmp_path):
+    """DDP broadcasts rank 0's buffers before every forward, reading and writing their host copies from C++: in a
+    group of several processes the running statistics a training forward updates come back to the host, and every
+    rank's are eager DDP's. (Two small torchrun processes: about 11 s on the 2-core machine.)"""
+    script = tmp_path / "batchnorm.py"
+    script.write_text(BATCHNORM_SCRIPT)
+    env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for r in range(WORLD):
+        saved = torch.load(tmp_path / f"rank{r}.pt")
+        for name, want in saved["want"].items():
+            torch.testing.assert_close(saved["got"][name], want, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
