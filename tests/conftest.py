@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # silences the Vulkan loader's warning; before wgpu loads
 os.environ["MEGANEURA_CACHE_DIR"] = "off"  # every test compiles (tests of the plan cache turn it on for themselves)
@@ -47,3 +48,14 @@ def _seed():
     torch.manual_seed(0)
     yield
 
+
+
+@pytest.fixture(autouse=True)
+def _runs_in_flight_read_by_their_test():
+    """A run's status is read at the next wait (``meganeura.runtime.in_flight``): wait at the end of each test, so
+    that an error a test's runs set is raised in that test, not in the next one to wait."""
+    yield
+    runtime_device = sys.modules.get("meganeura.runtime.device")
+    for device in list(getattr(runtime_device, "_devices", {}).values()):
+        if device.in_flight and not device.lost:
+            device.synchronize()
