@@ -183,7 +183,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     returned = set() if backward else _plain_user_outputs(fused)  # stay on the device until read
     mutated = {} if backward or mode == "forward" and _buffers_shared() else _mutated_inputs(fused)  # on the device
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
-    _mark_updated(placeholders, set(mutated.values()), graph_inputs)
+    if mode == "forward":
+        _mark_updated(placeholders, set(mutated.values()), graph_inputs)
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
         if node.op == "call_module" and node.target in names:
@@ -247,7 +248,9 @@ def _mark_updated(placeholders: list[fx.Node], updated: set[fx.Node], graph_inpu
     """Make the real tensors of the ``updated`` placeholders the ``DeviceTensor``s that the first run's update makes
     of them (``device_tensor.adopt``) now, before dynamo builds the frame's guards: the guards then expect that
     class, where a class changed at the first run would make dynamo trace the frame again. Only where the
-    placeholders are dynamo's graph inputs one for one, and only plain tensors (buffers, caches)."""
+    placeholders are dynamo's graph inputs one for one, only plain tensors, and only a training forward's (buffers,
+    which live as long as their module): an inference graph's updated inputs (HF's static cache) are new tensors at
+    each ``generate`` call, plain again, and guards expecting the class made each call trace the model again."""
     if len(placeholders) != len(graph_inputs):
         return
     for node, t in zip(placeholders, graph_inputs):

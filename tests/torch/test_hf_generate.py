@@ -112,6 +112,9 @@ def test_static_cache_gives_eager_tokens_and_is_updated_on_the_device(make):
     assert _generate(model, prompts[1], cache_implementation="static").tolist() == wants[1].tolist()
     # A new prefill length (its graph dynamic now); the new cache (another length) goes up once, at the first decode
     _check_steps(model.forward.steps, model.config.vocab_size, 1, 2, cache)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert _generate(model, prompts[1], cache_implementation="static").tolist() == wants[1].tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a generate call traced the model again"
 
 
 def test_a_returned_tensor_reads_as_eager_and_goes_back_without_an_upload():
