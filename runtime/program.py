@@ -236,7 +236,7 @@ class Program:
         symbol's least value, not at its bound."""
         if self.symbolic is None:
             return t.nbytes
-        return max(t.nbytes, self.plan.buffer(t.buffer).size - t.offset)
+        return max(t.nbytes, self._specs[t.buffer].size - t.offset)
 
     def _buffer(self, name: str, swaps: dict | None = None):
         if swaps and name in swaps:

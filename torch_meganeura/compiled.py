@@ -110,10 +110,11 @@ class _BoundPlan:
         ``DeviceTensor``: its kind changed, not its shape or dtype). (Their shapes and dtypes are then the bound
         ones: ``.data`` swaps change the storage, and dynamo's guards check every parameter's metadata before the
         graph runs.)"""
-        if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
-            return False
-        if self._sized and not self._serves(args):
-            return False
+        with torch._C.DisableTorchFunctionSubclass():  # (kept tensors' metadata: their override needs none of it)
+            if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
+                return False
+            if self._sized and not self._serves(args):
+                return False
         return (self.params_current(args) and tuple(id(args[i]) for i in self.updated) == self._updated_ids
                 and not self.program.device.lost)
 
@@ -123,8 +124,8 @@ class _BoundPlan:
 
     def _serves(self, args) -> bool:
         """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards."""
-        key = self.dynamic.abstract(signature(args))
-        return all(key[i] == item for i, item in self._sized) and self.graph.holds(self.dynamic.values(args))
+        return (all(self.dynamic.abstract_item(i, signature_item(args[i])) == item for i, item in self._sized)
+                and self.graph.holds(self.dynamic.values(args)))
 
     def bind(self, args, store: ParamStore) -> None:
         """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph

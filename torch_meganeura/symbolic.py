@@ -9,7 +9,7 @@ from its arguments, or whose sizes use a function we do not model, is compiled f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -35,6 +35,10 @@ class DynamicSizes:
     lower: tuple[int, ...]
     dynamic: tuple[tuple[int, frozenset | None], ...]
     upper: tuple[int | None, ...] = ()  # declared largest values (an exported program's ranges): the plan's bounds
+    _dims: dict = field(init=False, compare=False, repr=False)  # ``dynamic`` as a dict, for ``abstract_item``
+
+    def __post_init__(self):
+        object.__setattr__(self, "_dims", dict(self.dynamic))  # (frozen: set once here)
 
     @staticmethod
     def of(gm: torch.fx.GraphModule, ranges: dict | None = None) -> "DynamicSizes | None":
@@ -67,17 +71,24 @@ class DynamicSizes:
         """A call's signature (``compiled.signature``) with the symbolic sizes left out: what selects the plans
         that may serve it, whose guards then decide."""
         key = list(key)
-        for i, dims in self.dynamic:
-            if dims is None:
-                key[i] = None
-            else:
-                shape, *rest = key[i]
-                key[i] = (tuple(None if d in dims else s for d, s in enumerate(shape)), *rest)
+        for i, _ in self.dynamic:
+            key[i] = self.abstract_item(i, key[i])
         return tuple(key)
+
+    def abstract_item(self, i: int, item):
+        """Item ``i`` of a call's signature with its symbolic sizes left out (``abstract``)."""
+        dims = self._dims.get(i, ())
+        if dims is None:
+            return None
+        if not dims:
+            return item
+        shape, *rest = item
+        return (tuple(None if d in dims else s for d, s in enumerate(shape)), *rest)
 
     def values(self, args) -> tuple[int, ...]:
         """The symbols' values in a call with placeholder values ``args``."""
-        return tuple(int(args[i]) if d is None else args[i].shape[d] for i, d in self.sources)
+        with torch._C.DisableTorchFunctionSubclass():  # (a kept tensor's shape: no override needed)
+            return tuple(int(args[i]) if d is None else args[i].shape[d] for i, d in self.sources)
 
     def pin(self, args) -> list:
         """``args`` as they are, with every symbol's value recorded as a guard: a plan for these sizes alone."""

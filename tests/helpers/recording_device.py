@@ -106,8 +106,14 @@ class RecordingPass:
         self._pipeline = pipeline
 
     def set_bind_group(self, index: int, group: RecordedBindGroup) -> None:
-        assert index == 0, f"plans bind group 0 only, not {index}"
-        self._group = group
+        assert index in (0, 1), f"plans bind group 0, and group 1 for their sizes, not {index}"
+        if index == 0:
+            self._group = group
+
+    def dispatch_workgroups_indirect(self, buffer: RecordedBuffer, offset: int) -> None:
+        """A dispatch whose workgroup counts a plan over symbolic sizes wrote into ``buffer`` (three u32)."""
+        assert not buffer.destroyed and offset + 12 <= buffer.size, f"indirect counts out of {buffer.label!r}"
+        self.dispatch_workgroups(*np.frombuffer(bytes(buffer.data[offset:offset + 12]), np.uint32).tolist())
 
     def dispatch_workgroups(self, x: int, y: int = 1, z: int = 1) -> None:
         assert self._pipeline is not None and self._group is not None, "a dispatch with no pipeline or bind group"
@@ -233,6 +239,17 @@ class RecordingDevice:
 
     def storage_buffer(self, size: int, label: str = "") -> RecordedBuffer:
         return self.create_buffer(size, "storage", label)
+
+    def uniform_buffer(self, size: int, label: str = "") -> RecordedBuffer:
+        return self.create_buffer(size, "storage", label)
+
+    def indirect_buffer(self, size: int, label: str = "") -> RecordedBuffer:
+        return self.create_buffer(size, "storage", label)
+
+    def sizes_group(self, buffer: RecordedBuffer) -> RecordedBindGroup:
+        """Group 1 of a plan over symbolic sizes: its size buffer."""
+        self.counters.bind_groups_created += 1
+        return RecordedBindGroup(((buffer, 0, buffer.size),), "sizes")
 
     def staging_buffer(self, size: int, label: str = "") -> RecordedBuffer:
         return self.create_buffer(size, "staging", label)
