@@ -115,27 +115,8 @@ class Program:
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
-        stored = [t for t in plan.inputs + plan.params + plan.outputs if t.name not in plan.in_place]
-        counts: dict[str, int] = {}
-        for t in stored:
-            counts[t.buffer] = counts.get(t.buffer, 0) + 1
-        self._alone = {t.name for t in stored if not t.offset and counts[t.buffer] == 1}
-        self._in_place = dict(plan.in_place)  # output -> the device input it is stored over, returned as that array
-        self._resident = {t.name: t for t in plan.outputs
-                          if t.name in set(resident_outputs) and t.name not in self._in_place}
-        unknown = sorted(set(resident_outputs) - set(self._resident) - set(self._in_place))
-        if unknown:
-            raise InputError(f"resident outputs {unknown} are not outputs of this plan")
-        self._own_buffer_specs(self._resident.values(), "a resident output")
-        input_specs = self._input_specs = {t.name: t for t in plan.inputs}
-        unknown = sorted(set(device_only_inputs) - set(input_specs))
-        if unknown:
-            raise InputError(f"device-only inputs {unknown} are not inputs of this plan")
-        self._device_only = frozenset(device_only_inputs)
-        uploaded = sorted(name for name in self._in_place.values() if name not in self._device_only)
-        if uploaded:
-            raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
-        self._own_buffer_specs([input_specs[n] for n in self._device_only], "a device-only input")
+        self._take_roles(plan, resident_outputs, device_only_inputs)
+        input_specs = self._input_specs
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
         sizes_buffer = f"input:{SIZES_INPUT}" if self.symbolic is not None else None
         self._owned = {
@@ -173,6 +154,32 @@ class Program:
             self._resolve()
 
     # ---- construction
+
+    def _take_roles(self, plan: Plan, resident_outputs, device_only_inputs) -> None:
+        """Check and keep which outputs stay on the device (``_resident``), which are stored over an input
+        (``_in_place``) and which inputs are bound from device arrays only (``_device_only``); each of those needs a
+        buffer of its own (``_alone``), swapped per run."""
+        stored = [t for t in plan.inputs + plan.params + plan.outputs if t.name not in plan.in_place]
+        counts: dict[str, int] = {}
+        for t in stored:
+            counts[t.buffer] = counts.get(t.buffer, 0) + 1
+        self._alone = {t.name for t in stored if not t.offset and counts[t.buffer] == 1}
+        self._in_place = dict(plan.in_place)  # output -> the device input it is stored over, returned as that array
+        self._resident = {t.name: t for t in plan.outputs
+                          if t.name in set(resident_outputs) and t.name not in self._in_place}
+        unknown = sorted(set(resident_outputs) - set(self._resident) - set(self._in_place))
+        if unknown:
+            raise InputError(f"resident outputs {unknown} are not outputs of this plan")
+        self._own_buffer_specs(self._resident.values(), "a resident output")
+        input_specs = self._input_specs = {t.name: t for t in plan.inputs}
+        unknown = sorted(set(device_only_inputs) - set(input_specs))
+        if unknown:
+            raise InputError(f"device-only inputs {unknown} are not inputs of this plan")
+        self._device_only = frozenset(device_only_inputs)
+        uploaded = sorted(name for name in self._in_place.values() if name not in self._device_only)
+        if uploaded:
+            raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
+        self._own_buffer_specs([input_specs[n] for n in self._device_only], "a device-only input")
 
     def _own_buffer_specs(self, specs, what: str) -> None:
         """Require each tensor of ``specs`` to be alone at offset 0 of its buffer (it is swapped per run)."""
@@ -371,16 +378,7 @@ class Program:
                 for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
-        for name, offset, parts, block in self._writes:
-            if name in swaps:
-                continue
-            if block is None:
-                spec = parts[0][0]
-                dev.write(self._owned[name], offset, arrays[spec.name].reshape(-1), spec.name)
-            else:
-                for spec, at in parts:
-                    block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
-                dev.write(self._owned[name], offset, block, name)
+        self._upload(arrays, swaps)
         commands = self._with_swaps(swaps)
         profiler = dev.profiler if commands else None
         ahead, self._ahead = self._ahead, None
@@ -402,18 +400,38 @@ class Program:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
-        data = b""
-        if waits:
-            data = self._read_back.read(staging)
-            if profiler is not None:
-                profiler.collect(self.plan.dispatches)
-            error = self._status_error(data)
-            if error is not None:
-                raise error
-        elif staging is not None:
-            dev.in_flight.add(f"run {self.runs} of {self.label}", partial(self._read_status, staging))
+        data = self._finish(staging, waits, profiler)
         return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
                 for t in plan.outputs}
+
+    def _upload(self, arrays: dict[str, np.ndarray], swaps: dict) -> None:
+        """Write the host inputs into the program's input buffers (not those a device input replaces this run)."""
+        for name, offset, parts, block in self._writes:
+            if name in swaps:
+                continue
+            if block is None:
+                spec = parts[0][0]
+                self.device.write(self._owned[name], offset, arrays[spec.name].reshape(-1), spec.name)
+            else:
+                for spec, at in parts:
+                    block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
+                self.device.write(self._owned[name], offset, block, name)
+
+    def _finish(self, staging, waits: bool, profiler):
+        """After the submit: wait and read back (host outputs, a profile, ``MEGANEURA_SYNC``), raising a status the
+        run set; or leave the run in flight, its status copied into ``staging`` (if it has one) for the next wait.
+        Returns the read-back bytes (none for a run in flight)."""
+        if not waits:
+            if staging is not None:
+                self.device.in_flight.add(f"run {self.runs} of {self.label}", partial(self._read_status, staging))
+            return b""
+        data = self._read_back.read(staging)
+        if profiler is not None:
+            profiler.collect(self.plan.dispatches)
+        error = self._status_error(data)
+        if error is not None:
+            raise error
+        return data
 
     def _plan_for(self, sizes, inputs: dict) -> tuple[Plan | "RunTensors", dict]:
         """The inputs and outputs at this run's ``sizes`` (a plan over symbolic sizes: ``RunTensors``; else the plan),
