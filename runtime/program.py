@@ -44,7 +44,8 @@ from .device import Device
 from .errors import InputError, KernelStatusError, MeganeuraError
 from .native import Indirect, command_encoder, compute_pass, finish, record_dispatches
 from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
-from .program_checks import check_limits, from_device_bytes, to_device_array
+from .program_checks import (check_in_place, check_into, check_limits, check_run_inputs, from_device_bytes,
+                             require_own_buffers, status_error, to_device_array)
 from .readback import ReadBackBuffers
 from .resident import DeviceArray
 
@@ -170,7 +171,7 @@ class Program:
         unknown = sorted(set(resident_outputs) - set(self._resident) - set(self._in_place))
         if unknown:
             raise InputError(f"resident outputs {unknown} are not outputs of this plan")
-        self._own_buffer_specs(self._resident.values(), "a resident output")
+        require_own_buffers(self._resident.values(), self._alone, "a resident output")
         input_specs = self._input_specs = {t.name: t for t in plan.inputs}
         unknown = sorted(set(device_only_inputs) - set(input_specs))
         if unknown:
@@ -179,13 +180,7 @@ class Program:
         uploaded = sorted(name for name in self._in_place.values() if name not in self._device_only)
         if uploaded:
             raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
-        self._own_buffer_specs([input_specs[n] for n in self._device_only], "a device-only input")
-
-    def _own_buffer_specs(self, specs, what: str) -> None:
-        """Require each tensor of ``specs`` to be alone at offset 0 of its buffer (it is swapped per run)."""
-        for t in specs:
-            if t.name not in self._alone:
-                raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")
+        require_own_buffers([input_specs[n] for n in self._device_only], self._alone, "a device-only input")
 
     def wait_pipelines(self) -> None:
         """Wait for the plan's pipelines, compiling since construction; raises a kernel's compile error. Binding
@@ -368,11 +363,11 @@ class Program:
         device_inputs, into = device_inputs or {}, into or {}
         plan, inputs = self._plan_for(sizes, inputs)
         arrays = self._convert_inputs(inputs, device_inputs, plan)
-        self._check_into(into, device_inputs, plan)
+        check_into(into, device_inputs, self._resident, plan.outputs, self.device)
         if self._in_place:
-            self._check_in_place(device_inputs)
+            check_in_place(device_inputs, self._in_place)
         dev = self.device
-        swaps = {spec.buffer: device_inputs[name].buffer for name, spec in self._device_input_specs(device_inputs)}
+        swaps = {self._input_specs[name].buffer: array.buffer for name, array in device_inputs.items()}
         shapes = {t.name: t.shape for t in plan.outputs}
         kept = {name: into[name] if name in into else self._new_output(name, shapes[name], t)
                 for name, t in self._resident.items()}
@@ -532,74 +527,13 @@ class Program:
             commands.append((pipeline, group, workgroups))
         return commands
 
-    def _check_into(self, into: dict, device_inputs: dict, plan: Plan) -> None:
-        unknown = sorted(set(into) - set(self._resident))
-        if unknown:
-            raise InputError(f"into: {unknown} are not resident outputs of this program; those are "
-                             f"{sorted(self._resident)}")
-        bound = {id(array.buffer) for array in device_inputs.values()}
-        outputs = {t.name: t for t in plan.outputs}
-        for name, array in into.items():
-            spec = outputs[name]
-            if not isinstance(array, DeviceArray) or array.buffer is None or array.device is not self.device:
-                raise InputError(f"into[{name!r}] must be a live DeviceArray on {self.device.name}, got {array!r}")
-            if array.shape != spec.shape or array.dtype != spec.dtype:
-                raise InputError(f"into[{name!r}] must be {spec.dtype}{list(spec.shape)}, got "
-                                 f"{array.dtype}{list(array.shape)}")
-            if id(array.buffer) in bound:
-                raise InputError(f"into[{name!r}] is also bound as a device input of this run; an output cannot "
-                                 "overwrite an input the plan reads")
-        if len({id(array.buffer) for array in into.values()}) < len(into):
-            raise InputError("into: two resident outputs were given the same array")
-
-    def _check_in_place(self, device_inputs: dict) -> None:
-        """An input that an output overwrites must be the only input bound to its array (another would read the
-        new values as its own)."""
-        targets = {id(device_inputs[name].buffer): name for name in self._in_place.values()}
-        shared = sorted(f"{name} and {targets[id(a.buffer)]}" for name, a in device_inputs.items()
-                        if id(a.buffer) in targets and targets[id(a.buffer)] != name)
-        if shared:
-            raise InputError(f"device inputs {shared} are bound to one array, which this run overwrites in place")
-
-    def _device_input_specs(self, device_inputs: dict):
-        specs = self._input_specs
-        return [(name, specs[name]) for name in device_inputs]
-
     def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict, plan: Plan) -> dict[str, np.ndarray]:
         specs = self._input_specs if plan is self.plan else {t.name: t for t in plan.inputs}
-        given = set(inputs) | set(device_inputs)
-        missing = sorted(set(specs) - given)
-        extra = sorted(given - set(specs))
-        both = sorted(set(inputs) & set(device_inputs))
-        if missing or extra or both:
-            raise InputError(f"missing inputs {missing}, unexpected inputs {extra}, given twice {both}; "
-                             f"expected {sorted(specs)}")
-        host_only = sorted(self._device_only & set(inputs))
-        if host_only:
-            raise InputError(f"inputs {host_only} are device-only in this program: pass them as device_inputs")
-        self._own_buffer_specs([specs[name] for name in device_inputs], "a device input")
-        for name, array in device_inputs.items():
-            spec = specs[name]
-            if not isinstance(array, DeviceArray) or array.buffer is None:
-                raise InputError(f"device input {name!r} must be a live DeviceArray, got {array!r}")
-            if array.device is not self.device:
-                raise InputError(f"device input {name!r} lives on {array.device.name}, this program on "
-                                 f"{self.device.name}")
-            if array.shape != spec.shape or array.dtype != spec.dtype:
-                raise InputError(f"device input {name!r} expects {spec.dtype}{list(spec.shape)}, got "
-                                 f"{array.dtype}{list(array.shape)}")
+        check_run_inputs(inputs, device_inputs, specs, self._device_only, self._alone, self.device)
         return {name: to_device_array(spec, inputs[name]) for name, spec in specs.items() if name in inputs}
 
     def _status_error(self, data) -> KernelStatusError | None:
-        """The error of the first status word set in read-back ``data``, or None."""
-        for name, offset, size in self._status_offsets:
-            words = np.frombuffer(data, np.uint32, size // 4, offset)
-            nonzero = np.flatnonzero(words)
-            if nonzero.size:
-                code = int(words[nonzero[0]])
-                default = f"a kernel raised status code {code} (word {int(nonzero[0])} of {name!r})"
-                return KernelStatusError(code, self.plan.status_messages.get(code, default))
-        return None
+        return status_error(data, self._status_offsets, self.plan.status_messages)
 
     def _read_status(self, staging) -> KernelStatusError | None:
         """The status error left by a run that was not waited for (its status words copied into ``staging``)."""

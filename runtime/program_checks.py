@@ -1,14 +1,16 @@
 """What a program checks before it builds or runs anything: a plan against its device's limits (``check_limits``),
-and each host array against its tensor's spec on the way up (``to_device_array``); and the read-back's bytes
-taken apart into host arrays (``from_device_bytes``)."""
+a run's arguments (``check_run_inputs``, ``check_into``, ``check_in_place``, ``require_own_buffers``) and each host
+array against its tensor's spec on the way up (``to_device_array``); and the read-back's bytes taken apart into host
+arrays (``from_device_bytes``) and status errors (``status_error``)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .device import Device
 from .dtypes import HOST_DTYPE, from_storage, host_words
-from .errors import InputError, LimitError
+from .errors import InputError, KernelStatusError, LimitError
 from .plan import Plan, TensorSpec
+from .resident import DeviceArray
 
 _INT32 = np.iinfo(np.int32)
 _HOST_FORM = {"bfloat16": " (its raw bits as uint16; numpy has no bfloat16)"}
@@ -73,3 +75,81 @@ def check_limits(dev: Device, plan: Plan) -> None:
                     f"this adapter's min-storage-buffer-offset-alignment {dev.offset_alignment}",
                     limit="min-storage-buffer-offset-alignment", value=dev.offset_alignment, requested=b.offset,
                 )
+
+
+def require_own_buffers(specs, alone: set[str], what: str) -> None:
+    """Require each tensor of ``specs`` to be alone at offset 0 of its buffer (``alone``): it is swapped per run."""
+    for t in specs:
+        if t.name not in alone:
+            raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")
+
+
+def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorSpec], device_only: frozenset,
+                     alone: set[str], device) -> None:
+    """A run's host and device inputs against the plan's inputs ``specs``: each given once, the device-only ones on
+    the device, each device array live on ``device``, of its spec's shape and dtype, in a buffer it may swap."""
+    given = set(inputs) | set(device_inputs)
+    missing = sorted(set(specs) - given)
+    extra = sorted(given - set(specs))
+    both = sorted(set(inputs) & set(device_inputs))
+    if missing or extra or both:
+        raise InputError(f"missing inputs {missing}, unexpected inputs {extra}, given twice {both}; "
+                         f"expected {sorted(specs)}")
+    host_only = sorted(device_only & set(inputs))
+    if host_only:
+        raise InputError(f"inputs {host_only} are device-only in this program: pass them as device_inputs")
+    require_own_buffers([specs[name] for name in device_inputs], alone, "a device input")
+    for name, array in device_inputs.items():
+        spec = specs[name]
+        if not isinstance(array, DeviceArray) or array.buffer is None:
+            raise InputError(f"device input {name!r} must be a live DeviceArray, got {array!r}")
+        if array.device is not device:
+            raise InputError(f"device input {name!r} lives on {array.device.name}, this program on {device.name}")
+        if array.shape != spec.shape or array.dtype != spec.dtype:
+            raise InputError(f"device input {name!r} expects {spec.dtype}{list(spec.shape)}, got "
+                             f"{array.dtype}{list(array.shape)}")
+
+
+def check_into(into: dict, device_inputs: dict, resident: dict, outputs: list[TensorSpec], device) -> None:
+    """The arrays a run writes its ``resident`` outputs into: live on ``device``, of the outputs' shapes and dtypes,
+    none bound as an input of the run, none given twice."""
+    unknown = sorted(set(into) - set(resident))
+    if unknown:
+        raise InputError(f"into: {unknown} are not resident outputs of this program; those are {sorted(resident)}")
+    bound = {id(array.buffer) for array in device_inputs.values()}
+    specs = {t.name: t for t in outputs}
+    for name, array in into.items():
+        spec = specs[name]
+        if not isinstance(array, DeviceArray) or array.buffer is None or array.device is not device:
+            raise InputError(f"into[{name!r}] must be a live DeviceArray on {device.name}, got {array!r}")
+        if array.shape != spec.shape or array.dtype != spec.dtype:
+            raise InputError(f"into[{name!r}] must be {spec.dtype}{list(spec.shape)}, got "
+                             f"{array.dtype}{list(array.shape)}")
+        if id(array.buffer) in bound:
+            raise InputError(f"into[{name!r}] is also bound as a device input of this run; an output cannot "
+                             "overwrite an input the plan reads")
+    if len({id(array.buffer) for array in into.values()}) < len(into):
+        raise InputError("into: two resident outputs were given the same array")
+
+
+def check_in_place(device_inputs: dict, in_place: dict[str, str]) -> None:
+    """An input that an output overwrites (``in_place``: output -> input) must be the only input bound to its array
+    (another would read the new values as its own)."""
+    targets = {id(device_inputs[name].buffer): name for name in in_place.values()}
+    shared = sorted(f"{name} and {targets[id(a.buffer)]}" for name, a in device_inputs.items()
+                    if id(a.buffer) in targets and targets[id(a.buffer)] != name)
+    if shared:
+        raise InputError(f"device inputs {shared} are bound to one array, which this run overwrites in place")
+
+
+def status_error(data, status_offsets: list[tuple[str, int, int]], messages: dict[int, str]) -> KernelStatusError | None:
+    """The error of the first status word set in read-back ``data`` (each status buffer's (name, staging offset,
+    size)), named by ``messages`` (a plan's ``status_messages``); None where none is set."""
+    for name, offset, size in status_offsets:
+        words = np.frombuffer(data, np.uint32, size // 4, offset)
+        nonzero = np.flatnonzero(words)
+        if nonzero.size:
+            code = int(words[nonzero[0]])
+            default = f"a kernel raised status code {code} (word {int(nonzero[0])} of {name!r})"
+            return KernelStatusError(code, messages.get(code, default))
+    return None
