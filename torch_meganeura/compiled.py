@@ -191,8 +191,8 @@ class DevicePartition(torch.nn.Module):
         # A training forward's user outputs (the loss, the logits) stay on the device at every call, until eager code
         # reads them: a step that reads nothing (no ``loss.item()``) waits for nothing, one that reads the loss once.
         self.lazy_from_first = lazy_from_first
-        # An inference graph's outputs that are new values of its arguments (output position -> argument index: a
-        # static KV cache's update): stored over the argument's device array, which the argument then stands for
+        # Outputs that are new values of the graph's arguments (output position -> argument index: a static KV
+        # cache's update, BatchNorm's statistics in training): kept on the device, which the argument then stands for
         # (``device_tensor.adopt``); aot_autograd's copy of the new value into the argument is then a no-op.
         self.mutated = dict(mutated or {})
         self.context = context  # the backend's shared state: device, parameter store, records

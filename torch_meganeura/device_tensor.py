@@ -101,7 +101,7 @@ def _torch_function(cls, func, types_, args=(), kwargs=None):
         return _view_of_itself(args[0])
     if func is torch.Tensor.backward or func is torch.autograd.backward:  # no data of the loss needed
         return _backward(*args, **kwargs)
-    _before_eager(cls, func, args, kwargs)
+    _before_eager(func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
@@ -110,7 +110,7 @@ def _view_of_itself(t: torch.Tensor) -> torch.Tensor:
     """``t.view_as(t)``, reading no data: what autograd makes of an input that a training forward's function returns
     unchanged (an update in place). Outside dispatch modes: aot_autograd's first call checks custom ops under one
     that refuses tensor subclasses."""
-    with torch._C.DisableTorchFunctionSubclass(), torch.utils._python_dispatch._disable_current_modes():
+    with torch._C.DisableTorchFunctionSubclass(), _disable_current_modes():
         return torch.Tensor.view_as(t, t)
 
 
@@ -264,7 +264,7 @@ def kept_array(value, device) -> DeviceArray | None:
 
 
 @torch.compiler.disable  # eager code between graphs runs it as it is, not traced into a graph
-def _before_eager(cls, func, args, kwargs) -> None:
+def _before_eager(func, args, kwargs) -> None:
     """Before eager code runs ``func``: download the device values of its ``DeviceParameter`` and ``DeviceTensor``
     arguments if it reads their data (both classes: the override of whichever comes first runs the call, with
     overrides off); a parameter whose data are replaced (``p.data = t``) holds the truth on the host from then on."""

@@ -69,20 +69,26 @@ def llama(batch: int):
     return LlamaForCausalLM(LlamaConfig(**LLAMA)), dict(input_ids=ids, labels=ids), lambda out: out.loss
 
 
-def sweep(family: str, batch: int):
-    """A model sweep family; its inputs repeated ``batch`` times along the batch dimension."""
+def _model_sweep():
+    """tests/torch/test_model_sweep.py as a module: its families and how it takes their outputs apart."""
     if str(TESTS / "torch") not in sys.path:
         sys.path.append(str(TESTS / "torch"))
-    from test_model_sweep import MODELS, _cotangents, _loss
+    import test_model_sweep
 
-    model, inputs, hf_loss = MODELS[family]()
+    return test_model_sweep
+
+
+def sweep(family: str, batch: int):
+    """A model sweep family; its inputs repeated ``batch`` times along the batch dimension."""
+    module = _model_sweep()
+    model, inputs, hf_loss = module.MODELS[family]()
     inputs = {k: torch.cat([v] * batch) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()}
     cotangents = []
 
     def loss(out):
         if not cotangents:
-            cotangents.extend(_cotangents(out))
-        return _loss(out, cotangents, hf_loss)
+            cotangents.extend(module._cotangents(out))
+        return module._loss(out, cotangents, hf_loss)
     return model, inputs, loss
 
 
@@ -101,9 +107,7 @@ def _tensors(prefix: str, named) -> dict[str, np.ndarray]:
 
 
 def _leaves(out) -> dict[str, np.ndarray]:
-    from test_model_sweep import named_leaves  # (sweep() put its folder on sys.path; own models return tensors)
-
-    return {name: t.detach().float().numpy().copy() for name, t in named_leaves(out)
+    return {name: t.detach().float().numpy().copy() for name, t in _model_sweep().named_leaves(out)
             if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
 

@@ -47,36 +47,30 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=LR)
 
 
-def eager_losses(encoder, mel, steps: int, dtype: torch.dtype) -> list[float]:
-    model, mel = copy.deepcopy(encoder).to(dtype), mel.to(dtype)
-    opt = adamw(model.parameters())
+def loop_losses(module, opt, mel, steps: int) -> list[float]:
+    """``steps`` steps of the usual loop (each under its own seed: the same layerdrop draws); their losses."""
     losses = []
     for i in range(steps):
         torch.manual_seed(SEED + i)
-        loss = loss_of(model, mel)
+        loss = loss_of(module, mel)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def eager_losses(encoder, mel, steps: int, dtype: torch.dtype) -> list[float]:
+    model = copy.deepcopy(encoder).to(dtype)
+    return loop_losses(model, adamw(model.parameters()), mel.to(dtype), steps)
 
 
 def ordinary_loop_losses(encoder, mel, steps: int) -> list[float]:
     """The ordinary loop through the backend, with no fallback allowed."""
     model = copy.deepcopy(encoder)
-    opt = adamw(model.parameters())
-    torch_meganeura.keep_on_device(opt)
+    opt = torch_meganeura.keep_on_device(adamw(model.parameters()))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="meganeura", options={"fallback": "error"})
-    losses = []
-    for i in range(steps):
-        torch.manual_seed(SEED + i)
-        loss = loss_of(compiled, mel)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return loop_losses(torch.compile(model, backend="meganeura", options={"fallback": "error"}), opt, mel, steps)
 
 
 def resident_step_losses(encoder, mel, steps: int) -> list[float]:
