@@ -19,6 +19,7 @@ Modules, by the way a graph travels:
   ``resident`` (``ResidentTensor``: data left on the device), ``device_tensor`` (``DeviceParameter``,
   ``DeviceTensor``);
 - training: ``saved_values`` (what a forward keeps for its backward), ``train_step`` (``compile_train_step``),
+  ``train_spec`` (what a step trains, fixed once),
   ``train_trace`` (a step traced into one graph), ``train_segments`` (a loss dynamo cannot capture whole),
   ``roles`` and ``role_program`` (a step's graphs by role), ``optimizers`` (torch.optim updates as traceable
   functions), ``device_optimizer`` (``keep_on_device``), ``data_parallel`` (gradients averaged across processes),

@@ -45,7 +45,7 @@ from .params import upload_array
 from .resident import ResidentTensor
 from .role_program import RoleProgram
 from .roles import Kind, Role
-from .train_trace import trace_update_graph
+from .train_trace import trace_update
 
 
 
@@ -86,7 +86,7 @@ class _DeviceStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, store):
         self.optimizer, self.store, self.device = optimizer, store, store.device
-        self.opts = optimizers.structure(optimizer)
+        self.update_spec = optimizers.spec(optimizer)
         self._replaced = optimizer.step  # torch's (or an LR scheduler's wrapper of it): the device update runs in it
         self._plans: dict[tuple, RoleProgram] = {}
 
@@ -125,8 +125,8 @@ class _DeviceStep:
     def _compile(self, params: list, rows: list[int], n_rows: int) -> RoleProgram:
         names = [str(i) for i in range(len(params))]
         examples = [torch.empty(p.shape, dtype=p.dtype) for p in params]
-        hyper = torch.zeros(n_rows, len(optimizers.SGD_FIELDS if self.opts["kind"] == "sgd" else optimizers.ADAM_FIELDS))
-        gm, roles, outputs, constants = trace_update_graph(self.opts, rows, examples, hyper, names)
+        hyper = torch.zeros(n_rows, len(self.update_spec.fields))
+        gm, roles, outputs, constants = trace_update(self.update_spec, rows, examples, hyper, names)
         example = [constants.get(role, hyper if role.kind is Kind.HYPER else examples[int(role.name)]) for role in roles]
         return RoleProgram(gm, roles, outputs, constants, example, self.device)
 
@@ -134,7 +134,7 @@ class _DeviceStep:
         """Each role's device array for this update: parameters (uploaded first where eager code wrote them),
         gradients (resident, or uploaded), optimizer state (created at a parameter's first update)."""
         arrays = {}
-        if not all(self._on_device(self.optimizer.state[p].get(slot)) for p in params for slot in self.opts["slots"]):
+        if not all(self._on_device(self.optimizer.state[p].get(slot)) for p in params for slot in self.update_spec.slots):
             # The state is made once, after the first backward, whose saved activations wait in the device's pool
             # for the next forward: they would sit beside the new state at the run's peak (full-size Whisper-tiny:
             # 165 MiB), so they go first, and the next forward makes them again, once.
@@ -145,7 +145,7 @@ class _DeviceStep:
             grad = p.grad
             arrays[Role.grad(name)] = grad if self._on_device(grad) else upload_array(self.device, grad.detach())
             state = self.optimizer.state[p]
-            for slot in self.opts["slots"]:
+            for slot in self.update_spec.slots:
                 value = state.get(slot)
                 if not self._on_device(value):
                     value = state[slot] = ResidentTensor(upload_array(
@@ -174,11 +174,11 @@ class _DeviceStep:
     def _steps_done(self, p) -> int:
         """Updates ``p`` has had: its ``step`` (Adam), or whether SGD made its momentum buffer."""
         state = self.optimizer.state.get(p, {})
-        if self.opts["kind"] == "sgd":
+        if self.update_spec.kind == "sgd":
             return int(state.get("momentum_buffer") is not None)
         step = state.get("step")
         return 0 if step is None else int(step)
 
     def _count(self, p, step: int) -> None:
-        if self.opts["kind"] != "sgd":
+        if self.update_spec.kind != "sgd":
             self.optimizer.state[p]["step"] = torch.tensor(float(step))

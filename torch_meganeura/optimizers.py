@@ -15,6 +15,8 @@ ones not implemented (amsgrad) with a clear error.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 SGD_FIELDS = ("lr", "weight_decay", "momentum", "dampening", "first")
@@ -53,11 +55,28 @@ def state_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
-def structure(optimizer: torch.optim.Optimizer) -> dict:
-    """The trace-time options: they change which ops the update has."""
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What an optimizer's update is made of, read once from the torch optimizer (``spec``): the options that change
+    which ops the update has. Its numbers (learning rate, betas...) are not here: ``hyperparameters`` reads them
+    from ``param_groups`` at every step."""
+
+    kind: str  # "sgd", "adam" or "adamw"
+    maximize: bool
+    nesterov: bool
+    slots: tuple[str, ...]  # the per-parameter state tensors, named as torch.optim names them
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The columns of this update's rows of hyperparameters."""
+        return SGD_FIELDS if self.kind == "sgd" else ADAM_FIELDS
+
+
+def spec(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+    """``optimizer``'s ``OptimizerSpec`` (``check`` it first)."""
     group = optimizer.param_groups[0]
-    return {"kind": kind(optimizer), "maximize": bool(group.get("maximize", False)),
-            "nesterov": bool(group.get("nesterov", False)), "slots": state_slots(optimizer)}
+    return OptimizerSpec(kind(optimizer), bool(group.get("maximize", False)), bool(group.get("nesterov", False)),
+                         state_slots(optimizer))
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor:
@@ -84,20 +103,19 @@ def hyperparameter_rows(optimizer: torch.optim.Optimizer, rows: list[tuple[int, 
     return torch.tensor(out, dtype=torch.float32)
 
 
-def group_fields(opts: dict, hyper: torch.Tensor) -> list[dict]:
+def group_fields(spec: OptimizerSpec, hyper: torch.Tensor) -> list[dict]:
     """Each row of ``hyperparameters`` (a param group's) or ``hyperparameter_rows`` as named scalars, taken apart
     once per row (traced once, not once per parameter)."""
-    names = SGD_FIELDS if opts["kind"] == "sgd" else ADAM_FIELDS
-    return [dict(zip(names, row.unbind(0))) for row in hyper.unbind(0)]
+    return [dict(zip(spec.fields, row.unbind(0))) for row in hyper.unbind(0)]
 
 
-def update(opts: dict, param, grad, state: list, h: dict) -> tuple[torch.Tensor, list]:
+def update(spec: OptimizerSpec, param, grad, state: list, h: dict) -> tuple[torch.Tensor, list]:
     """One parameter's update; ``h`` is its group's entry of ``group_fields``. Returns (param, state)."""
-    if opts["maximize"]:
+    if spec.maximize:
         grad = -grad
-    if opts["kind"] == "sgd":
-        return _sgd(opts, param, grad, state, h)
-    return _adam(opts, param, grad, state, h)
+    if spec.kind == "sgd":
+        return _sgd(spec, param, grad, state, h)
+    return _adam(spec, param, grad, state, h)
 
 
 def _with_weight_decay(grad, param, weight_decay):
@@ -105,19 +123,19 @@ def _with_weight_decay(grad, param, weight_decay):
     return torch.where(weight_decay != 0, grad + weight_decay * param, grad)
 
 
-def _sgd(opts, param, grad, state, h):
+def _sgd(spec: OptimizerSpec, param, grad, state, h):
     grad = _with_weight_decay(grad, param, h["weight_decay"])
-    if opts["slots"]:
+    if spec.slots:
         (buf,) = state
         buf = torch.where(h["first"] > 0.5, grad, buf * h["momentum"] + (1 - h["dampening"]) * grad)
-        grad = grad + h["momentum"] * buf if opts["nesterov"] else buf
+        grad = grad + h["momentum"] * buf if spec.nesterov else buf
         state = [buf]
     return param - h["lr"] * grad, state
 
 
-def _adam(opts, param, grad, state, h):
+def _adam(spec: OptimizerSpec, param, grad, state, h):
     exp_avg, exp_avg_sq = state
-    if opts["kind"] == "adamw":
+    if spec.kind == "adamw":
         param = param * h["decay"]
     else:
         grad = _with_weight_decay(grad, param, h["weight_decay"])

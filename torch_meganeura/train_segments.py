@@ -44,8 +44,8 @@ class StepParams(ParamStore):
     def __init__(self, owner):
         super().__init__(owner.device)
         self._owner = weakref.ref(owner)
-        params = dict(owner.model.named_parameters())
-        self._role_of = {id(params[n]): Role.param(n) for n in owner._trainable}
+        params = dict(owner.spec.model.named_parameters())
+        self._role_of = {id(params[n]): Role.param(n) for n in owner.spec.trainable}
 
     @property
     def generation(self) -> int:
@@ -65,7 +65,7 @@ class SegmentedLoss:
     def __init__(self, owner, reason: BaseException):
         self.graph_breaks = [_first_line(reason)]
         context = BackendContext(Options(adapter=owner.adapter, tune=owner.tune), StepParams(owner))
-        model, loss_fn = owner.model, owner.loss_fn
+        model, loss_fn = owner.spec.model, owner.spec.loss_fn
 
         def call(*batch):
             return loss_fn(model, *batch)
@@ -102,32 +102,33 @@ class SegmentedStep:
 
     def run(self, arrays: dict, batch: tuple, hyper: torch.Tensor, into: dict | None = None):
         owner = self._owner()
-        params = dict(owner.model.named_parameters())
-        trainable = [params[n] for n in owner._trainable]
-        scale = 1.0 / owner.accumulation_steps if self.mode in (Mode.ACCUMULATE, Mode.APPLY) else 1.0
+        spec = owner.spec
+        params = dict(spec.model.named_parameters())
+        trainable = [params[n] for n in spec.trainable]
+        scale = 1.0 / spec.accumulation_steps if self.mode in (Mode.ACCUMULATE, Mode.APPLY) else 1.0
         if self.mode in (Mode.STEP, Mode.GRADS) or (self.mode is Mode.ACCUMULATE and owner.micro_batches == 0):
             _zero_grads(trainable)  # a first micro-batch starts from no gradient, whatever .grad held
-        kept = {n: b.detach().clone() for n, b in owner.model.named_buffers()} if self.mode is Mode.GRADS else {}
+        kept = {n: b.detach().clone() for n, b in spec.model.named_buffers()} if self.mode is Mode.GRADS else {}
         loss = self.loss.loss_and_grads(owner, batch, scale) * scale
-        _restore_buffers(owner.model, kept)  # Mode.GRADS changes nothing, BatchNorm statistics included
+        _restore_buffers(spec.model, kept)  # Mode.GRADS changes nothing, BatchNorm statistics included
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in trainable]
         if self.mode is Mode.ACCUMULATE:
             return loss, {}
         if self.mode is Mode.GRADS:
-            if owner.max_grad_norm is not None:
-                grads = clip_by_global_norm(grads, owner.max_grad_norm)
+            if spec.max_grad_norm is not None:
+                grads = clip_by_global_norm(grads, spec.max_grad_norm)
             _zero_grads(trainable)
-            return loss, {Role.grad(n): g.numpy() for n, g in zip(owner._trainable, grads)}
-        untouched = {n for n, p in zip(owner._trainable, trainable) if p.grad is None}  # eager skips them too
-        uploaded = {Role.grad(n): upload_array(owner.device, g) for n, g in zip(owner._trainable, grads)}
+            return loss, {Role.grad(n): g.numpy() for n, g in zip(spec.trainable, grads)}
+        untouched = {n for n, p in zip(spec.trainable, trainable) if p.grad is None}  # eager skips them too
+        uploaded = {Role.grad(n): upload_array(owner.device, g) for n, g in zip(spec.trainable, grads)}
         _zero_grads(trainable)
-        rows = per_parameter_rows(owner, owner.param_steps())
+        rows = per_parameter_rows(spec, owner.param_steps())
         try:
-            _, updated = owner._compiled((), Mode.UPDATE).run({**arrays, **uploaded}, (), rows, into)
+            _, updated = owner.compiled_step((), Mode.UPDATE).run({**arrays, **uploaded}, (), rows, into)
         finally:
             for array in uploaded.values():
                 array.release()
-        owner.counted({n for n in owner._trainable if n not in untouched})
+        owner.counted({n for n in spec.trainable if n not in untouched})
         updated = {role: a for role, a in updated.items() if role.name not in untouched}
         _copy_params_down(owner, trainable, updated)
         return loss, updated
@@ -137,7 +138,7 @@ def _copy_params_down(owner, trainable, updated: dict) -> None:
     """The eager Python between the graphs may read parameters (dynamo runs a frame it cannot trace in eager
     PyTorch, layers and all): the module's copies are kept current with the device's."""
     with torch.no_grad():
-        for n, p in zip(owner._trainable, trainable):
+        for n, p in zip(owner.spec.trainable, trainable):
             array = updated.get(Role.param(n))
             if array is not None:
                 p.copy_(tensor_from_host(array.numpy()).reshape(p.shape))

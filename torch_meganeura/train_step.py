@@ -54,6 +54,7 @@ from .resident import TORCH_DTYPE
 from .role_program import RoleProgram
 from .roles import Kind, Mode, Role
 from .train_segments import SegmentedLoss, SegmentedStep
+from .train_spec import StepSpec
 from .train_trace import per_parameter_rows, trace_step, trace_update
 from .tuning import tuning_enabled
 
@@ -69,27 +70,13 @@ class TrainStep:
                  max_grad_norm: float | None = None, accumulation_steps: int = 1, process_group=None,
                  tune: bool | None = None):
         optimizers.check(optimizer)
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         model, self.data_parallel = data_parallel.resolve(model, process_group)
+        self.spec = StepSpec.of(model, loss_fn, optimizer, accumulation_steps, max_grad_norm)
         if self.data_parallel is not None and self.data_parallel.broadcast_at_start:
             self.data_parallel.broadcast_module(model)
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
-        self.max_grad_norm = max_grad_norm
-        self.accumulation_steps = accumulation_steps
         self.micro_batches = 0  # calls since the last update (always 0 without accumulation)
         self.adapter, self.device = adapter, get_device(adapter)
         self.tune = tuning_enabled(tune)
-        self._opts = optimizers.structure(optimizer)
-        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        missing = [n for n, p in named if id(p) not in group_of]
-        if missing:
-            raise ValueError(f"parameters {missing[:5]} require grad but are not in the optimizer")
-        self._trainable = [n for n, _ in named]
-        self._groups = [group_of[id(p)] for _, p in named]
-        self._frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        self._buffers = [n for n, _ in model.named_buffers()]
         self._plans: dict[tuple, _CompiledStep | SegmentedStep] = {}
         self._spare: dict[Role, DeviceArray] = {}  # by role: last step's array, which the next step overwrites
         self._segmented: SegmentedLoss | None = None  # set where dynamo cannot capture the loss whole
@@ -99,8 +86,28 @@ class TrainStep:
         if self.data_parallel is not None:
             params = dict(model.named_parameters())
             self.data_parallel.reducer = data_parallel.GradientReducer(
-                self.device, self.data_parallel.group, self.data_parallel.world, self._trainable,
-                [tuple(params[n].shape) for n in self._trainable])
+                self.device, self.data_parallel.group, self.data_parallel.world, list(self.spec.trainable),
+                [tuple(params[n].shape) for n in self.spec.trainable])
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.spec.model
+
+    @property
+    def loss_fn(self):
+        return self.spec.loss_fn
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.spec.optimizer
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.spec.max_grad_norm
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.spec.accumulation_steps
 
     # ---- device state
 
@@ -116,15 +123,15 @@ class TrainStep:
         self.arrays_generation += 1
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        self._arrays = {Role.param(n): upload_array(self.device, params[n]) for n in self._trainable}
-        self._arrays.update({Role.frozen(n): upload_array(self.device, params[n]) for n in self._frozen})
-        self._arrays.update({Role.buffer(n): upload_array(self.device, buffers[n]) for n in self._buffers})
+        self._arrays = {Role.param(n): upload_array(self.device, params[n]) for n in self.spec.trainable}
+        self._arrays.update({Role.frozen(n): upload_array(self.device, params[n]) for n in self.spec.frozen})
+        self._arrays.update({Role.buffer(n): upload_array(self.device, buffers[n]) for n in self.spec.buffers})
         steps = set()
-        for n in self._trainable:
+        for n in self.spec.trainable:
             state = self.optimizer.state.get(params[n], {})
             if "step" in state:
                 steps.add(int(state["step"]))
-            for slot in self._opts["slots"]:
+            for slot in self.spec.update.slots:
                 value = state.get(slot)
                 value = torch.zeros_like(params[n]) if value is None else value
                 self._arrays[Role.state(slot, n)] = upload_array(self.device, value)
@@ -133,11 +140,11 @@ class TrainStep:
         self.steps = steps.pop() if steps else 0
         self._param_steps = None  # a segmented step's counts per parameter, once they differ (``param_steps``)
         if not self.steps and any(self.optimizer.state.get(params[n], {}).get("momentum_buffer") is not None
-                                  for n in self._trainable):
+                                  for n in self.spec.trainable):
             self.steps = 1  # SGD counts no steps; a momentum buffer means the next step is not its first
         if self.accumulation_steps > 1:
             self._arrays.update({Role.acc(n): upload_array(self.device, torch.zeros_like(params[n]))
-                                 for n in self._trainable})
+                                 for n in self.spec.trainable})
         self.micro_batches = 0
 
     def _release_spares(self) -> None:
@@ -150,34 +157,34 @@ class TrainStep:
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
-            for n in self._trainable:
+            for n in self.spec.trainable:
                 params[n].copy_(_download(self._arrays[Role.param(n)], params[n]))
                 state = self.optimizer.state[params[n]]
-                for slot in self._opts["slots"]:
+                for slot in self.spec.update.slots:
                     state[slot] = _download(self._arrays[Role.state(slot, n)], params[n]).clone()
-                if self._opts["kind"] != "sgd":
+                if self.spec.update.kind != "sgd":
                     state["step"] = torch.tensor(float(self.param_steps()[n]))
-            for n in self._buffers if self._segmented is None else ():  # (segmented: the module's are current)
+            for n in self.spec.buffers if self._segmented is None else ():  # (segmented: the module's are current)
                 buffers[n].copy_(_download(self._arrays[Role.buffer(n)], buffers[n]))
 
     def param_steps(self) -> dict[str, int]:
         """Each trainable parameter's count of updates: the step's count, but where a segmented step left a parameter
         with no gradient alone (``train_segments``)."""
         if self._param_steps is None:
-            return dict.fromkeys(self._trainable, self.steps)
+            return dict.fromkeys(self.spec.trainable, self.steps)
         return dict(self._param_steps)
 
     def counted(self, names: set[str]) -> None:
         """The parameters ``names`` were updated once more (a segmented step's update)."""
         steps = self.param_steps()
-        self._param_steps = {n: steps[n] + (n in names) for n in self._trainable}
+        self._param_steps = {n: steps[n] + (n in names) for n in self.spec.trainable}
 
     def _refresh_buffers(self) -> None:
         """Segmented steps change the module's buffers, not the step's arrays: copy them up before reading these."""
         if self._segmented is None:
             return
         buffers = dict(self.model.named_buffers())
-        for n in self._buffers:
+        for n in self.spec.buffers:
             self._arrays.pop(Role.buffer(n)).release()
             self._arrays[Role.buffer(n)] = upload_array(self.device, buffers[n])
 
@@ -199,7 +206,7 @@ class TrainStep:
         self._refresh_buffers()
         tensors = {role.key: array.numpy() for role, array in self._arrays.items() if role.kind is not Kind.FROZEN}
         metadata = {"format": CHECKPOINT_FORMAT, "steps": str(self.steps), "micro_batches": str(self.micro_batches),
-                    "optimizer": self._opts["kind"]}
+                    "optimizer": self.spec.update.kind}
         if self._param_steps is not None:
             metadata["param_steps"] = json.dumps(self._param_steps)
         save_file(tensors, str(path), metadata=metadata)
@@ -212,8 +219,8 @@ class TrainStep:
             meta = f.metadata() or {}
             if meta.get("format") != CHECKPOINT_FORMAT:
                 raise ValueError(f"{path} is not a meganeura training checkpoint (format {meta.get('format')!r})")
-            if meta.get("optimizer") != self._opts["kind"]:
-                raise ValueError(f"{path} holds {meta.get('optimizer')} state, this step uses {self._opts['kind']}")
+            if meta.get("optimizer") != self.spec.update.kind:
+                raise ValueError(f"{path} holds {meta.get('optimizer')} state, this step uses {self.spec.update.kind}")
             role_of = {role.key: role for role in self._arrays if role.kind is not Kind.FROZEN}
             expected, found = set(role_of), set(f.keys())
             if found != expected:
@@ -233,7 +240,7 @@ class TrainStep:
         if self._segmented is not None:  # the module's buffers are the segmented step's: restore them there
             buffers = dict(self.model.named_buffers())
             with torch.no_grad():
-                for n in self._buffers:
+                for n in self.spec.buffers:
                     buffers[n].copy_(_download(self._arrays[Role.buffer(n)], buffers[n]))
         self.steps = int(meta["steps"])
         self._param_steps = json.loads(meta["param_steps"]) if "param_steps" in meta else None
@@ -241,7 +248,7 @@ class TrainStep:
 
     # ---- stepping
 
-    def _compiled(self, batch: tuple, mode: Mode) -> "_CompiledStep | SegmentedStep":
+    def compiled_step(self, batch: tuple, mode: Mode) -> "_CompiledStep | SegmentedStep":
         """The step of ``mode`` for this batch signature: one captured plan, or, once dynamo could not capture the
         loss whole, the loss through the backend beside an update plan (``train_segments``)."""
         key = (mode, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in batch))
@@ -263,10 +270,21 @@ class TrainStep:
                 self._segmented = SegmentedLoss(self, err)
         return SegmentedStep(self._segmented, mode, self)
 
+    def trace_update(self):
+        """The graph of the update alone (``train_trace.trace_update``): a data-parallel step's, whose parameters
+        share their group's step count, or a segmented step's, whose parameters count their own (a row each)."""
+        params = dict(self.model.named_parameters())
+        if self._segmented is not None:
+            rows, hyper = list(range(len(self.spec.trainable))), per_parameter_rows(self.spec)
+        else:
+            rows, hyper = list(self.spec.groups), self._hyper(max(self.steps, 1))
+        return trace_update(self.spec.update, rows, [params[n].detach() for n in self.spec.trainable], hyper,
+                            list(self.spec.trainable), self.max_grad_norm)
+
     def gradients(self, *batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and every trainable parameter's gradient (clipped if ``max_grad_norm``) at the current device
         state, changing nothing: no update, no BatchNorm statistics. For inspection and correctness checks."""
-        loss, grads = self._compiled(batch, Mode.GRADS).run(self._arrays, batch, self._hyper(self.steps + 1))
+        loss, grads = self.compiled_step(batch, Mode.GRADS).run(self._arrays, batch, self._hyper(self.steps + 1))
         params = dict(self.model.named_parameters())
         return loss, {role.name: tensor_from_host(np.asarray(g).copy()).reshape(params[role.name].shape)
                       for role, g in grads.items()}
@@ -291,7 +309,7 @@ class TrainStep:
             mode = Mode.STEP
         else:
             mode = Mode.APPLY if micro_batches == self.accumulation_steps else Mode.ACCUMULATE
-        compiled = self._compiled(batch, mode)
+        compiled = self.compiled_step(batch, mode)
         steps = self.steps if mode is Mode.ACCUMULATE else self.steps + 1
 
         def run() -> torch.Tensor:  # the counts move only once the step has run (a failed check raises before)
@@ -308,21 +326,21 @@ class TrainStep:
         """A call of a data-parallel step (see ``data_parallel``): local gradients, all-reduce, update."""
         dp = self.data_parallel
         if self.micro_batches == 0:
-            local = self._compiled(batch, Mode.LOCAL)  # compiled first: it says which buffers the forward changes
+            local = self.compiled_step(batch, Mode.LOCAL)  # compiled first: it says which buffers the forward changes
             dp.broadcast_arrays([self._arrays[r] for r in local.state_outputs if r.kind is Kind.BUFFER])
         self.micro_batches += 1
         if self.micro_batches < self.accumulation_steps:
-            loss, updated = self._compiled(batch, Mode.ACCUMULATE).run(self._arrays, batch, self._hyper(1), self._spare)
+            loss, updated = self.compiled_step(batch, Mode.ACCUMULATE).run(self._arrays, batch, self._hyper(1), self._spare)
             self._swap_in(updated)
             return loss
         self.micro_batches = 0
         self.steps += 1
-        loss, outputs = self._compiled(batch, Mode.LOCAL).run(self._arrays, batch, self._hyper(self.steps),
+        loss, outputs = self.compiled_step(batch, Mode.LOCAL).run(self._arrays, batch, self._hyper(self.steps),
                                                               self._spare)
         grads = {role.name: outputs.pop(role) for role in list(outputs) if role.kind is Kind.GRAD}
         self._swap_in(outputs)
         averaged = dp.reducer.reduce(grads)
-        update = self._compiled((), Mode.UPDATE)
+        update = self.compiled_step((), Mode.UPDATE)
 
         def run() -> torch.Tensor:
             arrays = {**self._arrays, **{Role.grad(n): a for n, a in averaged.items()}}
@@ -360,9 +378,9 @@ class _CompiledStep:
     (and the gradients in ``Mode.GRADS``) are read back; every other output stays on the device."""
 
     def __init__(self, owner: TrainStep, batch: tuple, mode: Mode):  # no reference to owner: no cycle
-        traced = trace_update(owner) if mode is Mode.UPDATE else trace_step(owner, batch, mode)
+        traced = owner.trace_update() if mode is Mode.UPDATE else trace_step(owner.spec, batch, mode)
         if mode is not Mode.UPDATE and fallback_ops(traced[0]):  # a backward formula with no lowering: differentiate
-            traced = trace_step(owner, batch, mode, decompose_all=True)  # the decomposed ops instead (less accurate)
+            traced = trace_step(owner.spec, batch, mode, decompose_all=True)  # the decomposed ops (less accurate)
         gm, roles, outputs, constants = traced
         unsupported = fallback_ops(gm)
         if unsupported:
@@ -399,7 +417,7 @@ def _example(owner: TrainStep, role: Role, batch: tuple):
     if role.kind is Kind.BATCH:
         return batch[role.index]
     if role.kind is Kind.HYPER:  # (a segmented step's update: a row per parameter, ``trace_update``)
-        return per_parameter_rows(owner) if owner._segmented is not None else optimizers.hyperparameters(owner.optimizer, 1)
+        return per_parameter_rows(owner.spec) if owner._segmented is not None else optimizers.hyperparameters(owner.optimizer, 1)
     if role.kind is Kind.GRAD:
         param = dict(owner.model.named_parameters())[role.name]
         return torch.empty(param.shape, dtype=param.dtype)

@@ -16,12 +16,13 @@ from . import optimizers
 from .decompositions import before_autograd_table, decomposition_table
 from .dynamo_capture import compile_quieting_logging_if_refused
 from .roles import Kind, Mode, Role
+from .train_spec import StepSpec
 
 
-def _capture(owner, batch: tuple):
+def _capture(spec: StepSpec, batch: tuple):
     """The loss as a straight-line fx graph (dynamo, fullgraph) and what feeds each of its placeholders: a
     ``Role`` (param, frozen, buffer or batch) or, for anything else dynamo lifted, the tensor."""
-    model = owner.model
+    model = spec.model
     roles_by_id = {id(p): Role.param(n) if p.requires_grad else Role.frozen(n) for n, p in model.named_parameters()}
     roles_by_id.update({id(b): Role.buffer(n) for n, b in model.named_buffers()})
     roles_by_id.update({id(t): Role.batch(i) for i, t in enumerate(batch) if isinstance(t, torch.Tensor)})
@@ -32,7 +33,7 @@ def _capture(owner, batch: tuple):
         return gm.forward
 
     def call(*args):
-        return owner.loss_fn(model, *args)
+        return spec.loss_fn(model, *args)
 
     # dynamo caches compiled frames per code object and refuses (under fullgraph) past its recompile limit: a fresh
     # code object per capture keeps every TrainStep's capture independent of the ones before it
@@ -49,44 +50,44 @@ def _capture(owner, batch: tuple):
     return captured["gm"], sources
 
 
-def trace_step(owner, batch: tuple, mode: Mode, decompose_all: bool = False):
+def trace_step(spec: StepSpec, batch: tuple, mode: Mode, decompose_all: bool = False):
     """fx graph of one functional step. Placeholders: trainable params, frozen params, buffers, optimizer state,
     gradient accumulators, hyperparameters, batch tensors, lifted constants. Outputs: the loss, then what ``mode``
     says (``roles.Mode``; ``trace_update`` traces ``Mode.UPDATE``). Returns (graph, placeholder roles, output roles,
     constants by role)."""
-    params = dict(owner.model.named_parameters())
-    buffers = dict(owner.model.named_buffers())
-    captured, sources = _capture(owner, batch)
+    params = dict(spec.model.named_parameters())
+    buffers = dict(spec.model.named_buffers())
+    captured, sources = _capture(spec, batch)
     tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor)]
     extra = [src for src in sources if isinstance(src, torch.Tensor)]
     table = decomposition_table() if decompose_all else before_autograd_table()
     loss_graph = _decomposed(captured, sources, params, buffers, batch, table)
-    step = _functional_step(owner, mode, loss_graph, sources, tensors, _unused_params(owner, captured, sources))
+    step = _functional_step(spec, mode, loss_graph, sources, tensors, _unused_params(spec, captured, sources))
     gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=decomposition_table(),
-                 tracing_mode="fake")(*_step_example(owner, batch, tensors, extra))
-    roles = _step_input_roles(owner, tensors, len(extra))
+                 tracing_mode="fake")(*_step_example(spec, batch, tensors, extra))
+    roles = _step_input_roles(spec, tensors, len(extra))
     constants = {Role.constant(f"extra{k}"): t.detach() for k, t in enumerate(extra)}
     constants.update(_lift_constants(gm, roles))
-    outputs = _drop_unchanged_outputs(gm, roles, [Role.loss()] + _step_output_roles(owner, mode))
+    outputs = _drop_unchanged_outputs(gm, roles, [Role.loss()] + _step_output_roles(spec, mode))
     return gm, roles, outputs, constants
 
 
-def _unused_params(owner, captured: fx.GraphModule, sources: list) -> frozenset:
+def _unused_params(spec: StepSpec, captured: fx.GraphModule, sources: list) -> frozenset:
     """Indices of the trainable parameters that the loss does not read (eager leaves their ``.grad`` None)."""
     read = {src for src, ph in zip(sources, captured.graph.find_nodes(op="placeholder")) if ph.users}
-    return frozenset(i for i, n in enumerate(owner._trainable) if Role.param(n) not in read)
+    return frozenset(i for i, n in enumerate(spec.trainable) if Role.param(n) not in read)
 
 
-def _functional_step(owner, mode: Mode, loss_graph, sources: list, tensors: list, unused: frozenset):
+def _functional_step(spec: StepSpec, mode: Mode, loss_graph, sources: list, tensors: list, unused: frozenset):
     """The step of ``mode`` as a function of tensors (``_step_example`` gives its arguments): gradients and loss by
     ``torch.func.grad_and_value``, then accumulation, clipping and the update; returns the outputs in the order of
     ``_step_output_roles``."""
-    k = owner.accumulation_steps
+    k = spec.accumulation_steps
 
     def step(train, frozen, bufs, state, acc, hyper, batch_tensors, extra_tensors):
-        fixed = {**{Role.frozen(n): t for n, t in zip(owner._frozen, frozen)},
+        fixed = {**{Role.frozen(n): t for n, t in zip(spec.frozen, frozen)},
                  **{Role.batch(i): t for i, t in zip(tensors, batch_tensors)}}
-        loss_of = _loss_function(owner, mode, loss_graph, sources, fixed, extra_tensors)
+        loss_of = _loss_function(spec, mode, loss_graph, sources, fixed, extra_tensors)
         bufs = [b.clone() for b in bufs]
         grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(list(train), bufs)
         if mode is Mode.ACCUMULATE:
@@ -95,11 +96,11 @@ def _functional_step(owner, mode: Mode, loss_graph, sources: list, tensors: list
             grads = [a + g for a, g in zip(acc, grads)]
         if mode is Mode.LOCAL:
             return loss, list(grads), bufs, [torch.zeros_like(a) for a in acc]
-        if owner.max_grad_norm is not None:
-            grads = optimizers.clip_by_global_norm(grads, owner.max_grad_norm)
+        if spec.max_grad_norm is not None:
+            grads = optimizers.clip_by_global_norm(grads, spec.max_grad_norm)
         if mode is Mode.GRADS:
             return loss, list(grads)
-        new_params, flat_state = _update(owner, train, grads, state, hyper, unused)
+        new_params, flat_state = optimizer_update(spec.update, spec.groups, train, grads, state, hyper, unused)
         if mode is Mode.APPLY:
             return loss, new_params, bufs, flat_state, [torch.zeros_like(a) for a in acc]
         return loss, new_params, bufs, flat_state
@@ -107,17 +108,17 @@ def _functional_step(owner, mode: Mode, loss_graph, sources: list, tensors: list
     return step
 
 
-def _loss_function(owner, mode: Mode, loss_graph, sources: list, fixed: dict, extra_tensors: list):
+def _loss_function(spec: StepSpec, mode: Mode, loss_graph, sources: list, fixed: dict, extra_tensors: list):
     """``loss_of(params, buffers) -> (loss, buffers)``: the decomposed loss graph fed by role (``fixed`` holds the
     frozen parameters and batch tensors) and, for what dynamo lifted, by ``extra_tensors`` in order. Divided by
     ``accumulation_steps`` in the modes that accumulate gradients."""
-    k = owner.accumulation_steps
+    k = spec.accumulation_steps
     accumulating = k > 1 and mode in (Mode.ACCUMULATE, Mode.APPLY, Mode.LOCAL)
 
     def loss_of(ps, bs):
         # buffers are an argument (not captured) because the forward mutates them (BatchNorm statistics)
-        values = {**fixed, **{Role.param(n): t for n, t in zip(owner._trainable, ps)},
-                  **{Role.buffer(n): t for n, t in zip(owner._buffers, bs)}}
+        values = {**fixed, **{Role.param(n): t for n, t in zip(spec.trainable, ps)},
+                  **{Role.buffer(n): t for n, t in zip(spec.buffers, bs)}}
         extras = iter(extra_tensors)
         args = [next(extras) if isinstance(src, torch.Tensor) else values.get(src, src) for src in sources]
         loss = loss_graph(*args)
@@ -126,106 +127,90 @@ def _loss_function(owner, mode: Mode, loss_graph, sources: list, fixed: dict, ex
     return loss_of
 
 
-def _step_example(owner, batch: tuple, tensors: list, extra: list) -> tuple:
-    """Example arguments of ``_functional_step``'s step, for make_fx."""
-    params = dict(owner.model.named_parameters())
-    buffers = dict(owner.model.named_buffers())
-    return ([params[n].detach() for n in owner._trainable], [params[n].detach() for n in owner._frozen],
-            [buffers[n].detach() for n in owner._buffers],
-            [torch.zeros_like(params[n]) for _ in owner._opts["slots"] for n in owner._trainable],
-            [torch.zeros_like(params[n]) for n in owner._trainable] if owner.accumulation_steps > 1 else [],
-            optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1)), [batch[i] for i in tensors],
+def _step_example(spec: StepSpec, batch: tuple, tensors: list, extra: list) -> tuple:
+    """Example arguments of ``_functional_step``'s step, for make_fx (fake tensors: only shapes and dtypes count)."""
+    params = dict(spec.model.named_parameters())
+    buffers = dict(spec.model.named_buffers())
+    return ([params[n].detach() for n in spec.trainable], [params[n].detach() for n in spec.frozen],
+            [buffers[n].detach() for n in spec.buffers],
+            [torch.zeros_like(params[n]) for _ in spec.update.slots for n in spec.trainable],
+            [torch.zeros_like(params[n]) for n in spec.trainable] if spec.accumulation_steps > 1 else [],
+            optimizers.hyperparameters(spec.optimizer, 1), [batch[i] for i in tensors],
             [t.detach() for t in extra])
 
 
-def _state_roles(owner) -> list[Role]:
-    """The optimizer state tensors' roles, slot-major as ``_update`` flattens them."""
-    return [Role.state(s, n) for s in owner._opts["slots"] for n in owner._trainable]
+def _state_roles(spec: StepSpec) -> list[Role]:
+    """The optimizer state tensors' roles, slot-major as ``optimizer_update`` flattens them."""
+    return [Role.state(s, n) for s in spec.update.slots for n in spec.trainable]
 
 
-def _step_input_roles(owner, tensors: list, n_extra: int) -> list[Role]:
+def _step_input_roles(spec: StepSpec, tensors: list, n_extra: int) -> list[Role]:
     """The roles of ``trace_step``'s placeholders, in ``_step_example``'s order (lifted constants are added after)."""
-    accumulators = [Role.acc(n) for n in owner._trainable] if owner.accumulation_steps > 1 else []
-    return ([Role.param(n) for n in owner._trainable] + [Role.frozen(n) for n in owner._frozen]
-            + [Role.buffer(n) for n in owner._buffers] + _state_roles(owner) + accumulators + [Role.hyper()]
+    accumulators = [Role.acc(n) for n in spec.trainable] if spec.accumulation_steps > 1 else []
+    return ([Role.param(n) for n in spec.trainable] + [Role.frozen(n) for n in spec.frozen]
+            + [Role.buffer(n) for n in spec.buffers] + _state_roles(spec) + accumulators + [Role.hyper()]
             + [Role.batch(i) for i in tensors] + [Role.constant(f"extra{k}") for k in range(n_extra)])
 
 
-def _step_output_roles(owner, mode: Mode) -> list[Role]:
+def _step_output_roles(spec: StepSpec, mode: Mode) -> list[Role]:
     """The roles of the outputs of ``mode``'s step after the loss, in the order ``_functional_step`` returns them."""
-    grads = [Role.grad(n) for n in owner._trainable]
-    buffers = [Role.buffer(n) for n in owner._buffers]
-    accumulators = [Role.acc(n) for n in owner._trainable]
-    updated = [Role.param(n) for n in owner._trainable] + buffers + _state_roles(owner)
+    grads = [Role.grad(n) for n in spec.trainable]
+    buffers = [Role.buffer(n) for n in spec.buffers]
+    accumulators = [Role.acc(n) for n in spec.trainable]
+    updated = [Role.param(n) for n in spec.trainable] + buffers + _state_roles(spec)
     return {Mode.STEP: updated, Mode.APPLY: updated + accumulators, Mode.GRADS: grads,
-            Mode.LOCAL: grads + buffers + (accumulators if owner.accumulation_steps > 1 else []),
+            Mode.LOCAL: grads + buffers + (accumulators if spec.accumulation_steps > 1 else []),
             Mode.ACCUMULATE: accumulators + buffers}[mode]
 
 
-def _update(owner, train: list, grads: list, state: list, hyper: torch.Tensor, unused=frozenset()):
-    """The optimizer's update of every trainable parameter of ``owner`` (see ``optimizer_update``)."""
-    return optimizer_update(owner._opts, owner._groups, train, grads, state, hyper, unused)
-
-
-def optimizer_update(opts: dict, rows: list[int], train: list, grads: list, state: list, hyper: torch.Tensor,
+def optimizer_update(spec: optimizers.OptimizerSpec, rows: list[int], train: list, grads: list, state: list, hyper: torch.Tensor,
                      unused=frozenset()):
     """An optimizer's update of parameters ``train``: (new params, new state flattened slot-major). Parameter ``i``
     takes its numbers from row ``rows[i]`` of ``hyper``. Those at the indices ``unused`` (the loss does not read
     them: eager leaves their ``.grad`` None) stay as they are, as torch's optimizers leave them (no weight decay, no
     momentum step)."""
-    n_train, slots = len(train), opts["slots"]
+    n_train, slots = len(train), spec.slots
     new_params, new_state = [], []
-    fields = optimizers.group_fields(opts, hyper)
+    fields = optimizers.group_fields(spec, hyper)
     for i, (p, g) in enumerate(zip(train, grads)):
         per_param = [state[s * n_train + i] for s in range(len(slots))]
         if i not in unused:
-            p, per_param = optimizers.update(opts, p, g, per_param, fields[rows[i]])
+            p, per_param = optimizers.update(spec, p, g, per_param, fields[rows[i]])
         new_params.append(p)
         new_state.append(per_param)
     return new_params, [new_state[i][s] for s in range(len(slots)) for i in range(n_train)]
 
 
-def trace_update_graph(opts: dict, rows: list[int], params: list, hyper: torch.Tensor, names: list[str],
-                       max_grad_norm: float | None = None):
-    """fx graph of an optimizer's update: (params, optimizer state slot-major, hyperparameters, gradients) -> (new
-    params, new state), the gradients clipped by their global norm first if ``max_grad_norm``. ``params`` are
-    example tensors (shapes and dtypes), named by ``names`` in the roles. Returns what ``trace_step`` does."""
+def trace_update(spec: optimizers.OptimizerSpec, rows: list[int], params: list, hyper: torch.Tensor,
+                 names: list[str], max_grad_norm: float | None = None):
+    """fx graph of an optimizer's update alone: (params, optimizer state slot-major, hyperparameters, gradients) ->
+    (new params, new state), the gradients clipped by their global norm first if ``max_grad_norm``. Parameter ``i``
+    reads row ``rows[i]`` of ``hyper`` (a param group's, or its own where parameters keep step counts of their own:
+    ``per_parameter_rows``). ``params`` are example tensors (shapes and dtypes), named by ``names`` in the roles. The
+    update of a data-parallel or segmented step, and of ``keep_on_device``'s ``opt.step()``. Returns what
+    ``trace_step`` does."""
     def update(train, state, hyper, grads):
         if max_grad_norm is not None:
             grads = optimizers.clip_by_global_norm(grads, max_grad_norm)
-        return optimizer_update(opts, rows, train, grads, state, hyper)
+        return optimizer_update(spec, rows, train, grads, state, hyper)
 
-    example = (params, [torch.zeros_like(p) for _ in opts["slots"] for p in params], hyper,
+    example = (params, [torch.zeros_like(p) for _ in spec.slots for p in params], hyper,
                [torch.zeros_like(p) for p in params])
     gm = make_fx(functionalize(update, remove="mutations"), decomposition_table=decomposition_table(),
                  tracing_mode="fake")(*example)
     trained = [Role.param(n) for n in names]
-    states = [Role.state(s, n) for s in opts["slots"] for n in names]
+    states = [Role.state(s, n) for s in spec.slots for n in names]
     roles = trained + states + [Role.hyper()] + [Role.grad(n) for n in names]
     constants = _lift_constants(gm, roles)
     outputs = _drop_unchanged_outputs(gm, roles, trained + states)
     return gm, roles, outputs, constants
 
 
-def trace_update(owner):
-    """fx graph of the update of a data-parallel or a segmented step: (params, optimizer state, hyperparameters,
-    gradients) -> (new params, new state), the gradients clipped first if ``max_grad_norm``. A segmented step's
-    update reads a row of hyperparameters per parameter (``per_parameter_rows``): its parameters keep step counts of
-    their own. Returns what ``trace_step`` does."""
-    params = dict(owner.model.named_parameters())
-    if owner._segmented is not None:
-        rows, hyper = list(range(len(owner._trainable))), per_parameter_rows(owner)
-    else:
-        rows, hyper = owner._groups, optimizers.hyperparameters(owner.optimizer, max(owner.steps, 1))
-    return trace_update_graph(owner._opts, rows, [params[n].detach() for n in owner._trainable], hyper,
-                              owner._trainable, owner.max_grad_norm)
-
-
-def per_parameter_rows(owner, steps: dict[str, int] | None = None) -> torch.Tensor:
-    """Hyperparameters with a row per trainable parameter of ``owner``, at its next update: ``steps`` (name ->
-    updates so far) or its first."""
-    return optimizers.hyperparameter_rows(owner.optimizer, [(g, (steps[n] if steps else 0) + 1)
-                                                            for g, n in zip(owner._groups, owner._trainable)])
+def per_parameter_rows(spec: StepSpec, steps: dict[str, int] | None = None) -> torch.Tensor:
+    """Hyperparameters with a row per trainable parameter, at its next update: ``steps`` (name -> updates so far)
+    or its first."""
+    return optimizers.hyperparameter_rows(spec.optimizer, [(g, (steps[n] if steps else 0) + 1)
+                                                           for g, n in zip(spec.groups, spec.trainable)])
 
 
 def _decomposed(captured: fx.GraphModule, sources: list, params: dict, buffers: dict, batch: tuple, table: dict):
