@@ -21,6 +21,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from meganeura import kernels
+from meganeura.runtime import plan as plan_module
 from meganeura.runtime.plan import Plan
 
 from . import compile_graph
@@ -91,9 +93,6 @@ def _compiler_digest() -> str:
     """SHA-256 over the source of the modules that make a plan (computed once per process)."""
     global _source_digest
     if _source_digest is None:
-        from meganeura import kernels
-        from meganeura.runtime import plan as plan_module
-
         here = Path(__file__).parent
         files = sorted(here.glob("*.py")) + sorted(Path(kernels.__file__).parent.glob("*.py"))
         files.append(Path(plan_module.__file__))

@@ -15,6 +15,8 @@ variants timed on the device), ``errors``, ``counters``.
 ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load``, ``Model`` and ``LanguageModel`` are
 importable from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
 """
+from importlib import import_module
+
 from .errors import (
     BundleError, DeviceLostError, FeatureError, InputError, KernelStatusError, LimitError, MeganeuraError,
     NoAdapterError,
@@ -35,7 +37,5 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from importlib import import_module
-
         return getattr(import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def info_command(args) -> None:
-    from .device import get_device, list_adapters
+    from .device import get_device, list_adapters  # noqa: PLC0415 - help and argument errors load no wgpu
 
     adapters = list_adapters()
     if args.json:
@@ -109,7 +109,7 @@ def info_command(args) -> None:
 
 
 def run_command(args) -> None:
-    from .model import load
+    from .model import load  # noqa: PLC0415 - help and argument errors load no wgpu
 
     inputs = dict(_read_input(text) for text in args.input)
     start = time.perf_counter()
@@ -151,8 +151,8 @@ def _read_input(text: str) -> tuple[str, np.ndarray]:
 
 
 def generate_command(args) -> None:
-    from .lm_bundle import is_lm_bundle
-    from .model import load
+    from .lm_bundle import is_lm_bundle  # noqa: PLC0415 - help and argument errors load no wgpu
+    from .model import load  # noqa: PLC0415
 
     if not is_lm_bundle(args.bundle):
         raise ValueError(f"{args.bundle} is not a generation bundle (written by torch_meganeura.export_lm)")
@@ -186,7 +186,7 @@ def _tokenizer(lm):
     if name is None:
         raise ValueError(f"{lm.path} holds no tokenizer: export it with export_lm(..., tokenizer=...) or pass --ids")
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # noqa: PLC0415 - optional: only --prompt needs it
     except ImportError:
         raise ValueError("--prompt needs the tokenizers package (pip install tokenizers; it does not need torch)")
     return Tokenizer.from_file(str(lm.path / name))

@@ -20,6 +20,7 @@ from meganeura.kernels.sizes import from_json
 from .bundle import Bundle, dynamic_sizes, read_bundle
 from .device import Device, get_device
 from .errors import InputError
+from .generate import LanguageModel
 from .lm_bundle import is_lm_bundle, read_lm_bundle
 from .program import Program
 from .requirements import check_requirements
@@ -33,8 +34,6 @@ def load(path, adapter: str | int | None = None, seed: int | None = None):
 
     ``seed`` seeds the generator that keys random ops (dropout, rand), for bundles that have them."""
     if is_lm_bundle(path):
-        from .generate import LanguageModel
-
         return LanguageModel(read_lm_bundle(path), get_device(adapter))
     bundle = read_bundle(path)
     return Model(bundle, get_device(adapter), seed)

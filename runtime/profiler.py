@@ -18,6 +18,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import wgpu
 
 from .errors import FeatureError
@@ -88,8 +89,6 @@ class Profiler:
 
     def collect(self, dispatches) -> None:
         """Read the timestamps of the run just waited for; ``dispatches`` are the plan's, in order."""
-        import numpy as np
-
         data = self.device.read_staging(self._staging, 2 * len(dispatches) * 8)
         ticks = np.frombuffer(data, np.uint64).reshape(-1, 2).astype(np.float64)
         for d, (begin, end) in zip(dispatches, ticks):

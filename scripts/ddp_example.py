@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import torch_meganeura  # noqa: F401 - only for the error message if the package is missing; the backend is an entry point
+from torch_meganeura import compile_train_step
 
 LLAMA = dict(vocab_size=64, hidden_size=160, intermediate_size=320, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64)
@@ -42,8 +42,6 @@ def loss_fn(model, ids):
 
 def resident(args, rank: int, world: int) -> tuple[list[float], dict, dict]:
     """compile_train_step in data-parallel mode: around DDP (its process group), or with ``process_group=``."""
-    from torch_meganeura import compile_train_step
-
     model, optimizer = model_and_optimizer(args.lr)
     k = args.accumulation_steps
     if args.process_group:

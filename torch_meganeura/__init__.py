@@ -27,6 +27,9 @@ Modules, by the way a graph travels:
 - the OpInfo sweep: ``coverage`` (``python -m torch_meganeura.coverage``), ``coverage_step`` (the resident step's
   path), ``coverage_compare`` (how a result is judged), ``coverage_report`` (the JSON and markdown report).
 """
+from meganeura.runtime.device import get_device
+from meganeura.runtime.profiler import profile as device_profile
+
 from .backend import FallbackError, meganeura_backend
 from .device_optimizer import keep_on_device, sync_parameters
 from .explain import explain
@@ -36,7 +39,7 @@ from .train_step import TrainStep, compile_train_step
 
 def export_lm(model, path, **kwargs) -> dict:
     """An HF causal language model as a generation bundle (``lm_export.export_lm``; imports transformers)."""
-    from .lm_export import export_lm as export_generation_bundle
+    from .lm_export import export_lm as export_generation_bundle  # noqa: PLC0415 - imports transformers
 
     return export_generation_bundle(model, path, **kwargs)
 
@@ -46,9 +49,6 @@ def profile(adapter=None):
 
     ``prof.top()`` ranks kernels by GPU time and ``prof.save(path)`` writes a chrome trace
     (see ``meganeura.runtime.profiler``)."""
-    from meganeura.runtime.device import get_device
-    from meganeura.runtime.profiler import profile as device_profile
-
     return device_profile(get_device(adapter))
 
 

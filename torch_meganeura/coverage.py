@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import multiprocessing
 import signal
 import sys
@@ -39,9 +40,13 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import wgpu
 from torch.utils import _pytree as pytree
 
+from meganeura.runtime.device import get_device
+
 from . import coverage_report, coverage_step
+from .backend import BackendContext
 from .coverage_compare import compare
 
 STATUSES = coverage_report.STATUSES
@@ -77,8 +82,9 @@ def select_ops(names: list[str] | None) -> list:
     Random ops of op_db call their op through ``wrapper_set_seed``, which saves and restores torch's RNG state
     (dynamo breaks the graph there, so nothing would reach the backend); it is replaced by a plain call, and
     ``run_sample`` seeds torch before each run instead."""
-    from torch.testing._internal import common_methods_invocations
-    from torch.testing._internal.common_methods_invocations import op_db
+    # torch's test suite takes seconds to import and only the sweep reads it: imported when the sweep selects ops
+    from torch.testing._internal import common_methods_invocations  # noqa: PLC0415
+    from torch.testing._internal.common_methods_invocations import op_db  # noqa: PLC0415
 
     common_methods_invocations.wrapper_set_seed = _call_unseeded
 
@@ -222,8 +228,6 @@ def is_random(op, sample) -> bool:
 
 def compiled_run(call: Call, backward: bool, cots):
     """Run the sample compiled with meganeura; return the result and what ran in eager PyTorch."""
-    from .backend import BackendContext
-
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     records: list = []
@@ -385,12 +389,8 @@ def op_status(samples: list[dict]) -> str:
 
 def _worker(conn, max_samples: int, backward: bool, paths: tuple, dtype: torch.dtype) -> None:
     """Runs ops by name as the parent sends them; answers each with its report entry."""
-    import logging
-
     logging.getLogger("torch_meganeura").setLevel(logging.ERROR)
     by_name = {full_name(op): op for op in select_ops(None)}
-    from meganeura.runtime.device import get_device
-
     conn.send({"adapter": get_device().describe()})
     while (name := conn.recv()) is not None:
         conn.send(run_op(by_name[name], max_samples, backward, paths, dtype))
@@ -465,8 +465,6 @@ def sweep(names: list[str], max_samples: int, backward: bool, timeout: float, re
 def build_report(ops: dict, adapter: str, argv: list[str], args, seconds: float) -> dict:
     """The JSON report: the run, then per path its counts (the backend's as "counts", the step's as
     step.counts), then every op."""
-    import wgpu
-
     paths = PATHS[args.path]
     report = {
         "command": " ".join(["python -m torch_meganeura.coverage", *argv]),

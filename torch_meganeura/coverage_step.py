@@ -28,6 +28,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import coverage, coverage_compare
+from .backend import BackendContext
+from .train_step import compile_train_step
 
 LR = 0.1
 REFUSAL = "compile_train_step needs every op on the device; these are not: "
@@ -124,9 +126,6 @@ def run_step(call: coverage.Call, trained: list[int], buffered: list[int], cotan
     """compile_train_step on the sample: the loss and gradients of ``gradients()`` (no update), then the loss of
     one SGD step and the parameters and buffers (by position) after it, and what ran in eager PyTorch
     (``segmented``)."""
-    from .backend import BackendContext
-    from .train_step import compile_train_step
-
     model = SampleModule(call, trained, buffered, cotangents)
     batch = [t for i, t in enumerate(call.inputs()) if i not in model.held]
     torch._dynamo.utils.counters.clear()

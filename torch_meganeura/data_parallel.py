@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DeviceArray
@@ -39,8 +40,6 @@ BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
 def resolve(model: torch.nn.Module, process_group) -> tuple[torch.nn.Module, "DataParallel | None"]:
     """The module to train and its data-parallel settings (None: a single-process step)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if isinstance(model, DistributedDataParallel):
         group = process_group if process_group is not None else model.process_group
         return model.module, DataParallel(group, model.broadcast_buffers, broadcast_at_start=False)

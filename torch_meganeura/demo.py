@@ -31,7 +31,7 @@ TORCH_FREE_CLI = ('import sys; sys.modules["torch"] = None; import runpy; '
 
 
 def build_model(layers: int, hidden: int, vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - an optional dependency (seconds)
 
     heads = max(hidden // 32, 1)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,

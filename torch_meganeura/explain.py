@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meganeura.runtime.device import get_device
+
 from .backend import BackendContext, meganeura_backend
 
 
@@ -94,6 +96,5 @@ def explain(model, *inputs, loss_fn=None, options: dict | None = None, dynamic: 
         report.device_compile_seconds += rec.compile_seconds
         report.plans += 1
         report.dynamic_dims += [d for d in rec.dynamic if d not in report.dynamic_dims]
-    from meganeura.runtime.device import get_device
     report.adapter = get_device((options or {}).get("adapter")).describe()
     return report

@@ -46,6 +46,7 @@ from .params import host_form
 from .partition import fallback_ops
 from .registry import LoweringError
 from .symbolic import DynamicSizes
+from .train_step import TrainStep
 
 STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 ASSERTIONS = {  # checks torch.export inserts; the runtime checks input shapes and dtypes itself
@@ -71,8 +72,6 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     (e.g. trained) weights. A ``compile_train_step`` step exports its module (traced as it is: call
     ``step.model.eval()`` first) with the weights it holds on the device, read directly: the module's own tensors
     need not be synced and are not touched. ``adapter`` picks the device whose limits the plan is generated for."""
-    from .train_step import TrainStep
-
     prepare_device(adapter)  # created while torch.export traces: only its limits are needed, after the trace
     resident = model.device_weights() if isinstance(model, TrainStep) else {}
     module = model.model if isinstance(model, TrainStep) else getattr(model, "_orig_mod", model)
@@ -277,7 +276,7 @@ def _children(spec) -> list:
 
 
 def _producer(module) -> dict:
-    from . import __version__
+    from . import __version__  # noqa: PLC0415 - the package imports this module: read once it is set
 
     return {"package": "torch-meganeura", "version": __version__, "torch": torch.__version__,
             "model": type(module).__name__}

@@ -41,6 +41,8 @@ import json
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from meganeura.runtime.device import get_device
 from meganeura.runtime.resident import DeviceArray
@@ -201,8 +203,6 @@ class TrainStep:
 
     def save(self, path) -> None:
         """Write the device state (parameters, buffers, optimizer state) and the step count to a safetensors file."""
-        from safetensors.numpy import save_file
-
         self._refresh_buffers()
         tensors = {role.key: array.numpy() for role, array in self._arrays.items() if role.kind is not Kind.FROZEN}
         metadata = {"format": CHECKPOINT_FORMAT, "steps": str(self.steps), "micro_batches": str(self.micro_batches),
@@ -213,8 +213,6 @@ class TrainStep:
 
     def load(self, path) -> None:
         """Restore a checkpoint written by ``save`` for the same model and optimizer kind."""
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             if meta.get("format") != CHECKPOINT_FORMAT:
