@@ -114,7 +114,7 @@ class Runner:
         For the resident step the gate reads its gradients (a separate plan, not timed) and the time is that of
         the first real step, which compiles the training plan."""
         if self.resident is not None:
-            from torch_meganeura.roles import Mode
+            from torch_meganeura.training.roles import Mode
 
             loss, grads = self.resident.gradients(*self.batch)
             # The gate's gradient plan is not part of training: released, and the peak-memory window (_Meter) starts
@@ -287,7 +287,7 @@ class _Meter:
 
     def __enter__(self):
         if self.competitor.startswith("meganeura"):
-            from torch_meganeura.backend import BackendContext
+            from torch_meganeura.backend.entry import BackendContext
 
             BackendContext.recorders.append(self.records)
             device = _device()
@@ -304,7 +304,7 @@ class _Meter:
 
     def __exit__(self, *exc):
         if self.competitor.startswith("meganeura"):
-            from torch_meganeura.backend import BackendContext
+            from torch_meganeura.backend.entry import BackendContext
 
             BackendContext.recorders.remove(self.records)
             self.peak = _device().counters.peak_bytes_allocated - self.start

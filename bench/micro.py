@@ -50,8 +50,8 @@ def _device_call(fn, args):
     """Callables that replay ``fn``'s plan on the device and that return its outputs; its dispatch count."""
     from meganeura.runtime.device import get_device
     from meganeura.runtime.program import Program
-    from torch_meganeura.fx_lowering import lower_graph
-    from torch_meganeura.tuning import compile_plan, tuning_enabled
+    from torch_meganeura.lower.fx_lowering import lower_graph
+    from torch_meganeura.lower.tuning import compile_plan, tuning_enabled
 
     gm = make_fx(fn)(*args)
     lowered = lower_graph(gm, list(args), set(range(len(args))))

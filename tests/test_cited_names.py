@@ -14,7 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("torch_meganeura", "lowering", "kernels", "runtime", "bench", "tests", "scripts")
-PACKAGES = {"torch_meganeura": "torch_meganeura", "torch_meganeura/aten": "torch_meganeura.aten",
+TORCH_SUBPACKAGES = ("lower", "lower/aten", "tensors", "backend", "training", "bundles", "coverage")
+PACKAGES = {"torch_meganeura": "torch_meganeura",
+            **{f"torch_meganeura/{sub}": "torch_meganeura." + sub.replace("/", ".") for sub in TORCH_SUBPACKAGES},
             "lowering": "meganeura.lowering", "kernels": "meganeura.kernels",
             "kernels/attention": "meganeura.kernels.attention", "runtime": "meganeura.runtime"}
 CITED = re.compile(r"(?<![\w.])(?:torch_)?meganeura(?:\.[A-Za-z_]\w*)+")

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .explain import explain
-from .export import export
+from .backend.explain import explain
+from .bundles.export import export
 
 # Runs the meganeura CLI in a process where importing torch fails.
 TORCH_FREE_CLI = ('import sys; sys.modules["torch"] = None; import runpy; '

@@ -177,8 +177,8 @@ class Compiles:
 
     def __enter__(self):
         from meganeura.runtime.device import get_device
-        from torch_meganeura.backend import BackendContext
-        from torch_meganeura.compiled import PlanRecord
+        from torch_meganeura.backend.entry import BackendContext
+        from torch_meganeura.backend.per_call import PlanRecord
 
         self._device, self._kind, self._records = get_device(), PlanRecord, []
         self._context = BackendContext

@@ -82,8 +82,8 @@ def test_torch_model_plan_binds_its_params_and_replays():
     dispatches. New weights uploaded go into new buffers, which the next run binds."""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch_meganeura.decompositions import decomposition_table
-    from torch_meganeura.device_graph import compile_device_graph, feed, program_for
+    from torch_meganeura.lower.decompositions import decomposition_table
+    from torch_meganeura.backend.device_graph import compile_device_graph, feed, program_for
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.Softmax(-1))
     names = [name for name, _ in model.named_parameters()]

@@ -4,7 +4,9 @@ call) of every module file: the runtime never imports torch, and imports flow on
   runtime   torch-free; may import kernels (a limit name, the matmul tuner's candidates), never lowering or
             torch_meganeura;
   kernels   generates WGSL from values it is given (limits, shapes): imports no other package of the project;
-  lowering  torch-free; imports kernels, and of runtime only the plan format it emits (``PLAN_FORMAT``)."""
+  lowering  torch-free; imports kernels, and of runtime only the plan format it emits (``PLAN_FORMAT``).
+Within torch_meganeura, its subpackages are layers too (``TORCH_GROUPS``, lowest first): lower (aten -> IR), tensors,
+backend, training, bundles (export), coverage; a module imports its own group and lower ones."""
 import ast
 from pathlib import Path
 
@@ -74,3 +76,43 @@ def test_the_check_sees_every_import_form():
     assert list(_imported_modules(ast.parse(relative), "meganeura.kernels.attention")) == [
         "meganeura.kernels.matmul.fold_grid", "meganeura.kernels.attention.wgsl",
         "meganeura.kernels.attention.plans.AttentionShape"]
+
+
+# torch_meganeura's subpackages, lowest first: a module may import its own group and the groups before it, never
+# one after it. The package's top level (``__init__``, ``demo``) may import any.
+TORCH_GROUPS = ("lower", "tensors", "backend", "training", "bundles", "coverage")
+
+
+def _upward_imports(file: str, source: str, package: str) -> list[str]:
+    """The imports of one torch_meganeura module (in ``package``) that point to a higher group than its own."""
+    own = package.split(".")[1] if package.count(".") else None
+    if own not in TORCH_GROUPS:
+        return []
+    upward = []
+    for module in _imported_modules(ast.parse(source, file), package):
+        parts = module.split(".")
+        if parts[0] == "torch_meganeura" and len(parts) > 1 and parts[1] in TORCH_GROUPS:
+            if TORCH_GROUPS.index(parts[1]) > TORCH_GROUPS.index(own):
+                upward.append(f"{file}: {module}")
+    return upward
+
+
+def test_torch_meganeura_groups_import_downward_only():
+    files = sorted((ROOT / "torch_meganeura").rglob("*.py"))
+    groups = {f.relative_to(ROOT / "torch_meganeura").parts[0] for f in files}
+    assert set(TORCH_GROUPS) <= groups, f"subpackages missing: {set(TORCH_GROUPS) - groups}"
+    offenders = []
+    for file in files:
+        package = ".".join(("torch_meganeura", *file.relative_to(ROOT / "torch_meganeura").parent.parts))
+        offenders += _upward_imports(str(file.relative_to(ROOT)), file.read_text(), package)
+    assert not offenders, f"torch_meganeura modules import a higher group: {offenders}"
+
+
+def test_an_upward_import_is_found():
+    """A deliberate break: a lowering that imports the training step, and a device tensor that imports the backend."""
+    assert _upward_imports("lower/x.py", "from ..training.step import TrainStep", "torch_meganeura.lower") == [
+        "lower/x.py: torch_meganeura.training.step.TrainStep"]
+    assert _upward_imports("tensors/y.py", "import torch_meganeura.backend.entry", "torch_meganeura.tensors") == [
+        "tensors/y.py: torch_meganeura.backend.entry"]
+    assert _upward_imports("training/z.py", "from ..backend import entry\nfrom . import roles",
+                           "torch_meganeura.training") == []

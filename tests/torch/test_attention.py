@@ -71,8 +71,8 @@ def test_unfused_attention(monkeypatch, d, seq, variant):
     dQ, dK, dV over every variant (masks, causal, GQA, cross-attention, custom scale)."""
     from meganeura.lowering import compile_graph
     from meganeura.runtime.device import get_device
-    from torch_meganeura.fx_lowering import lower_graph
-    from torch_meganeura.aten import attention
+    from torch_meganeura.lower.fx_lowering import lower_graph
+    from torch_meganeura.lower.aten import attention
 
     monkeypatch.setattr(attention, "UNFUSED_MIN_KEYS", 1)
     monkeypatch.setattr(attention_plans, "FLASH_MAX_HEAD", 0)  # the forward too, not only the backward
@@ -95,8 +95,8 @@ def test_unfused_backward_holds_one_score_matrix():
 
     from meganeura.lowering import compile_graph
     from meganeura.runtime.device import get_device
-    from torch_meganeura.decompositions import aot_decomposition_table
-    from torch_meganeura.fx_lowering import lower_graph
+    from torch_meganeura.lower.decompositions import aot_decomposition_table
+    from torch_meganeura.lower.fx_lowering import lower_graph
 
     q, k, v, grad = (torch.randn(1, 2, 128, 16) for _ in range(4))
 
@@ -235,7 +235,7 @@ def test_flash_forward_plans_fit_the_adapter():
 def test_fully_masked_rows_give_zeros_fused_and_unfused(monkeypatch):
     """A query row whose keys are all masked out outputs zeros and passes no gradient, as in eager, on every path:
     the flash forward, the blocked one, and the unfused one."""
-    from torch_meganeura.aten import attention
+    from torch_meganeura.lower.aten import attention
 
     mask = torch.rand(1, 1, 9, 600) > 0.5
     mask[:, :, 3] = False
@@ -293,7 +293,7 @@ def test_long_sequence_plan_holds_no_score_matrix():
     """seq 4096, 8 heads, head_dim 64: no buffer of the plan is as large as one head's seq x seq scores."""
     from meganeura.lowering import compile_graph
     from meganeura.runtime.device import get_device
-    from torch_meganeura.fx_lowering import lower_graph
+    from torch_meganeura.lower.fx_lowering import lower_graph
 
     seq = 4096
     q = torch.randn(1, 8, seq, 64)

@@ -24,9 +24,9 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.errors import KernelStatusError
 
 
-from torch_meganeura.compiled import DevicePartition
-from torch_meganeura.device_tensor import DeviceParameter, DeviceTensor
-from torch_meganeura.resident import ResidentTensor
+from torch_meganeura.backend.per_call import DevicePartition
+from torch_meganeura.tensors.device_tensor import DeviceParameter, DeviceTensor
+from torch_meganeura.tensors.resident import ResidentTensor
 
 RTOL, ATOL, LOSS_REL = 1e-3, 1e-4, 1e-4
 PRINTED_DIGITS = 8  # printed well below ATOL's digits

@@ -16,7 +16,7 @@ from torch.export import Dim
 
 import torch_meganeura
 from meganeura.runtime import BundleError, InputError, load
-from torch_meganeura.export import ExportError
+from torch_meganeura.bundles.export import ExportError
 from helpers.models import randomize_layer_norms
 from helpers.torch_free import BLOCK_TORCH
 

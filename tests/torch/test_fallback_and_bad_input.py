@@ -57,7 +57,7 @@ def test_explain_lists_fallback_op():
 
 
 def test_a_graph_without_fallback_is_one_partition_without_the_partitioner(monkeypatch):
-    from torch_meganeura import partition
+    from torch_meganeura.lower import partition
 
     def refuse(*args, **kwargs):
         raise AssertionError("the capability partitioner ran for a graph the device runs whole")

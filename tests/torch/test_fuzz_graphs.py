@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from helpers.compare import EAGER_ERROR_FACTOR, ERROR_FLOOR, Compiles, assert_within_eager_error
 from torch_meganeura import compile_train_step
-from torch_meganeura.aten import attention
+from torch_meganeura.lower.aten import attention
 
 VOCAB = 11
 FAST_SEEDS = range(6)  # the default run; the slow stage runs SLOW_SEEDS more

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import device_counters, meganeura_warnings, rel_l2
-from torch_meganeura.backend import BackendContext
+from torch_meganeura.backend.entry import BackendContext
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torch_meganeura.device_graph as device_graph
+import torch_meganeura.backend.device_graph as device_graph
 from helpers.compare import check_gradients_against_eager, meganeura_warnings
 from meganeura.runtime.device import LIMITS_ENV
 
@@ -82,7 +82,7 @@ def test_a_concatenation_of_more_tensors_than_bindings_is_computed_in_parts(monk
 def test_precision_fast_stays_f32_with_a_warning_on_a_device_without_shader_f16(monkeypatch):
     """The device held to WebGPU's defaults has no shader-f16 (not a feature taken away by the test): ``precision=
     "fast"`` compiles f32 plans and says so."""
-    from torch_meganeura.backend import BackendContext
+    from torch_meganeura.backend.entry import BackendContext
 
     monkeypatch.setenv(LIMITS_ENV, "webgpu-default")
     monkeypatch.setattr(BackendContext, "_warned", set())  # the warning is given once per device and process

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import torch_meganeura.device_graph as device_graph
+import torch_meganeura.backend.device_graph as device_graph
 from helpers.compare import assert_grads_match, assert_same, meganeura_warnings, rel_l2
 from meganeura.runtime.device import get_device
 

@@ -8,7 +8,7 @@ import torch
 
 from meganeura.runtime.device import get_device
 from meganeura.runtime.resident import DeviceArray
-from torch_meganeura.resident import ResidentTensor
+from torch_meganeura.tensors.resident import ResidentTensor
 
 
 def resident(values: np.ndarray) -> ResidentTensor:

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_meganeura
-from torch_meganeura import roles
-from torch_meganeura.roles import Kind, Role
+from torch_meganeura.training import roles
+from torch_meganeura.training.roles import Kind, Role
 
 
 def test_keys_keep_the_checkpoint_format():

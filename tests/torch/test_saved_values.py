@@ -1,4 +1,4 @@
-"""What a training graph's forward saves (torch_meganeura/saved_values.py): torch's min-cut partition, or its
+"""What a training graph's forward saves (torch_meganeura/backend/saved_values.py): torch's min-cut partition, or its
 aggressive one where that saves a quarter fewer bytes, never computing the attention forward again."""
 import torch
 import torch.nn.functional as F
@@ -6,8 +6,8 @@ from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import _size_of, min_cut_rematerialization_partition
 
-from torch_meganeura.decompositions import aot_decomposition_table
-from torch_meganeura.saved_values import partition_joint
+from torch_meganeura.lower.decompositions import aot_decomposition_table
+from torch_meganeura.backend.saved_values import partition_joint
 
 
 def _partition(fn, inputs, partition_fn):

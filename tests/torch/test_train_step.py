@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from meganeura.runtime.device import get_device
 from torch_meganeura import compile_train_step
-from torch_meganeura.roles import Mode
+from torch_meganeura.training.roles import Mode
 
 LLAMA = dict(vocab_size=64, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=64)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from helpers.compare import assert_grads_match, assert_same, meganeura_warnings
 from meganeura.runtime.device import get_device
-from torch_meganeura.resident import ResidentTensor
+from torch_meganeura.tensors.resident import ResidentTensor
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 

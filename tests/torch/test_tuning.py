@@ -8,7 +8,7 @@ from meganeura.kernels import matmul, matmul_tuning
 from meganeura.kernels.matmul import MatmulChoice
 from meganeura.runtime.device import get_device
 from meganeura.runtime.matmul_tuner import MatmulTuner
-import torch_meganeura.tuning as tuning
+import torch_meganeura.lower.tuning as tuning
 
 
 class ForcingTuner:

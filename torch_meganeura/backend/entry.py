@@ -21,15 +21,15 @@ from torch._functorch._aot_autograd.schemas import OutputType
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
-from .compiled import SHARED_GRAPHS, DevicePartition
-from .decompositions import aot_decomposition_table
-from .device_tensor import DeviceParameter, mark_updated
+from .per_call import SHARED_GRAPHS, DevicePartition
+from ..lower.decompositions import aot_decomposition_table
+from ..tensors.device_tensor import DeviceParameter, mark_updated
 from .device_graph import unsupported_listing
 from .options import Options
-from .params import ParamStore, upload_array
-from .registry import TORCH_TO_LOGICAL
-from .resident import TORCH_DTYPE, ResidentTensor
-from .partition import fallback_ops, partition
+from ..tensors.params import ParamStore, upload_array
+from ..lower.registry import TORCH_TO_LOGICAL
+from ..tensors.resident import TORCH_DTYPE, ResidentTensor
+from ..lower.partition import fallback_ops, partition
 from .saved_values import partition_joint
 
 log = logging.getLogger("torch_meganeura")

@@ -28,12 +28,12 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 from meganeura.kernels.sizes import Guards
 
-from .fx_lowering import LoweredGraph, lower_graph
-from .params import host_form
-from .device_tensor import kept_array
-from .resident import ResidentTensor
-from .symbolic import DynamicSizes, NotModelled
-from .tuning import compile_plan
+from ..lower.fx_lowering import LoweredGraph, lower_graph
+from ..tensors.params import host_form
+from ..tensors.device_tensor import kept_array
+from ..tensors.resident import ResidentTensor
+from ..lower.symbolic import DynamicSizes, NotModelled
+from ..lower.tuning import compile_plan
 
 RNG_SEED_WORDS = 2  # random ops draw from a key of two int32 (``meganeura.lowering.expr.uniform``)
 

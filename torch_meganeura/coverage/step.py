@@ -7,7 +7,7 @@ backend path's, the sum over differentiable outputs of ``(out * cotangent).sum()
 cotangents (captured constants). Through ``compile_train_step`` with ``torch.optim.SGD(lr=0.1)`` the loss and every
 gradient (``gradients()``) are compared with eager PyTorch, then one step runs and its loss, the updated parameters
 (``sync_to_module``) and buffers are compared with eager's ``p - 0.1 * grad`` and eager's buffers after one call, by
-the backend path's rules (``coverage_compare.compare_pairs``). Each sample is one of:
+the backend path's rules (``compare.compare_pairs``). Each sample is one of:
 
 - ``lowered``: the step compiled into one device plan and everything compared is correct;
 - ``fell-back``: compile_train_step refused the sample because some ops have no device lowering (``fallback_ops``
@@ -27,9 +27,9 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from . import coverage, coverage_compare
-from .backend import BackendContext
-from .train_step import compile_train_step
+from . import compare, sweep
+from ..backend.entry import BackendContext
+from ..training.step import compile_train_step
 
 LR = 0.1
 REFUSAL = "compile_train_step needs every op on the device; these are not: "
@@ -40,7 +40,7 @@ class SampleModule(torch.nn.Module):
     """A sample as a module: ``forward(*batch)`` is the loss of the sample's op; of the sample's tensors (by
     position), ``trained`` are parameters ``t{i}``, ``buffered`` are buffers ``t{i}``, the others are ``batch``."""
 
-    def __init__(self, call: coverage.Call, trained: list[int], buffered: list[int], cotangents: list):
+    def __init__(self, call: sweep.Call, trained: list[int], buffered: list[int], cotangents: list):
         super().__init__()
         self.call, self.cotangents = call, cotangents
         self.held = set(trained) | set(buffered)
@@ -54,7 +54,7 @@ class SampleModule(torch.nn.Module):
         rest = iter(batch)
         tensors = [getattr(self, f"t{i}") if i in self.held else next(rest) for i in range(len(self.call.tensors))]
         leaves, _ = pytree.tree_flatten(self.call.process(self.call.fn(*tensors)))
-        return coverage.cotangent_loss(coverage.differentiable(leaves), self.cotangents)
+        return sweep.cotangent_loss(sweep.differentiable(leaves), self.cotangents)
 
 
 def run_sample(op, sample) -> dict:
@@ -62,17 +62,17 @@ def run_sample(op, sample) -> dict:
     start = time.perf_counter()
     try:
         entry = _run(op, sample)
-    except coverage.EagerFailure as err:
+    except sweep.EagerFailure as err:
         entry = {"status": "skipped", "reason": str(err)}
     except Exception as err:  # noqa: BLE001 - a sample the harness cannot handle is reported, not fatal
-        entry = {"status": "error", "error": f"coverage harness: {type(err).__name__}: {coverage.first_line(err)}"}
+        entry = {"status": "error", "error": f"coverage harness: {type(err).__name__}: {sweep.first_line(err)}"}
     entry["seconds"] = round(time.perf_counter() - start, 3)
     return entry
 
 
-def skip_reason(op, sample, call: coverage.Call) -> str | None:
+def skip_reason(op, sample, call: sweep.Call) -> str | None:
     """Why the step path does not run the sample, or None."""
-    if coverage.is_random(op, sample):
+    if sweep.is_random(op, sample):
         return "random values (the step path compares values)"
     if not op.supports_autograd:
         return "the op is not differentiable"
@@ -86,11 +86,11 @@ def skip_reason(op, sample, call: coverage.Call) -> str | None:
 
 def _run(op, sample) -> dict:
     """``run_sample`` but for the timing and the samples skipped because eager PyTorch or torch.compile fails."""
-    call = coverage.Call.of(op, sample)
+    call = sweep.Call.of(op, sample)
     reason = skip_reason(op, sample, call)
     if reason:
         return {"status": "skipped", "reason": reason}
-    ref32, cots, ref64 = coverage.eager_references(call, op, backward=True)
+    ref32, cots, ref64 = sweep.eager_references(call, op, backward=True)
     if cots is None:
         return {"status": "skipped", "reason": "no output is differentiable"}
     trained = [i for i, t in enumerate(call.tensors) if t.requires_grad]
@@ -101,19 +101,19 @@ def _run(op, sample) -> dict:
         refused = refusal(err)
         if refused:
             return refused
-        torch_failure = coverage.aot_eager_fails(call, True, cots)
+        torch_failure = sweep.aot_eager_fails(call, True, cots)
         if torch_failure:
-            raise coverage.EagerFailure(torch_failure) from err
-        return coverage.error_entry(err)
+            raise sweep.EagerFailure(torch_failure) from err
+        return sweep.error_entry(err)
     pairs = comparisons(call, trained, got, ref32, ref64)
     pairs += [(f"buffer t{i} after the step", got["buffers"][i], value, None) for i, value in changed.items()]
-    result = coverage_compare.compare_pairs(pairs)
+    result = compare.compare_pairs(pairs)
     if result["status"] == "ok":
-        result.update(coverage.status_when_correct(got["fallbacks"], call, True, cots))
+        result.update(sweep.status_when_correct(got["fallbacks"], call, True, cots))
     return {**result, "fallback_ops": got["fallbacks"]}
 
 
-def changed_in_place(call: coverage.Call) -> dict[int, torch.Tensor]:
+def changed_in_place(call: sweep.Call) -> dict[int, torch.Tensor]:
     """The sample's tensors that do not require grad and that the op changes in place (BatchNorm's running
     statistics) -> their values after one eager call."""
     inputs = call.inputs()
@@ -122,7 +122,7 @@ def changed_in_place(call: coverage.Call) -> dict[int, torch.Tensor]:
             if not before.requires_grad and not torch.equal(before, after)}
 
 
-def run_step(call: coverage.Call, trained: list[int], buffered: list[int], cotangents: list) -> dict:
+def run_step(call: sweep.Call, trained: list[int], buffered: list[int], cotangents: list) -> dict:
     """compile_train_step on the sample: the loss and gradients of ``gradients()`` (no update), then the loss of
     one SGD step and the parameters and buffers (by position) after it, and what ran in eager PyTorch
     (``segmented``)."""
@@ -147,14 +147,14 @@ def run_step(call: coverage.Call, trained: list[int], buffered: list[int], cotan
 
 def segmented(step, records: list) -> dict[str, str]:
     """Where dynamo broke the loss's graph: each graph break, and what the backend ran in eager PyTorch
-    (``coverage.eager_ops``); nothing where the step is one device plan."""
+    (``sweep.eager_ops``); nothing where the step is one device plan."""
     if not step.graph_breaks:
         return {}
     why = "the step runs the loss as several device graphs with eager PyTorch between them"
-    return {**{f"<graph break> {reason}"[:200]: why for reason in step.graph_breaks}, **coverage.eager_ops(records)}
+    return {**{f"<graph break> {reason}"[:200]: why for reason in step.graph_breaks}, **sweep.eager_ops(records)}
 
 
-def comparisons(call: coverage.Call, trained: list[int], got: dict, ref32, ref64) -> list:
+def comparisons(call: sweep.Call, trained: list[int], got: dict, ref32, ref64) -> list:
     """(what, got, eager float32, eager float64 or None) for the loss, each gradient, the step's loss and each
     updated parameter; eager's update is ``p - LR * grad``."""
     loss, grads, step_loss, params = got["loss"], got["grads"], got["step loss"], got["params"]

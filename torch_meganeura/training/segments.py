@@ -27,13 +27,13 @@ import weakref
 
 import torch
 
-from .backend import BackendContext, backend_with_context
+from ..backend.entry import BackendContext, backend_with_context
 from .dynamo_capture import quiet_logging_for_dynamo
-from .options import Options
+from ..backend.options import Options
 from .optimizers import clip_by_global_norm
-from .params import ParamStore, tensor_from_host, upload_array
+from ..tensors.params import ParamStore, tensor_from_host, upload_array
 from .roles import Mode, Role
-from .train_trace import per_parameter_rows
+from .trace import per_parameter_rows
 
 
 class StepParams(ParamStore):

@@ -28,13 +28,13 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from .device_tensor import (DeviceTensor, adopt, device_input, kept_array, lazy_output, read_back_output,
+from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, kept_array, lazy_output, read_back_output,
                             spare_array)
-from .fx_lowering import LoweredGraph
-from .params import ParamStore, tensor_from_host
-from .resident import ResidentTensor
-from .symbolic import DynamicSizes
-from .tuning import tuning_enabled
+from ..lower.fx_lowering import LoweredGraph
+from ..tensors.params import ParamStore, tensor_from_host
+from ..tensors.resident import ResidentTensor
+from ..lower.symbolic import DynamicSizes
+from ..lower.tuning import tuning_enabled
 
 log = logging.getLogger("torch_meganeura")
 

@@ -29,7 +29,7 @@ from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DeviceArray
 
 from .params import host_form, tensor_from_host
-from .registry import logical_dtype
+from ..lower.registry import logical_dtype
 from .resident import TORCH_DTYPE
 
 _DATA_ATTRIBUTES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})  # properties that return the data

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .device_graph import compile_device_graph, feed, program_for
-from .params import upload_array
+from ..backend.device_graph import compile_device_graph, feed, program_for
+from ..tensors.params import upload_array
 from .roles import Kind, Role
 
 UPDATED_KINDS = (Kind.PARAM, Kind.STATE, Kind.BUFFER, Kind.ACC)  # outputs that replace the input of their role

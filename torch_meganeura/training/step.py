@@ -48,17 +48,17 @@ from meganeura.runtime.device import get_device
 from meganeura.runtime.resident import DeviceArray
 
 from . import data_parallel, optimizers
-from .device_graph import unsupported_listing
+from ..backend.device_graph import unsupported_listing
 from .dynamo_capture import is_capture_limit
-from .params import tensor_from_host, upload_array
-from .partition import fallback_ops
-from .resident import TORCH_DTYPE
+from ..tensors.params import tensor_from_host, upload_array
+from ..lower.partition import fallback_ops
+from ..tensors.resident import TORCH_DTYPE
 from .role_program import RoleProgram
 from .roles import Kind, Mode, Role
-from .train_segments import SegmentedLoss, SegmentedStep
-from .train_spec import StepSpec
-from .train_trace import per_parameter_rows, trace_step, trace_update
-from .tuning import tuning_enabled
+from .segments import SegmentedLoss, SegmentedStep
+from .spec import StepSpec
+from .trace import per_parameter_rows, trace_step, trace_update
+from ..lower.tuning import tuning_enabled
 
 
 CHECKPOINT_FORMAT = "meganeura-train-step-1"

@@ -25,8 +25,8 @@ from meganeura.runtime.lm_bundle import INPUTS, OUTPUTS, cache_name, write_lm_bu
 from meganeura.runtime.requirements import compile_limits
 
 from .export import ExportError, compile_program, trace
-from .params import host_form
-from .registry import logical_dtype
+from ..tensors.params import host_form
+from ..lower.registry import logical_dtype
 
 PREFILL_TOKENS = 32  # prompt tokens per prefill run: a prompt of n tokens takes ceil(n / 32) runs
 # Uniform noise is kept inside (0, 1) so that its Gumbel transform -log(-log(u)) stays finite: 0 * noise (greedy)

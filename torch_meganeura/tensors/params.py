@@ -18,7 +18,7 @@ from meganeura.runtime.errors import InputError
 from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DedicatedBuffers, DeviceArray
 
-from .registry import logical_dtype
+from ..lower.registry import logical_dtype
 
 
 def host_form(t: torch.Tensor) -> np.ndarray:

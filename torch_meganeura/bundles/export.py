@@ -40,13 +40,13 @@ from meganeura.runtime.plan import Plan
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.requirements import compile_limits, plan_requirements
 
-from .decompositions import decomposition_table
-from .device_graph import compile_device_graph, unsupported_listing
-from .params import host_form
-from .partition import fallback_ops
-from .registry import LoweringError
-from .symbolic import DynamicSizes
-from .train_step import TrainStep
+from ..lower.decompositions import decomposition_table
+from ..backend.device_graph import compile_device_graph, unsupported_listing
+from ..tensors.params import host_form
+from ..lower.partition import fallback_ops
+from ..lower.registry import LoweringError
+from ..lower.symbolic import DynamicSizes
+from ..training.step import TrainStep
 
 STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 ASSERTIONS = {  # checks torch.export inserts; the runtime checks input shapes and dtypes itself
@@ -276,7 +276,7 @@ def _children(spec) -> list:
 
 
 def _producer(module) -> dict:
-    from . import __version__  # noqa: PLC0415 - the package imports this module: read once it is set
+    from .. import __version__  # noqa: PLC0415 - the package imports this module: read once it is set
 
     return {"package": "torch-meganeura", "version": __version__, "torch": torch.__version__,
             "model": type(module).__name__}

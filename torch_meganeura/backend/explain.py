@@ -8,7 +8,7 @@ import torch
 
 from meganeura.runtime.device import get_device
 
-from .backend import BackendContext, meganeura_backend
+from .entry import BackendContext, meganeura_backend
 
 
 @dataclass

@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from .coverage_compare import PRECISION_BOUND, PRECISION_FLOOR
+from .compare import PRECISION_BOUND, PRECISION_FLOOR
 
 STATUSES = ("lowered", "fell-back", "wrong", "error", "skipped")
 NOTE_CHARS = 160

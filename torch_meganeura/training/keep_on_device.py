@@ -39,13 +39,13 @@ from torch import nn
 from meganeura.runtime.device import get_device
 
 from . import optimizers
-from .backend import param_store
-from .device_tensor import DeviceParameter, Kept, sync
-from .params import upload_array
-from .resident import ResidentTensor
+from ..backend.entry import param_store
+from ..tensors.device_tensor import DeviceParameter, Kept, sync
+from ..tensors.params import upload_array
+from ..tensors.resident import ResidentTensor
 from .role_program import RoleProgram
 from .roles import Kind, Role
-from .train_trace import trace_update
+from .trace import trace_update
 
 
 

@@ -24,7 +24,7 @@ from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DeviceArray
 
 from .params import host_form, tensor_from_host
-from .registry import TORCH_TO_LOGICAL, logical_dtype
+from ..lower.registry import TORCH_TO_LOGICAL, logical_dtype
 
 log = logging.getLogger("torch_meganeura")
 

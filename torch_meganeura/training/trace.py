@@ -13,10 +13,10 @@ from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import optimizers
-from .decompositions import before_autograd_table, decomposition_table
+from ..lower.decompositions import before_autograd_table, decomposition_table
 from .dynamo_capture import compile_quieting_logging_if_refused
 from .roles import Kind, Mode, Role
-from .train_spec import StepSpec
+from .spec import StepSpec
 
 
 def _capture(spec: StepSpec, batch: tuple):

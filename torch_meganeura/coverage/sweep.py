@@ -45,9 +45,9 @@ from torch.utils import _pytree as pytree
 
 from meganeura.runtime.device import get_device
 
-from . import coverage_report, coverage_step
-from .backend import BackendContext
-from .coverage_compare import compare
+from . import report as coverage_report, step as coverage_step
+from ..backend.entry import BackendContext
+from .compare import compare
 
 STATUSES = coverage_report.STATUSES
 PATHS = {"backend": ("backend",), "step": ("step",), "both": ("backend", "step")}  # --path -> paths run
@@ -532,6 +532,3 @@ def main(argv: list[str] | None = None) -> int:
     print(coverage_report.summary(report))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
