@@ -398,8 +398,30 @@ def _pointwise_kernels(node: Pointwise, slots: Slots, limits: dict, scratch, var
     outputs = [(slots.name(s), v.compute_dtype, e, slots.storage[s])
                for s, v, e in zip(slots.out_slots, node.outs, slots.exprs)]
     src, groups = pointwise_kernels.pointwise_kernel(bindings=slots.decl, outputs=outputs, shape=node.out.shape,
-                                                     limits=limits, guarded=slots.guarded)
+                                                     limits=limits, guarded=slots.guarded,
+                                                     quads=_pointwise_quads(node, slots, outputs, limits))
     return [(src, groups, slots.bound)]
+
+
+def _pointwise_quads(node: Pointwise, slots: Slots, outputs: list, limits: dict) -> dict | None:
+    """The reads of a pointwise node to load as vec4s (``pointwise_kernel``'s ``quads``), or None where its kernel
+    keeps one element per copy: outputs that are no f32 rows of whole vec4s, bindings whose offsets may fall between
+    16-byte boundaries, or an output slot read in a way that is not whole vec4s. A slot read anywhere at an index
+    that is not the quad's (a broadcast, a gather, a transposed view) keeps its scalar reads."""
+    shape = node.out.shape
+    if (limits.get("min-storage-buffer-offset-alignment", 256) % 16
+            or not pointwise_kernels.quad_layout(outputs, shape)):
+        return None
+    last = len(shape) - 1
+    reads: dict[int, dict] = {}
+    for e in slots.exprs:
+        for n in E.walk(e):
+            if n.op == "read":
+                quad = _quad_rows(n, slots.decl, shape[-1], last)
+                reads.setdefault(n.args[0], {})[n] = None if quad is None else quad[1]
+    if any(None in found.values() for slot, found in reads.items() if slot in slots.out_slots):
+        return None
+    return {n: row for found in reads.values() if None not in found.values() for n, row in found.items()}
 
 
 def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
@@ -455,15 +477,15 @@ def _attention_prelude(node: Attention, slots: Slots, max_bindings: int) -> str:
     return attention_prelude(slots.decl, slots.bound, loads, max_bindings)
 
 
-def _quad_rows(e: E.Expr, decl, size: int) -> tuple[int, E.Expr] | None:
-    """(slot, vec4 index of the row's first element) where ``e`` is a plain read of f32 element c (the last
-    coordinate) of rows of ``size`` elements that start at multiples of 4 elements; None otherwise."""
+def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3) -> tuple[int, E.Expr] | None:
+    """(slot, vec4 index of the row's first element) where ``e`` is a plain read of f32 element c (coordinate
+    ``coord``) of rows of ``size`` elements that start at multiples of 4 elements; None otherwise."""
     if e.op != "read" or e.dtype != E.F32 or size % 4:
         return None
     slot, index = e.args[:2]
     if len(e.args) > 2 or decl[slot][2] != "f32":
         return None
-    row = quad_row_index(index, 3)
+    row = quad_row_index(index, coord)
     return None if row is None else (slot, row)
 
 

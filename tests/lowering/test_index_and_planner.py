@@ -277,10 +277,10 @@ def test_value_read_by_a_later_kernel_is_stored_by_its_first_elementwise_reader(
 def test_large_pointwise_outputs_take_several_elements_per_thread():
     """A large output gives each thread several elements (it stores them after computing all); a size that is no
     multiple of the workgroup's elements leaves a partial last workgroup. A transposed read and a broadcast row
-    check that every copy decodes its own coordinates."""
+    check that every copy decodes its own coordinates. (Rows of an odd length: no quads.)"""
     from meganeura.kernels import pointwise
 
-    rows, cols = 1031, 2 * pointwise.WORKGROUP * pointwise.MIN_WORKGROUPS // 1000
+    rows, cols = 1031, 2 * pointwise.WORKGROUP * pointwise.MIN_WORKGROUPS // 1000 + 1
     assert pointwise.elements_per_thread(rows * cols) == 2
     b = GraphBuilder()
     x = b.input("x", (cols, rows), "float32")
@@ -300,6 +300,59 @@ def test_large_pointwise_outputs_take_several_elements_per_thread():
     want = np.exp(data["x"].T) + data["bias"]
     np.testing.assert_allclose(out[plan.outputs[0].name], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out[plan.outputs[1].name], 2 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, copies", [((37, 12), 1), ((2, 1100), 2), ((3, 171, 8), 4), ((3, 1031, 8), 8)])
+def test_pointwise_rows_of_whole_vec4s_take_quads(shape, copies, monkeypatch):
+    """Outputs whose rows are whole vec4s: each copy of a thread is a quad of 4 elements, the reads of whole vec4
+    rows (the input itself, a broadcast row) one vec4 load each, a transposed read and a broadcast column element by
+    element. Fewer workgroups per copy (a smaller MIN_WORKGROUPS) give small shapes several copies per thread and a
+    ragged last workgroup."""
+    from meganeura.kernels import pointwise
+
+    monkeypatch.setattr(pointwise, "MIN_WORKGROUPS", 1)
+    units = int(np.prod(shape)) // 4
+    assert pointwise.elements_per_thread(units) == copies
+    flat = (int(np.prod(shape[:-1])), shape[-1])
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    xt = b.input("xt", flat[::-1], "float32")
+    row = b.input("row", (shape[-1],), "float32")
+    column = b.input("column", (flat[0], 1), "float32")
+    flipped = b.reshape(b.permute(xt, (1, 0)), shape)
+    spread_row = b.expand(b.reshape(row, (1,) * (len(shape) - 1) + (shape[-1],)), shape)
+    spread_column = b.reshape(b.expand(column, flat), shape)
+    mixed = b.map(lambda a, t, r, c: E.add(E.mul(E.unary("sigmoid", a), r), E.binary("sub", t, c)), x, flipped, spread_row,
+                  spread_column, dtype="float32")
+    doubled = b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), mixed, dtype="float32")
+    b.output(mixed)
+    b.output(doubled)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert len(plan.dispatches) == 1
+    source = plan.kernels[plan.dispatches[0].kernel]
+    assert source.count("array<vec4<f32>>") == 4  # x, the row and the two outputs; xt and the column stay scalar
+    assert f"r1_{copies - 1}_3" in source and f"r1_{copies}_0" not in source
+    data = {"x": RNG.standard_normal(shape).astype(np.float32), "xt": RNG.standard_normal(flat[::-1]).astype(np.float32),
+            "row": RNG.standard_normal(shape[-1]).astype(np.float32),
+            "column": RNG.standard_normal((flat[0], 1)).astype(np.float32)}
+    out = Program(get_device(), plan).run(data)
+    want = (1 / (1 + np.exp(-data["x"].astype(np.float64))) * data["row"]
+            + (data["xt"].T - data["column"]).reshape(shape))
+    np.testing.assert_allclose(out[plan.outputs[0].name], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[plan.outputs[1].name], 2 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (5,), (7, 0)])
+def test_pointwise_rows_of_partial_vec4s_stay_element_by_element(shape):
+    """An output whose rows are not whole vec4s (or one with no elements) is stored element by element, and is right."""
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    b.output(b.map(lambda a: E.add(a, E.const(1.0, E.F32)), x, dtype="float32"))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert all("vec4" not in source for source in plan.kernels.values())
+    data = RNG.standard_normal(shape).astype(np.float32)
+    if data.size:
+        np.testing.assert_array_equal(Program(get_device(), plan).run({"x": data})[plan.outputs[0].name], data + 1)
 
 
 @pytest.mark.parametrize("shape,axes", [((3, 10000), (1,)), ((10000, 2), (0,)), ((5, 1000, 9), (0, 1))])
