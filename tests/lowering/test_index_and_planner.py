@@ -380,6 +380,65 @@ def test_few_long_rows_are_reduced_in_slices_then_combined(shape, axes):
     np.testing.assert_allclose(out[plan.outputs[1].name], data * biggest - total, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("shape, axes, quads", [
+    ((6, 1028), (1,), True),  # more of a thread's quads than one unrolled round: the round, then one at a time
+    ((3, 10000), (1,), True),  # few rows (the softmax's dependent phases are not cut into slices)
+    ((4, 3, 8), (0, 2), True),  # two reduced axes, the last one of 2 quads per row
+    ((4, 8, 3), (1,), False),  # reduced along an axis that is not the last: no rows of whole vec4s
+])
+def test_row_programs_read_quads_along_rows_of_whole_vec4s(shape, axes, quads):
+    """A sum and a softmax's two dependent phases (a max, then a sum of exp(x - max), then each element's share)
+    read rows of whole vec4s a quad at a time through a vec4 binding of the input: the sum and the max phase over
+    the input, the exp phase too (its read of the transposed copy stays element by element). Every result against
+    float64."""
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    coords = [E.coord(d) for d in range(len(shape))]
+    value = b.load(x, coords)
+    order = tuple(reversed(range(len(shape))))
+    xt = b.input("xt", tuple(shape[d] for d in order), "float32")
+    flipped = b.load(xt, [coords[d] for d in order])
+    mixed = E.add(value, E.mul(flipped, E.const(0.5, E.F32)))
+    total, = b.reduce(shape, axes, [("sum", value)], [RowOutput(False, E.acc(0))], ["float32"], "sum")
+    shifted = E.unary("exp", E.binary("sub", mixed, E.acc(0)))
+    largest, share = b.reduce(
+        shape, axes, [("max", mixed), ("sum", shifted)],
+        [RowOutput(False, E.acc(0)), RowOutput(True, E.binary("div", shifted, E.acc(1)))],
+        ["float32", "float32"], "softmax")
+    for out in (total, largest, share):
+        b.output(out)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert any("array<vec4<f32>>" in plan.kernels[d.kernel] for d in plan.dispatches) == quads
+    data = {"x": RNG.standard_normal(shape).astype(np.float32)}
+    data["xt"] = RNG.standard_normal(tuple(shape[d] for d in order)).astype(np.float32)
+    out = Program(get_device(), plan).run(data)
+    x64 = data["x"].astype(np.float64)
+    mixed64 = x64 + 0.5 * data["xt"].astype(np.float64).transpose(order)
+    want_max = mixed64.max(axis=axes, keepdims=True)
+    exp = np.exp(mixed64 - want_max)
+    got = [out[spec.name] for spec in plan.outputs]
+    np.testing.assert_allclose(got[0], x64.sum(axis=axes), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(got[1], want_max.squeeze(axes), rtol=1e-6)
+    np.testing.assert_allclose(got[2], exp / exp.sum(axis=axes, keepdims=True), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("length, quads", [(5000, True), (4100, False)])
+def test_slices_of_long_rows_read_quads_where_each_is_whole_vec4s(length, quads):
+    """Few long rows summed in 2 slices merged by a second pass: slices of 2500 elements read quads, slices of 2050
+    (not whole vec4s, though the row is) element by element. Both against float64."""
+    b = GraphBuilder()
+    x = b.input("x", (3, length), "float32")
+    total, = b.reduce((3, length), (1,), [("sum", b.load(x, [E.coord(0), E.coord(1)]))],
+                      [RowOutput(False, E.acc(0))], ["float32"], "sum")
+    b.output(total)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert [d.label for d in plan.dispatches] == ["sum", "sum (merge of slices)"]
+    assert ("array<vec4<f32>>" in plan.kernels[plan.dispatches[0].kernel]) == quads
+    data = RNG.standard_normal((3, length)).astype(np.float32)
+    got = Program(get_device(), plan).run({"x": data})[plan.outputs[0].name]
+    np.testing.assert_allclose(got, data.astype(np.float64).sum(axis=1), rtol=1e-4, atol=1e-3)
+
+
 def test_sums_use_subgroup_operations_where_the_device_has_them_and_trees_otherwise():
     """The same row sums generated with and without subgroup operations give numpy's result; only the first uses
     them (and a portable export, generated for WebGPU's defaults, never does)."""
