@@ -6,10 +6,14 @@ the results of earlier phases; then it writes per-row results (by thread 0) and 
 sum/mean/amax are the one-phase case. Threads stride over the row and combine in workgroup memory.
 Rows of at most SERIAL_ROW_MAX elements (a pooling window, a few scatter candidates) are the exception: one
 thread walks each row on its own, with no workgroup memory and no barriers.
-Few long rows (a loss averaged over a whole tensor, BatchNorm's sums over batch and pixels per channel) would leave
-most of a GPU idle, so where the phases do not depend on each other (``reduce_splits``) each row is cut into
-slices: a first dispatch reduces every (row, slice) into partial results in scratch, a second combines a row's
-partials and writes its results, one workgroup per (row, slice) again when there are element results.
+Few long rows (a loss averaged over a whole tensor, BatchNorm's sums over batch and pixels per channel, a loss's
+log-softmax over a vocabulary for a few tokens) would leave most of a GPU idle, so where the phases can be combined
+from partial results (``reduce_splits``) each row is cut into slices: a first dispatch reduces every (row, slice)
+into partial results in scratch, a second combines a row's partials and writes its results, one workgroup per
+(row, slice) again when there are element results. Phases combine where they do not depend on each other, and a
+softmax's sum of exp(y - m), m an earlier phase's maximum (``_rescaled``): each slice sums exp(y - m_s) over its own
+maximum m_s, and the row's sum is that of each slice's sum times exp(m_s - m) (a slice whose maximum is -inf adds
+nothing, unless the row's is -inf too: then the sum is NaN, as in one pass).
 Where the device offers subgroup operations, sums combine each subgroup's values with ``subgroupAdd`` and then the
 subgroups' sums through workgroup memory: two barriers instead of a tree's one per halving. Nothing assumes a
 subgroup size; other reductions keep the tree (a subgroup maximum's NaN handling is not specified).
@@ -82,7 +86,8 @@ def reduce_splits(domain, axes, phases, results) -> int:
     serial = not is_size(length) and length <= SERIAL_ROW_MAX  # (as reduce_kernel decides)
     length = upper(length)
     if (not phases or serial
-            or any(op not in SPLIT_OPS or e.dtype != "f32" or _reads_acc(e) for op, e in phases)):
+            or any(op not in SPLIT_OPS or e.dtype != "f32" or (_reads_acc(e) and _rescaled(phases, p) is None)
+                   for p, (op, e) in enumerate(phases))):
         return 1
     splits = 1
     while rows * splits < SPLIT_TARGET_WORKGROUPS and length // (splits * 2) >= SPLIT_MIN_SLICE \
@@ -96,14 +101,14 @@ def partial_floats(domain, axes, phases, splits: int) -> int:
     return len(phases) * splits * product([domain[d] for d in range(len(domain)) if d not in axes])
 
 
-def quad_rows(domain, axes, split: int) -> bool:
+def quad_rows(domain, axes) -> bool:
     """Whether a row program may read quads (``reduce_kernel``'s ``quads``): concrete reduced sizes, the last
-    reduced axis whole vec4s, rows long enough for a workgroup of threads, and slices (if cut) of whole vec4s."""
+    reduced axis whole vec4s, and rows long enough for a workgroup of threads. (Slices of a row cut into slices are
+    then whole vec4s too: their length is rounded up to a multiple of 4, the last slice the shorter.)"""
     red = [domain[d] for d in axes]
     if not red or any(is_size(s) for s in red) or red[-1] % 4:
         return False
-    length = product(red)
-    return length > SERIAL_ROW_MAX and ceil_div(length, split) % 4 == 0
+    return product(red) > SERIAL_ROW_MAX
 
 
 def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int = 1,
@@ -116,7 +121,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     ``quads`` (where ``quad_rows`` allows it) maps read nodes along the last reduced axis to (the name of a vec4
     binding of their value, among ``bindings``; the vec4 index of the row's first element): see the module docstring.
     """
-    if quads and not quad_rows(domain, axes, split):
+    if quads and not quad_rows(domain, axes):
         raise ValueError(f"reduce_kernel: quads need reduced axes of whole vec4s, got {domain} over {axes}")
     outer_dims = [d for d in range(len(domain)) if d not in axes]
     row_shape = [domain[d] for d in outer_dims]
@@ -125,6 +130,8 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     length = product(red_shape)
     serial = not is_size(length) and length <= SERIAL_ROW_MAX  # (a symbolic length takes the workgroup form)
     chunk = ceil_div(length, split)
+    if quads:
+        chunk = ceil_div(chunk, 4) * 4  # (slices of whole quads)
     wg = SERIAL_WORKGROUP if serial else workgroup_size(chunk, limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
@@ -197,12 +204,32 @@ def _phases(phases, names, axes, red_shape, wg, acc_names, subgroups: bool, quad
     return lines
 
 
+def _rescaled(phases, p) -> int | None:
+    """The phase whose maximum m phase ``p`` sums exp(y - m) over (``p`` a sum of ``exp(sub(y, acc(i)))``, phase i a
+    maximum, neither y nor phase i's value reading a phase's result), else None."""
+    op, e = phases[p]
+    if op != "sum" or e.op != "exp" or e.args[0].op != "sub" or e.args[0].args[1].op != "acc":
+        return None
+    i = e.args[0].args[1].args[0]
+    if i >= p or phases[i][0] != "max" or _reads_acc(phases[i][1]) or _reads_acc(e.args[0].args[0]):
+        return None
+    return i
+
+
 def _combine_partials(phases, partial) -> list[str]:
     """acc{p} of every phase from the row's partial results (every thread reads them all)."""
     lines = []
     for p, (op, expr) in enumerate(phases):
         a, s = f"a{p}", f"s{p}"
         part = lambda k: f"{partial}[({p}u * PARTS + {s} + {k}u) * ROWS + row_u]"  # noqa: E731
+        i = _rescaled(phases, p)
+        if i is not None:  # each slice's sum of exp(y - its own maximum), rescaled to the row's maximum acc{i}
+            peak, low = f"{partial}[({i}u * PARTS + {s}) * ROWS + row_u]", IDENTITY[("max", "f32")]
+            lines += [f"  var {a}: f32 = 0.0;", f"  for (var {s} = 0u; {s} < PARTS; {s} = {s} + 1u) {{",
+                      f"    let m{p} = {peak};",
+                      f"    {a} = {a} + select({part(0)} * mg_exp(m{p} - acc{i}), 0.0, m{p} == {low} && acc{i} != {low});",
+                      "  }", f"  let acc{p} = {a};"]
+            continue
         group = _pairwise(op, "f32", [part(k) for k in range(PARTIAL_GROUP)]) if op in PAIRWISE_OPS else None
         lines += [f"  var {a}: f32 = {IDENTITY[(op, 'f32')]};", f"  var {s} = 0u;"]
         if group is not None:

@@ -431,14 +431,13 @@ def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) 
                for r, e, s, v in zip(node.results, slots.exprs[n_phases:], slots.out_slots, node.outs)]
     split, partial = (scratch[0], slots.name(slots.bound.index(scratch[1]))) if scratch is not None else (1, None)
     decl, bound = list(slots.decl), list(slots.bound)
-    quads = _reduce_quads(node, phases, slots.out_slots, decl, bound, split, limits)
+    quads = _reduce_quads(node, phases, slots.out_slots, decl, bound, limits)
     return [(src, groups, bound) for src, groups in reduce_kernels.reduce_kernel(
         bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
         split=split, partial=partial, quads=quads)]
 
 
-def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound: list, split: int,
-                  limits: dict) -> dict:
+def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound: list, limits: dict) -> dict:
     """The reads of a row program's phases to load as vec4s (``reduce_kernel``'s ``quads``): f32 reads along the
     last reduced axis of rows that start at multiples of 4 elements, each through a vec4 binding of its value
     appended to ``decl`` and ``bound``, while the bindings stay within the adapter's limit (values read at other
@@ -446,7 +445,7 @@ def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound
     output's binding): no second binding overlaps one the kernel writes. None where the kernel may not read quads
     (``reduce_kernels.quad_rows``) or a binding offset may fall between 16-byte boundaries."""
     if (limits.get("min-storage-buffer-offset-alignment", 256) % 16
-            or not reduce_kernels.quad_rows(node.domain, node.axes, split)):
+            or not reduce_kernels.quad_rows(node.domain, node.axes)):
         return {}
     last, size = node.axes[-1], node.domain[node.axes[-1]]
     found: dict[int, dict] = {}

@@ -422,10 +422,11 @@ def test_row_programs_read_quads_along_rows_of_whole_vec4s(shape, axes, quads):
     np.testing.assert_allclose(got[2], exp / exp.sum(axis=axes, keepdims=True), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("length, quads", [(5000, True), (4100, False)])
+@pytest.mark.parametrize("length, quads", [(5000, True), (4100, True), (4102, False)])
 def test_slices_of_long_rows_read_quads_where_each_is_whole_vec4s(length, quads):
-    """Few long rows summed in 2 slices merged by a second pass: slices of 2500 elements read quads, slices of 2050
-    (not whole vec4s, though the row is) element by element. Both against float64."""
+    """Few long rows summed in 2 slices merged by a second pass: rows of whole vec4s read quads, in slices of 2500
+    elements, or of 2052 and 2048 (2050 rounded up to whole quads); rows of 4102 element by element. Each against
+    float64."""
     b = GraphBuilder()
     x = b.input("x", (3, length), "float32")
     total, = b.reduce((3, length), (1,), [("sum", b.load(x, [E.coord(0), E.coord(1)]))],
@@ -437,6 +438,43 @@ def test_slices_of_long_rows_read_quads_where_each_is_whole_vec4s(length, quads)
     data = RNG.standard_normal((3, length)).astype(np.float32)
     got = Program(get_device(), plan).run({"x": data})[plan.outputs[0].name]
     np.testing.assert_allclose(got, data.astype(np.float64).sum(axis=1), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("length, slices", [(20000, 8), (9000, 4), (1000, 1)])
+def test_softmax_over_few_long_rows_is_cut_into_slices(length, slices):
+    """A softmax's max phase and its sum of exp(x - max) over few long rows: each slice sums over its own maximum,
+    the merge rescales the sums to the row's. Row 0 is -inf past its first fifth (slices of -inf add nothing), row 1
+    holds +inf (NaN, as eager), row 2 is all -inf (NaN), row 3 plain; the row's logsumexp and every element's share
+    against float64. Short rows are not cut."""
+    shape = (4, length)
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    value = b.load(x, [E.coord(0), E.coord(1)])
+    shifted = E.binary("sub", value, E.acc(0))
+    lse, share = b.reduce(shape, (1,), [("max", value), ("sum", E.unary("exp", shifted))],
+                          [RowOutput(False, E.add(E.acc(0), E.unary("log", E.acc(1)))),
+                           RowOutput(True, E.binary("div", E.unary("exp", shifted), E.acc(1)))],
+                          ["float32", "float32"], "softmax")
+    b.output(lse)
+    b.output(share)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert [d.label for d in plan.dispatches] == ["softmax"] + ["softmax (merge of slices)"] * (slices > 1)
+    if slices > 1:
+        assert plan.dispatches[0].workgroups[0] * plan.dispatches[0].workgroups[1] == 4 * slices
+    data = (RNG.standard_normal(shape) * 4).astype(np.float32)
+    data[0, length // 5:] = -np.inf
+    data[1, length // 2] = np.inf
+    data[2] = -np.inf
+    out = Program(get_device(), plan).run({"x": data})
+    x64 = data.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        peak = x64.max(axis=1, keepdims=True)
+        exp = np.exp(x64 - peak)
+        total = exp.sum(axis=1, keepdims=True)
+        want_lse, want_share = (peak + np.log(total)).squeeze(1), exp / total
+    np.testing.assert_allclose(out[plan.outputs[0].name], want_lse, rtol=1e-5)
+    np.testing.assert_allclose(out[plan.outputs[1].name], want_share, rtol=1e-4, atol=1e-9)
+    assert np.isnan(out[plan.outputs[1].name][1:3]).all() and np.isfinite(out[plan.outputs[1].name][[0, 3]]).all()
 
 
 def test_sums_use_subgroup_operations_where_the_device_has_them_and_trees_otherwise():
