@@ -9,6 +9,10 @@ meganeura's side runs a plan directly: the function is traced to aten (``make_fx
 backend graph (with tuned matmul variants where ``MEGANEURA_TUNE=1``, as ``bench --tune`` sets), its operands
 uploaded once as parameters and its outputs kept on the device (``DeviceArray``s, recycled every call), so a timed
 call is one replay of the plan plus the 4-byte fence read that waits for it.
+Beside the time per call (launch, kernels and the wait), each row has the GPU time of a call's kernels, so that the
+launch-and-wait cost is told apart from the kernels' own: ``GPU_CALLS`` more calls each, meganeura's under its
+profiler (every dispatch in a pass of its own between two GPU timestamps, summed per call), PyTorch CUDA's between
+two CUDA events recorded on its stream (the kernels of a call and any gaps between them).
 The dispatch chain reports the wall time per dispatch (host and GPU: a chain of dependent dispatches is bound by
 whichever is slower) and, for meganeura, the host's share alone: recording and submitting, before the wait.
 PyTorch's side calls the same function on resident tensors (CPU, and CUDA where present, synchronised).
@@ -27,6 +31,7 @@ from .turns import RUN_LENGTH, take_turns
 DISPATCH_CHAIN = 500  # dispatches in the host-cost plan
 BACK_TO_BACK = 8  # products per call in a matmul throughput row
 BACK_TO_BACK_MAX = 2048  # sizes up to this get a throughput row
+GPU_CALLS = 10  # calls timed on the GPU per row, after the timed turns (their median is the row's GPU time)
 COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager")  # (a plan replay has no resident/compiled form)
 
 
@@ -41,6 +46,9 @@ class MicroResult:
     per_dispatch_us: float | None = None  # the dispatch chain: time per dispatch (per eager op for PyTorch)
     host_per_dispatch_us: float | None = None  # meganeura's chain: host time (record + submit) per dispatch
     host_ms: list[float] = field(default_factory=list)  # meganeura: host share of each timed call
+    gpu_samples_ms: list[float] = field(default_factory=list)  # GPU time of each of GPU_CALLS calls (module docstring)
+    gpu_median_ms: float | None = None  # their median; None where the device has no timer (no timestamp queries)
+    gpu_rate: float | None = None  # the rate at the GPU time
     dispatches: int | None = None  # meganeura: dispatches of the plan
     correct: bool | None = None  # the result against PyTorch on the CPU (relative L2 < 1e-3)
     error: str | None = None
@@ -94,17 +102,17 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
         res = MicroResult(name, competitor, work)
         results.append(res)
         try:
-            call, sync, result, res.dispatches, host_ms = _prepare(competitor, fn, args)
+            call, sync, result, res.dispatches, host_ms, gpu_ms = _prepare(competitor, fn, args)
             res.correct = rel_l2(result(), want) < 1e-3
-            timed.append((res, call, sync, host_ms))
+            timed.append((res, call, sync, host_ms, gpu_ms))
         except Exception as err:  # noqa: BLE001 - reported per competitor
             res.error = f"{type(err).__name__}: {err}"[:2000]
     for _ in range(warmup):
-        for _res, call, sync, _host_ms in timed:
+        for _res, call, sync, _host_ms, _gpu_ms in timed:
             _timed(call, sync)
 
     def turn_call(i: int, counted: bool) -> None:
-        res, call, sync, host_ms = timed[i]
+        res, call, sync, host_ms, _gpu_ms = timed[i]
         ms = _timed(call, sync)
         if counted:
             res.samples_ms.append(ms)
@@ -112,23 +120,59 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
                 res.host_ms.append(host_ms())
 
     take_turns(len(timed), repeats, run_length, turn_call)
-    for res, _call, _sync, _host_ms in timed:
+    for res, call, sync, _host_ms, gpu_ms in timed:
         res.median_ms = statistics.median(res.samples_ms)
         res.rate = amount / (res.median_ms * 1e-3) / 1e9
+        if gpu_ms is not None:
+            call()  # (a call of its own first: the one that pays for the switch from the other API's work)
+            sync()
+            res.gpu_samples_ms = gpu_ms(GPU_CALLS)
+            res.gpu_median_ms = statistics.median(res.gpu_samples_ms)
+            res.gpu_rate = amount / (res.gpu_median_ms * 1e-3) / 1e9 if res.gpu_median_ms > 0 else None
     return results
 
 
 def _prepare(competitor: str, fn, args):
-    """(call, sync, result, dispatches per call or None, host ms of the last call or None) of one competitor."""
+    """(call, sync, result, dispatches per call or None, host ms of the last call or None, GPU timer or None) of one
+    competitor; the GPU timer ``gpu_ms(calls)`` makes that many calls and returns each one's GPU milliseconds."""
     if competitor == "meganeura":
         from meganeura.runtime.device import get_device
 
         run, result, dispatches, host_ms = _device_call(fn, args)  # (its outputs stay on the device: it returns
-        return run, get_device().synchronize, result, dispatches, host_ms  # once submitted, and is waited for here)
+        device = get_device()                                      # once submitted, and is waited for here)
+        timer = (lambda calls: _profiled_ms(device, run, calls)) if "timestamp-query" in device.features else None
+        return run, device.synchronize, result, dispatches, host_ms, timer
     device = "cuda" if competitor == "torch-cuda-eager" else "cpu"
     on = [a.to(device) for a in args]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    return (lambda: fn(*on)), sync, (lambda: _flat(fn(*on)).cpu()), None, None
+    timer = (lambda calls: _cuda_event_ms(lambda: fn(*on), calls)) if device == "cuda" else None
+    return (lambda: fn(*on)), sync, (lambda: _flat(fn(*on)).cpu()), None, None, timer
+
+
+def _profiled_ms(device, run, calls: int) -> list[float]:
+    """GPU milliseconds of each of ``calls`` plan runs: the summed durations of its dispatches under the profiler."""
+    from meganeura.runtime.profiler import profile
+
+    with profile(device) as prof:
+        for _ in range(calls):
+            run()  # (a profiled run waits for its timestamps)
+    per_run = [0.0] * prof.runs
+    for event in prof.events:
+        per_run[event["run"]] += event["duration_ns"] / 1e6
+    return per_run
+
+
+def _cuda_event_ms(call, calls: int) -> list[float]:
+    """GPU milliseconds of each of ``calls`` calls: between CUDA events recorded on the stream before and after it."""
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def _flat(outputs) -> torch.Tensor:

@@ -141,16 +141,22 @@ def markdown(data: dict) -> str:
         lines += ["", "Second compile of the training step after `torch._dynamo.reset()` (on-disk caches kept):", ""]
         lines += [f"- {r['workload']} {r['competitor']}: {r['seconds']:.1f} s" for r in data["recompile"]]
     if data.get("micro"):
-        lines += ["", "## Micro benchmarks", "", "| benchmark | competitor | median ms | rate | µs per dispatch/op "
-                  "| host µs per dispatch | dispatches | correct |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## Micro benchmarks", "", "Per call: launch, kernels and the wait; GPU: the kernels alone "
+                  "(meganeura: its profiler's timestamps around each dispatch, summed per call; PyTorch: CUDA events "
+                  "around the call), median of the GPU-timed calls.", "",
+                  "| benchmark | competitor | median ms | rate | GPU ms | rate at GPU time | µs per dispatch/op "
+                  "| host µs per dispatch | dispatches | correct |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["micro"]:
             if r["error"]:
-                lines.append(f"| {r['name']} | {r['competitor']} | error: {r['error'][:120]} | | | | | |")
+                lines.append(f"| {r['name']} | {r['competitor']} | error: {r['error'][:120]} | | | | | | | |")
                 continue
             per = "-" if r["per_dispatch_us"] is None else f"{r['per_dispatch_us']:.1f}"
             host = "-" if r.get("host_per_dispatch_us") is None else f"{r['host_per_dispatch_us']:.1f}"
+            gpu = "-" if r.get("gpu_median_ms") is None else f"{r['gpu_median_ms']:.3f}"
+            gpu_rate = "-" if r.get("gpu_rate") is None else f"{r['gpu_rate']:.1f} {r['work']}"
             lines.append(f"| {r['name']} | {r['competitor']} | {r['median_ms']:.3f} | {r['rate']:.1f} {r['work']} "
-                         f"| {per} | {host} | {r['dispatches'] or '-'} | {'yes' if r['correct'] else 'NO'} |")
+                         f"| {gpu} | {gpu_rate} | {per} | {host} | {r['dispatches'] or '-'} "
+                         f"| {'yes' if r['correct'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

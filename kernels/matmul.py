@@ -16,6 +16,9 @@ Two kernel families, chosen by shape:
   ragged tile edge, K past a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written
   only where the shape can fail them: on an H200 (a sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
   ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
+  A double-buffered variant (``double``; the tuner's candidates, where twice the chunk's staging fits the workgroup
+  storage limit) keeps two chunks in workgroup memory: each round's products read one while the next chunk is
+  stored into the other, one barrier a chunk instead of two.
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its threads ("lanes", as
   many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a workgroup tree reduction.
   A lane loads GEMV_UNROLL products before adding them (in the order of a plain loop): loads in flight, not one
@@ -32,7 +35,7 @@ in f16 registers, then adds the chunk's sums to f32 accumulators. Operands are r
 accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.94 in f32).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import wgsl
 from .matmul_staging import SHARED_PAD_VEC4, Checks, Staging, shared_row
@@ -78,6 +81,7 @@ class TiledPlan:
     chunk_k: int
     rows_per_thread: int  # each thread's register block: rows_per_thread x cols_per_thread outputs (4 or 8 each)
     cols_per_thread: int
+    buffers: int = 1  # K chunks held in workgroup memory: 2 for the double-buffered variant
 
     @property
     def threads_m(self) -> int:
@@ -92,7 +96,7 @@ class TiledPlan:
         return self.threads_m * self.threads_n
 
     def shared_floats(self) -> int:
-        return self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
+        return self.buffers * self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
 
     def sums(self) -> list[tuple[int, int, int]]:
         """Each thread's vec4 sums (g, i, h): thread (tx, ty) owns rows 4 * (ty + threads_m * g) + i and columns
@@ -111,12 +115,13 @@ F16_PRODUCTS = "meganeura-f16-products"
 
 @dataclass(frozen=True)
 class MatmulChoice:
-    """A tiled matmul's variant: forced tile and register block (None: the generator's rule), K slices, and whether
-    products are formed in f16 (fast precision only)."""
+    """A tiled matmul's variant: forced tile and register block (None: the generator's rule), K slices, whether
+    products are formed in f16 (fast precision only), and whether its K chunks are double-buffered (where they fit)."""
     tile: tuple[int, int] | None
     block: tuple[int, int] | None
     split: int
     f16: bool = False
+    double: bool = False
 
 
 def is_tiled(m: int, n: int) -> bool:
@@ -144,7 +149,7 @@ class GemvPlan:
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
                   b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
                   split: int = 1, partial: str | None = None, f16: bool = False,
-                  looped: str = "") -> tuple[str, tuple[int, int, int]]:
+                  looped: str = "", double: bool = False) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
@@ -157,7 +162,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     store_c; ``split_reduce_kernel`` then adds the slices up and stores. ``f16`` forms the tiled kernel's products
     in f16 (see the module docstring; the WGSL then enables f16). ``looped`` ("a", "b" or "") names an operand whose
     loader is costly to write out many times (sibling matmuls' chain over their tensors): the tiled kernel fetches
-    it in a loop, with one call of its loader."""
+    it in a loop, with one call of its loader. ``double`` double-buffers the tiled kernel's K chunks in workgroup
+    memory where twice the chunk fits its storage limit (else it is ignored)."""
     if split > 1 and (partial is None or m == 1 or n == 1):
         raise ValueError("matmul_kernel: a split K needs the tiled kernel (m, n > 1) and a partial-sum array")
     if min(batch, m, n) < 1 or k < 0:
@@ -168,7 +174,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p")
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
-                         block=block, split=split, partial=partial, f16=f16, looped=looped)
+                         block=block, split=split, partial=partial, f16=f16, looped=looped, double=double)
 
 
 def split_k(batch, m, n, k, limits: dict) -> int:
@@ -280,7 +286,17 @@ def _tile_edge(size: int) -> int:
 
 
 def _choose_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int,
-                       tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None) -> TiledPlan:
+                       tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
+                       double: bool = False) -> TiledPlan:
+    """The tile, chunk and register block (see the module docstring); with ``double``, two buffers of that chunk
+    where they fit ``shared_limit``."""
+    chosen = _single_tiled_plan(batch, m, n, k, shared_limit, max_threads, tile, block)
+    doubled = replace(chosen, buffers=2)
+    return doubled if double and doubled.shared_floats() * 4 <= shared_limit else chosen
+
+
+def _single_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int, tile: tuple[int, int] | None,
+                       block: tuple[int, int] | None) -> TiledPlan:
     # A symbolic size counts as a typical one: the tile and chunk serve every value (SYMBOLIC_CHOICE)
     batch, m, n, k = (SYMBOLIC_CHOICE[name] if is_size(x) else x
                       for name, x in (("batch", batch), ("m", m), ("n", n), ("k", k)))
@@ -319,9 +335,9 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
 
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
-                  partial: str | None, f16: bool, looped: str) -> tuple[str, tuple[int, int, int]]:
+                  partial: str | None, f16: bool, looped: str, double: bool) -> tuple[str, tuple[int, int, int]]:
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
-                              block)
+                              block, double)
     element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
     tiles_m, tiles_n = ceil_div(m, plan.tile_m), ceil_div(n, plan.tile_n)
@@ -346,9 +362,9 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                      TILES_ALL=batch * tiles_m * tiles_n, K_SLICE=k_slice)
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
-{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}
-{header}var<workgroup> tile_a: array<vec4<{element}>, {plan.chunk_k * a_row}>;
-var<workgroup> tile_b: array<vec4<{element}>, {plan.chunk_k * b_row}>;
+{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}
+{header}var<workgroup> tile_a: array<vec4<{element}>, {plan.buffers * plan.chunk_k * a_row}>;
+var<workgroup> tile_b: array<vec4<{element}>, {plan.buffers * plan.chunk_k * b_row}>;
 
 @compute @workgroup_size({plan.threads})
 fn main({ENTRY}) {{
@@ -362,7 +378,7 @@ fn main({ENTRY}) {{
     let tx = lid % {tn}u;
     let ty = lid / {tn}u;
 {acc_decl}
-{_k_loop(plan, stage_a, stage_b, checks, f16, k > 0)}
+{(_double_k_loop if plan.buffers == 2 else _k_loop)(plan, stage_a, stage_b, checks, f16, k > 0)}
 {epilogue}
 }}
 """
@@ -393,18 +409,53 @@ def _k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: Checks,
     }}"""
 
 
-def _chunk_products(plan: TiledPlan, f16: bool) -> str:
+def _double_k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: Checks, f16: bool,
+                   fetch_first: bool) -> str:
+    """``_k_loop`` over two buffers of workgroup memory: the first chunk fetched and stored into buffer 0, then per
+    chunk: the next one fetched, the products of this one (buffer ``half``), the next one stored into the other buffer
+    (which no thread reads this round: all finished the round that read it before the last barrier), one barrier."""
+    element = "f16" if f16 else "f32"
+    a_half, b_half = plan.chunk_k * shared_row(plan.tile_m), plan.chunk_k * shared_row(plan.tile_n)
+    first = (f"{stage_a.fetch('k_begin', checks)}\n{stage_b.fetch('k_begin', checks)}\n"
+             f"{stage_a.store(element)}\n{stage_b.store(element)}" if fetch_first else "")
+    next_a, next_b = f"(1u - half) * {a_half}u + ", f"(1u - half) * {b_half}u + "
+    return f"""{stage_a.declare()}
+{stage_b.declare()}
+{first}
+    workgroupBarrier();
+    var half = 0u;
+    for (var k0 = k_begin; k0 < k_end; k0 += {plan.chunk_k}u) {{
+        let k_next = k0 + {plan.chunk_k}u;
+        let more = k_next < k_end;  // the same for every thread of the workgroup
+        if (more) {{
+{stage_a.fetch("k_next", checks)}
+{stage_b.fetch("k_next", checks)}
+        }}
+        let a_base = half * {a_half}u;
+        let b_base = half * {b_half}u;
+{_chunk_products(plan, f16, "a_base + ", "b_base + ")}
+        if (more) {{
+{stage_a.store(element, next_a)}
+{stage_b.store(element, next_b)}
+        }}
+        workgroupBarrier();
+        half = 1u - half;
+    }}"""
+
+
+def _chunk_products(plan: TiledPlan, f16: bool, a_base: str = "", b_base: str = "") -> str:
     """The tiled kernel's products of one K chunk staged in shared memory: each thread's register block of sums.
     One vec4 read of shared memory per group of 4 rows or columns, the reads of neighbouring threads adjacent (B) or
     identical (A, a broadcast). With ``f16`` the chunk's products go to f16 sums, added to the f32 ones after the
-    chunk."""
+    chunk. ``a_base`` and ``b_base`` (WGSL text ending in " + ") offset the reads into the buffer of a double-buffered
+    kernel."""
     tm, tn = plan.threads_m, plan.threads_n
     a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     sums = plan.sums()
     element, target = ("f16", "chunk") if f16 else ("f32", "acc")
-    a_regs = "\n".join(f"            let a{g} = tile_a[p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
-    b_regs = "\n".join(f"            let b{h} = tile_b[p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
+    a_regs = "\n".join(f"            let a{g} = tile_a[{a_base}p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
+    b_regs = "\n".join(f"            let b{h} = tile_b[{b_base}p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
     fmas = "\n".join(f"            {target}_{g}_{i}_{h} = fma(vec4<{element}>(a{g}[{i}]), b{h}, {target}_{g}_{i}_{h});"
                      for g, i, h in sums)
     # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and

@@ -92,7 +92,9 @@ class Staging:
         }}
     }}"""
 
-    def store(self, element: str) -> str:
+    def store(self, element: str, base: str = "") -> str:
+        """Store the staging registers into shared memory (``base``: WGSL text ending in " + ", the offset of the
+        buffer written in a double-buffered kernel)."""
         row = shared_row(self.edge)
         lines = []
         for t in range(self.count):
@@ -100,7 +102,7 @@ class Staging:
             guard = f"if (lid + {t * self.plan.threads}u < {self.total}u) " if (t + 1) * self.plan.threads > self.total else ""
             lines.append(f"""    {guard}{{
         {self._decode(t)}
-        tile_{self.name}[p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};
+        tile_{self.name}[{base}p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};
     }}""")
         return "\n".join(lines)
 

@@ -7,7 +7,8 @@ operands (a convolution's gather, a view's index math) and its store (a fused ep
 Its candidates are the generator's own variant (``default_choice``) and the tile / register-block shapes of
 ``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups (tiles past
 128x128 need MIN_WORKGROUPS_BIG of them unsplit), or partial sums too large for one binding; where f16 is allowed,
-also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower keeps f32).
+also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower keeps f32),
+and of each shape unsplit in f32, its double-buffered variant where two chunks fit the workgroup storage limit.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def variants(p: MatmulProblem, limits: dict, max_binding: int) -> tuple[list[Mat
     for c in choices:
         passes.append([matmul_kernel(p.prelude, **shape, k=p.k, limits=limits, a_fast=p.a_fast, b_fast=p.b_fast,
                                      tile=c.tile, block=c.block, split=c.split,
-                                     partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped)])
+                                     partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped,
+                                     double=c.double)])
         if c.split > 1:
             passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial, limits=limits))
     return choices, passes
@@ -116,6 +118,10 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
                 if (plan, split, f16) not in seen:
                     seen.add((plan, split, f16))
                     found.append(MatmulChoice(tile, block, split, f16))
+        doubled = _choose_tiled_plan(batch, m, n, k, shared, threads, tile, block, double=True)
+        if doubled.buffers == 2 and (doubled, 1, False) not in seen:
+            seen.add((doubled, 1, False))
+            found.append(MatmulChoice(tile, block, 1, double=True))
     return found
 
 

@@ -10,6 +10,12 @@ a thread's values are computed before any is stored: the loads of the copies are
 in flight per thread (the buffers may alias as far as the shader compiler knows, so a store in between would order
 them). Values are computed without a branch, past the end at the last element's index (clamped), and only the
 stores are guarded: a load inside a bounds test cannot be issued before the work of the copy ahead of it.
+
+Where the caller finds every output an f32 row of whole vec4s and names the reads that are too (``quads``: reads of
+element c of a row of the output's last axis, rows starting at multiples of 4 elements), a thread's copy is a quad of
+4 neighbouring elements: those reads are one vec4 load each (their bindings declared as vec4s), the expression is
+evaluated per element (any other read stays a scalar load at the element's own coordinates), and the 4 results are
+one vec4 store. A copy then moves 16 bytes a load instead of 4 (``QUAD_COPIES``): more bytes in flight per thread.
 """
 from __future__ import annotations
 
@@ -26,7 +32,15 @@ def elements_per_thread(total: int) -> int:
     return next((n for n in ELEMENTS_PER_THREAD if total >= n * WORKGROUP * MIN_WORKGROUPS), 1)
 
 
-def pointwise_kernel(*, bindings, outputs, shape, limits, guarded: bool = False) -> tuple[str, tuple]:
+def quad_layout(outputs, shape) -> bool:
+    """Whether a kernel over ``shape`` with these ``outputs`` may take ``quads``: a concrete shape whose last axis
+    is whole vec4s, every output f32 stored as f32."""
+    return (len(shape) > 0 and not any(is_size(s) for s in shape) and shape[-1] % 4 == 0
+            and all(dtype == "f32" and storage == "f32" for _, dtype, _, storage in outputs))
+
+
+def pointwise_kernel(*, bindings, outputs, shape, limits, guarded: bool = False,
+                     quads: dict | None = None) -> tuple[str, tuple]:
     """Return (WGSL, workgroups) computing, at every coordinate of ``shape``, each (name, dtype, expr, storage) of
     ``outputs`` into buffer ``name`` at the coordinate's linear index.
 
@@ -34,7 +48,11 @@ def pointwise_kernel(*, bindings, outputs, shape, limits, guarded: bool = False)
     is stored in half precision (``storage`` "bf16" or "f16"), each thread computes element pairs and stores each
     pair as one u32 word: two threads never write the same word. A ``guarded`` kernel (one that stores over its
     inputs) stores nothing once a check of an earlier kernel has failed: ``bindings`` then include the status buffer.
+    ``quads`` (see the module docstring; ``quad_layout`` says where it may be given) maps each read node to read as
+    vec4s to the vec4 index of the first element of its row: every read of those nodes' slots must be among them.
     """
+    if quads is not None:
+        return _quad_kernel(bindings, outputs, shape, limits, guarded, quads)
     total = product(shape)
     symbolic = is_size(total)  # a dynamic graph's: sizes read from its size buffer, the grid folded at replay
     lanes = 2 if any(storage in wgsl.HALF_STORAGE for *_, storage in outputs) else 1
@@ -88,3 +106,62 @@ def _store(name: str, storage: str, results: list[str], unit: str, lanes: int, t
         return f"  if ({unit} < {end}) {{ {name}[{unit}] = {results[0]}; }}"
     return "\n".join(f"  if (({unit}) * 2u + {lane}u < {end}) {{ {name}[({unit}) * 2u + {lane}u] = {r}; }}"
                      for lane, r in enumerate(results))
+
+
+def _quad_kernel(bindings, outputs, shape, limits, guarded: bool, quads: dict) -> tuple[str, tuple]:
+    """``pointwise_kernel`` with a quad of 4 neighbouring elements per copy (the module docstring)."""
+    if not quad_layout(outputs, shape):
+        raise ValueError(f"pointwise_kernel: quads need a concrete shape of whole vec4 rows and f32 outputs, got {shape}")
+    quad_slots = {node.args[0] for node in quads} | {_slot_of(name, bindings) for name, *_ in outputs}
+    bindings = [(slot, name, "vec4<f32>" if slot in quad_slots else stype) for slot, name, stype in bindings]
+    units = product(shape) // 4
+    copies = elements_per_thread(units)
+    groups = wgsl.grid(ceil_div(units, WORKGROUP * copies), limits["max-compute-workgroups-per-dimension"])
+    clamp = copies * WORKGROUP * groups[0] * groups[1] * groups[2] > units
+    declared, computed, stored = [], [], []
+    for copy in range(copies):
+        unit = f"first + {copy * WORKGROUP}u" if copy else "first"
+        index = f"min({unit}, {units - 1}u)" if clamp else unit
+        results = [[f"r{k}_{copy}_{lane}" for lane in range(4)] for k in range(len(outputs))]
+        declared += [f"  var {r}: f32;" for rs in results for r in rs]
+        computed.append(_compute_quad(outputs, results, index, shape, quads))
+        stored += [f"  if ({unit} < {units}u) {{ {name}[{unit}] = vec4<f32>({', '.join(rs)}); }}"
+                   for rs, (name, *_) in zip(results, outputs)]
+    if guarded:
+        stored = [f"  if (atomicLoad(&{wgsl.STATUS_VAR}[0]) == 0u) {{", *stored, "  }"]
+    body = "\n".join(declared + computed + stored)
+    source = f"""{wgsl.binding_decls(bindings)}
+{wgsl.helpers_for(body)}
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let first = {wgsl.flat_workgroup(groups[0])} * {WORKGROUP * copies}u + lid;
+{body}
+}}
+"""
+    return source, groups
+
+
+def _slot_of(name: str, bindings) -> int:
+    return next(slot for slot, bound, _ in bindings if bound == name)
+
+
+def _compute_quad(outputs, results: list[list[str]], unit: str, shape, quads: dict) -> str:
+    """A block that evaluates every output's expression at the 4 elements of quad ``unit`` into ``results``: the
+    quad's coordinates, its vec4 loads (``quads``), then each element's expression, its last coordinate stepped."""
+    last = len(shape) - 1
+    coords = [f"c{d}" for d in range(len(shape))]
+    base = wgsl.Emitter(coords, indent="    ")
+    loaded = {}
+    for node, row in quads.items():
+        start = base.value(row)
+        loaded[node] = f"q{len(loaded)}"
+        base.lines.append(f"    let {loaded[node]} = b{node.args[0]}[{start} + c{last} / 4i];")
+    lines = wgsl.unravel_lines("idx", coords, shape, indent="    ") + base.lines
+    for lane in range(4):
+        em = wgsl.Emitter(coords[:-1] + [f"c{last}_{lane}"], indent="      ")
+        for node, name in loaded.items():
+            em.known(node, f"{name}[{lane}]")
+        values = [em.value(expr) for _, _, expr, _ in outputs]
+        lines += ["    {", f"      let c{last}_{lane} = c{last} + {lane}i;", *em.lines,
+                  *(f"      {rs[lane]} = {v};" for rs, v in zip(results, values)), "    }"]
+    return f"  {{\n    let idx = i32({unit}) * 4i;\n" + "\n".join(lines) + "\n  }"

@@ -6,15 +6,23 @@ the results of earlier phases; then it writes per-row results (by thread 0) and 
 sum/mean/amax are the one-phase case. Threads stride over the row and combine in workgroup memory.
 Rows of at most SERIAL_ROW_MAX elements (a pooling window, a few scatter candidates) are the exception: one
 thread walks each row on its own, with no workgroup memory and no barriers.
-Few long rows (a loss averaged over a whole tensor, BatchNorm's sums over batch and pixels per channel) would leave
-most of a GPU idle, so where the phases do not depend on each other (``reduce_splits``) each row is cut into
-slices: a first dispatch reduces every (row, slice) into partial results in scratch, a second combines a row's
-partials and writes its results, one workgroup per (row, slice) again when there are element results.
+Few long rows (a loss averaged over a whole tensor, BatchNorm's sums over batch and pixels per channel, a loss's
+log-softmax over a vocabulary for a few tokens) would leave most of a GPU idle, so where the phases can be combined
+from partial results (``reduce_splits``) each row is cut into slices: a first dispatch reduces every (row, slice)
+into partial results in scratch, a second combines a row's partials and writes its results, one workgroup per
+(row, slice) again when there are element results. Phases combine where they do not depend on each other, and a
+softmax's sum of exp(y - m), m an earlier phase's maximum (``_rescaled``): each slice sums exp(y - m_s) over its own
+maximum m_s, and the row's sum is that of each slice's sum times exp(m_s - m) (a slice whose maximum is -inf adds
+nothing, unless the row's is -inf too: then the sum is NaN, as in one pass).
 Where the device offers subgroup operations, sums combine each subgroup's values with ``subgroupAdd`` and then the
 subgroups' sums through workgroup memory: two barriers instead of a tree's one per halving. Nothing assumes a
 subgroup size; other reductions keep the tree (a subgroup maximum's NaN handling is not specified).
 A ``sum2`` phase (variance and its mean, which eager accumulates in double) adds every value into a pair of floats
 whose high part sums exactly (``mg_sum2``), by the tree, and is not split.
+Where the reduced elements of a row are whole vec4s along its last axis, the caller may name reads along that axis
+(``quads``): a phase that makes them walks its row a quad of 4 elements at a time, each such read one vec4 load
+through a second binding of the same value typed as vec4s, QUAD_UNROLL quads loaded before they are combined (a row
+of 4096 over 256 threads: all of a thread's 16 elements in 4 loads at once, against 2 rounds of 8).
 """
 from __future__ import annotations
 
@@ -51,6 +59,7 @@ SPLIT_MIN_SLICE = 2048          # ...while every slice keeps at least this many 
 SPLIT_MAX = 64
 SPLIT_OPS = ("sum", "prod", "max", "min")
 UNROLL = 8  # a thread's elements that a phase loads before combining them; H200, rows of 4096: sum 0.51 -> 0.27 ms
+QUAD_UNROLL = 4  # a thread's quads that a phase loads before combining them, where it reads quads
 PAIRWISE_OPS = ("sum", "prod", "sum2")  # their unrolled values combine as a tree (``_pairwise``)
 PARTIAL_GROUP = 8  # a row's partial results (split rows) are added in groups of this many, each group pairwise
 RUNNING_TYPE = {**wgsl.VALUE_TYPE, "pair": "vec2<f32>"}  # a phase's running value, by kind (``_kind``)
@@ -77,7 +86,8 @@ def reduce_splits(domain, axes, phases, results) -> int:
     serial = not is_size(length) and length <= SERIAL_ROW_MAX  # (as reduce_kernel decides)
     length = upper(length)
     if (not phases or serial
-            or any(op not in SPLIT_OPS or e.dtype != "f32" or _reads_acc(e) for op, e in phases)):
+            or any(op not in SPLIT_OPS or e.dtype != "f32" or (_reads_acc(e) and _rescaled(phases, p) is None)
+                   for p, (op, e) in enumerate(phases))):
         return 1
     splits = 1
     while rows * splits < SPLIT_TARGET_WORKGROUPS and length // (splits * 2) >= SPLIT_MIN_SLICE \
@@ -91,14 +101,28 @@ def partial_floats(domain, axes, phases, splits: int) -> int:
     return len(phases) * splits * product([domain[d] for d in range(len(domain)) if d not in axes])
 
 
+def quad_rows(domain, axes) -> bool:
+    """Whether a row program may read quads (``reduce_kernel``'s ``quads``): concrete reduced sizes, the last
+    reduced axis whole vec4s, and rows long enough for a workgroup of threads. (Slices of a row cut into slices are
+    then whole vec4s too: their length is rounded up to a multiple of 4, the last slice the shorter.)"""
+    red = [domain[d] for d in axes]
+    if not red or any(is_size(s) for s in red) or red[-1] % 4:
+        return False
+    return product(red) > SERIAL_ROW_MAX
+
+
 def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int = 1,
-                  partial: str | None = None) -> list[tuple[str, tuple]]:
+                  partial: str | None = None, quads: dict | None = None) -> list[tuple[str, tuple]]:
     """(WGSL, workgroups) of each dispatch of a row program: one, or two where ``split`` (see ``reduce_splits``)
     cuts the rows into slices whose partial results go to the scratch array ``partial``.
 
     ``phases``: list of (op, expr); ``results``: list of (per_element, expr, out_name, out_dtype).
     Coordinates in expressions are domain dimensions; ``acc(i)`` is phase i's result for the row.
+    ``quads`` (where ``quad_rows`` allows it) maps read nodes along the last reduced axis to (the name of a vec4
+    binding of their value, among ``bindings``; the vec4 index of the row's first element): see the module docstring.
     """
+    if quads and not quad_rows(domain, axes):
+        raise ValueError(f"reduce_kernel: quads need reduced axes of whole vec4s, got {domain} over {axes}")
     outer_dims = [d for d in range(len(domain)) if d not in axes]
     row_shape = [domain[d] for d in outer_dims]
     red_shape = [domain[d] for d in axes]
@@ -106,6 +130,8 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     length = product(red_shape)
     serial = not is_size(length) and length <= SERIAL_ROW_MAX  # (a symbolic length takes the workgroup form)
     chunk = ceil_div(length, split)
+    if quads:
+        chunk = ceil_div(chunk, 4) * 4  # (slices of whole quads)
     wg = SERIAL_WORKGROUP if serial else workgroup_size(chunk, limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
@@ -113,12 +139,14 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     head = wgsl.unravel_lines("row", [names[d] for d in outer_dims], row_shape)
     span = (["  let lo = i32(slice) * CHUNK;", "  let hi = min(lo + CHUNK, LENGTH);"] if split > 1
             else ["  let lo = 0i;", "  let hi = LENGTH;"])
+    quads = quads or {}
     if split == 1:
-        body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names, subgroups)
+        body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names, subgroups,
+                                     quads)
         body += _results(results, names, acc_names, domain, axes, red_shape, 1 if serial else wg)
         passes = [(body, rows, ceil_div(rows, wg) if serial else rows)]
     else:
-        first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names, subgroups)
+        first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names, subgroups, quads)
         first += ["  if (lid == 0u) {"] + [f"    {partial}[({p}u * PARTS + slice) * ROWS + row_u] = acc{p};"
                                           for p in range(len(phases))] + ["  }"]
         elem = any(r[0] for r in results)
@@ -169,11 +197,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """
 
 
-def _phases(phases, names, axes, red_shape, wg, acc_names, subgroups: bool) -> list[str]:
+def _phases(phases, names, axes, red_shape, wg, acc_names, subgroups: bool, quads: dict) -> list[str]:
     lines = []
     for p, (op, expr) in enumerate(phases):
-        lines += _phase(p, op, expr, names, axes, red_shape, wg, acc_names[:p], subgroups)
+        lines += _phase(p, op, expr, names, axes, red_shape, wg, acc_names[:p], subgroups, quads)
     return lines
+
+
+def _rescaled(phases, p) -> int | None:
+    """The phase whose maximum m phase ``p`` sums exp(y - m) over (``p`` a sum of ``exp(sub(y, acc(i)))``, phase i a
+    maximum, neither y nor phase i's value reading a phase's result), else None."""
+    op, e = phases[p]
+    if op != "sum" or e.op != "exp" or e.args[0].op != "sub" or e.args[0].args[1].op != "acc":
+        return None
+    i = e.args[0].args[1].args[0]
+    if i >= p or phases[i][0] != "max" or _reads_acc(phases[i][1]) or _reads_acc(e.args[0].args[0]):
+        return None
+    return i
 
 
 def _combine_partials(phases, partial) -> list[str]:
@@ -182,6 +222,14 @@ def _combine_partials(phases, partial) -> list[str]:
     for p, (op, expr) in enumerate(phases):
         a, s = f"a{p}", f"s{p}"
         part = lambda k: f"{partial}[({p}u * PARTS + {s} + {k}u) * ROWS + row_u]"  # noqa: E731
+        i = _rescaled(phases, p)
+        if i is not None:  # each slice's sum of exp(y - its own maximum), rescaled to the row's maximum acc{i}
+            peak, low = f"{partial}[({i}u * PARTS + {s}) * ROWS + row_u]", IDENTITY[("max", "f32")]
+            lines += [f"  var {a}: f32 = 0.0;", f"  for (var {s} = 0u; {s} < PARTS; {s} = {s} + 1u) {{",
+                      f"    let m{p} = {peak};",
+                      f"    {a} = {a} + select({part(0)} * mg_exp(m{p} - acc{i}), 0.0, m{p} == {low} && acc{i} != {low});",
+                      "  }", f"  let acc{p} = {a};"]
+            continue
         group = _pairwise(op, "f32", [part(k) for k in range(PARTIAL_GROUP)]) if op in PAIRWISE_OPS else None
         lines += [f"  var {a}: f32 = {IDENTITY[(op, 'f32')]};", f"  var {s} = 0u;"]
         if group is not None:
@@ -226,30 +274,18 @@ def _reads_acc(e) -> bool:
     return False
 
 
-def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool = False) -> list[str]:
-    """Lines computing acc{p}: a strided per-thread loop, then a tree over workgroup memory, or for a sum with
-    ``subgroups`` a subgroup sum and a pass over the subgroups' sums (``wg`` 1: one thread walks the whole row)."""
+def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool = False,
+           quads: dict | None = None) -> list[str]:
+    """Lines computing acc{p}: a strided per-thread loop (over quads where the phase reads any of ``quads``), then a
+    tree over workgroup memory, or for a sum with ``subgroups`` a subgroup sum and a pass over the subgroups' sums
+    (``wg`` 1: one thread walks the whole row)."""
     dt = expr.dtype
-    em = wgsl.Emitter(names, acc_names, indent="    ")
-    value = em.value(expr)
     is_arg = op.startswith("arg")
     a, ai = f"a{p}", f"ai{p}"
     lines = [f"  var {a}: {RUNNING_TYPE[_kind(op, dt)]} = {IDENTITY[(op, dt)]};"]
     if is_arg:
         lines.append(f"  var {ai}: i32 = 2147483647i;")
-    start = "lo" if wg == 1 else "lo + i32(lid)"
-    if not is_arg:
-        lines += [f"  var j{p}: i32 = {start};"] + _unrolled_loop(p, op, expr, names, axes, red_shape, wg, acc_names)
-        start = f"j{p}"
-    lines += [f"  for (var j: i32 = {start}; j < hi; j = j + {wg}i) {{"]
-    lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
-    lines += em.lines
-    if is_arg:
-        better = ARG_BETTER[(op, dt)].format(v=value, i="j", bv=a, bi=ai)
-        lines += [f"    if ({better}) {{ {a} = {value}; {ai} = j; }}"]
-    else:
-        lines += [f"    {a} = {_combine(op, dt, a, _lift(op, value))};"]
-    lines += ["  }"]
+    lines += _thread_loops(p, op, expr, names, axes, red_shape, wg, acc_names, quads or {})
     if wg == 1:  # one thread per row: the loop saw the whole row
         return lines + [f"  let acc{p} = {_total(op, ai if is_arg else a)};"]
     shared = f"red_{_kind(op, dt)}"
@@ -279,6 +315,96 @@ def _phase(p, op, expr, names, axes, red_shape, wg, acc_names, subgroups: bool =
     return lines
 
 
+def _thread_loops(p, op, expr, names, axes, red_shape, wg, acc_names, quads: dict) -> list[str]:
+    """The thread's walk over its elements of the row into a{p} (and ai{p}, an arg phase's index): by quads where
+    the phase reads any of ``quads``, else ``UNROLL`` elements at a time and then one by one."""
+    dt, a, ai = expr.dtype, f"a{p}", f"ai{p}"
+    is_arg = op.startswith("arg")
+    nodes = _nodes(expr)
+    read = {n: quads[n] for n in quads if n in nodes} if wg > 1 and not is_arg else {}
+    if read:
+        return _quad_loops(p, op, expr, names, axes, red_shape, wg, acc_names, read)
+    start = "lo" if wg == 1 else "lo + i32(lid)"
+    lines = []
+    if not is_arg:
+        lines += [f"  var j{p}: i32 = {start};"] + _unrolled_loop(p, op, expr, names, axes, red_shape, wg, acc_names)
+        start = f"j{p}"
+    em = wgsl.Emitter(names, acc_names, indent="    ")
+    value = em.value(expr)
+    lines += [f"  for (var j: i32 = {start}; j < hi; j = j + {wg}i) {{"]
+    lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
+    lines += em.lines
+    if is_arg:
+        better = ARG_BETTER[(op, dt)].format(v=value, i="j", bv=a, bi=ai)
+        lines += [f"    if ({better}) {{ {a} = {value}; {ai} = j; }}"]
+    else:
+        lines += [f"    {a} = {_combine(op, dt, a, _lift(op, value))};"]
+    return lines + ["  }"]
+
+
+def _quad_loops(p, op, expr, names, axes, red_shape, wg, acc_names, quads: dict) -> list[str]:
+    """The thread's walk over its quads of the row (``lo`` and ``hi`` are multiples of 4): ``QUAD_UNROLL`` quads at a
+    time while all are in the row, then one at a time. The values of the quads taken together are computed first
+    (their loads in flight together), then combined, pairwise for float sums and products."""
+    jq = f"jq{p}"
+    lines = [f"  var {jq}: i32 = lo / 4i + i32(lid);", f"  let hq{p}: i32 = hi / 4i;"]
+    for count, condition, step in ((QUAD_UNROLL, f"{jq} + {(QUAD_UNROLL - 1) * wg}i < hq{p}", QUAD_UNROLL * wg),
+                                   (1, f"{jq} < hq{p}", wg)):
+        lines.append(f"  for (; {condition}; {jq} = {jq} + {step}i) {{")
+        values = []
+        for u in range(count):
+            quad_values, quad_lines = _quad_values(f"{p}_{u}", f"{jq} + {u * wg}i" if u else jq, expr, names, axes,
+                                                   red_shape, acc_names, quads)
+            values += quad_values
+            lines += quad_lines
+        lines += _combined(op, expr.dtype, f"a{p}", values)
+        lines.append("  }")
+    return lines
+
+
+def _quad_values(tag: str, quad: str, expr, names, axes, red_shape, acc_names, quads: dict):
+    """(names, lines): the values of ``expr`` at the 4 elements of quad ``quad`` of the row, into v{tag}_{lane}: the
+    quad's coordinates, a vec4 load per read of ``quads``, then each element's value, the last reduced coordinate
+    stepped."""
+    dt, last = expr.dtype, names[axes[-1]]
+    values = [f"v{tag}_{lane}" for lane in range(4)]
+    lines = [f"    var {v}: {wgsl.VALUE_TYPE[dt]};" for v in values] + ["    {", f"      let j: i32 = ({quad}) * 4i;"]
+    lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="      ")
+    base = wgsl.Emitter(names, acc_names, indent="      ")
+    loaded = {}
+    for node, (binding, row) in quads.items():
+        start = base.value(row)
+        loaded[node] = f"q{tag}_{len(loaded)}"
+        base.lines.append(f"      let {loaded[node]} = {binding}[{start} + {last} / 4i];")
+    lines += base.lines
+    for lane, v in enumerate(values):
+        em = wgsl.Emitter([f"{n}_{lane}" if n == last else n for n in names], acc_names, indent="        ")
+        for node, name in loaded.items():
+            em.known(node, f"{name}[{lane}]")
+        value = em.value(expr)
+        lines += ["      {", f"        let {last}_{lane} = {last} + {lane}i;", *em.lines, f"        {v} = {value};",
+                  "      }"]
+    return values, lines + ["    }"]
+
+
+def _combined(op, dt, a: str, values: list[str]) -> list[str]:
+    """Lines adding ``values`` into running value ``a``: pairwise for float sums and products, else one by one."""
+    if op in PAIRWISE_OPS and dt == "f32":
+        return [f"    {a} = {_combine(op, dt, a, _pairwise(op, dt, [_lift(op, v) for v in values]))};"]
+    return [f"    {a} = {_combine(op, dt, a, _lift(op, v))};" for v in values]
+
+
+def _nodes(e) -> set:
+    """The distinct nodes of expression ``e``."""
+    seen, stack = set(), [e]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(a for a in n.args if hasattr(a, "op"))
+    return seen
+
+
 def _unrolled_loop(p, op, expr, names, axes, red_shape, wg, acc_names) -> list[str]:
     """A loop over ``UNROLL`` of the thread's elements at a time, while all of them are in the row: their values
     are computed first (independent loads, in flight together), then combined into the thread's value, pairwise
@@ -294,11 +420,7 @@ def _unrolled_loop(p, op, expr, names, axes, red_shape, wg, acc_names) -> list[s
         lines += ["    {", f"      let j: i32 = j{p} + {u * wg}i;"]
         lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="      ")
         lines += em.lines + [f"      {v} = {value};", "    }"]
-    if op in PAIRWISE_OPS and dt == "f32":
-        lines += [f"    {a} = {_combine(op, dt, a, _pairwise(op, dt, [_lift(op, v) for v in values]))};"]
-    else:
-        lines += [f"    {a} = {_combine(op, dt, a, _lift(op, v))};" for v in values]
-    return lines + ["  }"]
+    return lines + _combined(op, dt, a, values) + ["  }"]
 
 
 def _pairwise(op, dt, values: list[str]) -> str:

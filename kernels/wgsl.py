@@ -123,6 +123,10 @@ class Emitter:
         self._signs: dict = {}  # i32 expression -> whether it is known to be at least 0
         self._count = 0
 
+    def known(self, e, text: str) -> None:
+        """Render ``e`` as ``text`` (a value the caller has in scope, such as a component of a vec4 load)."""
+        self._names[e] = text
+
     def value(self, e) -> str:
         """WGSL for ``e`` (a name or an inline leaf), emitting any statements it needs."""
         if e in self._names:

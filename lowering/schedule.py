@@ -398,8 +398,30 @@ def _pointwise_kernels(node: Pointwise, slots: Slots, limits: dict, scratch, var
     outputs = [(slots.name(s), v.compute_dtype, e, slots.storage[s])
                for s, v, e in zip(slots.out_slots, node.outs, slots.exprs)]
     src, groups = pointwise_kernels.pointwise_kernel(bindings=slots.decl, outputs=outputs, shape=node.out.shape,
-                                                     limits=limits, guarded=slots.guarded)
+                                                     limits=limits, guarded=slots.guarded,
+                                                     quads=_pointwise_quads(node, slots, outputs, limits))
     return [(src, groups, slots.bound)]
+
+
+def _pointwise_quads(node: Pointwise, slots: Slots, outputs: list, limits: dict) -> dict | None:
+    """The reads of a pointwise node to load as vec4s (``pointwise_kernel``'s ``quads``), or None where its kernel
+    keeps one element per copy: outputs that are no f32 rows of whole vec4s, bindings whose offsets may fall between
+    16-byte boundaries, or an output slot read in a way that is not whole vec4s. A slot read anywhere at an index
+    that is not the quad's (a broadcast, a gather, a transposed view) keeps its scalar reads."""
+    shape = node.out.shape
+    if (limits.get("min-storage-buffer-offset-alignment", 256) % 16
+            or not pointwise_kernels.quad_layout(outputs, shape)):
+        return None
+    last = len(shape) - 1
+    reads: dict[int, dict] = {}
+    for e in slots.exprs:
+        for n in E.walk(e):
+            if n.op == "read":
+                quad = _quad_rows(n, slots.decl, shape[-1], last)
+                reads.setdefault(n.args[0], {})[n] = None if quad is None else quad[1]
+    if any(None in found.values() for slot, found in reads.items() if slot in slots.out_slots):
+        return None
+    return {n: row for found in reads.values() if None not in found.values() for n, row in found.items()}
 
 
 def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
@@ -408,9 +430,38 @@ def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) 
     results = [(r.per_element, e, slots.name(s), v.compute_dtype)
                for r, e, s, v in zip(node.results, slots.exprs[n_phases:], slots.out_slots, node.outs)]
     split, partial = (scratch[0], slots.name(slots.bound.index(scratch[1]))) if scratch is not None else (1, None)
-    return [(src, groups, slots.bound) for src, groups in reduce_kernels.reduce_kernel(
-        bindings=slots.decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
-        split=split, partial=partial)]
+    decl, bound = list(slots.decl), list(slots.bound)
+    quads = _reduce_quads(node, phases, slots.out_slots, decl, bound, limits)
+    return [(src, groups, bound) for src, groups in reduce_kernels.reduce_kernel(
+        bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
+        split=split, partial=partial, quads=quads)]
+
+
+def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound: list, limits: dict) -> dict:
+    """The reads of a row program's phases to load as vec4s (``reduce_kernel``'s ``quads``): f32 reads along the
+    last reduced axis of rows that start at multiples of 4 elements, each through a vec4 binding of its value
+    appended to ``decl`` and ``bound``, while the bindings stay within the adapter's limit (values read at other
+    indices too keep their plain binding for those). Not a value the kernel stores over (an input read through an
+    output's binding): no second binding overlaps one the kernel writes. None where the kernel may not read quads
+    (``reduce_kernels.quad_rows``) or a binding offset may fall between 16-byte boundaries."""
+    if (limits.get("min-storage-buffer-offset-alignment", 256) % 16
+            or not reduce_kernels.quad_rows(node.domain, node.axes)):
+        return {}
+    last, size = node.axes[-1], node.domain[node.axes[-1]]
+    found: dict[int, dict] = {}
+    for _, e in phases:
+        for n in E.walk(e):
+            quad = _quad_rows(n, decl, size, last) if n.op == "read" else None
+            if quad is not None and quad[0] not in out_slots:
+                found.setdefault(quad[0], {})[n] = quad[1]
+    room = limits.get("max-storage-buffers-per-shader-stage", 8) - len(bound)
+    quads = {}
+    for slot in list(found)[:max(room, 0)]:
+        name = f"b{slot}_4"
+        decl.append((len(bound), name, "vec4<f32>"))
+        bound.append(bound[slot])
+        quads.update({n: (name, row) for n, row in found[slot].items()})
+    return quads
 
 
 def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
@@ -420,7 +471,7 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     prelude = _matmul_prelude(node, slots)
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
-                 f16=variant.f16, looped=_looped_operand(node))
+                 f16=variant.f16, looped=_looped_operand(node), double=variant.double)
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
@@ -455,15 +506,15 @@ def _attention_prelude(node: Attention, slots: Slots, max_bindings: int) -> str:
     return attention_prelude(slots.decl, slots.bound, loads, max_bindings)
 
 
-def _quad_rows(e: E.Expr, decl, size: int) -> tuple[int, E.Expr] | None:
-    """(slot, vec4 index of the row's first element) where ``e`` is a plain read of f32 element c (the last
-    coordinate) of rows of ``size`` elements that start at multiples of 4 elements; None otherwise."""
+def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3) -> tuple[int, E.Expr] | None:
+    """(slot, vec4 index of the row's first element) where ``e`` is a plain read of f32 element c (coordinate
+    ``coord``) of rows of ``size`` elements that start at multiples of 4 elements; None otherwise."""
     if e.op != "read" or e.dtype != E.F32 or size % 4:
         return None
     slot, index = e.args[:2]
     if len(e.args) > 2 or decl[slot][2] != "f32":
         return None
-    row = quad_row_index(index, 3)
+    row = quad_row_index(index, coord)
     return None if row is None else (slot, row)
 
 

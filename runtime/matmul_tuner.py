@@ -137,12 +137,13 @@ class MatmulTuner:
 def _choice(entry: dict) -> MatmulChoice:
     tile, block = entry["tile"], entry["block"]
     return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"],
-                        entry.get("f16", False))
+                        entry.get("f16", False), entry.get("double", False))
 
 
 def _entry(choice: MatmulChoice, seconds: float | None, default_seconds: float | None) -> dict:
     return {"tile": list(choice.tile) if choice.tile else None, "block": list(choice.block) if choice.block else None,
-            "split": choice.split, "f16": choice.f16, "us": None if seconds is None else round(float(seconds) * 1e6, 2),
+            "split": choice.split, "f16": choice.f16, "double": choice.double,
+            "us": None if seconds is None else round(float(seconds) * 1e6, 2),
             "default_us": None if default_seconds is None else round(float(default_seconds) * 1e6, 2)}
 
 
@@ -156,4 +157,5 @@ def _valid(entry) -> bool:
     edges = {*TILE_SIZES, *(edge for tile, _ in configs for edge in tile)}
     blocks = {4, 8, *(size for _, block in configs for size in block)}
     return (isinstance(split, int) and 1 <= split <= SPLIT_MAX and pair(entry.get("tile"), edges)
-            and pair(entry.get("block"), blocks) and entry.get("f16", False) in (False, True))
+            and pair(entry.get("block"), blocks) and entry.get("f16", False) in (False, True)
+            and entry.get("double", False) in (False, True))

@@ -126,6 +126,14 @@ def test_micro_benchmarks_check_every_row_and_keep_back_to_back_products_apart(t
     ours = {r.name: r for r in done if r.competitor == "meganeura"}
     assert ours[f"matmul 32 x{micro.BACK_TO_BACK} back to back"].dispatches == \
         micro.BACK_TO_BACK * ours["matmul 32"].dispatches
+    from meganeura.runtime.device import get_device
+
+    if "timestamp-query" in get_device().features:  # (lavapipe offers it) each row's kernels timed on the GPU
+        for r in ours.values():
+            assert len(r.gpu_samples_ms) == micro.GPU_CALLS and r.gpu_median_ms > 0, r.name
+    for r in done:
+        if r.competitor == "torch-cpu-eager":
+            assert r.gpu_median_ms is None  # (no GPU timer on the CPU)
     results = _report(tmp_path / "micro.json", [])
     data = json.loads(results.read_text())
     data["micro"] = [dataclasses.asdict(r) for r in done]
@@ -133,3 +141,4 @@ def test_micro_benchmarks_check_every_row_and_keep_back_to_back_products_apart(t
     report.write(results)
     table = results.with_suffix(".md").read_text()
     assert all(f"| {r.name} | {r.competitor} | {r.median_ms:.3f} |" in table for r in done)
+    assert all(f"| {r.gpu_median_ms:.3f} |" in table for r in ours.values() if r.gpu_median_ms is not None)

@@ -284,6 +284,37 @@ def test_looped_fetch_matches(device, looped, batch, m, n, k, split, tile, grid_
     assert kernel.count(f"load_{looped}(") == 2  # the first chunk's fetch and the loop's
 
 
+@pytest.mark.parametrize("batch, m, n, k, layout", [
+    (1, 64, 64, 64, {"tile": (64, 64)}),                            # every range check left out
+    (2, 75, 93, 41, {"tile": (64, 64), "block": (8, 8)}),           # ragged tiles, K not whole chunks
+    (1, 33, 65, 17, {}),                                            # the generator's own tile
+    (1, 131, 70, 300, {"tile": (128, 64), "block": (8, 8)}),        # 8x8 blocks, a long K, ragged
+    (1, 40, 50, 700, {"tile": (32, 64), "split": 4}),               # K slices of whole chunks
+    (1, 16, 16, 37, {"tile": (16, 16), "split": 16}),               # more slices than chunks: empty slices
+    (40, 32, 32, 40, {"tile": (32, 32), "grid": 7}),                # folded grid: workgroups without a tile
+    (1, 70, 64, 33, {"tile": (64, 64), "looped": "a"}),             # an operand fetched in a loop
+])
+def test_double_buffered_chunks_match(device, batch, m, n, k, layout):
+    """Double-buffered K chunks (two in workgroup memory, one barrier a chunk): the same products, one store per
+    element, in-range indices, on every shape the single-buffered kernel serves."""
+    rng = np.random.default_rng(m + n + k)
+    grid = layout.pop("grid", None)
+    limits = dict(device.limits, **({GRID_LIMIT: grid} if grid else {}))
+    source, _ = check(device, make_operand(rng, batch, m, k), make_operand(rng, batch, k, n, layout="transposed"),
+                      b_fast="p", limits=limits, double=True, **layout)
+    kernel = source[source.index("// ---- matmul"):]
+    assert "double-buffered" in kernel and kernel.count("workgroupBarrier()") == 2  # before the loop, and in it
+
+
+def test_double_buffering_only_where_two_chunks_fit():
+    """At WebGPU's default workgroup storage (16 KiB) a 64x64 tile's chunk of 16 takes 8.5 KiB: not two of them, so
+    the kernel keeps one buffer and its chunk rather than halving the chunk; a 32x64 tile's (6.5 KiB) takes two."""
+    assert header(1, 512, 512, 512, double=True) == header(1, 512, 512, 512)
+    assert header(1, 512, 512, 512).startswith("tiled 64x64, K chunk 16")
+    assert header(1, 128, 576, 64, double=True) == header(1, 128, 576, 64) + ", double-buffered"
+    assert header(1, 128, 576, 64).startswith("tiled 32x64, K chunk 16")
+
+
 def test_split_k_choice():
     assert split_k(1, 64, 147, 50176, LIMITS) == 64       # a convolution's weight gradient: 3 tiles, long K
     assert split_k(1, 196, 1024, 2304, LIMITS) == 16      # 64 tiles
@@ -333,8 +364,8 @@ def test_small_invocation_limit(device):
 LIMITS = {GRID_LIMIT: 65535, STORAGE_LIMIT: 16384, "max-compute-invocations-per-workgroup": 256}
 
 
-def header(batch, m, n, k):
-    source, _ = matmul_kernel("", batch=batch, m=m, n=n, k=k, limits=LIMITS)
+def header(batch, m, n, k, **variant):
+    source, _ = matmul_kernel("", batch=batch, m=m, n=n, k=k, limits=LIMITS, **variant)
     return re.search(r"// ---- matmul: (.*)", source).group(1)
 
 
@@ -437,6 +468,7 @@ def f16_device():
     (1, 33, 65, 17, {}),                                      # ragged tiles, K not a multiple of the chunk
     (2, 40, 72, 300, {"tile": (32, 64), "block": (4, 4)}),
     (1, 48, 40, 520, {"tile": (16, 32), "split": 4}),        # K slices: f32 partial sums, then the reduction
+    (1, 70, 40, 100, {"tile": (64, 64), "double": True}),    # double-buffered f16 chunks
 ])
 def test_f16_products_are_within_f16_rounding(f16_device, batch, m, n, k, layout):
     """f16 products: every output stored once and in range, off f64 by f16's rounding (about 1e-3 relative L2 for

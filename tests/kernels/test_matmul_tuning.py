@@ -23,6 +23,16 @@ def test_tiles_past_128x128_are_tried_only_where_they_make_enough_workgroups_alo
         assert all(c.tile is None or c.tile[0] * c.tile[1] <= 128 * 128 for c in candidates(*shape, big))
 
 
+def test_double_buffered_candidates_are_unsplit_f32_where_two_chunks_fit():
+    """Each shape unsplit gets a double-buffered candidate where two of its chunks fit the storage limit: at 16 KiB
+    the 32x64 tiles, not 64x64 (its chunk of 16 takes 8.5 KiB); at 48 KiB the 128x128 tile too."""
+    found = [c for c in candidates(1, 2048, 2048, 2048, LIMITS) if c.double]
+    assert found and all(c.split == 1 and not c.f16 for c in found)
+    assert (32, 64) in {c.tile for c in found} and (64, 64) not in {c.tile for c in found}
+    big = {**LIMITS, "max-compute-workgroup-storage-size": 49152}
+    assert (128, 128) in {c.tile for c in candidates(1, 2048, 2048, 2048, big) if c.double}
+
+
 def test_candidates_skip_tiles_that_are_mostly_padding():
     found = candidates(1, 20, 24, 64, LIMITS)
     assert all(c.tile is None or max(c.tile) <= 64 for c in found)

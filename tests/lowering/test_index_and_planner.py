@@ -277,10 +277,10 @@ def test_value_read_by_a_later_kernel_is_stored_by_its_first_elementwise_reader(
 def test_large_pointwise_outputs_take_several_elements_per_thread():
     """A large output gives each thread several elements (it stores them after computing all); a size that is no
     multiple of the workgroup's elements leaves a partial last workgroup. A transposed read and a broadcast row
-    check that every copy decodes its own coordinates."""
+    check that every copy decodes its own coordinates. (Rows of an odd length: no quads.)"""
     from meganeura.kernels import pointwise
 
-    rows, cols = 1031, 2 * pointwise.WORKGROUP * pointwise.MIN_WORKGROUPS // 1000
+    rows, cols = 1031, 2 * pointwise.WORKGROUP * pointwise.MIN_WORKGROUPS // 1000 + 1
     assert pointwise.elements_per_thread(rows * cols) == 2
     b = GraphBuilder()
     x = b.input("x", (cols, rows), "float32")
@@ -300,6 +300,59 @@ def test_large_pointwise_outputs_take_several_elements_per_thread():
     want = np.exp(data["x"].T) + data["bias"]
     np.testing.assert_allclose(out[plan.outputs[0].name], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out[plan.outputs[1].name], 2 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, copies", [((37, 12), 1), ((2, 1100), 2), ((3, 171, 8), 4), ((3, 1031, 8), 8)])
+def test_pointwise_rows_of_whole_vec4s_take_quads(shape, copies, monkeypatch):
+    """Outputs whose rows are whole vec4s: each copy of a thread is a quad of 4 elements, the reads of whole vec4
+    rows (the input itself, a broadcast row) one vec4 load each, a transposed read and a broadcast column element by
+    element. Fewer workgroups per copy (a smaller MIN_WORKGROUPS) give small shapes several copies per thread and a
+    ragged last workgroup."""
+    from meganeura.kernels import pointwise
+
+    monkeypatch.setattr(pointwise, "MIN_WORKGROUPS", 1)
+    units = int(np.prod(shape)) // 4
+    assert pointwise.elements_per_thread(units) == copies
+    flat = (int(np.prod(shape[:-1])), shape[-1])
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    xt = b.input("xt", flat[::-1], "float32")
+    row = b.input("row", (shape[-1],), "float32")
+    column = b.input("column", (flat[0], 1), "float32")
+    flipped = b.reshape(b.permute(xt, (1, 0)), shape)
+    spread_row = b.expand(b.reshape(row, (1,) * (len(shape) - 1) + (shape[-1],)), shape)
+    spread_column = b.reshape(b.expand(column, flat), shape)
+    mixed = b.map(lambda a, t, r, c: E.add(E.mul(E.unary("sigmoid", a), r), E.binary("sub", t, c)), x, flipped, spread_row,
+                  spread_column, dtype="float32")
+    doubled = b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), mixed, dtype="float32")
+    b.output(mixed)
+    b.output(doubled)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert len(plan.dispatches) == 1
+    source = plan.kernels[plan.dispatches[0].kernel]
+    assert source.count("array<vec4<f32>>") == 4  # x, the row and the two outputs; xt and the column stay scalar
+    assert f"r1_{copies - 1}_3" in source and f"r1_{copies}_0" not in source
+    data = {"x": RNG.standard_normal(shape).astype(np.float32), "xt": RNG.standard_normal(flat[::-1]).astype(np.float32),
+            "row": RNG.standard_normal(shape[-1]).astype(np.float32),
+            "column": RNG.standard_normal((flat[0], 1)).astype(np.float32)}
+    out = Program(get_device(), plan).run(data)
+    want = (1 / (1 + np.exp(-data["x"].astype(np.float64))) * data["row"]
+            + (data["xt"].T - data["column"]).reshape(shape))
+    np.testing.assert_allclose(out[plan.outputs[0].name], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[plan.outputs[1].name], 2 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (5,), (7, 0)])
+def test_pointwise_rows_of_partial_vec4s_stay_element_by_element(shape):
+    """An output whose rows are not whole vec4s (or one with no elements) is stored element by element, and is right."""
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    b.output(b.map(lambda a: E.add(a, E.const(1.0, E.F32)), x, dtype="float32"))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert all("vec4" not in source for source in plan.kernels.values())
+    data = RNG.standard_normal(shape).astype(np.float32)
+    if data.size:
+        np.testing.assert_array_equal(Program(get_device(), plan).run({"x": data})[plan.outputs[0].name], data + 1)
 
 
 @pytest.mark.parametrize("shape,axes", [((3, 10000), (1,)), ((10000, 2), (0,)), ((5, 1000, 9), (0, 1))])
@@ -325,6 +378,103 @@ def test_few_long_rows_are_reduced_in_slices_then_combined(shape, axes):
     biggest = (data.astype(np.float64) ** 2).max(axis=axes, keepdims=True)
     np.testing.assert_allclose(out[plan.outputs[0].name], (total / length).squeeze(axes), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out[plan.outputs[1].name], data * biggest - total, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape, axes, quads", [
+    ((6, 1028), (1,), True),  # more of a thread's quads than one unrolled round: the round, then one at a time
+    ((3, 10000), (1,), True),  # few rows (the softmax's dependent phases are not cut into slices)
+    ((4, 3, 8), (0, 2), True),  # two reduced axes, the last one of 2 quads per row
+    ((4, 8, 3), (1,), False),  # reduced along an axis that is not the last: no rows of whole vec4s
+])
+def test_row_programs_read_quads_along_rows_of_whole_vec4s(shape, axes, quads):
+    """A sum and a softmax's two dependent phases (a max, then a sum of exp(x - max), then each element's share)
+    read rows of whole vec4s a quad at a time through a vec4 binding of the input: the sum and the max phase over
+    the input, the exp phase too (its read of the transposed copy stays element by element). Every result against
+    float64."""
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    coords = [E.coord(d) for d in range(len(shape))]
+    value = b.load(x, coords)
+    order = tuple(reversed(range(len(shape))))
+    xt = b.input("xt", tuple(shape[d] for d in order), "float32")
+    flipped = b.load(xt, [coords[d] for d in order])
+    mixed = E.add(value, E.mul(flipped, E.const(0.5, E.F32)))
+    total, = b.reduce(shape, axes, [("sum", value)], [RowOutput(False, E.acc(0))], ["float32"], "sum")
+    shifted = E.unary("exp", E.binary("sub", mixed, E.acc(0)))
+    largest, share = b.reduce(
+        shape, axes, [("max", mixed), ("sum", shifted)],
+        [RowOutput(False, E.acc(0)), RowOutput(True, E.binary("div", shifted, E.acc(1)))],
+        ["float32", "float32"], "softmax")
+    for out in (total, largest, share):
+        b.output(out)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert any("array<vec4<f32>>" in plan.kernels[d.kernel] for d in plan.dispatches) == quads
+    data = {"x": RNG.standard_normal(shape).astype(np.float32)}
+    data["xt"] = RNG.standard_normal(tuple(shape[d] for d in order)).astype(np.float32)
+    out = Program(get_device(), plan).run(data)
+    x64 = data["x"].astype(np.float64)
+    mixed64 = x64 + 0.5 * data["xt"].astype(np.float64).transpose(order)
+    want_max = mixed64.max(axis=axes, keepdims=True)
+    exp = np.exp(mixed64 - want_max)
+    got = [out[spec.name] for spec in plan.outputs]
+    np.testing.assert_allclose(got[0], x64.sum(axis=axes), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(got[1], want_max.squeeze(axes), rtol=1e-6)
+    np.testing.assert_allclose(got[2], exp / exp.sum(axis=axes, keepdims=True), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("length, quads", [(5000, True), (4100, True), (4102, False)])
+def test_slices_of_long_rows_read_quads_where_each_is_whole_vec4s(length, quads):
+    """Few long rows summed in 2 slices merged by a second pass: rows of whole vec4s read quads, in slices of 2500
+    elements, or of 2052 and 2048 (2050 rounded up to whole quads); rows of 4102 element by element. Each against
+    float64."""
+    b = GraphBuilder()
+    x = b.input("x", (3, length), "float32")
+    total, = b.reduce((3, length), (1,), [("sum", b.load(x, [E.coord(0), E.coord(1)]))],
+                      [RowOutput(False, E.acc(0))], ["float32"], "sum")
+    b.output(total)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert [d.label for d in plan.dispatches] == ["sum", "sum (merge of slices)"]
+    assert ("array<vec4<f32>>" in plan.kernels[plan.dispatches[0].kernel]) == quads
+    data = RNG.standard_normal((3, length)).astype(np.float32)
+    got = Program(get_device(), plan).run({"x": data})[plan.outputs[0].name]
+    np.testing.assert_allclose(got, data.astype(np.float64).sum(axis=1), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("length, slices", [(20000, 8), (9000, 4), (1000, 1)])
+def test_softmax_over_few_long_rows_is_cut_into_slices(length, slices):
+    """A softmax's max phase and its sum of exp(x - max) over few long rows: each slice sums over its own maximum,
+    the merge rescales the sums to the row's. Row 0 is -inf past its first fifth (slices of -inf add nothing), row 1
+    holds +inf (NaN, as eager), row 2 is all -inf (NaN), row 3 plain; the row's logsumexp and every element's share
+    against float64. Short rows are not cut."""
+    shape = (4, length)
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    value = b.load(x, [E.coord(0), E.coord(1)])
+    shifted = E.binary("sub", value, E.acc(0))
+    lse, share = b.reduce(shape, (1,), [("max", value), ("sum", E.unary("exp", shifted))],
+                          [RowOutput(False, E.add(E.acc(0), E.unary("log", E.acc(1)))),
+                           RowOutput(True, E.binary("div", E.unary("exp", shifted), E.acc(1)))],
+                          ["float32", "float32"], "softmax")
+    b.output(lse)
+    b.output(share)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert [d.label for d in plan.dispatches] == ["softmax"] + ["softmax (merge of slices)"] * (slices > 1)
+    if slices > 1:
+        assert plan.dispatches[0].workgroups[0] * plan.dispatches[0].workgroups[1] == 4 * slices
+    data = (RNG.standard_normal(shape) * 4).astype(np.float32)
+    data[0, length // 5:] = -np.inf
+    data[1, length // 2] = np.inf
+    data[2] = -np.inf
+    out = Program(get_device(), plan).run({"x": data})
+    x64 = data.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        peak = x64.max(axis=1, keepdims=True)
+        exp = np.exp(x64 - peak)
+        total = exp.sum(axis=1, keepdims=True)
+        want_lse, want_share = (peak + np.log(total)).squeeze(1), exp / total
+    np.testing.assert_allclose(out[plan.outputs[0].name], want_lse, rtol=1e-5)
+    np.testing.assert_allclose(out[plan.outputs[1].name], want_share, rtol=1e-4, atol=1e-9)
+    assert np.isnan(out[plan.outputs[1].name][1:3]).all() and np.isfinite(out[plan.outputs[1].name][[0, 3]]).all()
 
 
 def test_sums_use_subgroup_operations_where_the_device_has_them_and_trees_otherwise():

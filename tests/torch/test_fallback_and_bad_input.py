@@ -252,3 +252,15 @@ NAN_CASES = {
 @pytest.mark.parametrize("name", list(NAN_CASES))
 def test_nan_inf_propagate(name):
     check_against_eager(NAN_CASES[name], *_special_inputs())
+
+
+def test_losses_over_a_long_vocabulary_for_few_tokens_match_eager():
+    """A vocabulary of 9,000 for 4 tokens: few long rows, whose softmax phases are cut into slices merged by a second
+    pass. Cross-entropy, log-softmax and softmax against eager, with a masked tail of -inf, a row of -inf and +inf."""
+    logits = torch.randn(4, 9000) * 4
+    logits[0, 2000:] = -INF  # a masked vocabulary: whole slices of -inf
+    logits[1, 4500] = INF
+    logits[2] = -INF
+    target = torch.tensor([5, 4500, 7, 8999])
+    check_against_eager(lambda x, t: (F.cross_entropy(x[[0, 3]], t[[0, 3]]), torch.log_softmax(x, dim=1),
+                                      torch.softmax(x, dim=1)), logits, target)
