@@ -170,7 +170,8 @@ class Program:
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
         self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
-        self._recent_outputs: dict[str, deque] = {}  # each resident output's latest buffers (``_new_output``)
+        self._recent_outputs: dict[str, tuple[deque, int]] = {}  # each resident output's latest buffers and its
+        # buffers' size (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
         if self._arena is not None:
             self._use_current_arena()
@@ -510,9 +511,12 @@ class Program:
         had one or two runs before where the pool has it back, so that a run's buffers repeat and its bind groups
         are reused (a KV cache: the cache of two steps before is the one given back; the pool alone deals its
         buffers to the layers in another order, and a generate call's first steps built their groups again)."""
-        recent = self._recent_outputs.setdefault(name, deque(maxlen=RECENT_OUTPUT_BUFFERS))
-        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=self._output_room(spec), prefer=tuple(recent))
-        recent.append(array.buffer)
+        recent = self._recent_outputs.get(name)
+        if recent is None:
+            recent = self._recent_outputs[name] = (deque(maxlen=RECENT_OUTPUT_BUFFERS), self._output_room(spec))
+        buffers, room = recent
+        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=room, prefer=buffers)
+        buffers.append(array.buffer)
         return array
 
     def _with_swaps(self, swaps: dict):
