@@ -93,6 +93,23 @@ def _literal(items) -> str:
     return "(" + "".join(f"{x.python('s') if is_size(x) else int(x)}, " for x in items) + ")"
 
 
+def _indirect_slots(plan: Plan) -> tuple[dict[int, int], list[int]]:
+    """The dispatches with symbolic workgroup counts, each to its slot in the indirect buffer, and the first dispatch
+    of each slot: one slot per distinct count expression, so that a run writes as many counts as there are distinct
+    ones (every layer's attention over the KV cache has the same: the bytes written per decode step do not grow
+    with the model's depth)."""
+    slots: dict[tuple, int] = {}
+    of_dispatch, firsts = {}, []
+    for i, d in enumerate(plan.dispatches):
+        if any(map(is_size, d.workgroups)):
+            key = tuple(w.key() if is_size(w) else w for w in d.workgroups)
+            if key not in slots:
+                slots[key] = len(firsts)
+                firsts.append(i)
+            of_dispatch[i] = slots[key]
+    return of_dispatch, firsts
+
+
 def run_sizes(plan: Plan, indirect: list[int]):
     """A function of a plan's symbol values giving (the shapes of its inputs then its outputs, the workgroup counts of
     the dispatches at ``indirect``, flat): what a run at those values checks, reads back and writes to the indirect
@@ -126,11 +143,10 @@ class Program:
         self.symbolic = plan if plan.symbols else None
         self._sized: tuple = ((), None)  # (sizes, the ``RunTensors`` at them) of the last run
         # Dispatches with symbolic workgroup counts read them from this buffer, written when a run's sizes change
-        self._indirect = [i for i, d in enumerate(plan.dispatches) if any(map(is_size, d.workgroups))]
-        self._indirect_buffer = (device.indirect_buffer(12 * len(self._indirect), "workgroups")
-                                 if self._indirect else None)
+        self._indirect, slots = _indirect_slots(plan)
+        self._indirect_buffer = device.indirect_buffer(12 * len(slots), "workgroups") if slots else None
         if self.symbolic is not None:
-            self._run_sizes = run_sizes(plan, self._indirect)
+            self._run_sizes = run_sizes(plan, slots)
             self._run_names = [t.name for t in plan.inputs + plan.outputs]  # (``run_sizes``'s order)
         plan = plan.at(plan.bounds)
         self.plan = plan
@@ -283,7 +299,7 @@ class Program:
             self._use_current_arena()
         self.wait_pipelines()
         self._commands = []
-        indirect = {i: Indirect(self._indirect_buffer, 12 * k) for k, i in enumerate(self._indirect)}
+        indirect = {i: Indirect(self._indirect_buffer, 12 * slot) for i, slot in self._indirect.items()}
         for i, d in enumerate(self.plan.dispatches):
             group = self._bind_groups.get(d.bindings)
             if group is None and not any(b.buffer not in self._owned and b.buffer not in self._params
