@@ -3,8 +3,10 @@
     python -m bench.generate --out bench/results/h200-generate                 # 16-token prompt, 256 new tokens
     python -m bench.generate --out /tmp/generate-smoke --smoke                 # tiny model: checks the path
 
-Rows: PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache, on CUDA where it
-exists, else on the CPU; HF ``generate`` with ``model.forward`` compiled with backend="meganeura", both caches, with
+Rows: PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache
+(``disable_compile=True``: pure eager), on CUDA where it exists, else on the CPU; on CUDA, HF's static cache as HF
+ships it (``generate`` compiles the forward with Inductor by itself) as a row of its own, with its first call's time;
+every PyTorch row is warmed by a call of the length it is timed at; HF ``generate`` with ``model.forward`` compiled with backend="meganeura", both caches, with
 the first call's time (compile included) and a second call's tokens/s and decode tokens/s by context length; and
 the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime, with its export time, bundle
 size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each decode step's time at its
@@ -32,25 +34,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+EAGER_CACHES = {  # cache label -> generate's arguments; every row is warmed with the call it then times
+    "dynamic": {},
+    "static": {"cache_implementation": "static", "disable_compile": True},  # pure eager: HF compiles it otherwise
+}
+# HF's static cache as HF ships it: on CUDA, generate compiles the forward with Inductor (CUDA graphs included) by
+# itself; a row of its own, warmed at the timed length (a warm call at another length times a recompile)
+HF_COMPILED_CACHE = {"hf-compiled-static": {"cache_implementation": "static"}}
+
+
 def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
+    """PyTorch's rows: eager with each cache, and on CUDA HF's auto-compiled static cache. Each is warmed by a
+    call of the length it is timed at (the static cache's size, and the compiled graphs, depend on it)."""
     import torch
 
     rows = []
     model = model.to(device)
     ids = prompt.to(device)
-    for cache in ("dynamic", "static"):
-        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-        model.generate(ids, max_new_tokens=4, do_sample=False, **kwargs)  # warm
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, **kwargs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        rows.append({"competitor": f"torch-{device}-eager", "cache": cache, "tokens_per_second": new / seconds,
-                     "seconds": seconds, "tokens": out[0].tolist()})
-        print(f"torch-{device}-eager {cache}: {new / seconds:.1f} tokens/s", flush=True)
+    caches = {**EAGER_CACHES, **(HF_COMPILED_CACHE if device == "cuda" else {})}
+    for cache, kwargs in caches.items():
+        competitor = f"torch-{device}-{'hf-compiled' if cache in HF_COMPILED_CACHE else 'eager'}"
+        seconds = []
+        for _ in range(2):  # warm, then timed: the same call
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, **kwargs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        row = {"competitor": competitor, "cache": cache, "tokens_per_second": new / seconds[1],
+               "seconds": seconds[1], "tokens": out[0].tolist()}
+        if cache in HF_COMPILED_CACHE:
+            row["first_call_seconds"] = seconds[0]
+        rows.append(row)
+        print(f"{competitor} {cache}: {new / seconds[1]:.1f} tokens/s", flush=True)
     model.to("cpu")
     return rows
 

@@ -30,6 +30,7 @@ from .memory import use_null_device
 from .workloads import WORKLOADS
 
 WAYS = {"loop": "meganeura-loop", "resident": "meganeura-resident"}
+MOVED = ("waits", "submits", "bytes_uploaded", "bytes_downloaded")  # the device's counters reported per step
 INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
 
 
@@ -66,7 +67,7 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
     runner.step()
     profile.disable()
     after = counters.snapshot()
-    moved = {key: after[key] - before[key] for key in ("waits", "submits", "bytes_uploaded", "bytes_downloaded")}
+    moved = {key: after[key] - before[key] for key in MOVED}
     return {"workload": name, "way": way, "host_us": micros, "median_us": statistics.median(micros),
             "parameters": sum(1 for _ in base.parameters()), **_counts(profile), **moved}
 
@@ -82,9 +83,27 @@ def _per_token(generate, short: int, long: int) -> float:
     return (seconds[long] - seconds[short]) / (long - short) * 1e6
 
 
+def _counts_per_token(generate, short: int, long: int) -> dict:
+    """Per decode token, the counts of ``measure``'s step (interceptions, wrappers, waits, submits, bytes up and
+    down): ``generate(n)`` profiled at two lengths (warm), the difference over the tokens between them."""
+    from meganeura.runtime.device import get_device
+
+    counters, counts = get_device().counters, {}
+    for n in (short, long):
+        before = counters.snapshot()
+        profile = cProfile.Profile()
+        profile.enable()
+        generate(n)
+        profile.disable()
+        after = counters.snapshot()
+        counts[n] = {**_counts(profile), **{key: after[key] - before[key] for key in MOVED}}
+    return {key: (counts[long][key] - counts[short][key]) / (long - short) for key in counts[long]}
+
+
 def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
     """Host us per decode token of SmolLM2's config (greedy, a 16-token prompt): HF ``generate`` through the
-    backend with its default cache, and the torch-free generation bundle (``export_lm``). The null device computes
+    backend with its default cache, and the torch-free generation bundle (``export_lm``), each with its counts per
+    token (``_counts_per_token``). The null device computes
     nothing: every token is 0, which HF is kept from stopping at (``min_new_tokens``) and the bundle too."""
     import tempfile
 
@@ -103,13 +122,15 @@ def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False)
 
-    rows.append({"workload": "smollm2", "way": "hf-generate", "per_token_us": _per_token(hf, short, long)})
+    rows.append({"workload": "smollm2", "way": "hf-generate", "per_token_us": _per_token(hf, short, long),
+                 **_counts_per_token(hf, short, long)})
     with tempfile.TemporaryDirectory() as folder:
         torch_meganeura.export_lm(model, f"{folder}/lm", max_cache_len=long + 32)
         lm = load(f"{folder}/lm")
         ids = prompt[0].numpy()
-        rows.append({"workload": "smollm2", "way": "bundle",
-                     "per_token_us": _per_token(lambda n: lm.generate(ids, n, eos_token_id=-1), short, long)})
+        bundle = lambda n: lm.generate(ids, n, eos_token_id=-1)  # noqa: E731
+        rows.append({"workload": "smollm2", "way": "bundle", "per_token_us": _per_token(bundle, short, long),
+                     **_counts_per_token(bundle, short, long)})
     return rows
 
 
@@ -131,6 +152,9 @@ def main(argv=None) -> int:
         print(f"smollm2 decode, host us per token: HF generate through the backend {decode[0]['per_token_us']:.0f}, "
               f"the bundle {decode[1]['per_token_us']:.0f} (ratio {decode[0]['per_token_us'] / decode[1]['per_token_us']:.2f})",
               flush=True)
+        for row in decode:
+            print(f"  {row['way']} per token: " + ", ".join(f"{row[k]:g} {k}" for k in ("interceptions", "wrappers",
+                                                                                       *MOVED)), flush=True)
     for name in [w for w in args.workloads.split(",") if w != "none"]:
         for way in args.ways.split(","):
             row = measure(name, way, args.steps, args.smoke)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
 
@@ -67,10 +66,16 @@ AHEAD_MIN_DISPATCHES = 2 * FIRST_PART
 
 
 class RunTensors(NamedTuple):
-    """A run's inputs and outputs at its sizes (a plan over symbolic sizes)."""
+    """The shapes of a run's inputs and outputs, by name: a plan over symbolic sizes has them at the run's sizes.
+    Specs at those shapes are made only for the tensors that cross to or from the host (``spec``): a decode step's
+    KV cache arrays, bound and kept on the device, need their shapes alone."""
 
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
+    shapes: dict[str, tuple]
+
+    def spec(self, t: TensorSpec) -> TensorSpec:
+        """``t`` (the plan's, at its bounds) at this run's shape."""
+        shape = self.shapes[t.name]
+        return t if shape == t.shape else TensorSpec(t.name, t.buffer, t.offset, shape, t.dtype)
 
 
 def submission_parts(count: int) -> list[tuple[int, int]]:
@@ -81,6 +86,37 @@ def submission_parts(count: int) -> list[tuple[int, int]]:
         parts.append((start, start + size))
         start, size = start + size, min(2 * size, SUBMIT_EVERY)
     return parts + [(start, count)]
+
+
+def _literal(items) -> str:
+    """A Python tuple literal of ``items``: ints, or Sizes as expressions over ``s[k]``, the value of symbol k."""
+    return "(" + "".join(f"{x.python('s') if is_size(x) else int(x)}, " for x in items) + ")"
+
+
+def _indirect_slots(plan: Plan) -> tuple[dict[int, int], list[int]]:
+    """The dispatches with symbolic workgroup counts, each to its slot in the indirect buffer, and the first dispatch
+    of each slot: one slot per distinct count expression, so that a run writes as many counts as there are distinct
+    ones (every layer's attention over the KV cache has the same: the bytes written per decode step do not grow
+    with the model's depth)."""
+    slots: dict[tuple, int] = {}
+    of_dispatch, firsts = {}, []
+    for i, d in enumerate(plan.dispatches):
+        if any(map(is_size, d.workgroups)):
+            key = tuple(w.key() if is_size(w) else w for w in d.workgroups)
+            if key not in slots:
+                slots[key] = len(firsts)
+                firsts.append(i)
+            of_dispatch[i] = slots[key]
+    return of_dispatch, firsts
+
+
+def run_sizes(plan: Plan, indirect: list[int]):
+    """A function of a plan's symbol values giving (the shapes of its inputs then its outputs, the workgroup counts of
+    the dispatches at ``indirect``, flat): what a run at those values checks, reads back and writes to the indirect
+    buffer, evaluated in one call and nothing else (``Plan.sized`` also gives every other dispatch's counts)."""
+    shapes = "(" + "".join(f"{_literal(t.shape)}, " for t in plan.inputs + plan.outputs) + ")"
+    counts = _literal([w for i in indirect for w in plan.dispatches[i].workgroups])
+    return eval(f"lambda s: ({shapes}, {counts})")  # noqa: S307 - built from Sizes and ints
 
 
 def pipeline_jobs(plan: Plan) -> list[tuple[str, int, str]]:
@@ -105,13 +141,16 @@ class Program:
         # A plan over symbolic sizes runs as its plan at its bounds (buffers and bindings sized for them), with the
         # shapes and workgroup counts of each run's sizes (``_sized``)
         self.symbolic = plan if plan.symbols else None
-        self._sized: tuple = ((), None)  # (sizes, the plan at them) of the last run
+        self._sized: tuple = ((), None)  # (sizes, the ``RunTensors`` at them) of the last run
         # Dispatches with symbolic workgroup counts read them from this buffer, written when a run's sizes change
-        self._indirect = [i for i, d in enumerate(plan.dispatches) if any(map(is_size, d.workgroups))]
-        self._indirect_buffer = (device.indirect_buffer(12 * len(self._indirect), "workgroups")
-                                 if self._indirect else None)
+        self._indirect, slots = _indirect_slots(plan)
+        self._indirect_buffer = device.indirect_buffer(12 * len(slots), "workgroups") if slots else None
+        if self.symbolic is not None:
+            self._run_sizes = run_sizes(plan, slots)
+            self._run_names = [t.name for t in plan.inputs + plan.outputs]  # (``run_sizes``'s order)
         plan = plan.at(plan.bounds)
         self.plan = plan
+        self._fixed = RunTensors({t.name: t.shape for t in plan.inputs + plan.outputs})  # a plan without symbols'
         check_limits(device, plan)
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
@@ -147,7 +186,8 @@ class Program:
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
         self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
-        self._recent_outputs: dict[str, deque] = {}  # each resident output's latest buffers (``_new_output``)
+        self._recent_outputs: dict[str, tuple[deque, int]] = {}  # each resident output's latest buffers and its
+        # buffers' size (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
         if self._arena is not None:
             self._use_current_arena()
@@ -259,7 +299,7 @@ class Program:
             self._use_current_arena()
         self.wait_pipelines()
         self._commands = []
-        indirect = {i: Indirect(self._indirect_buffer, 12 * k) for k, i in enumerate(self._indirect)}
+        indirect = {i: Indirect(self._indirect_buffer, 12 * slot) for i, slot in self._indirect.items()}
         for i, d in enumerate(self.plan.dispatches):
             group = self._bind_groups.get(d.bindings)
             if group is None and not any(b.buffer not in self._owned and b.buffer not in self._params
@@ -361,15 +401,14 @@ class Program:
         if self._arena is not None and self._arena_generation != self._arena.generation:
             self._resolve()  # over the arena that replaced the one this program last bound
         device_inputs, into = device_inputs or {}, into or {}
-        plan, inputs = self._plan_for(sizes, inputs)
-        arrays = self._convert_inputs(inputs, device_inputs, plan)
-        check_into(into, device_inputs, self._resident, plan.outputs, self.device)
+        run, inputs = self._plan_for(sizes, inputs)
+        arrays = self._convert_inputs(inputs, device_inputs, run)
+        check_into(into, device_inputs, self._resident, run.shapes, self.device)
         if self._in_place:
             check_in_place(device_inputs, self._in_place)
         dev = self.device
         swaps = {self._input_specs[name].buffer: array.buffer for name, array in device_inputs.items()}
-        shapes = {t.name: t.shape for t in plan.outputs}
-        kept = {name: into[name] if name in into else self._new_output(name, shapes[name], t)
+        kept = {name: into[name] if name in into else self._new_output(name, run.shapes[name], t)
                 for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
@@ -396,8 +435,8 @@ class Program:
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
         data = self._finish(staging, waits, profiler)
-        return {t.name: kept[t.name] if t.name in kept else from_device_bytes(t, data, self._output_offsets.get(t.name, 0))
-                for t in plan.outputs}
+        return {t.name: kept[t.name] if t.name in kept
+                else from_device_bytes(run.spec(t), data, self._output_offsets.get(t.name, 0)) for t in self.plan.outputs}
 
     def _upload(self, arrays: dict[str, np.ndarray], swaps: dict) -> None:
         """Write the host inputs into the program's input buffers (not those a device input replaces this run)."""
@@ -428,25 +467,21 @@ class Program:
             raise error
         return data
 
-    def _plan_for(self, sizes, inputs: dict) -> tuple[Plan | "RunTensors", dict]:
-        """The inputs and outputs at this run's ``sizes`` (a plan over symbolic sizes: ``RunTensors``; else the plan),
-        and ``inputs`` with the sizes' values added."""
+    def _plan_for(self, sizes, inputs: dict) -> tuple[RunTensors, dict]:
+        """The shapes of the inputs and outputs at this run's ``sizes`` (a plan without symbols: its own), and
+        ``inputs`` with the sizes' values added (a plan over symbolic sizes)."""
         if self.symbolic is None:
-            return self.plan, inputs
+            return self._fixed, inputs
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) != self.symbolic.symbols:
             raise InputError(f"this plan takes the values of {self.symbolic.symbols} symbolic sizes, got {sizes}")
         if any(not 0 <= s <= b for s, b in zip(sizes, self.symbolic.bounds)):
             raise InputError(f"symbolic sizes {sizes} exceed this plan's bounds {self.symbolic.bounds}")
         if self._sized[0] != sizes:  # (the workgroup counts stay in their buffer until the sizes change)
-            shapes, workgroups = self.symbolic.sized(sizes)
+            shapes, counts = self._run_sizes(sizes)
             if self._indirect:
-                counts = np.asarray([workgroups[i] for i in self._indirect], np.uint32)
-                self.device.write(self._indirect_buffer, 0, counts, "workgroups")
-            specs = iter(shapes)  # only the inputs and outputs: what a run checks and reads back at its sizes
-            inputs_at = [replace(t, shape=next(specs)) for t in self.symbolic.inputs]
-            outputs_at = [replace(t, shape=next(specs)) for t in self.symbolic.outputs]
-            self._sized = (sizes, RunTensors(inputs_at, outputs_at))
+                self.device.write(self._indirect_buffer, 0, np.asarray(counts, np.uint32), "workgroups")
+            self._sized = (sizes, RunTensors(dict(zip(self._run_names, shapes))))
         return self._sized[1], {**inputs, SIZES_INPUT: np.asarray(sizes, np.int32)}
 
     def _record(self, encoder, commands, profiler):
@@ -492,9 +527,12 @@ class Program:
         had one or two runs before where the pool has it back, so that a run's buffers repeat and its bind groups
         are reused (a KV cache: the cache of two steps before is the one given back; the pool alone deals its
         buffers to the layers in another order, and a generate call's first steps built their groups again)."""
-        recent = self._recent_outputs.setdefault(name, deque(maxlen=RECENT_OUTPUT_BUFFERS))
-        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=self._output_room(spec), prefer=tuple(recent))
-        recent.append(array.buffer)
+        recent = self._recent_outputs.get(name)
+        if recent is None:
+            recent = self._recent_outputs[name] = (deque(maxlen=RECENT_OUTPUT_BUFFERS), self._output_room(spec))
+        buffers, room = recent
+        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=room, prefer=buffers)
+        buffers.append(array.buffer)
         return array
 
     def _with_swaps(self, swaps: dict):
@@ -527,10 +565,11 @@ class Program:
             commands.append((pipeline, group, workgroups))
         return commands
 
-    def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict, plan: Plan) -> dict[str, np.ndarray]:
-        specs = self._input_specs if plan is self.plan else {t.name: t for t in plan.inputs}
-        check_run_inputs(inputs, device_inputs, specs, self._device_only, self._alone, self.device)
-        return {name: to_device_array(spec, inputs[name]) for name, spec in specs.items() if name in inputs}
+    def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict,
+                        run: RunTensors) -> dict[str, np.ndarray]:
+        specs = self._input_specs
+        check_run_inputs(inputs, device_inputs, specs, run.shapes, self._device_only, self._alone, self.device)
+        return {name: to_device_array(run.spec(specs[name]), value) for name, value in inputs.items()}
 
     def _status_error(self, data) -> KernelStatusError | None:
         return status_error(data, self._status_offsets, self.plan.status_messages)

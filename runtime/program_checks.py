@@ -84,10 +84,11 @@ def require_own_buffers(specs, alone: set[str], what: str) -> None:
             raise InputError(f"{what} {t.name!r} shares buffer {t.buffer!r}; it needs a buffer of its own")
 
 
-def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorSpec], device_only: frozenset,
-                     alone: set[str], device) -> None:
+def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorSpec], shapes: dict[str, tuple],
+                     device_only: frozenset, alone: set[str], device) -> None:
     """A run's host and device inputs against the plan's inputs ``specs``: each given once, the device-only ones on
-    the device, each device array live on ``device``, of its spec's shape and dtype, in a buffer it may swap."""
+    the device, each device array live on ``device``, of its spec's dtype and its shape in this run (``shapes``), in
+    a buffer it may swap."""
     given = set(inputs) | set(device_inputs)
     missing = sorted(set(specs) - given)
     extra = sorted(given - set(specs))
@@ -105,25 +106,27 @@ def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorS
             raise InputError(f"device input {name!r} must be a live DeviceArray, got {array!r}")
         if array.device is not device:
             raise InputError(f"device input {name!r} lives on {array.device.name}, this program on {device.name}")
-        if array.shape != spec.shape or array.dtype != spec.dtype:
-            raise InputError(f"device input {name!r} expects {spec.dtype}{list(spec.shape)}, got "
+        if array.shape != shapes[name] or array.dtype != spec.dtype:
+            raise InputError(f"device input {name!r} expects {spec.dtype}{list(shapes[name])}, got "
                              f"{array.dtype}{list(array.shape)}")
 
 
-def check_into(into: dict, device_inputs: dict, resident: dict, outputs: list[TensorSpec], device) -> None:
-    """The arrays a run writes its ``resident`` outputs into: live on ``device``, of the outputs' shapes and dtypes,
-    none bound as an input of the run, none given twice."""
+def check_into(into: dict, device_inputs: dict, resident: dict[str, TensorSpec], shapes: dict[str, tuple],
+               device) -> None:
+    """The arrays a run writes its ``resident`` outputs into: live on ``device``, of the outputs' dtypes and shapes
+    in this run (``shapes``), none bound as an input of the run, none given twice."""
     unknown = sorted(set(into) - set(resident))
     if unknown:
         raise InputError(f"into: {unknown} are not resident outputs of this program; those are {sorted(resident)}")
+    if not into:
+        return
     bound = {id(array.buffer) for array in device_inputs.values()}
-    specs = {t.name: t for t in outputs}
     for name, array in into.items():
-        spec = specs[name]
+        spec, shape = resident[name], shapes[name]
         if not isinstance(array, DeviceArray) or array.buffer is None or array.device is not device:
             raise InputError(f"into[{name!r}] must be a live DeviceArray on {device.name}, got {array!r}")
-        if array.shape != spec.shape or array.dtype != spec.dtype:
-            raise InputError(f"into[{name!r}] must be {spec.dtype}{list(spec.shape)}, got "
+        if array.shape != shape or array.dtype != spec.dtype:
+            raise InputError(f"into[{name!r}] must be {spec.dtype}{list(shape)}, got "
                              f"{array.dtype}{list(array.shape)}")
         if id(array.buffer) in bound:
             raise InputError(f"into[{name!r}] is also bound as a device input of this run; an output cannot "

@@ -37,8 +37,13 @@ class BufferPool:
 
     def acquire(self, nbytes: int, prefer=()):
         """A buffer of ``nbytes``: the first of ``prefer`` that is free here, else the most recently released."""
-        free = self._free.get(nbytes, {})
-        buffer = next((b for b in (free.pop(id(p), None) for p in prefer) if b is not None and _alive(b)), None)
+        free = self._free.get(nbytes) or {}
+        buffer = None
+        for p in prefer if free else ():
+            buffer = free.pop(id(p), None)
+            if buffer is not None and _alive(buffer):
+                break
+            buffer = None
         while buffer is None and free:
             buffer = free.popitem()[1]
             buffer = buffer if _alive(buffer) else None

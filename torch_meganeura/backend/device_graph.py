@@ -123,8 +123,8 @@ def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
             on_device[name] = value
         elif isinstance(value, ResidentTensor) and value.array.device is device:
             on_device[name] = value.device_array()
-        elif kept_array(value, device) is not None:  # a lazy output handed back (device_tensor)
-            on_device[name] = kept_array(value, device)
+        elif (kept := kept_array(value, device)) is not None:  # a lazy output handed back (device_tensor)
+            on_device[name] = kept
         else:  # the program checks the dtype, shape and int32 range, and converts to device layout
             value = value.materialize() if isinstance(value, ResidentTensor) else value
             with torch._C.DisableTorchFunctionSubclass():  # (a graph's input is not eager code reading it)

@@ -77,6 +77,7 @@ class _BoundPlan:
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
     _generation: int = 0
     _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
+    returns: tuple = (None, ())  # (the partition's positions read then, how each output returns: ``_returns``)
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
@@ -103,17 +104,17 @@ class _BoundPlan:
             return (tuple(map(id, params)) == ids and tuple(map(_VERSION, params)) == versions
                     and tuple(map(_STORAGE, params)) == storages and self._store.generation == self._generation)
 
-    def replays(self, args) -> bool:
+    def replays(self, args, sizes: tuple) -> bool:
         """Whether a call with ``args`` can replay this entry as bound, checked without building the signature: the
         non-parameter arguments are compared, each parameter must be the bound object with the same version and
         storage, and each argument updated in place the object of the last call (which the update made a
         ``DeviceTensor``: its kind changed, not its shape or dtype). (Their shapes and dtypes are then the bound
         ones: ``.data`` swaps change the storage, and dynamo's guards check every parameter's metadata before the
-        graph runs.)"""
+        graph runs.) ``sizes``: the call's symbol values (a dynamic graph's)."""
         with torch._C.DisableTorchFunctionSubclass():  # (kept tensors' metadata: their override needs none of it)
             if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
                 return False
-            if self._sized and not self._serves(args):
+            if self._sized and not self._serves(args, sizes):
                 return False
         return (self.params_current(args) and tuple(id(args[i]) for i in self.updated) == self._updated_ids
                 and not self.program.device.lost)
@@ -122,10 +123,9 @@ class _BoundPlan:
         """Remember the arguments updated in place of a call that selected this entry by its signature."""
         self._updated_ids = tuple(id(args[i]) for i in self.updated)
 
-    def _serves(self, args) -> bool:
+    def _serves(self, args, sizes: tuple) -> bool:
         """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards."""
-        return (all(self.dynamic.abstract_item(i, signature_item(args[i])) == item for i, item in self._sized)
-                and self.graph.holds(self.dynamic.values(args)))
+        return all(_fits(args[i], item) for i, item in self._sized) and self.graph.holds(sizes)
 
     def bind(self, args, store: ParamStore) -> None:
         """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph
@@ -166,6 +166,18 @@ def signature_item(a):
     return a if kind is None else (a.shape, a.dtype, kind)
 
 
+def _fits(a, item) -> bool:
+    """Whether ``a`` has the abstract signature ``item`` (``DynamicSizes.abstract_item`` of its ``signature_item``:
+    None at its symbolic dimensions; an int argument's is None), read without building it."""
+    if item is None:
+        return True
+    shape, dtype, kind = item
+    if arg_kind(a) != kind or a.dtype != dtype:
+        return False
+    own = a.shape
+    return len(own) == len(shape) and all(s is None or s == n for n, s in zip(own, shape))
+
+
 def signature(args) -> tuple:
     return tuple(map(signature_item, args))
 
@@ -200,17 +212,19 @@ class DevicePartition(torch.nn.Module):
         self._plans: dict[tuple, list[_BoundPlan] | None] = {}  # by variant and signature; None: falls back
         self._code = gm.code  # with the signature, what selects a compiled graph (``SharedGraphs``)
         self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
+        self._readers: dict[int, object] = {}  # by output position (``_reader``)
 
     def forward(self, *args):
         entry = self._last
         _note_returned(args)
         lazy = self.lazy_outputs if self.lazy_from_first else (self.lazy_outputs - self._read) & self._returned
         variant = (self._keeps_gradients(), lazy)
-        if entry is None or entry.variant != variant or not entry.replays(args):
+        sizes = self.dynamic.values(args) if self.dynamic is not None else ()
+        if entry is None or entry.variant != variant or not entry.replays(args, sizes):
             entry = self._entry_for(args, variant)
             if entry is None:
                 return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
-        return self._run(entry, args)
+        return self._run(entry, args, sizes)
 
     def _signature(self, args) -> tuple:
         """``signature(args)``, an argument updated in place seen as the tensor it was before its first update (a
@@ -322,7 +336,14 @@ class DevicePartition(torch.nn.Module):
         return positions | {k for k, (kind, _) in enumerate(lowered.outputs) if kind == "plan" and k in lazy}
 
     def _reader(self, position: int):
-        """What a lazy output calls when eager code first reads it: later calls read that position back."""
+        """What a lazy output calls when eager code first reads it: later calls read that position back (one
+        function per position)."""
+        found = self._readers.get(position)
+        if found is None:
+            found = self._readers[position] = self._new_reader(position)
+        return found
+
+    def _new_reader(self, position: int):
         ref = weakref.ref(self)
 
         def read() -> None:
@@ -332,9 +353,27 @@ class DevicePartition(torch.nn.Module):
 
         return read
 
-    def _run(self, entry: _BoundPlan, args):
+    def _returns(self, entry: _BoundPlan) -> tuple:
+        """How each output of ``entry``'s runs returns, by position: ``ADOPTED`` (an argument updated in place),
+        ``CONST``, ``SAVED`` (a ``ResidentTensor``), ``LAZY`` (a ``DeviceTensor`` until eager code reads it) or
+        ``READ`` (read back), each with whether it may come back as an input (``_may_come_back``). Decided once per
+        entry and set of positions read (``_read``), not per call."""
+        read, returns = entry.returns
+        if read is self._read:
+            return returns
+        keep, _ = entry.variant
+        saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
+        lazy = self._resident_positions(entry.lowered, entry.variant) - saved
+        returns = []
+        for k, (kind, _) in enumerate(entry.lowered.outputs):
+            how = (ADOPTED if k in entry.updated.values() else CONST if kind == "const" else SAVED if k in saved
+                   else LAZY if k in lazy else READ)
+            returns.append((how, k in self.lazy_outputs and k not in self._read and not self.lazy_from_first))
+        entry.returns = (self._read, tuple(returns))
+        return entry.returns[1]
+
+    def _run(self, entry: _BoundPlan, args, sizes: tuple):
         lowered, program = entry.lowered, entry.program
-        sizes = self.dynamic.values(args) if self.dynamic is not None else ()
         host, on_device = feed(lowered, args, program.device)
         updated = entry.updated
         names = dict(lowered.inputs)
@@ -347,28 +386,28 @@ class DevicePartition(torch.nn.Module):
                 into[entry.alternating[i]] = spare
         results = program.run(host, on_device, into, sizes=sizes)
         adopted = {k: adopt(args[i], results[lowered.outputs[k][1]], on_device[names[i]]) for i, k in updated.items()}
-        keep, _ = entry.variant
-        saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
-        lazy = self._resident_positions(lowered, entry.variant) - saved
         outs, made = [], {}
-        for k, (kind, item) in enumerate(lowered.outputs):
+        for k, ((kind, item), (how, may_come_back)) in enumerate(zip(lowered.outputs, self._returns(entry))):
             value = item if kind == "const" else results[item]
-            if k in adopted:
+            if how == ADOPTED:
                 outs.append(adopted[k])
-            elif kind == "const":
+            elif how == CONST:
                 outs.append(value)
             elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
                 outs.append(tensor_from_host(value))
-            elif k in saved:
+            elif how == SAVED:
                 outs.append(ResidentTensor(value))
-            elif k in lazy:  # one tensor for positions that return the same value
+            elif how == LAZY:  # one tensor for positions that return the same value
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
-            if (k in self.lazy_outputs and k not in self._read and type(outs[-1]) is torch.Tensor
-                    and not self.lazy_from_first):
+            if may_come_back and type(outs[-1]) is torch.Tensor:
                 outs[-1] = _may_come_back(outs[-1], self, k)
         return tuple(outs) if lowered.returns_tuple else outs[0]
+
+
+# How an output of a run returns (``DevicePartition._returns``)
+ADOPTED, CONST, SAVED, LAZY, READ = "adopted", "const", "saved", "lazy", "read"
 
 
 class SharedGraphs:
