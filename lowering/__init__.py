@@ -7,7 +7,9 @@ fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilo
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
 eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
 producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products that share an operand side by
-side in one matmul) -> separate_checks (the data checks from the first in-place update on run first, in kernels of
+side in one matmul) -> fuse_paired_matmuls (a one-row product that another's epilogue reads computed in that one's
+kernel: paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the matrix-vector products that read
+it: row_prologues.py) -> separate_checks (the data checks from the first in-place update on run first, in kernels of
 their own) -> hoist_writers (in-place updates moved up to just after their last dependency: in_place.py)
 -> schedule (memory plan + WGSL + dispatches).
 
@@ -18,7 +20,7 @@ Modules: ``ir`` (the typed static graph and its archetype nodes), ``expr`` (scal
 bodies), ``builder`` (``GraphBuilder``: the vocabulary op lowerings add nodes with), ``indexing`` (coordinate loads
 to linear reads, i32 simplification), ``bindings`` (each kernel within the adapter's storage-binding limit),
 ``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
-``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``epilogues``, ``multi_output``, ``cse``
+``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``, ``epilogues``, ``multi_output``, ``cse``
 (repeated kernels dropped), ``in_place`` (outputs written over an input's buffer), ``planner`` (intermediates placed
 in one arena by lifetime), ``schedule`` (a fused graph to a ``Plan``: memory plan, WGSL, dispatches), ``plan_cache``
 (compiled plans kept on disk across processes).
@@ -32,7 +34,9 @@ from .fusion import fuse
 from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output
+from .paired_matmuls import fuse_paired_matmuls
 from .remat import rematerialize
+from .row_prologues import fuse_row_prologues
 from .schedule import schedule
 from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
@@ -50,6 +54,8 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     fuse_multi_output(graph, max_bindings, report)
     common = eliminate_common_nodes(graph)
     fuse_sibling_matmuls(graph, max_bindings, report)
+    fuse_paired_matmuls(graph, max_bindings, report)
+    fuse_row_prologues(graph, max_bindings, report)
     separated = separate_checks(graph)
     hoisted = hoist_writers(graph)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,
