@@ -13,6 +13,7 @@ row prologue) and the output extents, and the merged kernel must stay within the
 from __future__ import annotations
 
 from . import expr as E
+from .bindings import checks
 from .fusion import FusionReport, _name
 from .indexing import linear_index, simplify
 from .ir import Graph, Matmul
@@ -47,6 +48,14 @@ def is_single_row(node) -> bool:
     return isinstance(node, Matmul) and node.m == 1 and node.block_axis == "j"
 
 
+def gemv_bindings(exprs, outs, dropped: set[int]) -> int:
+    """Storage bindings of a matrix-vector kernel over ``exprs`` writing ``outs``, ``dropped`` values no longer read:
+    those it reads and writes, and the status buffer where it checks something. Exact, with no spare for the scratch
+    of K slices that the fusion passes keep elsewhere (``bindings``): the gemv kernel is never cut into slices."""
+    loaded = {ld.args[0] for e in exprs for ld in E.loads_of(e)} - dropped
+    return len(loaded | {v.id for v in outs}) + checks(exprs)
+
+
 def _may_pair(reader: Matmul, first) -> bool:
     """Whether ``first`` is a product of ``reader``'s vector with the same output extents (the rest is checked and
     a refusal recorded)."""
@@ -64,8 +73,7 @@ def _refusal(reader: Matmul, first: Matmul, vid: int, users, outputs, max_bindin
     if any(simplify(linear_index(ld.args[1], first.out.shape), bounds) != here
            for ld in E.loads_of(reader.epilogue) if ld.args[0] == vid):
         return "the reader reads the product at other elements"
-    loaded = {ld.args[0] for e in (*reader.exprs(), first.b, first.epilogue) for ld in E.loads_of(e)} - {vid}
-    if len(loaded) + len(reader.outs) + 1 > max_bindings:
+    if gemv_bindings((*reader.exprs(), first.b, first.epilogue), reader.outs, {vid}) > max_bindings:
         return f"more than {max_bindings} storage bindings"
     return None
 

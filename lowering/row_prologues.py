@@ -10,8 +10,9 @@ norm's dispatch, and its store and load of the row, go.
 
 Refused, with the reason recorded: a reduction with other results (or a graph output), with phases other than sums,
 over more than one row, or read by anything but single-row matmuls' A at p; a matmul with a prologue already, or
-whose merged kernel would pass the storage-binding limit (WebGPU's default of 8, a portable bundle's, holds
-a merged query, key and value projection's three outputs and its weights, but not the norm's input and weight too).
+whose merged kernel would pass the storage-binding limit (WebGPU's default of 8, a portable bundle's, holds a
+merged query, key and value projection's three outputs and weights with the norm's input and weight, but not the
+status buffer too: the first layer's norm, which checks the token ids of the embedding it reads, stays apart).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .builder import unravel
 from .fusion import FusionReport, _name
 from .indexing import linear_index, simplify
 from .ir import Graph, Matmul, Reduce, numel
-from .paired_matmuls import is_single_row
+from .paired_matmuls import gemv_bindings, is_single_row
 
 PROLOGUE_OPS = ("sum",)  # the gemv kernel's prologue sums: a tree over the workgroup, like its dot products
 
@@ -60,8 +61,8 @@ def _refusal(norm: Reduce, readers: list, max_bindings: int) -> str | None:
         if any(simplify(linear_index(ld.args[1], norm.out.shape), bounds) != E.coord(2)
                for ld in E.loads_of(reader.a) if ld.args[0] == vid):
             return "read at other elements than the product's"
-        loaded = {ld.args[0] for e in (*reader.exprs(), *norm.exprs()) for ld in E.loads_of(e)} - {vid}
-        if len(loaded) + len(reader.outs) + 1 > max_bindings:
+        exprs = (*reader.exprs(), *norm.exprs())
+        if gemv_bindings(exprs, reader.outs, {vid}) > max_bindings:
             return f"more than {max_bindings} storage bindings"
     return None
 
