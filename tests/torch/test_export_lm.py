@@ -25,6 +25,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 # value cache writes, attention, the output projection (+ residual), gate and up (+ RMS norm, SiLU, product) and
 # down (+ residual). Before decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own).
 LLAMA_DECODE_DISPATCHES_PER_LAYER = 8
+# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the rotary
+# embedding of the query goes into attention as a prologue, and the two cache writes share a kernel
+# (lowering/sibling_updates.py). Before decode fusion: 10.
+LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE = 6
+WIDE_BINDINGS = 16  # an adapter with at least this many storage bindings per stage holds those kernels
 CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
 NEW = 64
 
@@ -95,6 +100,17 @@ def test_greedy_tokens_equal_hf_eager_without_torch(exported):
         assert got[name] == want, f"{name}: {got[name]} against HF's {want}"
     assert got["sample0"] == got["sample1"] != got["sample2"]
     assert got["top0"] == got["top1"] and len(got["top0"]) == 8 + 24
+
+
+def test_a_bundle_for_the_adapters_own_limits_gives_eager_tokens(tmp_path):
+    """Compiled for the adapter's limits (``portable=False``: wider kernels, the two cache writes of a layer in one),
+    a Llama bundle's 64 greedy tokens equal HF's."""
+    torch.manual_seed(0)
+    model = _llama()
+    torch_meganeura.export_lm(model, tmp_path / "lm", max_cache_len=CACHE, portable=False)
+    prompt = torch.randint(0, 128, (1, 8))
+    got = load(tmp_path / "lm").generate(prompt[0].numpy(), NEW).tolist()
+    assert got == model.generate(prompt, max_new_tokens=NEW, do_sample=False)[0].tolist()
 
 
 def test_bad_requests_are_refused(exported):
@@ -217,13 +233,20 @@ def test_the_cache_is_held_once(exported):
     lm.release()
 
 
-def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path):
+@pytest.mark.parametrize("portable", [True, False], ids=["portable", "adapter_limits"])
+def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, portable):
     """From one layer's attention to the next layer's, the decode plan has LLAMA_DECODE_DISPATCHES_PER_LAYER
-    dispatches (a per-layer count that cannot silently grow; the steps before the first layer and after the last,
-    the position checks, the mask and the sampler, are not a layer's), none of them a norm's reduction."""
+    dispatches (_WIDE with the adapter's own limits: a per-layer count that cannot silently grow; the steps before
+    the first layer and after the last, the position checks, the mask and the sampler, are not a layer's), none of
+    them a norm's reduction."""
+    from meganeura.runtime.device import get_device
+
+    if not portable and get_device().limits["max-storage-buffers-per-shader-stage"] < WIDE_BINDINGS:
+        pytest.skip(f"the adapter has fewer than {WIDE_BINDINGS} storage bindings per stage")
     torch.manual_seed(0)
-    torch_meganeura.export_lm(_llama(), tmp_path / "lm", max_cache_len=32)
+    torch_meganeura.export_lm(_llama(), tmp_path / "lm", max_cache_len=32, portable=portable)
     labels = [d.label for d in read_lm_bundle(tmp_path / "lm").phases["decode"].plan.dispatches]
     first, second = [i for i, label in enumerate(labels) if label == "attention"]
-    assert second - first == LLAMA_DECODE_DISPATCHES_PER_LAYER, labels
+    want = LLAMA_DECODE_DISPATCHES_PER_LAYER if portable else LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE
+    assert second - first == want, labels
     assert "mean" not in labels[first:second], labels
