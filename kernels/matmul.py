@@ -149,7 +149,8 @@ class GemvPlan:
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
                   b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
                   split: int = 1, partial: str | None = None, f16: bool = False,
-                  looped: str = "", double: bool = False) -> tuple[str, tuple[int, int, int]]:
+                  looped: str = "", double: bool = False, products: int = 0,
+                  row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
@@ -163,7 +164,13 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     in f16 (see the module docstring; the WGSL then enables f16). ``looped`` ("a", "b" or "") names an operand whose
     loader is costly to write out many times (sibling matmuls' chain over their tensors): the tiled kernel fetches
     it in a loop, with one call of its loader. ``double`` double-buffers the tiled kernel's K chunks in workgroup
-    memory where twice the chunk fits its storage limit (else it is ignored)."""
+    memory where twice the chunk fits its storage limit (else it is ignored).
+    ``products`` > 0: the prelude defines ``load_b1`` ... as further B operands, each summed against A, and
+    ``store_c`` takes their sums after ``acc`` (``acc1``, ...); ``row_phases`` > 0: it defines ``row_phase0`` ... (terms
+    over (b, i, p) summed over K, each before the next) and private ``row_stat0`` ... that hold their sums, which
+    ``load_a`` reads. Only the gemv kernel over columns (m == 1) takes either (see ``_gemv_kernel``)."""
+    if (products or row_phases) and (m != 1 or tile is not None or split > 1):
+        raise ValueError("matmul_kernel: further products and a row prologue need the gemv kernel over columns (m == 1)")
     if split > 1 and (partial is None or m == 1 or n == 1):
         raise ValueError("matmul_kernel: a split K needs the tiled kernel (m, n > 1) and a partial-sum array")
     if min(batch, m, n) < 1 or k < 0:
@@ -172,7 +179,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         raise ValueError(f"matmul_kernel: a_fast must be 'p' or 'i' and b_fast 'p' or 'j', got {a_fast=} {b_fast=}")
     if tile is None and not is_tiled(m, n):
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
-                            contiguous_k=(b_fast if m == 1 else a_fast) == "p")
+                            contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
+                            row_phases=row_phases)
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
                          block=block, split=split, partial=partial, f16=f16, looped=looped, double=double)
 
@@ -523,40 +531,79 @@ def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool) -> GemvP
     return GemvPlan(columns, threads // columns, out_fastest)
 
 
-def _gemv_lane(plan: GemvPlan, operands: tuple[str, str]) -> str:
-    """The lane's share of the dot product, every ``plan.lanes``-th p from its own (the two ``operands``' loads,
-    formatted with ``p``): GEMV_UNROLL products loaded first (in flight together), then added in the plain loop's
-    order, and the rest one by one."""
+def _gemv_lane(plan: GemvPlan, operands: tuple[str, ...]) -> str:
+    """The lane's share of the dot products, every ``plan.lanes``-th p from its own (the ``operands``' loads,
+    formatted with ``p``: the vector's, then each matrix's, summed into ``acc``, ``acc1``, ...): GEMV_UNROLL products
+    loaded first (in flight together), then added in the plain loop's order, and the rest one by one."""
     steps = [f"p + {u * plan.lanes}u" if u else "p" for u in range(GEMV_UNROLL)]
-    loads = "\n".join(f"            let x{u} = {operands[0].format(p=q)};\n            let y{u} = {operands[1].format(p=q)};"
-                      for u, q in enumerate(steps))
-    fmas = "\n".join(f"            acc = fma(x{u}, y{u}, acc);" for u in range(GEMV_UNROLL))
-    single = ", ".join(o.format(p="p") for o in operands)
+    vector, matrices = operands[0], operands[1:]
+    names = ["y"] + [f"y{k}_" for k in range(1, len(matrices))]
+    accs = _accumulators(len(matrices))
+    loads = "\n".join(f"            let x{u} = {vector.format(p=q)};" + "".join(
+        f"\n            let {y}{u} = {o.format(p=q)};" for y, o in zip(names, matrices)) for u, q in enumerate(steps))
+    fmas = "\n".join(f"            {acc} = fma(x{u}, {y}{u}, {acc});"
+                     for u in range(GEMV_UNROLL) for y, acc in zip(names, accs))
+    if len(matrices) == 1:
+        single = f"            acc = fma({vector.format(p='p')}, {matrices[0].format(p='p')}, acc);"
+    else:
+        single = f"            let x = {vector.format(p='p')};\n" + "\n".join(
+            f"            {acc} = fma(x, {o.format(p='p')}, {acc});" for o, acc in zip(matrices, accs))
     return f"""        var p = lane;
         for (; p + {(GEMV_UNROLL - 1) * plan.lanes}u < K; p += {GEMV_UNROLL * plan.lanes}u) {{
 {loads}
 {fmas}
         }}
         for (; p < K; p += {plan.lanes}u) {{
-            acc = fma({single}, acc);
+{single}
         }}"""
 
 
+def _accumulators(count: int) -> list[str]:
+    """The names of a gemv's ``count`` accumulators: ``acc``, ``acc1``, ..."""
+    return ["acc"] + [f"acc{k}" for k in range(1, count)]
+
+
+def _row_prologue(phases: int, threads: int) -> str:
+    """The statistics of A's row, one after another: each ``row_phase<k>`` summed over K by the whole workgroup
+    (a tree over ``partial``) into ``row_stat<k>``, before any lane loads A (whose loader reads them). Every
+    workgroup computes its row's statistics itself: K terms of a row that the dot products read anyway."""
+    parts = []
+    for k in range(phases):
+        parts.append(f"""    var stat{k} = 0.0;
+    if (live) {{
+        for (var p = lid; p < K; p += {threads}u) {{ stat{k} = stat{k} + row_phase{k}(batch_index, 0u, p); }}
+    }}
+    partial[lid] = stat{k};
+    workgroupBarrier();
+    for (var span = {threads // 2}u; span > 0u; span = span / 2u) {{
+        if (lid < span) {{ partial[lid] = partial[lid] + partial[lid + span]; }}
+        workgroupBarrier();
+    }}
+    row_stat{k} = partial[0];
+    workgroupBarrier();
+""")
+    return "".join(parts)
+
+
 def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
-                 contiguous_k: bool) -> tuple[str, tuple[int, int, int]]:
+                 contiguous_k: bool, products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
     # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
     # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
     by_column = m == 1
     outputs = n if by_column else m
     plan = _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k)
-    if threads * 4 > limits["max-compute-workgroup-storage-size"]:
+    accs = _accumulators(1 + products)
+    if threads * 4 * len(accs) > limits["max-compute-workgroup-storage-size"]:
         raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")
     blocks = ceil_div(outputs, plan.columns)
     total = batch * blocks
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
+    shared = ["partial"] + [f"partial{j}" for j in range(1, len(accs))]
     if by_column:
-        operands = "load_a(batch_index, 0u, {p})", "load_b(batch_index, {p}, out_index)"
-        store = "store_c(batch_index, 0u, out_index, partial[lid]);"
+        operands = ("load_a(batch_index, 0u, {p})", "load_b(batch_index, {p}, out_index)",
+                    *(f"load_b{j}(batch_index, {{p}}, out_index)" for j in range(1, len(accs))))
+        sums = ", ".join(f"{name}[lid]" for name in shared)
+        store = f"store_c(batch_index, 0u, out_index, {sums});"
     else:
         operands = "load_a(batch_index, out_index, {p})", "load_b(batch_index, {p}, 0u)"
         store = "store_c(batch_index, out_index, 0u, partial[lid]);"
@@ -566,25 +613,27 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     else:                 # neighbouring threads read neighbouring p (the matrix is contiguous along K)
         decode = f"let lane = lid % {plan.lanes}u;\n    let out_local = lid / {plan.lanes}u;"
         partner_step = 1
+    declared = "".join(f"var<workgroup> {name}: array<f32, {threads}>;\n" for name in shared)
+    declared += "".join(f"var<private> row_stat{j}: f32;\n" for j in range(row_phases))
+    kept = "\n    ".join(f"{name}[lid] = {acc};" for name, acc in zip(shared, accs))
+    added = " ".join(f"{name}[lid] = {name}[lid] + {name}[lid + span * {partner_step}u];" for name in shared)
 
     kernel = f"""
 // ---- matmul: gemv over {"columns" if by_column else "rows"}, {plan.columns} outputs x {plan.lanes} K lanes
-{_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks)}var<workgroup> partial: array<f32, {threads}>;
-
+{_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks)}{declared}
 @compute @workgroup_size({threads})
 fn main({ENTRY}) {{
 {LINEAR_WORKGROUP}    let batch_index = wg_linear / BLOCKS;
-    {decode}
+{_row_prologue(row_phases, threads)}    {decode}
     let out_index = (wg_linear % BLOCKS) * {plan.columns}u + out_local;
     let has_output = live && out_index < OUTPUTS;
-    var acc = 0.0;
-    if (has_output) {{
+    {"".join(f"var {acc} = 0.0;" + chr(10) + "    " for acc in accs)}if (has_output) {{
 {_gemv_lane(plan, operands)}
     }}
-    partial[lid] = acc;
+    {kept}
     workgroupBarrier();
     for (var span = {plan.lanes // 2}u; span > 0u; span = span / 2u) {{
-        if (lane < span) {{ partial[lid] = partial[lid] + partial[lid + span * {partner_step}u]; }}
+        if (lane < span) {{ {added} }}
         workgroupBarrier();
     }}
     if (has_output && lane == 0u) {{ {store} }}

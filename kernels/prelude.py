@@ -46,30 +46,40 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
     return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders]))
 
 
-def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple]) -> str:
+def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],
+                   products: list = (), row_phases: list = ()) -> str:
     """Bindings, ``load_a``, ``load_b`` and ``store_c`` of a matmul whose outputs lie side by side along ``axis``
     (``i`` or ``j``). ``a_blocks`` and ``b_blocks`` hold (first index along ``axis``, operand expression) per block
     (one block for the operand the outputs share); ``stores`` (first index along ``axis``, epilogue expression of
     ``acc``, output name, rows, columns, dtype) per output. ``store_c`` and a blocked loader pick the block by ``i``
-    or ``j`` and index within it."""
+    or ``j`` and index within it. ``products``: further B operands (``load_b1``, ...), whose sums ``store_c`` takes
+    as ``acc1``, ...; ``row_phases``: the row prologue's terms (``row_phase0``, ...), whose sums ``load_a`` and the
+    later terms read as ``row_stat0``, ... (``kernels.matmul``'s gemv declares and fills them)."""
+    stats = [f"row_stat{k}" for k in range(len(row_phases))]
     parts = [wgsl.binding_decls(decl),
-             block_function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks]),
+             block_function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks], stats),
              block_function("load_b", ("b", "p", "j"), axis, [(s, e, None, None) for s, e in b_blocks]),
+             *(block_function(f"load_b{k}", ("b", "p", "j"), axis, [(0, e, None, None)])
+               for k, e in enumerate(products, 1)),
+             *(block_function(f"row_phase{k}", ("b", "i", "p"), axis, [(0, e, None, None)], stats[:k])
+               for k, e in enumerate(row_phases)),
              block_function("store_c", ("b", "i", "j"), axis,
                             [(s, e, f"{out}[(b_ * {wgsl.size_i32(m)} + i_) * {wgsl.size_i32(n)} + j_] = {{}};", dtype)
-                             for s, e, out, m, n, dtype in stores])]
+                             for s, e, out, m, n, dtype in stores],
+                            ["acc"] + [f"acc{k}" for k in range(1, 1 + len(products))])]
     return _with_helpers("\n".join(parts))
 
 
-def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tuple]) -> str:
+def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tuple], accs=("acc",)) -> str:
     """A WGSL function of u32 ``args`` (each also as i32 ``<arg>_``) computing one expression per block of ``axis``.
 
     ``blocks`` holds (first index along ``axis``, expression, store, dtype) in order: a loader returns the
-    expression (store None, an f32); ``store_c`` (``acc`` in scope) writes it through its store template. With more
-    than one block, ``<axis>_`` counts from the block's first index, and a block before the last runs only below the
-    next one's first index."""
+    expression (store None, an f32); ``store_c`` writes it through its store template. An expression's acc(k) is
+    ``accs[k]``: parameters of ``store_c`` (``acc`` and any further products' sums), names in scope for a loader.
+    With more than one block, ``<axis>_`` counts from the block's first index, and a block before the last runs only
+    below the next one's first index."""
     loader = blocks[0][2] is None
-    head = ", ".join(f"{x}: u32" for x in args) + ("" if loader else ", acc: f32")
+    head = ", ".join(f"{x}: u32" for x in args) + ("" if loader else "".join(f", {a}: f32" for a in accs))
     lines = [f"fn {name}({head})" + (" -> f32" if loader else "") + " {"]
     blocked = axis in args and len(blocks) > 1
     lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
@@ -80,7 +90,7 @@ def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tup
             lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
         if blocked:
             lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {start}i;" if start else ";"))
-        em = wgsl.Emitter([f"{x}_" for x in args], [] if loader else ["acc"], indent=indent)
+        em = wgsl.Emitter([f"{x}_" for x in args], list(accs), indent=indent)
         value = em.value(e)
         lines += em.lines
         if loader:

@@ -7,9 +7,12 @@ fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilo
 and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its first pointwise reader) ->
 eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so that a repeated cheap
 producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products that share an operand side by
-side in one matmul) -> separate_checks (the data checks from the first in-place update on run first, in kernels of
-their own) -> hoist_writers (in-place updates moved up to just after their last dependency: in_place.py)
--> schedule (memory plan + WGSL + dispatches).
+side in one matmul) -> fuse_paired_matmuls (a one-row product that another's epilogue reads computed in that one's
+kernel: paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the matrix-vector products that read
+it: row_prologues.py) -> fuse_sibling_updates (pointwise updates of one shape stored over inputs, a layer's key and
+value cache writes, in one kernel: sibling_updates.py) -> separate_checks (the data checks from the first in-place
+update on run first, in kernels of their own) -> hoist_writers (in-place updates moved up to just after their last
+dependency: in_place.py) -> schedule (memory plan + WGSL + dispatches).
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
 symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).
@@ -18,10 +21,10 @@ Modules: ``ir`` (the typed static graph and its archetype nodes), ``expr`` (scal
 bodies), ``builder`` (``GraphBuilder``: the vocabulary op lowerings add nodes with), ``indexing`` (coordinate loads
 to linear reads, i32 simplification), ``bindings`` (each kernel within the adapter's storage-binding limit),
 ``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
-``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``epilogues``, ``multi_output``, ``cse``
-(repeated kernels dropped), ``in_place`` (outputs written over an input's buffer), ``planner`` (intermediates placed
-in one arena by lifetime), ``schedule`` (a fused graph to a ``Plan``: memory plan, WGSL, dispatches), ``plan_cache``
-(compiled plans kept on disk across processes).
+``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``,
+``sibling_updates``, ``epilogues``, ``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs
+written over an input's buffer), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a fused
+graph to a ``Plan``: memory plan, WGSL, dispatches), ``plan_cache`` (compiled plans kept on disk across processes).
 """
 from __future__ import annotations
 
@@ -32,10 +35,13 @@ from .fusion import fuse
 from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output
+from .paired_matmuls import fuse_paired_matmuls
 from .remat import rematerialize
+from .row_prologues import fuse_row_prologues
 from .schedule import schedule
 from .sibling_matmuls import fuse_sibling_matmuls
 from .sibling_reductions import fuse_sibling_reductions
+from .sibling_updates import fuse_sibling_updates
 
 
 def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=None):
@@ -50,6 +56,9 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     fuse_multi_output(graph, max_bindings, report)
     common = eliminate_common_nodes(graph)
     fuse_sibling_matmuls(graph, max_bindings, report)
+    fuse_paired_matmuls(graph, max_bindings, report)
+    fuse_row_prologues(graph, max_bindings, report)
+    fuse_sibling_updates(graph, max_bindings, report)
     separated = separate_checks(graph)
     hoisted = hoist_writers(graph)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,

@@ -114,11 +114,11 @@ def _arena_target(node: Node, step: int, placement: dict, last_read: dict, value
     if isinstance(node, Pointwise):
         domain, free = node.exprs(), []
     elif isinstance(node, Matmul) and not node.more_blocks:
-        domain, free = [node.epilogue], [node.a, node.b]
+        domain, free = [node.epilogue], [node.a, node.b, *node.products, *node.row_phases]
     else:
         return None
     out = node.outs[0]
-    shape = node.domains()[-1] if isinstance(node, Matmul) else out.shape
+    shape = node.domains()[2] if isinstance(node, Matmul) else out.shape  # (the epilogue's)
     if any(is_size(s) for s in (*shape, *out.shape)):
         return None
     bounds = dict(enumerate(shape))

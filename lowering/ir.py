@@ -156,6 +156,13 @@ class Matmul(Node):
     label: str = ""
     more_blocks: list[MatmulBlock] = field(default_factory=list)  # outs[1:], one block each
     block_axis: str = "j"  # along which the outputs lie side by side: "j" (columns) or "i" (rows)
+    # Further B operands over (b, p, j), each summed against A like ``b``: the epilogue reads their sums as acc(1),
+    # acc(2), ... (a consumer of two products of one vector: SwiGLU's silu(x @ gate) * (x @ up); paired_matmuls.py).
+    products: list[E.Expr] = field(default_factory=list)
+    # A row-wise prologue: sums over p of expressions over (b, i, p), each of which may read the earlier ones' sums
+    # as acc(k); ``a`` reads their sums as acc(0), acc(1), ... (a norm of A's row: RMS norm's sum of squares before
+    # the projection; row_prologues.py). Only the matrix-vector kernel (one row) takes products or a prologue.
+    row_phases: list[E.Expr] = field(default_factory=list)
 
     @property
     def sizes(self) -> list[int]:
@@ -171,7 +178,9 @@ class Matmul(Node):
         return sum(self.sizes) if self.block_axis == "j" else self.n
 
     def exprs(self):
-        return [self.a, self.b, self.epilogue] + [e for blk in self.more_blocks for e in (blk.operand, blk.epilogue)]
+        """[a, b, epilogue, (operand, epilogue) of each further block, *products, *row_phases]."""
+        return ([self.a, self.b, self.epilogue] + [e for blk in self.more_blocks for e in (blk.operand, blk.epilogue)]
+                + self.products + self.row_phases)
 
     def domains(self):
         doms = [(self.batch, self.m, self.k), (self.batch, self.k, self.n), (self.batch, self.m, self.n)]
@@ -180,11 +189,16 @@ class Matmul(Node):
                 doms += [(self.batch, self.k, s), (self.batch, self.m, s)]
             else:
                 doms += [(self.batch, s, self.k), (self.batch, s, self.n)]
+        doms += [(self.batch, self.k, self.n)] * len(self.products) + [(self.batch, self.m, self.k)] * len(self.row_phases)
         return doms
 
     def set_exprs(self, exprs):
         self.a, self.b, self.epilogue = exprs[:3]
-        self.more_blocks = [MatmulBlock(blk.size, o, e) for blk, o, e in zip(self.more_blocks, exprs[3::2], exprs[4::2])]
+        end = 3 + 2 * len(self.more_blocks)
+        self.more_blocks = [MatmulBlock(blk.size, o, e)
+                            for blk, o, e in zip(self.more_blocks, exprs[3:end:2], exprs[4:end:2])]
+        self.products = list(exprs[end:end + len(self.products)])
+        self.row_phases = list(exprs[end + len(self.products):])
 
 
 ATTENTION_OPERANDS = ("q", "k", "v", "bias", "dout", "lse", "delta")

@@ -471,7 +471,8 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     prelude = _matmul_prelude(node, slots)
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
-                 f16=variant.f16, looped=_looped_operand(node), double=variant.double)
+                 f16=variant.f16, looped=_looped_operand(node), double=variant.double, products=len(node.products),
+                 row_phases=len(node.row_phases))
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
@@ -522,13 +523,15 @@ def _matmul_prelude(node: Matmul, slots: Slots) -> str:
     """``kernels.prelude.matmul_prelude`` of ``node``: with several outputs (``more_blocks``), the operand they do not
     share and the epilogue go by the output's block of ``node.block_axis``."""
     axis, exprs = node.block_axis, slots.exprs
+    end = 3 + 2 * len(node.more_blocks)
     starts = [sum(node.sizes[:k]) for k in range(len(node.sizes))]
-    blocked = list(zip(starts, [exprs[0 if axis == "i" else 1], *exprs[3::2]]))  # the operand the outputs differ in
+    blocked = list(zip(starts, [exprs[0 if axis == "i" else 1], *exprs[3:end:2]]))  # the operand the outputs differ in
     a_blocks = blocked if axis == "i" else [(0, exprs[0])]
     b_blocks = blocked if axis == "j" else [(0, exprs[1])]
-    epilogues = [exprs[2], *exprs[4::2]]
+    epilogues = [exprs[2], *exprs[4:end:2]]
+    products, row_phases = exprs[end:end + len(node.products)], exprs[end + len(node.products):]
     stores = []
     for s, e, slot, size, v in zip(starts, epilogues, slots.out_slots, node.sizes, node.outs):
         m, n = (size, node.n) if axis == "i" else (node.m, size)
         stores.append((s, e, slots.name(slot), m, n, v.compute_dtype))
-    return matmul_prelude(slots.decl, axis, a_blocks, b_blocks, stores)
+    return matmul_prelude(slots.decl, axis, a_blocks, b_blocks, stores, products, row_phases)

@@ -23,11 +23,14 @@ def fuse_sibling_matmuls(graph: Graph, max_bindings: int, report: FusionReport) 
 
 def _key(node, axis: str) -> tuple | None:
     """Siblings along ``axis`` share the other operand: A for column blocks ("j"), B for row blocks ("i")."""
-    if not isinstance(node, Matmul) or (node.more_blocks and node.block_axis != axis):
+    if not isinstance(node, Matmul) or (node.more_blocks and node.block_axis != axis) or node.products:
+        return None
+    if node.row_phases and axis != "j":  # (a prologue normalises the row of the shared A)
         return None
     if (node.n if axis == "j" else node.m) == 1:  # a single column (row) stays on the matrix-vector kernel
         return None
-    return (node.batch, node.m, node.k, node.a) if axis == "j" else (node.batch, node.n, node.k, node.b)
+    return ((node.batch, node.m, node.k, node.a, tuple(node.row_phases)) if axis == "j"
+            else (node.batch, node.n, node.k, node.b))
 
 
 def _merge(earlier: Matmul, later: Matmul, axis: str) -> None:
@@ -36,6 +39,6 @@ def _merge(earlier: Matmul, later: Matmul, axis: str) -> None:
     later.more_blocks = earlier.more_blocks + [MatmulBlock(size, operand, later.epilogue)] + later.more_blocks
     later.block_axis = axis
     later.m, later.n = earlier.m, earlier.n
-    later.a, later.b, later.epilogue = earlier.a, earlier.b, earlier.epilogue
+    later.a, later.b, later.epilogue, later.row_phases = earlier.a, earlier.b, earlier.epilogue, earlier.row_phases
     later.outs = list(earlier.outs) + list(later.outs)
     later.label = "+".join(dict.fromkeys(earlier.label.split("+") + later.label.split("+")))

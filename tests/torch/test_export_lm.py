@@ -1,6 +1,6 @@
-"""Generation bundles (``torch_meganeura.export_lm``): HF Llama, Qwen2 and GPT-2 (small configs, random weights) generate
-HF eager's greedy tokens in a process without torch; sampling repeats with its seed; too long a prompt and bad
-bundles are refused by name."""
+"""Generation bundles (``torch_meganeura.export_lm``): HF Llama, Qwen2, Gemma and GPT-2 (small configs, random weights)
+generate HF eager's greedy tokens in a process without torch; sampling repeats with its seed; too long a prompt and
+bad bundles are refused by name; a Llama layer's decode step takes a counted number of dispatches."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,16 @@ from meganeura.runtime.cli import main as cli
 from meganeura.runtime.lm_bundle import read_lm_bundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+# A Llama layer's decode dispatches (portable limits: 8 storage bindings; lowering/row_prologues.py and
+# paired_matmuls.py): the query, key and value projection (+ RMS norm), the query's rotary embedding, the key and
+# value cache writes, attention, the output projection (+ residual), gate and up (+ RMS norm, SiLU, product) and
+# down (+ residual). Before decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own).
+LLAMA_DECODE_DISPATCHES_PER_LAYER = 8
+# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the rotary
+# embedding of the query goes into attention as a prologue, and the two cache writes share a kernel
+# (lowering/sibling_updates.py). Before decode fusion: 10.
+LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE = 6
+WIDE_BINDINGS = 16  # an adapter with at least this many storage bindings per stage holds those kernels
 CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
 NEW = 64
 
@@ -50,6 +60,14 @@ def _qwen2():
                                         max_position_embeddings=128)).eval()
 
 
+def _gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128)).eval()
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -57,10 +75,10 @@ def _gpt2():
                                       bos_token_id=0, eos_token_id=None)).eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma", "gpt2"])
 def exported(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2}[request.param]()
+    model = {"llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "gpt2": _gpt2}[request.param]()
     path = tmp_path_factory.mktemp(request.param) / "lm"
     torch_meganeura.export_lm(model, path, max_cache_len=CACHE)
     return model, path
@@ -82,6 +100,17 @@ def test_greedy_tokens_equal_hf_eager_without_torch(exported):
         assert got[name] == want, f"{name}: {got[name]} against HF's {want}"
     assert got["sample0"] == got["sample1"] != got["sample2"]
     assert got["top0"] == got["top1"] and len(got["top0"]) == 8 + 24
+
+
+def test_a_bundle_for_the_adapters_own_limits_gives_eager_tokens(tmp_path):
+    """Compiled for the adapter's limits (``portable=False``: wider kernels, the two cache writes of a layer in one),
+    a Llama bundle's 64 greedy tokens equal HF's."""
+    torch.manual_seed(0)
+    model = _llama()
+    torch_meganeura.export_lm(model, tmp_path / "lm", max_cache_len=CACHE, portable=False)
+    prompt = torch.randint(0, 128, (1, 8))
+    got = load(tmp_path / "lm").generate(prompt[0].numpy(), NEW).tolist()
+    assert got == model.generate(prompt, max_new_tokens=NEW, do_sample=False)[0].tolist()
 
 
 def test_bad_requests_are_refused(exported):
@@ -202,3 +231,22 @@ def test_the_cache_is_held_once(exported):
     lm.generate(np.arange(5), 8)
     assert all(lm._cache[name] is array for name, array in cache.items())  # the same arrays, updated in place
     lm.release()
+
+
+@pytest.mark.parametrize("portable", [True, False], ids=["portable", "adapter_limits"])
+def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, portable):
+    """From one layer's attention to the next layer's, the decode plan has LLAMA_DECODE_DISPATCHES_PER_LAYER
+    dispatches (_WIDE with the adapter's own limits: a per-layer count that cannot silently grow; the steps before
+    the first layer and after the last, the position checks, the mask and the sampler, are not a layer's), none of
+    them a norm's reduction."""
+    from meganeura.runtime.device import get_device
+
+    if not portable and get_device().limits["max-storage-buffers-per-shader-stage"] < WIDE_BINDINGS:
+        pytest.skip(f"the adapter has fewer than {WIDE_BINDINGS} storage bindings per stage")
+    torch.manual_seed(0)
+    torch_meganeura.export_lm(_llama(), tmp_path / "lm", max_cache_len=32, portable=portable)
+    labels = [d.label for d in read_lm_bundle(tmp_path / "lm").phases["decode"].plan.dispatches]
+    first, second = [i for i, label in enumerate(labels) if label == "attention"]
+    want = LLAMA_DECODE_DISPATCHES_PER_LAYER if portable else LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE
+    assert second - first == want, labels
+    assert "mean" not in labels[first:second], labels

@@ -34,6 +34,22 @@ def _llama():
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "use_cache": True, "max_position_embeddings": 128})).eval()
 
 
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128)).eval()
+
+
+def _gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128)).eval()
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -74,7 +90,10 @@ def _check_steps(steps, vocab: int, kernels_until: int, steady_from: int, mask_p
             assert step["bytes_downloaded"] <= 4 * vocab + STEP_READBACK_EXTRA, (k, step)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+# (Qwen2 and Gemma, another minute each on lavapipe, in the slow suite: the default one stays within its 10 minutes)
+@pytest.mark.parametrize("make", [_llama, pytest.param(_qwen2, marks=pytest.mark.slow),
+                                  pytest.param(_gemma, marks=pytest.mark.slow), _gpt2],
+                         ids=["llama", "qwen2", "gemma", "gpt2"])
 def test_default_cache_gives_eager_tokens_and_keeps_the_cache_on_the_device(make):
     torch._dynamo.reset()
     model = make()
