@@ -424,6 +424,9 @@ def test_training_step_against_float64(family):
         elif not torch.equal(b, c):
             problems.append(f"buffer {name}: differs from eager")
 
+    # the cotangent loss is a sum of leaf x cotangent terms that cancel (HuBERT: 7.96 from terms of 795 in all): its
+    # error is a random projection of the leaves' errors, judged against the terms' magnitude, as the leaves are
+    terms = sum((e.detach().double() * c.double()).abs().sum().item() for (_, e), c in zip(_float_leaves(exact), cotangents))
     grad_norm = sum(torch.linalg.vector_norm(e.detach().double()).item() ** 2
                     for name, _, _, e in pairs if name.startswith("grad of")) ** 0.5
     worst = (0.0, "", 0.0, 0.0)
@@ -438,6 +441,10 @@ def test_training_step_against_float64(family):
             scale = grad_norm / norm if norm > 0 else grad_norm
             ours, theirs = ours / scale, theirs / scale
             name = f"{name} (zero in exact arithmetic: error relative to all gradients' norm)"
+        if name == "loss" and not hf_loss and terms > 0:
+            scale = terms / max(abs(e.item()), 1e-300)
+            ours, theirs = ours / scale, theirs / scale
+            name = "loss (a sum of leaf x cotangent terms: error relative to the terms' magnitude)"
         if not torch.isfinite(g.detach()).all() and torch.isfinite(e.detach()).all():
             ours = float("inf")
         ratio = ours / (theirs + FLOOR)

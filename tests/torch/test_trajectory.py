@@ -19,9 +19,17 @@ more than rounding: ResNet 64x64, batch 4, SGD through the resident step, step 4
 float64 and ours took the other side (stem weight 1.3e-4 from float64 after 8 steps, eager 7.5e-8); eager took it on
 MobileNetV2 at 128x128 (stem gradient 1.1e-2 from float64, ours 1.0e-5). Such a flip says nothing of a 2x bound.
 
-A parameter whose gradient is 0 in exact arithmetic (the key bias of attention) moves in float32 by rounding noise
-alone (Adam turns noise into steps of about lr), and hardly in float64: its distance is compared as it is, absolute,
-with eager's, which is what the ratio of distances does whatever the float64 weight's own size.
+A parameter whose gradient is 0 in exact arithmetic (the key bias of attention; the float64 run finds it: its
+gradient at every step is below ``ZERO_GRADIENT`` of all the gradients' norm) moves in float32 by rounding noise alone
+(Adam turns noise into steps of about lr) and hardly in float64. Its distance is a draw of that noise, spread far wider
+than a sum of many roundings: AutoencoderKL (scale 2, Adam, 8 steps), the decoder's key bias, in 16 eager runs (the
+plain one and 15 nudged): 1.3e-5 to 8.8e-5, the largest 1.9x the RMS of the first three. Our attention backward's
+noise on its gradient is eager's (one step, that attention's inputs from the float64 run, RMS over 30 ulp-nudged
+inputs: 1.09x eager's in the decoder, 0.77x in the encoder), but single draws of ours landed at 2.04x (the loop) and
+1.28x (the resident step) of that RMS. Such a parameter is judged, as the issue has it, by eager's own distance from
+float64: the farthest of eager's runs, times ``FACTOR`` (ours through the loop: 9.4e-5 against the farthest of three,
+6.0e-5). A wrong gradient there is not noise: it moves each element by about lr every step in one direction, 4.5e-2
+over 8 steps of 32 elements, 500x the farthest eager run.
 
 The default cases are tiny (GPT-2 with AdamW through the resident step, ResNet with SGD through the loop: 13-30 s on two
 cores with lavapipe); ``-m slow`` runs every family, optimizer and path at larger sizes, the issue's GPT-2 (n_embd 96,
@@ -45,6 +53,10 @@ NUDGED_RUNS = 2  # eager float32 runs from nudged weights, beside the plain one 
 # is 0 in exact arithmetic, summed to exactly 0 by eager) leaves no yardstick: ours may be a few ulps off there.
 FLOOR = 2.0 ** -21  # 4 float32 ulps at 1, relative to the RMS of all the float64 weights, per element
 STEPS = 8
+# float64 rounds a sum to ~1e-16 of its terms: a gradient below this fraction of all the gradients' norm at every step
+# of the float64 run is 0 in exact arithmetic (AutoencoderKL's key biases at scale 2: 3.5e-18 at most; the smallest
+# other gradient of GPT-2, T5, ResNet and AutoencoderKL there: 3.2e-4)
+ZERO_GRADIENT = 1e-10
 
 
 # ------------------------------------------------------------------------------------------------ the models
@@ -127,11 +139,16 @@ def _batch(batch, dtype):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
-def train_eager(model: nn.Module, batches, loss_fn, make_optimizer, steps: int, dtype=torch.float32) -> nn.Module:
+def train_eager(model: nn.Module, batches, loss_fn, make_optimizer, steps: int, dtype=torch.float32,
+                gradient_norms: list | None = None) -> nn.Module:
+    """The steps in eager PyTorch; ``gradient_norms`` (if given) receives each step's gradient norm per parameter."""
     model = copy.deepcopy(model).to(dtype)
     opt = make_optimizer(model.parameters())
     for i in range(steps):
         loss_fn(model, *_batch(batches[i % len(batches)], dtype)).backward()
+        if gradient_norms is not None:
+            gradient_norms.append([0.0 if p.grad is None else torch.linalg.vector_norm(p.grad).item()
+                                   for p in model.parameters()])
         opt.step()
         opt.zero_grad()
     return model
@@ -182,23 +199,36 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.linalg.vector_norm(a.detach().double() - b.detach().double()).item()
 
 
+def zero_in_exact_arithmetic(gradient_norms: list[list[float]]) -> list[bool]:
+    """Per parameter, whether its float64 gradient was below ZERO_GRADIENT of all the gradients' norm at every step."""
+    totals = [sum(n * n for n in step) ** 0.5 for step in gradient_norms]
+    return [all(step[i] <= ZERO_GRADIENT * total for step, total in zip(gradient_norms, totals))
+            for i in range(len(gradient_norms[0]))]
+
+
 def trajectory_report(family: str, optimizer: str, path: str, scale: int = 1, steps: int = STEPS) -> list[tuple]:
     """(ratio, name, ours, eager's yardstick, the plain eager run's distance) for every parameter, worst first;
-    ratio is FACTOR x ours / (FACTOR x yardstick + the floor), so a ratio above FACTOR fails."""
+    ratio is FACTOR x ours / (FACTOR x yardstick + the floor), so a ratio above FACTOR fails. The yardstick is the
+    RMS of eager's distances, or for a parameter whose gradient is 0 in exact arithmetic the largest of them."""
     torch.manual_seed(0)
     model, batches, loss_fn = FAMILIES[family](scale)
     model.train()
     make = OPTIMIZERS[optimizer]
-    exact = train_eager(model, batches, loss_fn, make, steps, torch.float64)
+    gradient_norms: list[list[float]] = []
+    exact = train_eager(model, batches, loss_fn, make, steps, torch.float64, gradient_norms)
+    zero = zero_in_exact_arithmetic(gradient_norms)
     eager = [train_eager(m, batches, loss_fn, make, steps)
              for m in [model] + [nudged(model, seed) for seed in range(NUDGED_RUNS)]]
     ours = PATHS[path](model, batches, loss_fn, make, steps)
     everything = torch.cat([p.detach().flatten() for p in exact.parameters()])
     ulps = FLOOR * torch.linalg.vector_norm(everything).item() / everything.numel() ** 0.5
     rows = []
-    for (name, p), *others in zip(ours.named_parameters(), exact.parameters(), *[e.parameters() for e in eager]):
+    for (name, p), is_zero, *others in zip(ours.named_parameters(), zero, exact.parameters(),
+                                           *[e.parameters() for e in eager]):
         want, runs = others[0], others[1:]
-        yardstick = (sum(distance(e, want) ** 2 for e in runs) / len(runs)) ** 0.5
+        distances = [distance(e, want) for e in runs]
+        yardstick = max(distances) if is_zero else (sum(d * d for d in distances) / len(distances)) ** 0.5
+        name = f"{name} (gradient 0 in exact arithmetic)" if is_zero else name
         allowed = FACTOR * yardstick + ulps * want.numel() ** 0.5
         got = distance(p, want)
         rows.append((FACTOR * got / allowed, name, got, yardstick, distance(runs[0], want)))
@@ -217,13 +247,6 @@ def assert_trajectory(family: str, optimizer: str, path: str, scale: int = 1) ->
 
 # ------------------------------------------------------------------------------------------------ the tests
 
-# Cases measured beyond FACTOR, with what was found: shown as xfail (or xpass), not hidden.
-KNOWN_SHORT = {
-    ("autoencoder_kl", "adam", "loop"): (
-        "2.04x on decoder.mid_block.attentions.0.to_k.bias, whose gradient is 0 in exact arithmetic (softmax ignores "
-        "a constant per query): Adam turns rounding noise into steps, and our attention backward's noise there is "
-        "about twice eager's (9.4e-5 from float64 against 4.6e-5); the resident step passes (1.46)"),
-}
 
 
 @pytest.mark.parametrize("family,optimizer,path", [
@@ -237,8 +260,6 @@ def test_trajectory_within_eager_error(family, optimizer, path):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_trajectory_sweep(family, optimizer, path, request):
+def test_trajectory_sweep(family, optimizer, path):
     pytest.importorskip("transformers")
-    if (family, optimizer, path) in KNOWN_SHORT:
-        request.applymarker(pytest.mark.xfail(reason=KNOWN_SHORT[family, optimizer, path], strict=False))
     assert_trajectory(family, optimizer, path, scale=2)
