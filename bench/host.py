@@ -33,7 +33,7 @@ WAYS = {"loop": "meganeura-loop", "resident": "meganeura-resident"}
 INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
 
 
-def _counts(profile: cProfile.Profile) -> dict[str, int]:
+def call_counts(profile: cProfile.Profile) -> dict[str, int]:
     """Calls of our tensor overrides and of wrapper-subclass construction in a profiled step."""
     stats = pstats.Stats(profile).stats
     interceptions = sum(s[1] for (path, _, name), s in stats.items()
@@ -68,7 +68,7 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
     after = counters.snapshot()
     moved = {key: after[key] - before[key] for key in ("waits", "submits", "bytes_uploaded", "bytes_downloaded")}
     return {"workload": name, "way": way, "host_us": micros, "median_us": statistics.median(micros),
-            "parameters": sum(1 for _ in base.parameters()), **_counts(profile), **moved}
+            "parameters": sum(1 for _ in base.parameters()), **call_counts(profile), **moved}
 
 
 def _per_token(generate, short: int, long: int) -> float:
