@@ -34,7 +34,7 @@ MOVED = ("waits", "submits", "bytes_uploaded", "bytes_downloaded")  # the device
 INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
 
 
-def _counts(profile: cProfile.Profile) -> dict[str, int]:
+def call_counts(profile: cProfile.Profile) -> dict[str, int]:
     """Calls of our tensor overrides and of wrapper-subclass construction in a profiled step."""
     stats = pstats.Stats(profile).stats
     interceptions = sum(s[1] for (path, _, name), s in stats.items()
@@ -69,7 +69,7 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
     after = counters.snapshot()
     moved = {key: after[key] - before[key] for key in MOVED}
     return {"workload": name, "way": way, "host_us": micros, "median_us": statistics.median(micros),
-            "parameters": sum(1 for _ in base.parameters()), **_counts(profile), **moved}
+            "parameters": sum(1 for _ in base.parameters()), **call_counts(profile), **moved}
 
 
 def _per_token(generate, short: int, long: int) -> float:
@@ -96,7 +96,7 @@ def _counts_per_token(generate, short: int, long: int) -> dict:
         generate(n)
         profile.disable()
         after = counters.snapshot()
-        counts[n] = {**_counts(profile), **{key: after[key] - before[key] for key in MOVED}}
+        counts[n] = {**call_counts(profile), **{key: after[key] - before[key] for key in MOVED}}
     return {key: (counts[long][key] - counts[short][key]) / (long - short) for key in counts[long]}
 
 

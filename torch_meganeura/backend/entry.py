@@ -145,6 +145,80 @@ def _mutated_inputs(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return updates
 
 
+def _take_input_copies(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """The writes of graph inputs that aot_autograd keeps in the graph (``keep_inference_input_mutations``:
+    BatchNorm's running statistics in training, a static KV cache's update): ``copy_(input, value)`` that nothing
+    reads, of a value of the input's shape and dtype. Each is taken out, its value returned as an extra output (a
+    device partition then returns it) until ``_put_back_input_copies``. Returns (placeholder index, output position)
+    of each."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if not isinstance(output.args[0], (tuple, list)):
+        return []
+    index_of = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    values, copies = list(output.args[0]), []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users:
+            continue
+        dst, value = node.args[0], node.args[1]
+        if dst not in index_of or not isinstance(value, fx.Node) or value in values[len(values) - len(copies):]:
+            continue
+        want, have = dst.meta.get("val"), value.meta.get("val")
+        if not isinstance(have, torch.Tensor) or (want.shape, want.dtype) != (have.shape, have.dtype):
+            continue
+        copies.append((index_of[dst], len(values)))
+        values.append(value)
+        gm.graph.erase_node(node)
+    if copies:
+        output.args = (type(output.args[0])(values),)
+        gm.recompile()
+    return copies
+
+
+def _put_back_input_copies(gm: fx.GraphModule, copies: list[tuple[int, int]], stepped: set[int]) -> dict:
+    """The writes ``_take_input_copies`` took out, back in ``gm`` (partitioned) as calls of ``store_input`` at the
+    end; and, first, ``input_version_stepped`` of those inputs whose version aot_autograd steps before each call
+    (``stepped``: its ``mutated_graph_handled_indices_seen_by_autograd``). Returns each value's node -> the
+    placeholder it updates, as ``_mutated_inputs`` does."""
+    if not copies:
+        return {}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = list(output.args[0])
+    output.args = (type(output.args[0])(values[:copies[0][1]]),)
+    updates = {}
+    with gm.graph.inserting_after(placeholders[-1]):
+        for index, _ in reversed(copies):
+            if index in stepped:
+                gm.graph.call_function(input_version_stepped, (placeholders[index],))
+    with gm.graph.inserting_before(output):
+        for index, position in copies:
+            gm.graph.call_function(store_input, (placeholders[index], values[position]))
+            updates[values[position]] = placeholders[index]
+    gm.recompile()
+    return updates
+
+
+def input_version_stepped(t: torch.Tensor) -> None:
+    """aot_autograd stepped ``t``'s version before calling the graph that updates it (an update kept in the graph),
+    writing nothing: a ``DeviceTensor``'s device values are still current (``device_tensor.bound_array``)."""
+    kept = getattr(t, "_meganeura_kept", None)
+    if kept is not None:
+        kept.version += 1
+
+
+def store_input(t: torch.Tensor, value: torch.Tensor) -> None:
+    """A graph's write of its new ``value`` of input ``t`` (``_take_input_copies``): nothing where a device partition
+    kept the update in ``t`` itself (``device_tensor.adopt``; no version step follows: aot_autograd made it before
+    the call, ``input_version_stepped``), else an eager copy (a partition that fell back, a process that shares
+    buffers: ``_buffers_shared``)."""
+    if value is t:
+        kept = getattr(t, "_meganeura_kept", None)
+        if kept is not None:
+            kept.self_copy = False
+    else:
+        t.copy_(value)
+
+
 def _updates_in_place(node: fx.Node, mutated: dict[fx.Node, fx.Node]) -> dict[int, int]:
     """Partition call ``node``'s outputs that are new values of its own arguments: output position -> argument
     index (the plan stores them over the argument's device array: ``DevicePartition``)."""
@@ -175,13 +249,17 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     backward = mode == "backward"
     meta = None if backward else _fw_metadata()
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
+    copies = _take_input_copies(gm)
     fallbacks = _warn_about_fallbacks(gm, context)
     fused, names = partition(gm, 0 if backward else getattr(meta, "num_forward_returns", None))
+    stepped = set(getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", ())) if meta is not None else set()
+    copied = _put_back_input_copies(fused, copies, stepped)
     saved = _saved_for_backward(fused) if mode == "forward" else set()  # stay on the device for the backward
     kept = KeptGradients.of_this_graph(create=mode == "forward")
     gradients = _parameter_gradients(fused) if backward and kept is not None else set()
     returned = set() if backward else _plain_user_outputs(fused)  # stay on the device until read
-    mutated = {} if backward or mode == "forward" and _buffers_shared() else _mutated_inputs(fused)  # on the device
+    mutated = ({} if backward or mode == "forward" and _buffers_shared()  # (kept on the device)
+               else {**_mutated_inputs(fused), **copied})
     placeholders = [n for n in fused.graph.nodes if n.op == "placeholder"]
     if mode == "forward":
         _mark_updated(placeholders, set(mutated.values()), graph_inputs)
@@ -323,6 +401,7 @@ def backend_with_context(gm: fx.GraphModule, example_inputs, context: BackendCon
         inference_compiler=functools.partial(compiler, mode="inference"),
         partition_fn=partition_joint,
         decompositions=aot_decomposition_table(),
+        keep_inference_input_mutations=True,  # in training too: BatchNorm's statistics (``_take_input_copies``)
     )(gm, example_inputs)
 
 

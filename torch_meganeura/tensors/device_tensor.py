@@ -46,6 +46,21 @@ _METADATA_METHODS = frozenset({
 })
 
 
+def eager_only(function):
+    """``function``, which dynamo's frame callback skips, and every frame it calls: it runs as eager Python even
+    under a compiled frame that dynamo gave up on. Where this torch can mark a code object so (a frame execution
+    strategy: skip it and what it calls), that costs nothing per call; else it is ``torch.compiler.disable``d, whose
+    wrapper sets and restores the frame callback at every call (about 2 us)."""
+    try:
+        # torch's private frame strategies, which not every torch has: the disable below is the fallback
+        from torch._dynamo.eval_frame import set_code_exec_strategy  # noqa: PLC0415
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # noqa: PLC0415
+    except ImportError:
+        return torch.compiler.disable(function)
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return function
+
+
 class Kept:
     """A tensor's link to its device values: its own ``array``, or a ``store``'s copy of it (a parameter);
     ``stale`` while the device holds values the host has not got; ``version``, the tensor's version when the array
@@ -74,19 +89,19 @@ class _EagerOverride:
     graph break inside a loop: HF Whisper's layerdrop) runs eagerly under dynamo's frame callback, which then
     compiled ``__get__`` and ``_torch_function``, one graph per op, again with automatic dynamic sizes for each op
     met with other arguments (a convolution's stride as a SymInt, a weight's sizes as symbols). Both are therefore
-    ``torch.compiler.disable``d: the op runs in eager PyTorch, as the override intends."""
+    frames dynamo skips, with what they call (``eager_only``): the op runs in eager PyTorch, as the override intends."""
 
     def __init__(self, function):
         self.function = function
 
-    @torch.compiler.disable
+    @eager_only
     def __get__(self, instance, owner):
         if torch._guards.TracingContext.try_get() is not None:
             return torch._C._disabled_torch_function_impl
         return types.MethodType(self.function, owner)
 
 
-@torch.compiler.disable
+@eager_only
 def _torch_function(cls, func, types_, args=(), kwargs=None):
     kwargs = kwargs or {}
     if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, _before_eager not entered
@@ -263,7 +278,7 @@ def kept_array(value, device) -> DeviceArray | None:
     return None
 
 
-@torch.compiler.disable  # eager code between graphs runs it as it is, not traced into a graph
+@eager_only  # eager code between graphs runs it as it is, not traced into a graph
 def _before_eager(func, args, kwargs) -> None:
     """Before eager code runs ``func``: download the device values of its ``DeviceParameter`` and ``DeviceTensor``
     arguments if it reads their data (both classes: the override of whichever comes first runs the call, with

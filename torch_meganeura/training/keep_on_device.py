@@ -72,6 +72,7 @@ def keep_on_device(optimizer: torch.optim.Optimizer, adapter=None) -> torch.opti
     optimizer._meganeura_step = _DeviceStep(optimizer, store)
     # A method of the optimizer: an LR scheduler re-binds ``step.__func__`` to the optimizer when it wraps it.
     optimizer.step = types.MethodType(_kept_step, optimizer)
+    optimizer.zero_grad = types.MethodType(_kept_zero_grad, optimizer)
     return optimizer
 
 
@@ -80,15 +81,25 @@ def _kept_step(optimizer: torch.optim.Optimizer, closure=None):
     return optimizer._meganeura_step.step(closure)
 
 
+def _kept_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True):
+    """``zero_grad`` of an optimizer kept on the device: torch's, with subclass overrides off (it reads and writes
+    ``.grad`` only), where each parameter's reads and writes would meet its override (``DeviceParameter``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return optimizer._meganeura_step.zero_grad(set_to_none)
+
+
 class _DeviceStep:
     """The device update of a kept optimizer, one compiled plan per set of parameters with gradients (their shapes,
-    dtypes and rows of numbers)."""
+    dtypes and rows of numbers). Its per-step work reads parameters' metadata only, with subclass overrides off."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store):
         self.optimizer, self.store, self.device = optimizer, store, store.device
         self.update_spec = optimizers.spec(optimizer)
         self._replaced = optimizer.step  # torch's (or an LR scheduler's wrapper of it): the device update runs in it
+        self.zero_grad = optimizer.zero_grad  # torch's
         self._plans: dict[tuple, RoleProgram] = {}
+        self._roles: list[tuple] = []  # per parameter position: its param, grad and state roles (``_roles_of``)
+        self._counted: dict[int, tuple] = {}  # id(step tensor) -> (it, its _version, the count it holds) (``_count``)
 
     def step(self, closure=None):
         def update():
@@ -96,10 +107,11 @@ class _DeviceStep:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._update()
+            with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
+                self._update()
             return loss
 
-        return optimizers.as_optimizer_step(self.optimizer, update, self._replaced)
+        return optimizers.as_optimizer_step(self.optimizer, update, self._replaced, user_code=closure is not None)
 
     def _update(self) -> None:
         active = [(g, p) for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]
@@ -119,8 +131,7 @@ class _DeviceStep:
         hyper = optimizers.hyperparameter_rows(self.optimizer, pairs)
         results = plan.run(lambda role: hyper if role.kind is Kind.HYPER else arrays[role])
         self._take(params, arrays, results)
-        for p, s in zip(params, steps):
-            self._count(p, s)
+        self._count(params, steps)
 
     def _compile(self, params: list, rows: list[int], n_rows: int) -> RoleProgram:
         names = [str(i) for i in range(len(params))]
@@ -130,27 +141,36 @@ class _DeviceStep:
         example = [constants.get(role, hyper if role.kind is Kind.HYPER else examples[int(role.name)]) for role in roles]
         return RoleProgram(gm, roles, outputs, constants, example, self.device)
 
+    def _roles_of(self, n: int) -> list[tuple]:
+        """The roles of the first ``n`` parameter positions: (param, grad, ((slot, state role), ...)) each."""
+        while len(self._roles) < n:
+            name = str(len(self._roles))
+            self._roles.append((Role.param(name), Role.grad(name),
+                                tuple((slot, Role.state(slot, name)) for slot in self.update_spec.slots)))
+        return self._roles
+
     def _arrays(self, params: list) -> dict:
         """Each role's device array for this update: parameters (uploaded first where eager code wrote them),
         gradients (resident, or uploaded), optimizer state (created at a parameter's first update)."""
-        arrays = {}
-        if not all(self._on_device(self.optimizer.state[p].get(slot)) for p in params for slot in self.update_spec.slots):
-            # The state is made once, after the first backward, whose saved activations wait in the device's pool
-            # for the next forward: they would sit beside the new state at the run's peak (full-size Whisper-tiny:
-            # 165 MiB), so they go first, and the next forward makes them again, once.
-            self.device.pool.clear()
-        for i, p in enumerate(params):
-            name = str(i)
-            arrays[Role.param(name)] = self.store.array(p)
+        arrays, pool_cleared = {}, False
+        state_of = self.optimizer.state
+        for p, (param, grad_role, slots) in zip(params, self._roles_of(len(params))):
+            arrays[param] = self.store.array(p)
             grad = p.grad
-            arrays[Role.grad(name)] = grad if self._on_device(grad) else upload_array(self.device, grad.detach())
-            state = self.optimizer.state[p]
-            for slot in self.update_spec.slots:
+            arrays[grad_role] = grad if self._on_device(grad) else upload_array(self.device, grad.detach())
+            state = state_of[p]
+            for slot, role in slots:
                 value = state.get(slot)
                 if not self._on_device(value):
+                    if not pool_cleared:
+                        # The state is made once, after the first backward, whose saved activations wait in the
+                        # device's pool for the next forward: they would sit beside the new state at the run's peak
+                        # (full-size Whisper-tiny: 165 MiB), so they go first, and the next forward makes them again.
+                        self.device.pool.clear()
+                        pool_cleared = True
                     value = state[slot] = ResidentTensor(upload_array(
                         self.device, torch.zeros_like(p.detach()) if value is None else value.detach()))
-                arrays[Role.state(slot, name)] = value
+                arrays[role] = value
         return arrays
 
     def _on_device(self, value) -> bool:
@@ -172,13 +192,30 @@ class _DeviceStep:
                 arrays[role].written_on_device()
 
     def _steps_done(self, p) -> int:
-        """Updates ``p`` has had: its ``step`` (Adam), or whether SGD made its momentum buffer."""
+        """Updates ``p`` has had: its ``step`` (Adam), or whether SGD made its momentum buffer. A step tensor that
+        ``_count`` wrote and nothing wrote since is not read again (a read is a call into torch)."""
         state = self.optimizer.state.get(p, {})
         if self.update_spec.kind == "sgd":
             return int(state.get("momentum_buffer") is not None)
         step = state.get("step")
-        return 0 if step is None else int(step)
+        if step is None:
+            return 0
+        counted = self._counted.get(id(step))
+        if counted is not None and counted[0] is step and counted[1] == step._version:
+            return counted[2]
+        return int(step)
 
-    def _count(self, p, step: int) -> None:
-        if self.update_spec.kind != "sgd":
-            self.optimizer.state[p]["step"] = torch.tensor(float(step))
+    def _count(self, params: list, steps: list[int]) -> None:
+        """Set each parameter's ``step`` to its count: its own tensor, written in place (as torch's Adam increments
+        it), or a new one where it has none or shares it with another parameter."""
+        if self.update_spec.kind == "sgd":
+            return
+        state_of, counted = self.optimizer.state, {}
+        for p, s in zip(params, steps):
+            step = state_of[p].get("step")
+            if step is None or id(step) in counted:
+                step = state_of[p]["step"] = torch.tensor(float(s))
+            else:
+                step.fill_(s)  # (0.8 us; a new tensor costs 5, and _foreach_add_ of 0-d tensors 3 a tensor)
+            counted[id(step)] = (step, step._version, s)
+        self._counted = counted

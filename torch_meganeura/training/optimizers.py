@@ -15,9 +15,11 @@ ones not implemented (amsgrad) with a clear error.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 SGD_FIELDS = ("lr", "weight_decay", "momentum", "dampening", "first")
 ADAM_FIELDS = ("lr", "weight_decay", "decay", "beta1_weight", "beta2", "one_minus_beta2", "eps", "step_size",
@@ -155,30 +157,48 @@ def clip_by_global_norm(grads, max_norm: float):
     return [g * coef for g in grads]
 
 
-def as_optimizer_step(optimizer: torch.optim.Optimizer, update, step=None) -> torch.Tensor:
+def as_optimizer_step(optimizer: torch.optim.Optimizer, update, step=None, user_code: bool = True) -> torch.Tensor:
     """Run ``update()`` (a device update; it returns the loss) as the closure of a call of ``optimizer.step``, so that
     what watches ``optimizer.step`` sees the step taken on the device: the step pre-hooks run before the update (a
     change they make to the param groups applies to it) and the post-hooks after it, an LR scheduler records that
     the optimizer stepped, the profiler times it under ``Optimizer.step#...``. torch's own update then finds no
     gradient and changes nothing: once ``update`` has run, every ``.grad`` of the optimizer's parameters is hidden
     from it, and given back after. SGD, Adam and AdamW (what ``check`` accepts) call the closure first, once.
-    ``step`` is the method to call: default ``optimizer.step``, ``device_optimizer`` passes the one it replaced."""
+    ``step`` is the method to call: default ``optimizer.step``, ``device_optimizer`` passes the one it replaced.
+    Where ``update`` runs no user code (``user_code``: a closure given to the step) and no step hook is registered,
+    torch's step runs with subclass overrides off: it then runs no eager code that reads a parameter's data, and
+    its loops over the parameters (``.grad`` reads) would each meet a kept parameter's override
+    (``device_tensor.DeviceParameter``)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     hidden, result = [], []
 
     def closure() -> torch.Tensor:
         result.append(update())
-        hidden.extend(p.grad for p in params)
-        for p in params:
-            p.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # (metadata only)
+            hidden.extend(p.grad for p in params)
+            for p in params:
+                p.grad = None
         return result[0]
 
+    quiet = not user_code and not _step_hooks(optimizer)
     try:
-        (step or optimizer.step)(closure)
+        with torch._C.DisableTorchFunctionSubclass() if quiet else contextlib.nullcontext():
+            (step or optimizer.step)(closure)
     finally:
-        for p, grad in zip(params, hidden):
-            p.grad = grad
+        with torch._C.DisableTorchFunctionSubclass():
+            for p, grad in zip(params, hidden):
+                p.grad = grad
     if not result:
         raise RuntimeError("meganeura runs its device update as the closure of optimizer.step, which did not call "
                            "it: was optimizer.step replaced?")
     return result[0]
+
+
+def _step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step pre- or post-hook (global, or of ``optimizer``) is registered; True where this torch keeps
+    them elsewhere than ``torch.optim.optimizer`` reads them from."""
+    try:
+        return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks
+                    or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks)
+    except AttributeError:
+        return True

@@ -1,0 +1,75 @@
+"""Host work of the ordinary loop's step (``torch.compile`` + ``keep_on_device(AdamW)``) as a model gets deeper:
+a small convolutional network with BatchNorm at two depths, the calls of our tensor overrides (interceptions) and
+the tensor wrappers made in each phase of a step, counted as ``bench.host`` counts them (issue 50).
+
+- ``opt.step()`` and ``opt.zero_grad()`` intercept nothing and make no wrapper, at any depth;
+- BatchNorm's running statistics, updated on the device at every forward, are intercepted nowhere: the forward
+  intercepts at most one call per parameter (aot_autograd's ``_is_view`` on the parameters it saves for the
+  backward, the one per-parameter interception left there) and the loss function's op on the logits; before, each
+  statistic (three per block, as many as its parameters) cost three more.
+
+What still grows with depth (issue 50, not shown here): those ``_is_view`` calls, the backward's gradient wrappers
+and AccumulateGrad's ``detach`` of each, and the forward's saved activations, one wrapper each.
+"""
+import cProfile
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_meganeura
+from bench.host import call_counts
+
+DEPTHS = (2, 4)
+WARM_STEPS = 2  # the first compiles; the second binds the optimizer state's and statistics' second arrays
+
+
+class ConvBlocks(nn.Module):
+    def __init__(self, depth: int, channels: int = 4, classes: int = 3):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                                    nn.BatchNorm2d(channels), nn.ReLU()) for _ in range(depth)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+def _profiled(call):
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        result = call()
+    finally:
+        profile.disable()
+    return result, call_counts(profile)
+
+
+def phase_counts(depth: int) -> dict[str, dict[str, int]]:
+    """{phase: {"interceptions": n, "wrappers": n}} of one warm step of the loop at ``depth`` blocks."""
+    torch.manual_seed(0)
+    model = ConvBlocks(depth).train()
+    opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="meganeura")
+    x, y = torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,))
+    for _ in range(WARM_STEPS):
+        F.cross_entropy(compiled(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    loss, forward = _profiled(lambda: F.cross_entropy(compiled(x), y))
+    _, backward = _profiled(loss.backward)
+    _, step = _profiled(opt.step)
+    _, zero = _profiled(opt.zero_grad)
+    assert all(p.grad is None for p in model.parameters())
+    return {"forward": forward, "backward": backward, "step": step, "zero_grad": zero,
+            "parameters": sum(1 for _ in model.parameters())}
+
+
+def test_optimizer_and_buffer_updates_make_no_per_layer_interception():
+    counts = {depth: phase_counts(depth) for depth in DEPTHS}
+    for depth, phases in counts.items():
+        for phase in ("step", "zero_grad"):
+            assert phases[phase] == {"interceptions": 0, "wrappers": 0}, (depth, phase, phases[phase])
+    for depth, phases in counts.items():  # (the one more: the loss function's op on the logits, a lazy output)
+        assert phases["forward"]["interceptions"] <= phases["parameters"] + 1, (depth, phases["forward"])
