@@ -150,7 +150,7 @@ def test_bfloat16_llama_takes_the_dispatches_of_float32():
     the copy that stores the logits in bfloat16 (a matmul stores float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from torch_meganeura.backend import explain
+    from torch_meganeura import explain
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -173,7 +173,7 @@ def test_an_attention_output_feeds_its_projection_rounded(dtype):
     dispatches plus the narrowing copy of the result."""
     from transformers import WhisperConfig, WhisperModel
 
-    from torch_meganeura.backend import explain
+    from torch_meganeura import explain
 
     torch.manual_seed(0)
     config = WhisperConfig(d_model=32, encoder_attention_heads=4, encoder_layers=2, encoder_ffn_dim=64,
