@@ -8,7 +8,7 @@ import cProfile
 import pytest
 import torch
 
-from bench.host import _counts
+from bench.host import call_counts
 from helpers.models import LLAMA
 from helpers.recording_device import RecordingDevice
 
@@ -64,7 +64,7 @@ def _per_token(depth: int, cache: str, device) -> dict:
         generate(n)
         profile.disable()
         after = device.counters.snapshot()
-        counts[n] = {**_counts(profile), **{key: after[key] - before[key] for key in MOVED}}
+        counts[n] = {**call_counts(profile), **{key: after[key] - before[key] for key in MOVED}}
     return {key: (counts[LONG][key] - counts[SHORT][key]) / (LONG - SHORT) for key in counts[LONG]}
 
 
