@@ -66,7 +66,8 @@ MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least th
 # a small matrix in flight at once. H200, m = 1, weights rotated past the L2 cache, GB/s of the
 # weight read, before (16 lanes for K in 257..4095) -> after: 1536 x 576 634 -> 784, 576 x 1536 391 -> 791,
 # 720 x 2048 527 -> 1176, 1000 x 2048 720 -> 1487, 49152 x 576 3565 -> 3542; x @ w 1024 (strided K) 552 -> 736.
-# Minimal-batch inference, GPU ms per call, before -> after in one run: SmolLM2 2.26 -> 1.89, SmolVLA expert 1.38 -> 1.16.
+# Minimal-batch inference, GPU ms per call, before -> after in one run: SmolLM2 2.26 -> 1.89,
+# SmolVLA expert 1.38 -> 1.16.
 GEMV_PER_LANE = 8
 GEMV_PER_LANE_STRIDED = 16
 GEMV_MAX_LANES = 128
@@ -151,7 +152,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                   split: int = 1, partial: str | None = None, f16: bool = False,
                   looped: str = "", double: bool = False, products: int = 0,
                   row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
-    """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j] over b < batch, i < m, j < n, p < k.
+    """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
+    over b < batch, i < m, j < n, p < k.
 
     ``a_fast`` ("p" or "i") and ``b_fast`` ("j" or "p") name the operand axis along which memory is contiguous,
     so that neighbouring threads read neighbouring addresses; any value is correct, the right one is faster.
@@ -170,7 +172,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     over (b, i, p) summed over K, each before the next) and private ``row_stat0`` ... that hold their sums, which
     ``load_a`` reads. Only the gemv kernel over columns (m == 1) takes either (see ``_gemv_kernel``)."""
     if (products or row_phases) and (m != 1 or tile is not None or split > 1):
-        raise ValueError("matmul_kernel: further products and a row prologue need the gemv kernel over columns (m == 1)")
+        raise ValueError("matmul_kernel: further products and a row prologue need the gemv kernel over columns "
+                         "(m == 1)")
     if split > 1 and (partial is None or m == 1 or n == 1):
         raise ValueError("matmul_kernel: a split K needs the tiled kernel (m, n > 1) and a partial-sum array")
     if min(batch, m, n) < 1 or k < 0:
@@ -370,7 +373,8 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                      TILES_ALL=batch * tiles_m * tiles_n, K_SLICE=k_slice)
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
-{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}{f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}
+{plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}\
+{f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}
 {header}var<workgroup> tile_a: array<vec4<{element}>, {plan.buffers * plan.chunk_k * a_row}>;
 var<workgroup> tile_b: array<vec4<{element}>, {plan.buffers * plan.chunk_k * b_row}>;
 
@@ -462,8 +466,10 @@ def _chunk_products(plan: TiledPlan, f16: bool, a_base: str = "", b_base: str = 
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     sums = plan.sums()
     element, target = ("f16", "chunk") if f16 else ("f32", "acc")
-    a_regs = "\n".join(f"            let a{g} = tile_a[{a_base}p * {a_row}u + ty + {tm * g}u];" for g in range(row_groups))
-    b_regs = "\n".join(f"            let b{h} = tile_b[{b_base}p * {b_row}u + tx + {tn * h}u];" for h in range(col_groups))
+    a_regs = "\n".join(f"            let a{g} = tile_a[{a_base}p * {a_row}u + ty + {tm * g}u];"
+                       for g in range(row_groups))
+    b_regs = "\n".join(f"            let b{h} = tile_b[{b_base}p * {b_row}u + tx + {tn * h}u];"
+                       for h in range(col_groups))
     fmas = "\n".join(f"            {target}_{g}_{i}_{h} = fma(vec4<{element}>(a{g}[{i}]), b{h}, {target}_{g}_{i}_{h});"
                      for g, i, h in sums)
     # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and

@@ -99,7 +99,8 @@ class Staging:
         lines = []
         for t in range(self.count):
             value = f"stage_{self.name}{t}" if element == "f32" else f"{element}(stage_{self.name}{t})"
-            guard = f"if (lid + {t * self.plan.threads}u < {self.total}u) " if (t + 1) * self.plan.threads > self.total else ""
+            guard = (f"if (lid + {t * self.plan.threads}u < {self.total}u) "
+                     if (t + 1) * self.plan.threads > self.total else "")
             lines.append(f"""    {guard}{{
         {self._decode(t)}
         tile_{self.name}[{base}p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};

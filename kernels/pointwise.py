@@ -111,7 +111,8 @@ def _store(name: str, storage: str, results: list[str], unit: str, lanes: int, t
 def _quad_kernel(bindings, outputs, shape, limits, guarded: bool, quads: dict) -> tuple[str, tuple]:
     """``pointwise_kernel`` with a quad of 4 neighbouring elements per copy (the module docstring)."""
     if not quad_layout(outputs, shape):
-        raise ValueError(f"pointwise_kernel: quads need a concrete shape of whole vec4 rows and f32 outputs, got {shape}")
+        raise ValueError("pointwise_kernel: quads need a concrete shape of whole vec4 rows and f32 outputs, "
+                         f"got {shape}")
     quad_slots = {node.args[0] for node in quads} | {_slot_of(name, bindings) for name, *_ in outputs}
     bindings = [(slot, name, "vec4<f32>" if slot in quad_slots else stype) for slot, name, stype in bindings]
     units = product(shape) // 4

@@ -46,8 +46,10 @@ COMBINE = {
 }
 # (value, index) replaces (best, best_index) when it is better; ties keep the lower index, NaN wins like torch.
 ARG_BETTER = {
-    ("argmax", "f32"): "(mg_isnan({v}) && (!mg_isnan({bv}) || {i} < {bi})) || (!mg_isnan({bv}) && ({v} > {bv} || ({v} == {bv} && {i} < {bi})))",
-    ("argmin", "f32"): "(mg_isnan({v}) && (!mg_isnan({bv}) || {i} < {bi})) || (!mg_isnan({bv}) && ({v} < {bv} || ({v} == {bv} && {i} < {bi})))",
+    ("argmax", "f32"): ("(mg_isnan({v}) && (!mg_isnan({bv}) || {i} < {bi})) "
+                        "|| (!mg_isnan({bv}) && ({v} > {bv} || ({v} == {bv} && {i} < {bi})))"),
+    ("argmin", "f32"): ("(mg_isnan({v}) && (!mg_isnan({bv}) || {i} < {bi})) "
+                        "|| (!mg_isnan({bv}) && ({v} < {bv} || ({v} == {bv} && {i} < {bi})))"),
     ("argmax", "i32"): "({v} > {bv} || ({v} == {bv} && {i} < {bi}))",
     ("argmin", "i32"): "({v} < {bv} || ({v} == {bv} && {i} < {bi}))",
 }
@@ -227,7 +229,8 @@ def _combine_partials(phases, partial) -> list[str]:
             peak, low = f"{partial}[({i}u * PARTS + {s}) * ROWS + row_u]", IDENTITY[("max", "f32")]
             lines += [f"  var {a}: f32 = 0.0;", f"  for (var {s} = 0u; {s} < PARTS; {s} = {s} + 1u) {{",
                       f"    let m{p} = {peak};",
-                      f"    {a} = {a} + select({part(0)} * mg_exp(m{p} - acc{i}), 0.0, m{p} == {low} && acc{i} != {low});",
+                      f"    {a} = {a} + select({part(0)} * mg_exp(m{p} - acc{i}), 0.0, "
+                      f"m{p} == {low} && acc{i} != {low});",
                       "  }", f"  let acc{p} = {a};"]
             continue
         group = _pairwise(op, "f32", [part(k) for k in range(PARTIAL_GROUP)]) if op in PAIRWISE_OPS else None

@@ -118,7 +118,8 @@ class GraphBuilder:
                 loaded = self.load_broadcast(o, shape)
                 args.append(loaded if compute == "keep" else E.cast(loaded, compute))
             else:
-                kind = compute if compute != "keep" else (E.BOOL if isinstance(o, bool) else E.I32 if isinstance(o, int) else E.F32)
+                kind = compute if compute != "keep" else (E.BOOL if isinstance(o, bool)
+                                                          else E.I32 if isinstance(o, int) else E.F32)
                 args.append(E.const(o, kind))
         return self.pointwise(shape, dtype, fn(*args), label)
 
@@ -200,7 +201,8 @@ class GraphBuilder:
 
     def reduce_simple(self, v: Value, axes, op: str, dtype: str, finish=None, label: str = "") -> Value:
         """Reduce ``v`` over ``axes`` with ``op``; ``finish(acc)`` post-processes the row result."""
-        value = E.cast(self.load(v, [E.coord(d) for d in range(len(v.shape))]), E.F32 if dtype in FLOAT_DTYPES else v.compute_dtype)
+        value = E.cast(self.load(v, [E.coord(d) for d in range(len(v.shape))]),
+                       E.F32 if dtype in FLOAT_DTYPES else v.compute_dtype)
         acc_dtype = E.I32 if op in ("argmax", "argmin") else value.dtype
         result = E.acc(0, acc_dtype)
         if finish is not None:

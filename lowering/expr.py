@@ -1,10 +1,10 @@
 """Scalar expression trees: the body of every fused kernel, as plain, hashable data.
 
 An ``Expr`` computes one element. Its leaves are constants, symbolic sizes (``size``: a dynamic graph's, read from
-the plan's size buffer), iteration coordinates (``coord``), reduction or matmul accumulators (``acc``) and loads. Before planning a load names an IR value and gives one coordinate
-expression per dimension of that value (``load``); after planning it names a binding slot and a linear
-element index (``read``). Expressions are hash-consed by structure, so equal subtrees compare equal cheaply
-and code generation can share them.
+the plan's size buffer), iteration coordinates (``coord``), reduction or matmul accumulators (``acc``) and loads. Before
+planning a load names an IR value and gives one coordinate expression per dimension of that value (``load``); after
+planning it names a binding slot and a linear element index (``read``). Expressions are hash-consed by structure, so
+equal subtrees compare equal cheaply and code generation can share them.
 
 Compute dtypes: ``f32``, ``i32`` and ``bool``. Integer index math is i32 (tensors are bounded by 2**31 elements).
 """

@@ -189,7 +189,8 @@ class Matmul(Node):
                 doms += [(self.batch, self.k, s), (self.batch, self.m, s)]
             else:
                 doms += [(self.batch, s, self.k), (self.batch, s, self.n)]
-        doms += [(self.batch, self.k, self.n)] * len(self.products) + [(self.batch, self.m, self.k)] * len(self.row_phases)
+        doms += ([(self.batch, self.k, self.n)] * len(self.products)
+                 + [(self.batch, self.m, self.k)] * len(self.row_phases))
         return doms
 
     def set_exprs(self, exprs):

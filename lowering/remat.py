@@ -88,8 +88,8 @@ def _cheap(node) -> bool:
 def _recomputed(expr: E.Expr, producers: dict, kept) -> E.Expr | None:
     """``expr`` with each load of a value that is not ``kept`` replaced by its cheap producer's expression, down to
     kept values; None where a load leads to anything else, or past ``REMAT_MAX_NODES``. Equal loads share one
-    inlined expression, counted once. The inlined expressions are counted as they are taken in, so a long chain of cheap values (a residual stream) is given up on at once rather
-    than followed to its end."""
+    inlined expression, counted once. The inlined expressions are counted as they are taken in, so a long chain of cheap
+    values (a residual stream) is given up on at once rather than followed to its end."""
     budget = [REMAT_MAX_NODES - E.size(expr)]
     failed = []
     inlined: dict[E.Expr, E.Expr] = {}  # equal loads (ReLU reads x three times) share one inlined expression

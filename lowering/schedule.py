@@ -251,7 +251,8 @@ def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: di
         return variants
     f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
     problems = {id(n): _matmul_problem(n, values, stored, f16) for n in nodes
-                if matmul_kernels.is_tiled(n.rows, n.columns) and not any(map(is_size, (n.batch, n.rows, n.columns, n.k)))}
+                if matmul_kernels.is_tiled(n.rows, n.columns)
+                and not any(map(is_size, (n.batch, n.rows, n.columns, n.k)))}
     distinct = list(dict.fromkeys(problems.values()))
     chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
     for node_id, problem in problems.items():

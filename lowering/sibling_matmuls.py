@@ -18,7 +18,8 @@ from .siblings import fuse_siblings
 def fuse_sibling_matmuls(graph: Graph, max_bindings: int, report: FusionReport) -> None:
     """Merge each Matmul into the next one with the same shared operand and extents, where the rules allow."""
     for axis in ("j", "i"):
-        fuse_siblings(graph, max_bindings, report, lambda node: _key(node, axis), lambda e, later: _merge(e, later, axis))
+        fuse_siblings(graph, max_bindings, report, lambda node: _key(node, axis),
+                      lambda e, later: _merge(e, later, axis))
 
 
 def _key(node, axis: str) -> tuple | None:

@@ -246,7 +246,8 @@ SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "in
 
 def weights_file(weights: dict[str, np.ndarray], dtypes: dict[str, str]) -> bytes:
     """``weights`` (host forms, by name) as a safetensors file that names each one's logical dtype (``dtypes``)."""
-    arrays = {name: np.array(array, HOST_DTYPE[dtypes[name]], order="C") for name, array in weights.items()}  # 0-d stays 0-d
+    arrays = {name: np.array(array, HOST_DTYPE[dtypes[name]], order="C")  # 0-d stays 0-d
+              for name, array in weights.items()}
     if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.8 serializes raw memory, dtypes spelled as numpy's
         return serialize({name: safetensors.TensorSpec(dtype=dtypes[name], shape=list(a.shape), data_ptr=a.ctypes.data,
                                                        data_len=a.nbytes) for name, a in arrays.items()})

@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     generate.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this probability")
     generate.add_argument("--seed", type=int, help="seed of the sampler")
-    generate.add_argument("--adapter", help="adapter index or name substring (default: MEGANEURA_ADAPTER, else the best)")
+    generate.add_argument("--adapter",
+                          help="adapter index or name substring (default: MEGANEURA_ADAPTER, else the best)")
     generate.set_defaults(command=generate_command, name="generate")
 
     inspect = commands.add_parser("inspect", help="validate a bundle and describe it",

@@ -130,7 +130,8 @@ class LanguageModel:
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if prompt + max_new_tokens > self.max_cache_len:
-            raise InputError(f"a prompt of {prompt} tokens and {max_new_tokens} new ones need {prompt + max_new_tokens} "
+            raise InputError(f"a prompt of {prompt} tokens and {max_new_tokens} new ones need "
+                             f"{prompt + max_new_tokens} "
                              f"cache positions; this bundle holds {self.max_cache_len} (export_lm's max_cache_len)")
 
     def _prefill(self, prompt: np.ndarray, sampler: "_Sampler") -> int:

@@ -38,8 +38,8 @@ PHASES = ("prefill", "decode")
 INPUTS = ("input_ids", "cache_position", "last", "temperature", "sampling")  # then the cache
 OUTPUTS = ("token", "scores")  # then the new cache
 MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "max_cache_len": int, "prefill_tokens": int,
-                 "vocab_size": int, "eos_token_ids": list, "cache": list, "weights": list, "tokenizer": (str, type(None)),
-                 "files": dict}
+                 "vocab_size": int, "eos_token_ids": list, "cache": list, "weights": list,
+                 "tokenizer": (str, type(None)), "files": dict}
 FORMAT = Format(FORMAT_NAME, FORMAT_VERSION, MANIFEST, MANIFEST_KEYS, "generation bundle", "torch_meganeura.export_lm")
 
 

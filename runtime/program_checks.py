@@ -145,7 +145,8 @@ def check_in_place(device_inputs: dict, in_place: dict[str, str]) -> None:
         raise InputError(f"device inputs {shared} are bound to one array, which this run overwrites in place")
 
 
-def status_error(data, status_offsets: list[tuple[str, int, int]], messages: dict[int, str]) -> KernelStatusError | None:
+def status_error(data, status_offsets: list[tuple[str, int, int]],
+                 messages: dict[int, str]) -> KernelStatusError | None:
     """The error of the first status word set in read-back ``data`` (each status buffer's (name, staging offset,
     size)), named by ``messages`` (a plan's ``status_messages``); None where none is set."""
     for name, offset, size in status_offsets:

@@ -43,5 +43,5 @@ def profile(adapter=None):
 
 
 __version__ = "0.1.0"
-__all__ = ["meganeura_backend", "explain", "export", "export_lm", "ExportError", "FallbackError", "compile_train_step", "TrainStep",
-           "profile", "keep_on_device", "sync_parameters", "__version__"]
+__all__ = ["meganeura_backend", "explain", "export", "export_lm", "ExportError", "FallbackError", "compile_train_step",
+           "TrainStep", "profile", "keep_on_device", "sync_parameters", "__version__"]

@@ -69,7 +69,8 @@ def split_constants(s: AttentionShape, kind: str, plan, grid) -> str:
     """WGSL constants of a blocked or flash pass: its slices (``plan``: a BlockPlan or FlashPlan), output rows and
     folded grid."""
     rows, _ = partial_layout(s, kind)
-    return u32_constants(SPLITS=plan.splits, CHUNK=plan.chunk, ROWS=rows) + "\n" + wgsl.grid_constants(grid).rstrip("\n")
+    return (u32_constants(SPLITS=plan.splits, CHUNK=plan.chunk, ROWS=rows) + "\n"
+            + wgsl.grid_constants(grid).rstrip("\n"))
 
 
 def slice_bounds(what: str, end: str, start: str = "0u") -> str:

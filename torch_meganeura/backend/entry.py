@@ -111,9 +111,9 @@ def _parameter_gradients(gm: fx.GraphModule) -> set[fx.Node]:
 
 def _plain_user_outputs(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes an inference graph or a training forward returns to the user as they are: each may stay on the device
-    until eager code reads it (a KV cache that Python only hands back, a loss nobody prints). Not the new values of mutated inputs, the bases of aliases or the
-    outputs aliasing something: aot_autograd's runtime copies those into the inputs, or makes views of them, with
-    subclass overrides off, so it would read their stale host copies."""
+    until eager code reads it (a KV cache that Python only hands back, a loss nobody prints). Not the new values of
+    mutated inputs, the bases of aliases or the outputs aliasing something: aot_autograd's runtime copies those into the
+    inputs, or makes views of them, with subclass overrides off, so it would read their stale host copies."""
     meta = _fw_metadata()
     if meta is None:
         return set()

@@ -9,8 +9,8 @@ convolution's gather), or in the backward's arena for the kernels in between, wh
 saves lives from the forward to the end of the backward, beside every gradient. So the partition also runs with
 torch's ``aggressive_recomputation`` (every ban lifted but those of reductions, random and compute-intensive ops:
 matmuls and convolutions are never computed twice, nor here the attention forward), and that partition is taken
-where it saves a quarter less (``AGGRESSIVE_MIN_SAVING``). The operands of the attention backward are saved too: its kernels
-read them from memory (no producer fuses into their loads), so a rotary embedding or repeated KV heads computed
+where it saves a quarter less (``AGGRESSIVE_MIN_SAVING``). The operands of the attention backward are saved too: its
+kernels read them from memory (no producer fuses into their loads), so a rotary embedding or repeated KV heads computed
 again would cost kernels of their own; they are saved, as eager PyTorch saves them.
 
 Full size (``python -m bench.memory --null-device``), the kept loop's peak MiB and dispatches of 3 steps, torch's

@@ -67,10 +67,10 @@ def export(model: torch.nn.Module, example_inputs, path, *, adapter: str | int |
     ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments. The bundle is
     specialised to their shapes and dtypes, but for the dimensions ``dynamic_shapes`` declares (torch.export's
     form: ``{"input_ids": {1: torch.export.Dim("seq", max=512)}}``), each with a largest value: the plan is then
-    over symbolic sizes, sized for those values, and a call may take any size in the range. The model is traced as it is: call ``model.eval()`` first for
-    inference behaviour. A ``torch.compile``d model is exported through its original module, with its current
-    (e.g. trained) weights. A ``compile_train_step`` step exports its module (traced as it is: call
-    ``step.model.eval()`` first) with the weights it holds on the device, read directly: the module's own tensors
+    over symbolic sizes, sized for those values, and a call may take any size in the range. The model is traced as it
+    is: call ``model.eval()`` first for inference behaviour. A ``torch.compile``d model is exported through its original
+    module, with its current (e.g. trained) weights. A ``compile_train_step`` step exports its module (traced as it is:
+    call ``step.model.eval()`` first) with the weights it holds on the device, read directly: the module's own tensors
     need not be synced and are not touched. ``adapter`` picks the device whose limits the plan is generated for."""
     prepare_device(adapter)  # created while torch.export traces: only its limits are needed, after the trace
     resident = model.device_weights() if isinstance(model, TrainStep) else {}

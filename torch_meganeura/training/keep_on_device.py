@@ -18,10 +18,10 @@ What a step then moves between host and device is the batch and what eager code 
   the closure of the optimizer's own ``step`` (``optimizers.as_optimizer_step``): LR schedulers, step hooks and the
   profiler see a step, and the learning rate and other numbers are read from ``param_groups`` at every step.
 - After a step the device holds the parameters' values. Each parameter keeps its identity; its class becomes
-  ``device_tensor.DeviceParameter``, which downloads the device's values into the parameter the first time eager code reads its
-  data (printing it, ``state_dict()``, ``torch.save``, an eager forward), once per step. Reading metadata (shape,
-  ``.grad``, ``_version``) downloads nothing. An eager write (``load_state_dict``, ``p.mul_``) is uploaded before the
-  next plan reads the parameter.
+  ``device_tensor.DeviceParameter``, which downloads the device's values into the parameter the first time eager code
+  reads its data (printing it, ``state_dict()``, ``torch.save``, an eager forward), once per step. Reading metadata
+  (shape, ``.grad``, ``_version``) downloads nothing. An eager write (``load_state_dict``, ``p.mul_``) is uploaded
+  before the next plan reads the parameter.
 - ``optimizer.state[p]`` holds ``step`` as torch keeps it and the state tensors (``exp_avg``...) as ResidentTensors:
   ``optimizer.state_dict()``, ``torch.save`` and ``load_state_dict`` work unchanged.
 
@@ -138,7 +138,8 @@ class _DeviceStep:
         examples = [torch.empty(p.shape, dtype=p.dtype) for p in params]
         hyper = torch.zeros(n_rows, len(self.update_spec.fields))
         gm, roles, outputs, constants = trace_update(self.update_spec, rows, examples, hyper, names)
-        example = [constants.get(role, hyper if role.kind is Kind.HYPER else examples[int(role.name)]) for role in roles]
+        example = [constants.get(role, hyper if role.kind is Kind.HYPER else examples[int(role.name)])
+                   for role in roles]
         return RoleProgram(gm, roles, outputs, constants, example, self.device)
 
     def _roles_of(self, n: int) -> list[tuple]:

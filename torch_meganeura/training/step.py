@@ -328,7 +328,8 @@ class TrainStep:
             dp.broadcast_arrays([self._arrays[r] for r in local.state_outputs if r.kind is Kind.BUFFER])
         self.micro_batches += 1
         if self.micro_batches < self.accumulation_steps:
-            loss, updated = self.compiled_step(batch, Mode.ACCUMULATE).run(self._arrays, batch, self._hyper(1), self._spare)
+            loss, updated = self.compiled_step(batch, Mode.ACCUMULATE).run(self._arrays, batch, self._hyper(1),
+                                                                           self._spare)
             self._swap_in(updated)
             return loss
         self.micro_batches = 0
@@ -415,7 +416,8 @@ def _example(owner: TrainStep, role: Role, batch: tuple):
     if role.kind is Kind.BATCH:
         return batch[role.index]
     if role.kind is Kind.HYPER:  # (a segmented step's update: a row per parameter, ``trace_update``)
-        return per_parameter_rows(owner.spec) if owner._segmented is not None else optimizers.hyperparameters(owner.optimizer, 1)
+        return (per_parameter_rows(owner.spec) if owner._segmented is not None
+                else optimizers.hyperparameters(owner.optimizer, 1))
     if role.kind is Kind.GRAD:
         param = dict(owner.model.named_parameters())[role.name]
         return torch.empty(param.shape, dtype=param.dtype)

@@ -163,8 +163,8 @@ def _step_output_roles(spec: StepSpec, mode: Mode) -> list[Role]:
             Mode.ACCUMULATE: accumulators + buffers}[mode]
 
 
-def optimizer_update(spec: optimizers.OptimizerSpec, rows: list[int], train: list, grads: list, state: list, hyper: torch.Tensor,
-                     unused=frozenset()):
+def optimizer_update(spec: optimizers.OptimizerSpec, rows: list[int], train: list, grads: list, state: list,
+                     hyper: torch.Tensor, unused=frozenset()):
     """An optimizer's update of parameters ``train``: (new params, new state flattened slot-major). Parameter ``i``
     takes its numbers from row ``rows[i]`` of ``hyper``. Those at the indices ``unused`` (the loss does not read
     them: eager leaves their ``.grad`` None) stay as they are, as torch's optimizers leave them (no weight decay, no

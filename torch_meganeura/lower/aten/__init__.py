@@ -6,4 +6,5 @@ advanced indexing), ``creation`` (full, arange and the like), ``scatter``, ``ran
 ``conv`` (convolutions as implicit GEMM), ``batch_norm`` (eval mode), ``pooling``, ``norms`` (group norm),
 ``attention`` (scaled dot-product attention).
 """
-from . import pointwise, views, reductions, linalg, indexing, creation, scatter, random, conv, batch_norm, pooling, norms, attention  # noqa: F401
+from . import (pointwise, views, reductions, linalg, indexing, creation, scatter, random, conv,  # noqa: F401
+               batch_norm, pooling, norms, attention)

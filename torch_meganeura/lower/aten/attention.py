@@ -86,7 +86,8 @@ def _sdpa(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale
     fields = _fields(q, k, v, scale, is_causal)
     if _unfused(fields) and not flash_forward_fits(fields["d"], fields["dv"]):
         return _unfused_forward(ctx.b, qe, ke, ve, bias, fields)
-    out, lse = ctx.b.attention("forward", [((batch, heads, lq, v.shape[3]), "float32"), ((batch, heads, lq), "float32")],
+    out, lse = ctx.b.attention("forward",
+                               [((batch, heads, lq, v.shape[3]), "float32"), ((batch, heads, lq), "float32")],
                                q=qe, k=ke, v=ve, bias=bias, label="attention", **fields)
     return out, lse
 
@@ -97,7 +98,8 @@ def _sdpa_backward(ctx, grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=Fa
     qe, ke, ve, bias = _operands(ctx, q, k, v, attn_mask)
     coords = [E.coord(d) for d in range(4)]
     rowdot = E.mul(E.cast(b.load(grad_out, coords), E.F32), E.cast(b.load(out, coords), E.F32))
-    (delta,) = b.reduce(out.shape, (3,), [("sum", rowdot)], [RowOutput(False, E.acc(0))], ["float32"], "attention_delta")
+    (delta,) = b.reduce(out.shape, (3,), [("sum", rowdot)], [RowOutput(False, E.acc(0))], ["float32"],
+                        "attention_delta")
     rows = [E.coord(0), E.coord(1), E.coord(2)]
     common = dict(q=qe, k=ke, v=ve, bias=bias, dout=E.cast(b.load(grad_out, coords), E.F32),
                   lse=E.cast(b.load(lse, rows), E.F32), delta=b.load(delta, rows), **_fields(q, k, v, scale, is_causal))

@@ -254,7 +254,8 @@ def _gelu(ctx, x, approximate="none"):
     half = E.const(0.5, E.F32)
 
     def exact(a):
-        return E.mul(E.mul(half, a), E.add(E.const(1.0, E.F32), E.unary("erf", E.mul(a, E.const(math.sqrt(0.5), E.F32)))))
+        return E.mul(E.mul(half, a),
+                     E.add(E.const(1.0, E.F32), E.unary("erf", E.mul(a, E.const(math.sqrt(0.5), E.F32)))))
 
     def tanh(a):
         inner = E.mul(E.const(math.sqrt(2 / math.pi), E.F32),

@@ -48,7 +48,8 @@ def _reduce(ctx, x, dims, keepdim, phases_fn, result_fn, dtype=None, compute=Non
 
 @lowering(aten.sum.dim_IntList, aten.sum.default)
 def _sum(ctx, x, dims=None, keepdim=False, dtype=None):
-    return _reduce(ctx, x, dims, keepdim, lambda v: [("sum", v)], lambda n: E.acc(0, E.F32 if ctx.out_dtype in FLOAT_DTYPES else E.I32))
+    return _reduce(ctx, x, dims, keepdim, lambda v: [("sum", v)],
+                   lambda n: E.acc(0, E.F32 if ctx.out_dtype in FLOAT_DTYPES else E.I32))
 
 
 @lowering(aten.mean.dim, aten.mean.default)
