@@ -168,7 +168,8 @@ def _table(result: dict) -> str:
              f"meganeura adapters: {'; '.join(adapters) or '-'}.", "",
              "Median step after warm-up (the slowest rank's), AdamW, f32 (TF32 off), per-GPU batch = the workload's "
              "training batch. Efficiency = samples/s(N) / (N x samples/s(1)). Host<->device and all-reduce: "
-             "meganeura only, per step (all-reduce: whole phase / blocked on handles, waits for slower ranks included).",
+             "meganeura only, per step (all-reduce: whole phase / blocked on handles, waits for slower ranks "
+             "included).",
              "",
              "| workload | competitor | GPUs | global batch | step ms | samples/s | efficiency | host<->device MB "
              "| all-reduce ms |", "|---|---|---|---|---|---|---|---|---|"]

@@ -6,11 +6,11 @@
 Rows: PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache
 (``disable_compile=True``: pure eager), on CUDA where it exists, else on the CPU; on CUDA, HF's static cache as HF
 ships it (``generate`` compiles the forward with Inductor by itself) as a row of its own, with its first call's time;
-every PyTorch row is warmed by a call of the length it is timed at; HF ``generate`` with ``model.forward`` compiled with backend="meganeura", both caches, with
-the first call's time (compile included) and a second call's tokens/s and decode tokens/s by context length; and
-the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime, with its export time, bundle
-size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each decode step's time at its
-position). Every row's tokens are compared with eager's default ``generate`` on the
+every PyTorch row is warmed by a call of the length it is timed at; HF ``generate`` with ``model.forward`` compiled with
+backend="meganeura", both caches, with the first call's time (compile included) and a second call's tokens/s and decode
+tokens/s by context length; and the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime,
+with its export time, bundle size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each
+decode step's time at its position). Every row's tokens are compared with eager's default ``generate`` on the
 CPU in float32: a row whose tokens differ is marked. Writes ``OUT.json`` and the markdown table ``OUT.md``.
 """
 from __future__ import annotations
@@ -143,7 +143,8 @@ def _bundle_row(model, prompt, new: int, max_cache_len: int, adapter) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"# Generation at {result['description']}", "",
-             f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, {result['new_tokens']} new tokens; "
+             f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, "
+             f"{result['new_tokens']} new tokens; "
              "tokens/s over the whole generate call (prefill included) unless a column says otherwise.", "",
              "| competitor | cache | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | first call s | "
              "load s | export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         decode = measure_decode(args.smoke)
         rows += decode
         print(f"smollm2 decode, host us per token: HF generate through the backend {decode[0]['per_token_us']:.0f}, "
-              f"the bundle {decode[1]['per_token_us']:.0f} (ratio {decode[0]['per_token_us'] / decode[1]['per_token_us']:.2f})",
+              f"the bundle {decode[1]['per_token_us']:.0f} "
+              f"(ratio {decode[0]['per_token_us'] / decode[1]['per_token_us']:.2f})",
               flush=True)
         for row in decode:
             print(f"  {row['way']} per token: " + ", ".join(f"{row[k]:g} {k}" for k in ("interceptions", "wrappers",

@@ -166,7 +166,8 @@ def _profile_lines(cells: list) -> list[str]:
     if not profiled:
         return []
     lines = ["", "## Where the GPU time goes (profiler: each dispatch in a timestamped pass)", "",
-             "| workload | mode | competitor | GPU ms per call | top kernels: ms per call (share) |", "|---|---|---|---|---|"]
+             "| workload | mode | competitor | GPU ms per call | top kernels: ms per call (share) |",
+             "|---|---|---|---|---|"]
     for c in profiled:
         top = "; ".join(f"{k['name']} {k['ms_per_call']:.2f} ({100 * k['share']:.0f}%)" for k in c["top_kernels"])
         competitor = c["competitor"] + ("" if _dtype(c) == "float32" else f" {_dtype(c)}")

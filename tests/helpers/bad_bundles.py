@@ -50,7 +50,8 @@ def kernel(path: Path, kind: Kind) -> Path:
 SHARED = {
     "not a bundle": (lambda p, k: (p / k.manifest).unlink(),
                      "no {manifest} (a {kind} is a directory written by {writer})"),
-    "truncated manifest": (lambda p, k: truncate(p, k.manifest), "{manifest} is not valid JSON (truncated or corrupt?)"),
+    "truncated manifest": (lambda p, k: truncate(p, k.manifest),
+                           "{manifest} is not valid JSON (truncated or corrupt?)"),
     "another format": (lambda p, k: edit_manifest(p, k, lambda m: m.update(format="meganeura-other")),
                        "{manifest} does not describe a {format}"),
     "wrong format version": (lambda p, k: edit_manifest(p, k, lambda m: m.update(format_version=99)),

@@ -1,6 +1,7 @@
 """A Python started in the checkout's root (``python -c``, ``-m``, a REPL) has the root first on sys.path, where the
 kernels/ folder (the package ``meganeura.kernels``) would be found as the top-level ``kernels``: the name of Hugging
-Face's package, which transformers >= 5.25 imports. kernels/__init__.py hands that import to the installed one, where there is one."""
+Face's package, which transformers >= 5.25 imports. kernels/__init__.py hands that import to the installed one, where
+there is one."""
 import os
 import subprocess
 import sys

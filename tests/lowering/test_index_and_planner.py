@@ -286,8 +286,8 @@ def test_large_pointwise_outputs_take_several_elements_per_thread():
     x = b.input("x", (cols, rows), "float32")
     bias = b.input("bias", (cols,), "float32")
     flipped = b.permute(x, (1, 0))
-    shifted = b.map(lambda a, c: E.add(E.unary("exp", a), c), flipped, b.expand(b.reshape(bias, (1, cols)), (rows, cols)),
-                    dtype="float32")
+    shifted = b.map(lambda a, c: E.add(E.unary("exp", a), c), flipped,
+                    b.expand(b.reshape(bias, (1, cols)), (rows, cols)), dtype="float32")
     doubled = b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), shifted, dtype="float32")
     b.output(shifted)
     b.output(doubled)
@@ -295,7 +295,8 @@ def test_large_pointwise_outputs_take_several_elements_per_thread():
     assert len(plan.dispatches) == 1
     source = plan.kernels[plan.dispatches[0].kernel]
     assert "r1_1" in source and "r1_2" not in source
-    data = {"x": RNG.standard_normal((cols, rows)).astype(np.float32), "bias": RNG.standard_normal(cols).astype(np.float32)}
+    data = {"x": RNG.standard_normal((cols, rows)).astype(np.float32),
+            "bias": RNG.standard_normal(cols).astype(np.float32)}
     out = Program(get_device(), plan).run(data)
     want = np.exp(data["x"].T) + data["bias"]
     np.testing.assert_allclose(out[plan.outputs[0].name], want, rtol=1e-5, atol=1e-5)
@@ -322,8 +323,8 @@ def test_pointwise_rows_of_whole_vec4s_take_quads(shape, copies, monkeypatch):
     flipped = b.reshape(b.permute(xt, (1, 0)), shape)
     spread_row = b.expand(b.reshape(row, (1,) * (len(shape) - 1) + (shape[-1],)), shape)
     spread_column = b.reshape(b.expand(column, flat), shape)
-    mixed = b.map(lambda a, t, r, c: E.add(E.mul(E.unary("sigmoid", a), r), E.binary("sub", t, c)), x, flipped, spread_row,
-                  spread_column, dtype="float32")
+    mixed = b.map(lambda a, t, r, c: E.add(E.mul(E.unary("sigmoid", a), r), E.binary("sub", t, c)), x, flipped,
+                  spread_row, spread_column, dtype="float32")
     doubled = b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), mixed, dtype="float32")
     b.output(mixed)
     b.output(doubled)
@@ -332,7 +333,8 @@ def test_pointwise_rows_of_whole_vec4s_take_quads(shape, copies, monkeypatch):
     source = plan.kernels[plan.dispatches[0].kernel]
     assert source.count("array<vec4<f32>>") == 4  # x, the row and the two outputs; xt and the column stay scalar
     assert f"r1_{copies - 1}_3" in source and f"r1_{copies}_0" not in source
-    data = {"x": RNG.standard_normal(shape).astype(np.float32), "xt": RNG.standard_normal(flat[::-1]).astype(np.float32),
+    data = {"x": RNG.standard_normal(shape).astype(np.float32),
+            "xt": RNG.standard_normal(flat[::-1]).astype(np.float32),
             "row": RNG.standard_normal(shape[-1]).astype(np.float32),
             "column": RNG.standard_normal((flat[0], 1)).astype(np.float32)}
     out = Program(get_device(), plan).run(data)

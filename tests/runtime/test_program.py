@@ -81,7 +81,8 @@ def test_params_upload_and_rebind(monkeypatch, ahead):
         program.run({"x": x})
     w, bias = RNG.standard_normal(64, dtype=np.float32), RNG.standard_normal(64, dtype=np.float32)
     program.upload_params({"w": w, "bias": bias})
-    np.testing.assert_allclose(program.run({"x": x})["y"], x * w + bias, rtol=1e-6, atol=1e-6)  # drivers may contract to fma
+    # drivers may contract to fma
+    np.testing.assert_allclose(program.run({"x": x})["y"], x * w + bias, rtol=1e-6, atol=1e-6)
 
     block = np.zeros(plan.buffer("weights").size // 4, np.float32)
     block[:64], block[64:128] = 2.0, 1.0
@@ -335,7 +336,8 @@ def test_large_download_is_copied_in_slices_exactly(monkeypatch):
     monkeypatch.setattr(native, "COPY_SLICE_BYTES", 1 << 16)
     monkeypatch.setattr(native, "COPY_THREADS", 3)
     copies = []
-    monkeypatch.setattr(native, "_copy_in_slices", lambda d, s, t, real=native._copy_in_slices: (copies.append(t), real(d, s, t)))
+    monkeypatch.setattr(native, "_copy_in_slices",
+                        lambda d, s, t, real=native._copy_in_slices: (copies.append(t), real(d, s, t)))
     a = RNG.standard_normal(n, dtype=np.float32)
     array = DeviceArray.upload(get_device(), a, "float32")
     np.testing.assert_array_equal(array.numpy(), a)

@@ -159,7 +159,8 @@ def test_status_words_are_cleared_before_each_runs_dispatches(monkeypatch, ahead
 
 def test_resident_output_is_written_into_the_array_given_and_not_read_back():
     """A resident output's dispatch binds the pool buffer of its DeviceArray, or the one ``into`` hands back; the run
-    reads nothing back and waits for nothing. Alternating between two arrays builds one bind group per array, then nothing."""
+    reads nothing back and waits for nothing. Alternating between two arrays builds one bind group per array, then
+    nothing."""
     device = RecordingDevice()
     program = Program(device, add_plan(), resident_outputs=["sum"])
     a = np.ones(100, np.float32)

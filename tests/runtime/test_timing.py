@@ -37,7 +37,8 @@ def test_warm_up_runs_passes_as_long_as_the_measured_ones(monkeypatch):
     buffer, sequence = _busy(dev)
     passes = []
     real = timing._Timer.measure
-    monkeypatch.setattr(timing._Timer, "measure", lambda self, seq, reps: (passes.append(reps), real(self, seq, reps))[1])
+    monkeypatch.setattr(timing._Timer, "measure",
+                        lambda self, seq, reps: (passes.append(reps), real(self, seq, reps))[1])
     monkeypatch.setattr(timing, "TARGET_SECONDS", 1.0)  # longer than any one run here: the cap decides
     monkeypatch.setattr(timing, "MAX_WARMUP_REPS", 3)
     start = timing.time.perf_counter()

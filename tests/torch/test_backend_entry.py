@@ -56,7 +56,8 @@ def test_bad_fallback_policy():
 def test_direct_call_validates():
     """The backend function itself validates before any tracing."""
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    with pytest.raises(ValueError, match=r"valid options are \['adapter', 'fallback', 'precision', 'profile', 'tune'\]"):
+    with pytest.raises(ValueError,
+                       match=r"valid options are \['adapter', 'fallback', 'precision', 'profile', 'tune'\]"):
         meganeura_backend(gm, [torch.randn(2)], options={"nope": 1})
     with pytest.raises(ValueError, match="bogus"):
         meganeura_backend(gm, [torch.randn(2)], options={"fallback": "bogus"})

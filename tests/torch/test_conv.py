@@ -43,7 +43,8 @@ def test_conv1d(k, stride, padding, dilation, groups):
 
 
 @pytest.mark.parametrize("k,stride,padding,output_padding,dilation,groups", [
-    (3, 1, 0, 0, 1, 1), (3, 2, 1, 1, 1, 1), (4, 2, 1, 0, 1, 2), (3, 2, 1, 1, 2, C), (5, 3, 2, 2, 1, 1), (1, 1, 0, 0, 1, 2)])
+    (3, 1, 0, 0, 1, 1), (3, 2, 1, 1, 1, 1), (4, 2, 1, 0, 1, 2), (3, 2, 1, 1, 2, C), (5, 3, 2, 2, 1, 1),
+    (1, 1, 0, 0, 1, 2)])
 def test_conv_transpose2d(k, stride, padding, output_padding, dilation, groups):
     x = torch.randn(2, C, 5, 6)
     w = torch.randn(C, 6 // groups if groups != C else 1, k, k) * 0.3

@@ -57,7 +57,8 @@ CASES = {  # form -> extra arguments, the reference's max_grad_norm
 }
 
 
-@pytest.mark.slow  # two torchrun processes, 40-55 s a form on the 2-core CI machine: the slow stage (docs/architecture.md, Tests)
+# two torchrun processes, 40-55 s a form on the 2-core CI machine: the slow stage (docs/architecture.md, Tests)
+@pytest.mark.slow
 @pytest.mark.parametrize("form", list(CASES))
 def test_ddp_matches_one_process_on_the_whole_batch(form, tmp_path):
     extra, max_grad_norm = CASES[form]

@@ -1,6 +1,6 @@
-"""Export: bundles of the spine's Llama and BERT and of HF ResNet-50 (eval) run without torch (``meganeura.runtime`` and the CLI) and match
-eager; bad bundles are refused by name before any device object is built; what cannot be exported is refused;
-a model trained with backend="meganeura" deploys with its trained weights."""
+"""Export: bundles of the spine's Llama and BERT and of HF ResNet-50 (eval) run without torch (``meganeura.runtime`` and
+the CLI) and match eager; bad bundles are refused by name before any device object is built; what cannot be exported is
+refused; a model trained with backend="meganeura" deploys with its trained weights."""
 from __future__ import annotations
 
 import copy

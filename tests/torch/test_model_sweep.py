@@ -426,7 +426,8 @@ def test_training_step_against_float64(family):
 
     # the cotangent loss is a sum of leaf x cotangent terms that cancel (HuBERT: 7.96 from terms of 795 in all): its
     # error is a random projection of the leaves' errors, judged against the terms' magnitude, as the leaves are
-    terms = sum((e.detach().double() * c.double()).abs().sum().item() for (_, e), c in zip(_float_leaves(exact), cotangents))
+    terms = sum((e.detach().double() * c.double()).abs().sum().item()
+                for (_, e), c in zip(_float_leaves(exact), cotangents))
     grad_norm = sum(torch.linalg.vector_norm(e.detach().double()).item() ** 2
                     for name, _, _, e in pairs if name.startswith("grad of")) ** 0.5
     worst = (0.0, "", 0.0, 0.0)
@@ -468,7 +469,8 @@ def test_training_step_against_float64(family):
         messages += [f"  {name}: err_ours {ours:.3g}, err_eager {theirs:.3g} (ratio {ratio:.3g})"
                      for ratio, name, ours, theirs in failures]
     if unexpected:
-        messages.append("unexpected fallbacks to eager: " + "; ".join(f"{op} ({why})" for op, why in unexpected.items()))
+        messages.append("unexpected fallbacks to eager: "
+                        + "; ".join(f"{op} ({why})" for op, why in unexpected.items()))
     if not plans or submits == 0:
         messages.append(f"nothing ran on the device ({len(plans)} plans, {submits} submits)")
     other = [w for w in meganeura_warnings(caught) if "running in eager" not in w and "compiling it failed" not in w]

@@ -21,11 +21,14 @@ def pos(x):
 
 CASES = {
     # pointwise derivatives
-    "exp_log_sqrt": (lambda x: torch.exp(x * 0.5) + torch.log(pos(x)) + torch.sqrt(pos(x)) + torch.rsqrt(pos(x)), [(3, 5)]),
-    "trig_hyperbolic": (lambda x: torch.sin(x) * torch.cos(x) + torch.tanh(x) + torch.sigmoid(x) + torch.atan(x), [(3, 5)]),
+    "exp_log_sqrt": (lambda x: torch.exp(x * 0.5) + torch.log(pos(x)) + torch.sqrt(pos(x)) + torch.rsqrt(pos(x)),
+                     [(3, 5)]),
+    "trig_hyperbolic": (lambda x: torch.sin(x) * torch.cos(x) + torch.tanh(x) + torch.sigmoid(x) + torch.atan(x),
+                        [(3, 5)]),
     "activations": (lambda x: F.relu(x) + F.gelu(x) + F.gelu(x, approximate="tanh") + F.silu(x) + F.elu(x)
                     + F.leaky_relu(x, 0.2) + F.hardtanh(x, -0.7, 0.8) + F.softplus(x), [(4, 6)]),
-    "binary_broadcast": (lambda x, y: x * y + x / pos(y) - torch.maximum(x, y) + torch.minimum(x, y * 2), [(2, 3, 4), (4,)]),
+    "binary_broadcast": (lambda x, y: x * y + x / pos(y) - torch.maximum(x, y) + torch.minimum(x, y * 2),
+                         [(2, 3, 4), (4,)]),
     "pow_abs_clamp_where": (lambda x, y: pos(x) ** y + x.abs() * 2 + x.clamp(-0.5, 0.7)
                             + torch.where(x > y, x * y, y - x), [(3, 4), (3, 4)]),
     "erf_square_reciprocal": (lambda x: torch.erf(x) + x.square() + torch.reciprocal(pos(x)), [(5,)]),
@@ -47,17 +50,20 @@ CASES = {
     # views, cat, slices, indexing
     "views": (lambda x: x.permute(2, 0, 1).reshape(4, -1)[:, 1::2] * x.transpose(0, 2).flatten()[:12].view(4, 3)[:, :1],
               [(2, 3, 4)]),
-    "cat_stack_split": (lambda x, y: torch.cat([x, y * 2], 1).split([2, 4], 1)[1] + torch.stack([x, x], 0).sum(0).repeat(1, 2)[:, :4],
+    "cat_stack_split": (lambda x, y: torch.cat([x, y * 2], 1).split([2, 4], 1)[1]
+                        + torch.stack([x, x], 0).sum(0).repeat(1, 2)[:, :4],
                         [(3, 2), (3, 4)]),
     "slice_select_pad": (lambda x: F.pad(x[:, 1:, ::2], (1, 2, 0, 1), value=0.5)[..., 0] + x.select(2, 2), [(2, 4, 5)]),
-    "gather_index_select": (lambda x: x.gather(1, IDX.view(1, 4).expand(3, 4) % 3) + x.index_select(1, IDX).flip(0) + x[IDX % 3].T,
+    "gather_index_select": (lambda x: x.gather(1, IDX.view(1, 4).expand(3, 4) % 3) + x.index_select(1, IDX).flip(0)
+                            + x[IDX % 3].T,
                             [(3, 3)]),
     "diagonal_trace": (lambda x: torch.diagonal(x, 1) * 2 + torch.diagonal(x, -1, 1, 0).sum() + torch.trace(x[:, :4]),
                        [(4, 5)]),
     "unfold_erfc": (lambda x: x.unfold(1, 3, 2).sum(-1) * torch.special.erfc(x[:, 1::2]), [(2, 7)]),
     "sgn_circular_pad": (lambda x: torch.sgn(x) * x + F.pad(x, (2, 1), mode="circular")[..., 1:-2], [(2, 3, 5)]),
     "expand_broadcast_sum": (lambda x, y: (x.expand(3, 4, 5) * y).sum((0, 2)), [(4, 1), (3, 1, 5)]),
-    "losses": (lambda x, t: F.mse_loss(x, t) + F.l1_loss(x, t) + F.smooth_l1_loss(x, t) + F.binary_cross_entropy_with_logits(x, t.sigmoid()),
+    "losses": (lambda x, t: F.mse_loss(x, t) + F.l1_loss(x, t) + F.smooth_l1_loss(x, t)
+               + F.binary_cross_entropy_with_logits(x, t.sigmoid()),
                [(4, 5), (4, 5)]),
 }
 

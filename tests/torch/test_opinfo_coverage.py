@@ -14,7 +14,8 @@ import torch
 
 from helpers.compare import check_against_eager
 from torch_meganeura.backend import entry as backend
-from torch_meganeura.coverage import sweep as coverage, compare as coverage_compare, report as coverage_report, step as coverage_step
+from torch_meganeura.coverage import (sweep as coverage, compare as coverage_compare, report as coverage_report,
+                                      step as coverage_step)
 from torch_meganeura.lower import registry
 from torch_meganeura.training import step as train_step
 

@@ -27,13 +27,15 @@ print(json.dumps({"partitions": report.partitions, "cached": report.cached_plans
 
 
 def _run(cache_dir) -> dict:
-    env = dict(os.environ, MEGANEURA_CACHE_DIR=str(cache_dir), XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
+    env = dict(os.environ, MEGANEURA_CACHE_DIR=str(cache_dir),
+               XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # 25 s on the 2-core machine: a second process compiles every plan (the slow stage: docs/architecture.md, Tests)
+# 25 s on the 2-core machine: a second process compiles every plan (the slow stage: docs/architecture.md, Tests)
+@pytest.mark.slow
 def test_second_process_reads_every_plan_from_the_cache(tmp_path):
     cold = _run(tmp_path)
     warm = _run(tmp_path)

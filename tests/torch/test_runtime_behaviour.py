@@ -148,7 +148,8 @@ def test_profile_times_each_dispatch_of_a_compiled_model(tmp_path):
     compiled = torch.compile(model, backend="meganeura", options={"profile": str(trace)})
     device = get_device()
     try:
-        assert_same(_call(compiled, x), model(x), rtol=1e-5, atol=1e-5)  # the option attaches a profiler that saves at exit
+        # the option attaches a profiler that saves at exit
+        assert_same(_call(compiled, x), model(x), rtol=1e-5, atol=1e-5)
         assert device.profiler is not None and device.profiler.runs == 1
     finally:
         device.profiler = None

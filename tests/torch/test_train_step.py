@@ -66,7 +66,8 @@ def _assert_losses(losses, rel=1e-4):
         assert abs(got - want) <= rel * abs(want), f"step {i + 1}: loss {got} vs eager {want}"
 
 
-@pytest.mark.slow  # 23 s on the 2-core machine: 50 steps and a fresh process (the slow stage: docs/architecture.md, Tests)
+# 23 s on the 2-core machine: 50 steps and a fresh process (the slow stage: docs/architecture.md, Tests)
+@pytest.mark.slow
 def test_adamw_cosine_llama_50_steps_and_checkpoint_resume_in_a_fresh_process(tmp_path):
     torch.manual_seed(0)
     model = _llama()

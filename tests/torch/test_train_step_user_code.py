@@ -101,7 +101,8 @@ def _assert_trained_alike(model, ref, losses):
     for i, (got, want) in enumerate(losses):
         assert got == pytest.approx(want, rel=1e-4), f"step {i}: loss {got} vs eager {want}"
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
+                                   msg=lambda m: f"{n}: {m}")
 
 
 def test_hf_labels_loss_with_a_logging_call_trains_as_one_graph():

@@ -7,10 +7,10 @@ Each case trains a small model for a few steps (SGD with momentum, Adam or AdamW
 
 Eager float32's distance is measured on ``1 + NUDGED_RUNS`` eager float32 runs: the run from the model's weights, and
 runs from weights nudged by at most one ulp each (each element moved one ulp up or down, or left, at random: the
-rounding that storing the weights in float32 already implies). The yardstick is their root mean square. A single eager run is
-one sample of a noisy quantity: after 8 AdamW steps of a GPT-2 (n_embd 96, batch 8 x 64) the eager run with its batch
-reversed, as exact as the eager run itself, was up to 4.0x the eager run's distance on one parameter (a bias, whose
-error comes from a few elements), while the geometric mean of the ratio over the parameters was 1.0-1.26. Ours was
+rounding that storing the weights in float32 already implies). The yardstick is their root mean square. A single eager
+run is one sample of a noisy quantity: after 8 AdamW steps of a GPT-2 (n_embd 96, batch 8 x 64) the eager run with its
+batch reversed, as exact as the eager run itself, was up to 4.0x the eager run's distance on one parameter (a bias,
+whose error comes from a few elements), while the geometric mean of the ratio over the parameters was 1.0-1.26. Ours was
 0.75-0.97 by that mean and up to 2.4x against the single run, within the same noise.
 
 The CNNs take GELU for their ReLU (ReLU6): a ReLU's kink makes a trajectory's distance discrete. A pre-activation
