@@ -77,7 +77,8 @@ def _at_depths(cache: str, device) -> tuple[dict, dict]:
     return _MEASURED[cache]
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+# The static cache compiles its decode graph at both depths on lavapipe: about a minute, so in the slow stage.
+@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
 def test_a_decode_tokens_transfers_do_not_grow_with_depth(null_device, cache):
     """Bytes down (the logits), the waits, no tensor wrapper: the same at both depths."""
     shallow, deep = _at_depths(cache, null_device)
