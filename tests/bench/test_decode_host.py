@@ -13,6 +13,8 @@ from helpers.models import LLAMA
 from helpers.recording_device import RecordingDevice
 
 SHORT, LONG = 6, 14  # new tokens of the two generate calls
+# Compiling a tiny Llama's decode graph at two depths, each cache, takes 1.5 min on lavapipe: the slow stage.
+pytestmark = pytest.mark.slow
 DEPTHS = (2, 4)  # decoder layers
 MOVED = ("bytes_uploaded", "bytes_downloaded", "waits")
 # Waits per token with the static cache: the logits' read-back, and the status of a run that reads nothing back
@@ -77,8 +79,7 @@ def _at_depths(cache: str, device) -> tuple[dict, dict]:
     return _MEASURED[cache]
 
 
-# The static cache compiles its decode graph at both depths on lavapipe: about a minute, so in the slow stage.
-@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_a_decode_tokens_transfers_do_not_grow_with_depth(null_device, cache):
     """Bytes down (the logits), the waits, no tensor wrapper: the same at both depths."""
     shallow, deep = _at_depths(cache, null_device)
