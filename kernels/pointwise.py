@@ -73,9 +73,15 @@ def pointwise_kernel(*, bindings, outputs, shape, limits, guarded: bool = False,
             index = f"min({element}, {wgsl.size_u32(size_max(total - 1, 0))})" if clamp else element
             computed.append(_compute(outputs, [rs[lane] for rs in results], index, shape))
         stored += [_store(name, storage, rs, unit, lanes, total) for rs, (name, _, _, storage) in zip(results, outputs)]
+    return _assembled(bindings, groups, copies, declared + computed, stored, guarded)
+
+
+def _assembled(bindings, groups, copies: int, computed: list[str], stored: list[str], guarded: bool) -> tuple:
+    """(WGSL source, workgroups) of a pointwise kernel whose body computes (``computed``) then stores (``stored``);
+    where ``guarded``, the stores run only while the status word is clear."""
     if guarded:
         stored = [f"  if (atomicLoad(&{wgsl.STATUS_VAR}[0]) == 0u) {{", *stored, "  }"]
-    body = "\n".join(declared + computed + stored)
+    body = "\n".join(computed + stored)
     source = f"""{wgsl.binding_decls(bindings)}
 {wgsl.helpers_for(body)}
 @compute @workgroup_size({WORKGROUP})
@@ -128,18 +134,7 @@ def _quad_kernel(bindings, outputs, shape, limits, guarded: bool, quads: dict) -
         computed.append(_compute_quad(outputs, results, index, shape, quads))
         stored += [f"  if ({unit} < {units}u) {{ {name}[{unit}] = vec4<f32>({', '.join(rs)}); }}"
                    for rs, (name, *_) in zip(results, outputs)]
-    if guarded:
-        stored = [f"  if (atomicLoad(&{wgsl.STATUS_VAR}[0]) == 0u) {{", *stored, "  }"]
-    body = "\n".join(declared + computed + stored)
-    source = f"""{wgsl.binding_decls(bindings)}
-{wgsl.helpers_for(body)}
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-  let first = {wgsl.flat_workgroup(groups[0])} * {WORKGROUP * copies}u + lid;
-{body}
-}}
-"""
-    return source, groups
+    return _assembled(bindings, groups, copies, declared + computed, stored, guarded)
 
 
 def _slot_of(name: str, bindings) -> int:
