@@ -38,11 +38,13 @@ accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.9
 from dataclasses import dataclass, replace
 
 from . import wgsl
+from .matmul_common import (LINEAR_WORKGROUP, SYMBOLIC_CHOICE, THREADS_WANTED, ENTRY, _header, _max_threads,
+                            _pow2_ceil, _thread_count, fold_grid)
+from .matmul_gemv import _gemv_kernel
 from .matmul_staging import SHARED_PAD_VEC4, Checks, Staging, shared_row
 from .sizes import ceil_div, is_size, upper
 from .wgsl import SPLIT_TARGET_WORKGROUPS
 
-THREADS_WANTED = 256          # threads per workgroup when the device allows it
 TILE_SIZES = (128, 64, 32, 16)  # output tile edge candidates, largest first
 K_CHUNKS = (16, 8, 4)         # K chunk candidates staged per barrier, largest first
 # The largest chunk whose staging (each thread's share of the A and B chunks, held in registers while the products
@@ -60,19 +62,6 @@ SPLIT_MIN_K = 64
 SPLIT_MAX = 64
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
-# gemv: lanes (threads splitting K for one output) are the power of two that gives each about GEMV_PER_LANE products
-# (GEMV_PER_LANE_STRIDED where K is strided and the threads of a row follow the outputs), between 4 and
-# GEMV_MAX_LANES, and fewer while outputs x lanes exceed GEMV_MAX_THREADS. A short run per lane keeps the loads of
-# a small matrix in flight at once. H200, m = 1, weights rotated past the L2 cache, GB/s of the
-# weight read, before (16 lanes for K in 257..4095) -> after: 1536 x 576 634 -> 784, 576 x 1536 391 -> 791,
-# 720 x 2048 527 -> 1176, 1000 x 2048 720 -> 1487, 49152 x 576 3565 -> 3542; x @ w 1024 (strided K) 552 -> 736.
-# Minimal-batch inference, GPU ms per call, before -> after in one run: SmolLM2 2.26 -> 1.89,
-# SmolVLA expert 1.38 -> 1.16.
-GEMV_PER_LANE = 8
-GEMV_PER_LANE_STRIDED = 16
-GEMV_MAX_LANES = 128
-GEMV_MAX_THREADS = 1 << 21
-GEMV_UNROLL = 8               # gemv: products a lane loads before adding them up
 
 
 @dataclass(frozen=True)
@@ -140,11 +129,6 @@ def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulCh
     return MatmulChoice(None, None, split, (plan.rows_per_thread, plan.cols_per_thread) == (4, 4))
 
 
-@dataclass(frozen=True)
-class GemvPlan:
-    columns: int       # outputs per workgroup
-    lanes: int         # threads splitting K for one output
-    out_fastest: bool  # thread order: neighbouring threads take neighbouring outputs (else neighbouring p)
 
 
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
@@ -230,63 +214,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     return prelude + kernel, grid
 
 
-def _max_threads(limits: dict) -> int:
-    return min(limits["max-compute-invocations-per-workgroup"],
-               limits.get("max-compute-workgroup-size-x", THREADS_WANTED))
-
-
-def fold_grid(total, max_per_dim: int) -> tuple:
-    """Spread `total` workgroups over (x, y, z), each <= max_per_dim, with x * y * z >= total (a symbolic total over
-    (x, y) when the plan runs: ``wgsl.grid``)."""
-    if is_size(total):
-        return wgsl.grid(total, max_per_dim)
-    if total <= max_per_dim:
-        return (total, 1, 1)
-    rows = -(-total // max_per_dim)
-    if rows <= max_per_dim:
-        x = -(-total // rows)
-        return (x, rows, 1)
-    layers = -(-total // (max_per_dim * max_per_dim))
-    if layers > max_per_dim:
-        raise ValueError(f"matmul_kernel: {total} workgroups exceed {max_per_dim}^3")
-    per_layer = -(-total // layers)
-    rows = -(-per_layer // max_per_dim)
-    x = -(-per_layer // rows)
-    return (x, rows, layers)
-
-
-def _thread_count(limits: dict) -> int:
-    cap = min(limits["max-compute-invocations-per-workgroup"],
-              limits.get("max-compute-workgroup-size-x", THREADS_WANTED), THREADS_WANTED)
-    if cap < 64:
-        raise ValueError(f"matmul_kernel: device allows only {cap} invocations per workgroup (need 64)")
-    return 256 if cap >= 256 else 64
-
-
-def _pow2_ceil(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
-def _pow2_floor(value: int) -> int:
-    return 1 << max(0, value.bit_length() - 1)
-
-
-def _header(batch: int, m, n: int, k: int, grid: tuple, total, **more) -> str:
-    """The constants a matmul kernel names: a symbolic M (and what follows from it) is read from the size buffer,
-    and its grid folds when the plan runs (``fold_grid``)."""
-    sizes = dict(BATCH=batch, M=m, N=n, K=k, WORKGROUPS=total, **more)
-    return "".join(wgsl.size_constant(name, value) for name, value in sizes.items()) + wgsl.grid_constants(grid)
-
-
-ENTRY = "@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32"
-
-
-LINEAR_WORKGROUP = """    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
-    let live = wg_linear < WORKGROUPS;  // folded grids round up: extra workgroups only pass barriers
-"""
-# The sizes the tiled kernel's tile and chunk are chosen for where a size is symbolic: one kernel for every value (a
-# long one pays for rows past a ragged edge, a short one for a tile larger than it needs); K as a long one.
-SYMBOLIC_CHOICE = {"batch": 1, "m": 64, "n": 64, "k": 1 << 12}
 
 
 # ---------------------------------------------------------------- tiled
@@ -520,129 +447,3 @@ def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Che
             {guarded}
         }}
     }}"""
-
-
-# ---------------------------------------------------------------- gemv
-
-
-def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool) -> GemvPlan:
-    per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
-    k = SYMBOLIC_CHOICE["k"] if is_size(k) else k  # (a symbolic K counts as a long one)
-    lanes = max(4, min(GEMV_MAX_LANES, threads, _pow2_floor(k // per_lane)))
-    if is_size(outputs):  # symbolic: one plan for every count
-        return GemvPlan(threads // lanes, lanes, out_fastest)
-    while lanes > 32 and outputs * lanes > GEMV_MAX_THREADS:
-        lanes //= 2
-    columns = min(threads // lanes, _pow2_ceil(outputs))  # (few outputs: the spare threads join the lanes)
-    return GemvPlan(columns, threads // columns, out_fastest)
-
-
-def _gemv_lane(plan: GemvPlan, operands: tuple[str, ...]) -> str:
-    """The lane's share of the dot products, every ``plan.lanes``-th p from its own (the ``operands``' loads,
-    formatted with ``p``: the vector's, then each matrix's, summed into ``acc``, ``acc1``, ...): GEMV_UNROLL products
-    loaded first (in flight together), then added in the plain loop's order, and the rest one by one."""
-    steps = [f"p + {u * plan.lanes}u" if u else "p" for u in range(GEMV_UNROLL)]
-    vector, matrices = operands[0], operands[1:]
-    names = ["y"] + [f"y{k}_" for k in range(1, len(matrices))]
-    accs = _accumulators(len(matrices))
-    loads = "\n".join(f"            let x{u} = {vector.format(p=q)};" + "".join(
-        f"\n            let {y}{u} = {o.format(p=q)};" for y, o in zip(names, matrices)) for u, q in enumerate(steps))
-    fmas = "\n".join(f"            {acc} = fma(x{u}, {y}{u}, {acc});"
-                     for u in range(GEMV_UNROLL) for y, acc in zip(names, accs))
-    if len(matrices) == 1:
-        single = f"            acc = fma({vector.format(p='p')}, {matrices[0].format(p='p')}, acc);"
-    else:
-        single = f"            let x = {vector.format(p='p')};\n" + "\n".join(
-            f"            {acc} = fma(x, {o.format(p='p')}, {acc});" for o, acc in zip(matrices, accs))
-    return f"""        var p = lane;
-        for (; p + {(GEMV_UNROLL - 1) * plan.lanes}u < K; p += {GEMV_UNROLL * plan.lanes}u) {{
-{loads}
-{fmas}
-        }}
-        for (; p < K; p += {plan.lanes}u) {{
-{single}
-        }}"""
-
-
-def _accumulators(count: int) -> list[str]:
-    """The names of a gemv's ``count`` accumulators: ``acc``, ``acc1``, ..."""
-    return ["acc"] + [f"acc{k}" for k in range(1, count)]
-
-
-def _row_prologue(phases: int, threads: int) -> str:
-    """The statistics of A's row, one after another: each ``row_phase<k>`` summed over K by the whole workgroup
-    (a tree over ``partial``) into ``row_stat<k>``, before any lane loads A (whose loader reads them). Every
-    workgroup computes its row's statistics itself: K terms of a row that the dot products read anyway."""
-    parts = []
-    for k in range(phases):
-        parts.append(f"""    var stat{k} = 0.0;
-    if (live) {{
-        for (var p = lid; p < K; p += {threads}u) {{ stat{k} = stat{k} + row_phase{k}(batch_index, 0u, p); }}
-    }}
-    partial[lid] = stat{k};
-    workgroupBarrier();
-    for (var span = {threads // 2}u; span > 0u; span = span / 2u) {{
-        if (lid < span) {{ partial[lid] = partial[lid] + partial[lid + span]; }}
-        workgroupBarrier();
-    }}
-    row_stat{k} = partial[0];
-    workgroupBarrier();
-""")
-    return "".join(parts)
-
-
-def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
-                 contiguous_k: bool, products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
-    # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
-    # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
-    by_column = m == 1
-    outputs = n if by_column else m
-    plan = _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k)
-    accs = _accumulators(1 + products)
-    if threads * 4 * len(accs) > limits["max-compute-workgroup-storage-size"]:
-        raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")
-    blocks = ceil_div(outputs, plan.columns)
-    total = batch * blocks
-    grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
-    shared = ["partial"] + [f"partial{j}" for j in range(1, len(accs))]
-    if by_column:
-        operands = ("load_a(batch_index, 0u, {p})", "load_b(batch_index, {p}, out_index)",
-                    *(f"load_b{j}(batch_index, {{p}}, out_index)" for j in range(1, len(accs))))
-        sums = ", ".join(f"{name}[lid]" for name in shared)
-        store = f"store_c(batch_index, 0u, out_index, {sums});"
-    else:
-        operands = "load_a(batch_index, out_index, {p})", "load_b(batch_index, {p}, 0u)"
-        store = "store_c(batch_index, out_index, 0u, partial[lid]);"
-    if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
-        decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
-        partner_step = plan.columns
-    else:                 # neighbouring threads read neighbouring p (the matrix is contiguous along K)
-        decode = f"let lane = lid % {plan.lanes}u;\n    let out_local = lid / {plan.lanes}u;"
-        partner_step = 1
-    declared = "".join(f"var<workgroup> {name}: array<f32, {threads}>;\n" for name in shared)
-    declared += "".join(f"var<private> row_stat{j}: f32;\n" for j in range(row_phases))
-    kept = "\n    ".join(f"{name}[lid] = {acc};" for name, acc in zip(shared, accs))
-    added = " ".join(f"{name}[lid] = {name}[lid] + {name}[lid + span * {partner_step}u];" for name in shared)
-
-    kernel = f"""
-// ---- matmul: gemv over {"columns" if by_column else "rows"}, {plan.columns} outputs x {plan.lanes} K lanes
-{_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks)}{declared}
-@compute @workgroup_size({threads})
-fn main({ENTRY}) {{
-{LINEAR_WORKGROUP}    let batch_index = wg_linear / BLOCKS;
-{_row_prologue(row_phases, threads)}    {decode}
-    let out_index = (wg_linear % BLOCKS) * {plan.columns}u + out_local;
-    let has_output = live && out_index < OUTPUTS;
-    {"".join(f"var {acc} = 0.0;" + chr(10) + "    " for acc in accs)}if (has_output) {{
-{_gemv_lane(plan, operands)}
-    }}
-    {kept}
-    workgroupBarrier();
-    for (var span = {plan.lanes // 2}u; span > 0u; span = span / 2u) {{
-        if (lane < span) {{ {added} }}
-        workgroupBarrier();
-    }}
-    if (has_output && lane == 0u) {{ {store} }}
-}}
-"""
-    return prelude + kernel, grid
