@@ -264,7 +264,7 @@ def test_plan_without_outputs_returns_once_submitted(monkeypatch):
 
 
 def test_submission_parts_start_short_and_grow():
-    from meganeura.runtime.program import FIRST_PART, SUBMIT_EVERY, submission_parts
+    from meganeura.runtime.program_plan import FIRST_PART, SUBMIT_EVERY, submission_parts
 
     assert submission_parts(1) == [(0, 1)]
     assert submission_parts(2 * FIRST_PART - 1) == [(0, 2 * FIRST_PART - 1)]  # too short to be worth a second submit
@@ -280,11 +280,11 @@ def test_submission_parts_start_short_and_grow():
 
 def test_long_plan_submitted_in_parts_keeps_dispatch_order(monkeypatch):
     """A long plan goes to the queue in parts; each part reads what the previous one wrote."""
-    import meganeura.runtime.program as program_module
+    import meganeura.runtime.program_plan as program_plan
 
     n, steps = 100, 12
-    monkeypatch.setattr(program_module, "FIRST_PART", 2)
-    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 4)
+    monkeypatch.setattr(program_plan, "FIRST_PART", 2)
+    monkeypatch.setattr(program_plan, "SUBMIT_EVERY", 4)
     device = get_device()
     program = Program(device, chain_plan(n, steps))
     a = RNG.standard_normal(n, dtype=np.float32)
@@ -299,11 +299,12 @@ def test_later_runs_submit_the_dispatches_recorded_ahead(monkeypatch):
     submit, on its own fresh inputs. A profiled run in between still times every dispatch, and the runs after it are
     right again."""
     import meganeura.runtime.program as program_module
+    import meganeura.runtime.program_plan as program_plan
     from meganeura.runtime.profiler import profile
 
     n, steps = 100, 12
-    monkeypatch.setattr(program_module, "FIRST_PART", 2)
-    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 4)
+    monkeypatch.setattr(program_plan, "FIRST_PART", 2)
+    monkeypatch.setattr(program_plan, "SUBMIT_EVERY", 4)
     monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps)
     device = get_device()
     program = Program(device, chain_plan(n, steps))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import meganeura.runtime.program as program_module
+import meganeura.runtime.program_plan as program_plan
 from meganeura.runtime.errors import InputError, KernelStatusError, LimitError, MeganeuraError
 from meganeura.runtime.plan import Binding, BufferSpec, Dispatch
 from meganeura.runtime.program import Program
@@ -70,8 +71,8 @@ def test_a_plan_is_built_once_then_replays_the_same_dispatches(monkeypatch, ahea
 def test_long_plan_goes_to_the_queue_in_parts_in_order(monkeypatch, ahead):
     """Parts of 2, 4, 4 and 2 dispatches, in the plan's order; a plan that records ahead submits each later run's
     dispatches, recorded during the run before, in one submit."""
-    monkeypatch.setattr(program_module, "FIRST_PART", 2)
-    monkeypatch.setattr(program_module, "SUBMIT_EVERY", 4)
+    monkeypatch.setattr(program_plan, "FIRST_PART", 2)
+    monkeypatch.setattr(program_plan, "SUBMIT_EVERY", 4)
     monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", 12 if ahead else 13)
     device = RecordingDevice()
     plan = chain_plan(100, 12)
