@@ -50,3 +50,21 @@ def resnet50():
     from transformers import ResNetConfig, ResNetForImageClassification
 
     return randomize_norms(ResNetForImageClassification(ResNetConfig()))
+
+
+def tiny_qwen2():
+    """A 2-layer Qwen2 causal LM with grouped KV heads, the size of ``LLAMA``, in eval mode."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128)).eval()
+
+
+def tiny_gemma():
+    """A 2-layer Gemma causal LM (head_dim 16, grouped KV heads), the size of ``LLAMA``, in eval mode."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128)).eval()

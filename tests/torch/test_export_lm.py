@@ -13,7 +13,7 @@ import torch
 
 import torch_meganeura
 from helpers.bad_bundles import GENERATION, SHARED, edit_manifest, expected
-from helpers.models import LLAMA
+from helpers.models import LLAMA, tiny_gemma, tiny_qwen2
 from helpers.torch_free import run_without_torch
 from meganeura.runtime import BundleError, InputError, load
 from meganeura.runtime.cli import main as cli
@@ -52,22 +52,6 @@ def _llama():
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "max_position_embeddings": 128})).eval()
 
 
-def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=128)).eval()
-
-
-def _gemma():
-    from transformers import GemmaConfig, GemmaForCausalLM
-
-    return GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        max_position_embeddings=128)).eval()
-
-
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -78,7 +62,7 @@ def _gpt2():
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gemma", "gpt2"])
 def exported(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = {"llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "gpt2": _gpt2}[request.param]()
+    model = {"llama": _llama, "qwen2": tiny_qwen2, "gemma": tiny_gemma, "gpt2": _gpt2}[request.param]()
     path = tmp_path_factory.mktemp(request.param) / "lm"
     torch_meganeura.export_lm(model, path, max_cache_len=CACHE)
     return model, path

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.compare import device_counters
-from helpers.models import LLAMA
+from helpers.models import LLAMA, tiny_gemma, tiny_qwen2
 
 PROMPT = 7
 NEW_TOKENS = 64
@@ -32,22 +32,6 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "use_cache": True, "max_position_embeddings": 128})).eval()
-
-
-def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=128)).eval()
-
-
-def _gemma():
-    from transformers import GemmaConfig, GemmaForCausalLM
-
-    return GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        max_position_embeddings=128)).eval()
 
 
 def _gpt2():
@@ -91,8 +75,8 @@ def _check_steps(steps, vocab: int, kernels_until: int, steady_from: int, mask_p
 
 
 # (Qwen2 and Gemma, another minute each on lavapipe, in the slow suite: the default one stays within its 10 minutes)
-@pytest.mark.parametrize("make", [_llama, pytest.param(_qwen2, marks=pytest.mark.slow),
-                                  pytest.param(_gemma, marks=pytest.mark.slow), _gpt2],
+@pytest.mark.parametrize("make", [_llama, pytest.param(tiny_qwen2, marks=pytest.mark.slow),
+                                  pytest.param(tiny_gemma, marks=pytest.mark.slow), _gpt2],
                          ids=["llama", "qwen2", "gemma", "gpt2"])
 def test_default_cache_gives_eager_tokens_and_keeps_the_cache_on_the_device(make):
     torch._dynamo.reset()
