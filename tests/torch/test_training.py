@@ -286,3 +286,25 @@ def test_no_grad_and_eval_compile_inference_graphs():
         out = compiled(x)
     assert out.grad_fn is None and dev.pool.live == live
     assert_same(out, model(x), rtol=1e-4, atol=1e-5)
+
+
+class _OutputAndItsTranspose(nn.Module):
+    """Returns a product and a view of it, as CLIP returns ``logits_per_text`` and ``logits_per_image = .t()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, x):
+        logits = self.proj(x)
+        return logits, logits.t()
+
+
+def test_an_output_that_is_a_view_of_another_output_reads_its_values():
+    """aot_autograd makes the view from the other output with subclass overrides off: that output is read back, not
+    left on the device behind a host copy filled at eager code's first read (the view would read it unfilled)."""
+    model, x = _OutputAndItsTranspose(), torch.randn(3, 8)
+    want, want_t = model(x)
+    got, got_t = torch.compile(copy.deepcopy(model), backend="meganeura")(x)
+    torch.testing.assert_close(got_t.detach(), want_t.detach(), rtol=RTOL, atol=ATOL)  # the view first
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=RTOL, atol=ATOL)

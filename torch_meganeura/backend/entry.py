@@ -112,7 +112,8 @@ def _parameter_gradients(gm: fx.GraphModule) -> set[fx.Node]:
 def _plain_user_outputs(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes an inference graph or a training forward returns to the user as they are: each may stay on the device
     until eager code reads it (a KV cache that Python only hands back, a loss nobody prints). Not the new values of
-    mutated inputs, the bases of aliases or the outputs aliasing something: aot_autograd's runtime copies those into the
+    mutated inputs, the bases of aliases (intermediates, or user outputs that another output is a view of) or the
+    outputs aliasing something: aot_autograd's runtime copies those into the
     inputs, or makes views of them, with subclass overrides off, so it would read their stale host copies."""
     meta = _fw_metadata()
     if meta is None:
@@ -123,6 +124,8 @@ def _plain_user_outputs(gm: fx.GraphModule) -> set[fx.Node]:
     plain = {n for n, info in zip(user, meta.output_info) if info.output_type == OutputType.non_alias}
     others = [n for k, n in enumerate(outputs) if not first <= k < first + meta.num_outputs]
     others += [n for n, info in zip(user, meta.output_info) if info.output_type != OutputType.non_alias]
+    others += [user[info.base_idx] for info in meta.output_info  # (CLIP's logits_per_image = logits_per_text.t())
+               if info.output_type == OutputType.alias_of_intermediate_base_is_user_output]
     return {n for n in plain if isinstance(n, fx.Node)} - set(others)
 
 
