@@ -472,7 +472,8 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     prelude = _matmul_prelude(node, slots)
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
-                 f16=variant.f16, looped=_looped_operand(node), double=variant.double, products=len(node.products),
+                 f16=variant.f16, looped=_looped_operand(node), double=variant.double, quads=variant.quads,
+                 patches=variant.patches, products=len(node.products),
                  row_phases=len(node.row_phases))
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]

@@ -469,6 +469,7 @@ def f16_device():
     (2, 40, 72, 300, {"tile": (32, 64), "block": (4, 4)}),
     (1, 48, 40, 520, {"tile": (16, 32), "split": 4}),        # K slices: f32 partial sums, then the reduction
     (1, 70, 40, 100, {"tile": (64, 64), "double": True}),    # double-buffered f16 chunks
+    (1, 70, 40, 100, {"tile": (64, 64), "quads": True, "patches": True}),  # quads: f16 components and vec4s
 ])
 def test_f16_products_are_within_f16_rounding(f16_device, batch, m, n, k, layout):
     """f16 products: every output stored once and in range, off f64 by f16's rounding (about 1e-3 relative L2 for
@@ -490,3 +491,33 @@ def test_f32_kernels_do_not_enable_f16(device):
     rng = np.random.default_rng(1)
     source, _ = check(device, make_operand(rng, 1, 40, 30), make_operand(rng, 1, 30, 50))
     assert "f16" not in source
+
+
+@pytest.mark.parametrize("batch, m, n, k, layout", [
+    (1, 64, 64, 64, {"tile": (64, 64)}),                            # every range check left out
+    (2, 75, 93, 41, {"tile": (64, 64), "block": (8, 8)}),           # ragged tiles, K not whole chunks
+    (1, 131, 70, 300, {"tile": (128, 64), "block": (8, 8)}),        # 8x8 blocks in patches, a long K, ragged
+    (1, 130, 260, 37, {"tile": (128, 256), "block": (8, 16)}),      # the wide tile, ragged on every side
+    (3, 17, 9, 40, {}),                                             # batched, the rule's 16x16 tile (no patches)
+    (1, 1, 70, 50, {"tile": (16, 64)}),                             # 1 x N through the tiled kernel
+    (1, 70, 1, 50, {"tile": (64, 16)}),                             # N x 1 through the tiled kernel
+    (1, 40, 50, 700, {"tile": (64, 64), "split": 4}),               # K slices of whole chunks
+    (1, 70, 64, 130, {"tile": (64, 64), "double": True}),           # double-buffered quads
+    (1, 70, 64, 33, {"tile": (64, 64), "looped": "a"}),             # A fetched in a loop: element staging for A
+    (40, 32, 32, 40, {"tile": (32, 32), "grid": 7}),                # folded grid: workgroups without a tile
+])
+@pytest.mark.parametrize("a_layout, b_layout", [("contiguous", "contiguous"), ("transposed", "transposed")])
+def test_quad_staging_and_thread_patches_match(device, batch, m, n, k, layout, a_layout, b_layout):
+    """Quad staging with thread patches, against f64 (rtol 1e-4, positive operands): each output stored once, every
+    index in range, on ragged tiles, 1 x N and N x 1, batches, K slices, double buffers and folded grids, with the
+    operands' unit-stride axis along K (4 component stores into shared memory) or along the tile's edge (one vec4)."""
+    rng = np.random.default_rng(m * 7 + n * 3 + k)
+    grid = layout.pop("grid", None)
+    limits = dict(device.limits, **({GRID_LIMIT: grid} if grid else {}))
+    a_fast, b_fast = ("p", "j") if a_layout == "contiguous" else ("i", "p")
+    source, _ = check(device, make_operand(rng, batch, m, k, a_layout), make_operand(rng, batch, k, n, b_layout),
+                      a_fast=a_fast, b_fast=b_fast, limits=limits, quads=True, patches=True, **layout)
+    kernel = source[source.index("// ---- matmul"):]
+    assert "quad staging" in kernel
+    threads_m, threads_n = map(int, re.search(r"(\d+)x(\d+) threads", kernel).groups())
+    assert ("thread patches" in kernel) == (threads_m % 4 == 0 and threads_n % 8 == 0)  # patches of 4 x 8

@@ -23,7 +23,13 @@ class ForcingTuner:
         return [self.choice for _ in problems]
 
 
-@pytest.mark.parametrize("choice", [MatmulChoice((16, 32), (4, 4), 2), MatmulChoice((32, 16), (8, 4), 1)])
+@pytest.mark.parametrize("choice", [
+    MatmulChoice((16, 32), (4, 4), 2), MatmulChoice((32, 16), (8, 4), 1),
+    # quad staging and thread patches (Linear's weight is read along K: 4 component stores into shared memory)
+    MatmulChoice((64, 64), (8, 8), 1, quads=True, patches=True),
+    MatmulChoice((32, 64), (4, 4), 2, quads=True, patches=True),
+    MatmulChoice((64, 64), (4, 4), 1, double=True, quads=True, patches=True),
+])
 def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     torch._dynamo.reset()  # dynamo would reuse the graph compiled for another model of the same shapes
     torch.manual_seed(0)
@@ -35,7 +41,7 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     generate = matmul.matmul_kernel
 
     def recording(prelude, **kw):
-        built.append((kw["tile"], kw["block"], kw.get("split", 1)))
+        built.append((kw["tile"], kw["block"], kw.get("split", 1), kw["double"], kw["quads"], kw["patches"]))
         return generate(prelude, **kw)
 
     monkeypatch.setattr(matmul, "matmul_kernel", recording)
@@ -44,7 +50,8 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
         assert_same(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     shapes = sorted((p.batch, p.m, p.n, p.k, p.a_fast, p.b_fast, p.f16) for p in tuner.asked)
     assert shapes == [(1, 50, 40, 72, "p", "p", False), (1, 50, 72, 96, "p", "p", False)]  # once each
-    assert built and all(b == (choice.tile, choice.block, choice.split) for b in built)
+    assert built and all(b == (choice.tile, choice.block, choice.split, choice.double, choice.quads, choice.patches)
+                         for b in built)
 
 
 def _functions(prelude: str) -> str:
