@@ -115,3 +115,23 @@ def test_bad_tune_value_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(Exception, match="tune"):
         torch.compile(model, backend="meganeura", options={"tune": "yes"})(torch.randn(2, 4))
+
+
+def test_untuned_large_products_take_the_wide_tile_and_match_eager(monkeypatch):
+    """Untuned, an output of at least 128 whole 128x256 tiles gets WIDE_TILE's kernel where the adapter's limits
+    allow it (lavapipe: 1,024 invocations, 32 KiB of workgroup storage), K not a whole chunk; f64 reference, rtol
+    1e-4 (positive operands: no cancellation)."""
+    assert matmul.wide_tile_suits(1, 2048, 2048, 20, get_device().limits)
+    torch._dynamo.reset()
+    built = []
+    generate = matmul.matmul_kernel
+
+    def recording(prelude, **kw):
+        built.append((kw["tile"], kw["block"], kw.get("split", 1)))
+        return generate(prelude, **kw)
+
+    monkeypatch.setattr(matmul, "matmul_kernel", recording)
+    x, w = torch.rand(2048, 20) + 0.25, torch.rand(20, 2048) + 0.25
+    compiled = torch.compile(lambda a, b: a @ b, backend="meganeura", options={"tune": False})
+    assert_same(compiled(x, w).double(), x.double() @ w.double(), rtol=1e-4, atol=1e-5)
+    assert built == [(matmul.WIDE_TILE, matmul.WIDE_BLOCK, 1)]
