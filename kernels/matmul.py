@@ -191,7 +191,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                   b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
                   split: int = 1, partial: str | None = None, f16: bool = False,
                   looped: str = "", double: bool = False, quads: bool = False, patches: bool = False,
-                  products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
+                  vector_loads: str = "", products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
     over b < batch, i < m, j < n, p < k.
 
@@ -208,7 +208,10 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     it in a loop, with one call of its loader. ``double`` double-buffers the tiled kernel's K chunks in workgroup
     memory where twice the chunk fits its storage limit (else it is ignored). ``quads`` stages the operands in quads
     (see ``matmul_staging``), ``patches`` lays the tiled kernel's threads out in patches (``TiledPlan.patches_fit``;
-    else it is ignored).
+    else it is ignored). ``vector_loads`` names the operands ("a", "b", both or none) whose prelude also defines
+    ``load_a4(b, i, c4)`` / ``load_b4(b, j, c4)`` (unit-stride axis K: elements 4 * c4 .. 4 * c4 + 3 along p) or
+    ``load_a4(b, p, c4)`` / ``load_b4(b, p, c4)`` (unit-stride axis i or j), for an axis whose length is a multiple
+    of 4: quad staging then loads each quad as one vec4.
     ``products`` > 0: the prelude defines ``load_b1`` ... as further B operands, each summed against A, and
     ``store_c`` takes their sums after ``acc`` (``acc1``, ...); ``row_phases`` > 0: it defines ``row_phase0`` ... (terms
     over (b, i, p) summed over K, each before the next) and private ``row_stat0`` ... that hold their sums, which
@@ -228,7 +231,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                             row_phases=row_phases)
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
                          block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
-                         quads=quads, patches=patches)
+                         quads=quads, patches=patches, vector_loads=vector_loads)
 
 
 def split_k(batch, m, n, k, limits: dict) -> int:
@@ -335,7 +338,7 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
                   partial: str | None, f16: bool, looped: str, double: bool, quads: bool,
-                  patches: bool) -> tuple[str, tuple[int, int, int]]:
+                  patches: bool, vector_loads: str) -> tuple[str, tuple[int, int, int]]:
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
                               block, double, quads, patches)
     element = "f16" if f16 else "f32"
@@ -348,7 +351,10 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                     rows=is_size(m) or m % plan.tile_m != 0, cols=is_size(n) or n % plan.tile_n != 0,
                     k=is_size(k) or k == 0 or k % (split * plan.chunk_k) != 0)
     a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
-    stage_a, stage_b = Staging(plan, True, a_fast, looped == "a"), Staging(plan, False, b_fast, looped == "b")
+    stage_a = Staging(plan, True, a_fast, looped == "a", "a" in vector_loads)
+    stage_b = Staging(plan, False, b_fast, looped == "b", "b" in vector_loads)
+    vectors = "".join(name for name, stage in (("A", stage_a), ("B", stage_b)) if stage.vector)
+    vector_note = f", vec4 loads of {vectors}" if vectors else ""
 
     slots = plan.sums()
     acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i, h in slots)
@@ -364,7 +370,8 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
 {plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}\
 {f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}\
-{", quad staging" if plan.quads else ""}{", thread patches" if plan.patches else ""}
+{", quad staging" if plan.quads else ""}{", thread patches" if plan.patches else ""}\
+{vector_note}
 {header}var<workgroup> tile_a: array<vec4<{element}>, {plan.buffers * plan.chunk_k * a_row}>;
 var<workgroup> tile_b: array<vec4<{element}>, {plan.buffers * plan.chunk_k * b_row}>;
 

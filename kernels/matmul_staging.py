@@ -40,7 +40,7 @@ class Staging:
     ``fast``); ``fast`` names the operand's unit-stride axis, which varies fastest across threads so that the fetch
     is coalesced. An operand fetched in a loop (``looped``) keeps element staging."""
 
-    def __init__(self, plan: TiledPlan, a_side: bool, fast: str, looped: bool = False):
+    def __init__(self, plan: TiledPlan, a_side: bool, fast: str, looped: bool = False, vector: bool = False):
         self.plan, self.a_side, self.looped = plan, a_side, looped
         self.edge = plan.tile_m if a_side else plan.tile_n
         self.total = self.edge * plan.chunk_k
@@ -50,6 +50,7 @@ class Staging:
         self.count = -(-self.units // plan.threads)
         self.name = "a" if a_side else "b"
         self.along_k = fast == "p"  # p varies fastest across threads
+        self.vector = vector and self.quads  # a quad is one call of the prelude's vec4 loader
 
     def _decode(self, t: int) -> str:
         """``p{t}`` and ``r{t}``: the K step and row (column) of unit t's first element."""
@@ -72,6 +73,8 @@ class Staging:
         """Load the chunk at ``k0`` into the staging registers (zero where out of range)."""
         if self.looped:
             return self._fetch_loop(k0, checks)
+        if self.vector:
+            return self._fetch_vectors(k0, checks)
         if self.quads:
             return self._fetch_quads(k0, checks)
         lines = []
@@ -129,6 +132,33 @@ class Staging:
         {self._decode(t)}
         {reg} = vec4<f32>();
 {inner}
+    }}""")
+        return "\n".join(lines)
+
+    def _fetch_vectors(self, k0: str, checks: "Checks") -> str:
+        """``fetch`` under quad staging through the prelude's ``load_a4`` / ``load_b4`` (vec4 number c4 along the
+        unit-stride axis, at the other axis' coordinate): a quad starts at a multiple of 4 and the axis is whole
+        quads long (the prelude's promise), so its first element's range checks hold for all 4."""
+        lines = []
+        origin, edge_bound = ("row0", "M") if self.a_side else ("col0", "N")
+        for t in range(self.count):
+            reg = f"stage_{self.name}{t}"
+            conds = [f"lid + {t * self.plan.threads}u < {self.units}u"] if self._partial_unit(t) else []
+            conds += ["live"] if checks.live else []
+            if checks.rows if self.a_side else checks.cols:
+                conds.append(f"{origin} + r{t} < {edge_bound}")
+            if checks.k:
+                conds.append(f"{k0} + p{t} < k_end")
+            if self.along_k:
+                load = f"load_{self.name}4(batch_index, {origin} + r{t}, ({k0} + p{t}) / 4u)"
+            else:
+                load = f"load_{self.name}4(batch_index, {k0} + p{t}, ({origin} + r{t}) / 4u)"
+            body = f"{reg} = {load};"
+            if conds:
+                body = f"{reg} = vec4<f32>();\n        if ({' && '.join(conds)}) {{ {body} }}"
+            lines.append(f"""    {{
+        {self._decode(t)}
+        {body}
     }}""")
         return "\n".join(lines)
 

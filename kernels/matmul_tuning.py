@@ -43,8 +43,8 @@ MAX_WORKGROUPS = 4096  # more would only add partial sums to add up
 @dataclass(frozen=True)
 class MatmulProblem:
     """A tiled GEMM to tune: shape, operand layouts, whether f16 products are allowed, and the kernel's prelude
-    with the byte size of each of its bindings but the last, which the prelude declares as ``partial`` (an f32
-    array): the split variants' partial sums."""
+    with the byte size of each of its bindings before the one it declares as ``partial`` (an f32 array: the split
+    variants' partial sums) and of each after it (``aliases``)."""
     batch: int
     m: int
     n: int
@@ -56,6 +56,8 @@ class MatmulProblem:
     bindings: tuple[int, ...]
     partial: str
     looped: str = ""  # matmul_kernel's ``looped``: an operand fetched in a loop
+    vector_loads: str = ""  # matmul_kernel's ``vector_loads`` (quad-staged variants): operands read as vec4s
+    aliases: tuple[int, ...] = ()  # bytes of the bindings after ``partial`` (vec4 bindings of those operands)
 
     def key(self) -> str:
         digest = hashlib.sha256(self.prelude.encode()).hexdigest()[:12]
@@ -96,7 +98,8 @@ def variants(p: MatmulProblem, limits: dict, max_binding: int) -> tuple[list[Mat
         passes.append([matmul_kernel(p.prelude, **shape, k=p.k, limits=limits, a_fast=p.a_fast, b_fast=p.b_fast,
                                      tile=c.tile, block=c.block, split=c.split,
                                      partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped,
-                                     double=c.double, quads=c.quads, patches=c.patches)])
+                                     double=c.double, quads=c.quads, patches=c.patches,
+                                     vector_loads=p.vector_loads)])
         if c.split > 1:
             passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial, limits=limits))
     return choices, passes

@@ -75,7 +75,7 @@ class MatmulTuner:
         if new:
             start = time.perf_counter()
             built = [variants(p, self.device.limits, self.device.max_binding_size) for p in new]
-            requests = [(source, len(p.bindings) + 1, "matmul tuning")
+            requests = [(source, len(p.bindings) + 1 + len(p.aliases), "matmul tuning")
                         for p, (_, passes) in zip(new, built) for variant in passes for source, _ in variant]
             pipelines = dict(zip((source for source, _, _ in requests), self.device.pipelines(requests)))
             warm = False  # the first timed problem warms the GPU up; the rest follow it closely
@@ -93,7 +93,7 @@ class MatmulTuner:
         if not passes:
             return _entry(choices[0], None, None)
         dev = self.device
-        sizes = [*problem.bindings, partial_bytes(problem, choices)]
+        sizes = [*problem.bindings, partial_bytes(problem, choices), *problem.aliases]
         buffers = [dev.storage_buffer(max(4, -(-size // 4) * 4), "tuning scratch") for size in sizes]  # zeros
         try:
             group = dev.bind_group([(buffer, 0, buffer.size) for buffer in buffers], "matmul tuning")
