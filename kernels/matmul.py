@@ -22,7 +22,8 @@ Two kernel families, chosen by shape:
   - Loads: scalar, through the prelude's ``load_a`` / ``load_b`` (any layout, gather or view), the operand's
     unit-stride axis fastest across threads (coalesced); the next chunk is fetched into registers before the current
     chunk's products (register prefetch), stored into shared memory after them. Quad staging (``quads``) fetches 4
-    neighbouring elements per thread (``matmul_staging``).
+    neighbouring elements per thread (``matmul_staging``), as one vec4 load where the prelude has a vec4 loader
+    for the operand (``vector_loads``: rows of whole vec4s).
   - Shared memory: both operands K-major (A transposed), a row of tile_edge / 4 vec4s per K step plus one vec4 of
     padding (``matmul_staging`` has the layout and its bank conflicts: none on the products' reads, none or 2-way on
     the stores). Per chunk 4 * chunk * (TILE_M + TILE_N + 8) bytes, times two when double-buffered.

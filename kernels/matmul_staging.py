@@ -12,8 +12,9 @@ vec4: no bank conflicts. The stores:
 - quad staging (``TiledPlan.quads``): each thread stages 4 neighbouring elements along the unit-stride axis (the
   loads of a thread adjacent, its index math done once per 4); along the tile's edge (A column-major, B row-major)
   they go into shared memory as one vec4 store, along K as 4 component stores (conflict-free for a chunk of 8).
-  The loads stay scalar (``load_a`` and ``load_b`` return one f32, whatever the operand's layout), so any shape,
-  offset and stride stays correct; a driver may merge them where it can prove the alignment."""
+  Where the prelude defines a vec4 loader for the operand (``load_a4`` / ``load_b4``: a plain f32 operand whose
+  rows along that axis are whole vec4s, read through a vec4 binding of its value) the 4 are one vec4 load; else 4
+  scalar loads through ``load_a`` / ``load_b``, correct for any layout, gather, offset and stride."""
 from __future__ import annotations
 
 from dataclasses import dataclass
