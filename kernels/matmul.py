@@ -6,19 +6,40 @@ epilogue). This module owns the loop structure and calls them only with in-range
 exactly once per output element for store_c. Shapes are baked into the source as constants.
 
 Two kernel families, chosen by shape:
-- tiled: a TILE_M x TILE_N output tile per workgroup, each thread a register block of 4x4 outputs (8 along an edge
-  of 128; the tuner may force others, up to 128x256 tiles of 8x16 blocks), held as vec4 accumulators and fed by
-  vec4 reads of workgroup memory. K is staged in chunks through padded workgroup memory (the largest chunk whose
-  staging fits MAX_STAGED_PER_THREAD registers per thread), the next chunk's loads issued before the current
-  chunk's FMAs, whose K steps are written out unrolled. Tiles come from (128, 64, 32, 16) per dimension, shrunk
-  when the problem is too small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for
-  any) or the tile does not fit the workgroup storage or invocation limit. Range checks (rows and columns past a
-  ragged tile edge, K past a slice that is not whole chunks, workgroups of a rounded-up folded grid) are written
-  only where the shape can fail them: on an H200 (a sweep, GPU time, best variant each) 4096^3 3.88 -> 3.53
-  ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
-  A double-buffered variant (``double``; the tuner's candidates, where twice the chunk's staging fits the workgroup
-  storage limit) keeps two chunks in workgroup memory: each round's products read one while the next chunk is
-  stored into the other, one barrier a chunk instead of two.
+- tiled: a TILE_M x TILE_N output tile per workgroup. Tiles come from (128, 64, 32, 16) per dimension, shrunk when
+  the problem is too small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or
+  the tile does not fit the workgroup storage or invocation limit; the default for large outputs of whole 128x256
+  tiles where the limits allow is WIDE_TILE (``wide_tile_suits``); the tuner may force others (CONFIGS).
+  - Threads and registers: one thread per register block of rows x columns outputs (4x4; 8 along an edge of 128; 8x16
+    in the wide tile), so a 128x128 tile of 8x8 blocks takes 16x16 = 256 threads. Thread (tx, ty) owns rows
+    4 * (ty + threads_m * g) + i and columns 4 * (tx + threads_n * h) + j: groups of 4 a quarter or half tile apart,
+    held as vec4 accumulators. Threads lie in row-major strips of threads_n, or in 4x8 patches (``patches``).
+  - K step: K is staged in chunks of 16, 8 or 4 (the largest whose staging fits MAX_STAGED_PER_THREAD registers per
+    thread and the workgroup storage limit: 128x128 at chunk 16 needs 16.5 KiB, so WebGPU's default 16 KiB gives it
+    chunk 8), one or two barriers a chunk. The chunk's K steps are written out unrolled; per step a thread reads
+    rows / 4 vec4s of A and columns / 4 of B from shared memory and does rows * columns / 4 vec4 FMAs (8x8: 4 reads
+    for 16 FMAs).
+  - Loads: scalar, through the prelude's ``load_a`` / ``load_b`` (any layout, gather or view), the operand's
+    unit-stride axis fastest across threads (coalesced); the next chunk is fetched into registers before the current
+    chunk's products (register prefetch), stored into shared memory after them. Quad staging (``quads``) fetches 4
+    neighbouring elements per thread (``matmul_staging``), as one vec4 load where the prelude has a vec4 loader
+    for the operand (``vector_loads``: rows of whole vec4s).
+  - Shared memory: both operands K-major (A transposed), a row of tile_edge / 4 vec4s per K step plus one vec4 of
+    padding (``matmul_staging`` has the layout and its bank conflicts: none on the products' reads, none or 2-way on
+    the stores). Per chunk 4 * chunk * (TILE_M + TILE_N + 8) bytes, times two when double-buffered.
+  Range checks (rows and columns past a ragged tile edge, K past a slice that is not whole chunks, workgroups of a
+  rounded-up folded grid) are written only where the shape can fail them: on an H200 (a sweep, GPU time, best
+  variant each) 4096^3 3.88 -> 3.53 ms, 1024^3 79 -> 71 us, Whisper's 1500x1536 @ 1536x384 93 -> 81 us.
+  Variants, each a tuner candidate (``matmul_tuning``):
+  - double-buffered (``double``; where twice the chunk fits the workgroup storage limit): two chunks in workgroup
+    memory, each round's products read one while the next chunk is stored into the other, one barrier a chunk
+    instead of two;
+  - quad staging (``quads``) and thread patches (``patches``; where the thread grid is whole 4x8 patches): fewer
+    staging instructions, vec4 stores into shared memory where the operand is contiguous along the tile's edge, and
+    fewer distinct shared-memory reads per warp (PATCH_ROWS);
+  - split K (``split``; by default where the output tiles make too few workgroups for a long K: ``split_k``): each
+    workgroup sums one slice of K into partial sums, and a second pass (``split_reduce_kernel``) adds the slices in
+    a fixed order, for skinny shapes (small M * N, long K).
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its threads ("lanes", as
   many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a workgroup tree reduction.
   A lane loads GEMV_UNROLL products before adding them (in the order of a plain loop): loads in flight, not one
@@ -62,6 +83,17 @@ SPLIT_MIN_K = 64
 SPLIT_MAX = 64
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
+# The default for large outputs of whole tiles where the adapter's limits allow it (``wide_tile_suits``): 128x256
+# tiles of 8x16 blocks (256 threads), unsplit. H200 (a sweep, GPU time) against the rule's 128x128 tiles of 8x8:
+# 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us (the tuner's candidate since); at K chunk 8 (a 16 KiB storage limit)
+# 4096^3 took 3.34, so the default asks for the storage of a chunk of 16 (24.5 KiB), which desktop GPUs give (NVIDIA
+# 48 KiB, AMD and Intel 64, Apple 32) and WebGPU's default limit (16 KiB) does not: there the rule's tile stays.
+WIDE_TILE, WIDE_BLOCK = (128, 256), (8, 16)
+# Thread patches (``TiledPlan.patches``): 32 neighbouring invocations as 4 x 8 thread positions. In a 128x128 tile of
+# 8x8 blocks (16x16 threads in strips of 16) a warp's K step reads 4 distinct vec4s of A and 32 of B from shared
+# memory; as a 4 x 8 patch, 8 and 16 (24 rather than 36).
+PATCH_ROWS, PATCH_COLS = 4, 8
+PATCH_THREADS = PATCH_ROWS * PATCH_COLS
 
 
 @dataclass(frozen=True)
@@ -72,6 +104,8 @@ class TiledPlan:
     rows_per_thread: int  # each thread's register block: rows_per_thread x cols_per_thread outputs (4 or 8 each)
     cols_per_thread: int
     buffers: int = 1  # K chunks held in workgroup memory: 2 for the double-buffered variant
+    quads: bool = False  # quad staging: each thread fetches 4 neighbouring elements (``matmul_staging``)
+    patches: bool = False  # threads in patches of PATCH_ROWS x PATCH_COLS (see ``patches_fit``)
 
     @property
     def threads_m(self) -> int:
@@ -87,6 +121,12 @@ class TiledPlan:
 
     def shared_floats(self) -> int:
         return self.buffers * self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
+
+    def patches_fit(self) -> bool:
+        """Whether the threads can go in patches: each run of PATCH_THREADS neighbouring invocations (a warp on
+        NVIDIA, half a wave64 on AMD) takes PATCH_ROWS x PATCH_COLS thread positions rather than a strip of
+        ``threads_n``. Any patch width is correct; only which shared-memory reads coincide changes."""
+        return self.threads_m % PATCH_ROWS == 0 and self.threads_n % PATCH_COLS == 0
 
     def sums(self) -> list[tuple[int, int, int]]:
         """Each thread's vec4 sums (g, i, h): thread (tx, ty) owns rows 4 * (ty + threads_m * g) + i and columns
@@ -106,12 +146,26 @@ F16_PRODUCTS = "meganeura-f16-products"
 @dataclass(frozen=True)
 class MatmulChoice:
     """A tiled matmul's variant: forced tile and register block (None: the generator's rule), K slices, whether
-    products are formed in f16 (fast precision only), and whether its K chunks are double-buffered (where they fit)."""
+    products are formed in f16 (fast precision only), whether its K chunks are double-buffered (where they fit),
+    staged in quads, and its threads laid out in patches (where the thread grid allows)."""
     tile: tuple[int, int] | None
     block: tuple[int, int] | None
     split: int
     f16: bool = False
     double: bool = False
+    quads: bool = False
+    patches: bool = False
+
+
+def wide_tile_suits(batch, m, n, k, limits: dict) -> bool:
+    """Whether the default takes WIDE_TILE unsplit: the output is whole wide tiles, at least MIN_WORKGROUPS_BIG of
+    them, and the adapter gives the tile its threads and the workgroup storage of a K chunk of 16 (see WIDE_TILE)."""
+    if any(map(is_size, (batch, m, n, k))) or not is_tiled(m, n) or m % WIDE_TILE[0] or n % WIDE_TILE[1]:
+        return False
+    plan = TiledPlan(*WIDE_TILE, K_CHUNKS[0], *WIDE_BLOCK)
+    return (batch * (m // plan.tile_m) * (n // plan.tile_n) >= MIN_WORKGROUPS_BIG
+            and plan.threads <= _max_threads(limits)
+            and plan.shared_floats() * 4 <= limits["max-compute-workgroup-storage-size"])
 
 
 def is_tiled(m: int, n: int) -> bool:
@@ -120,8 +174,11 @@ def is_tiled(m: int, n: int) -> bool:
 
 
 def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulChoice:
-    """The generator's own variant: tile by rule, K slices by ``split_k``; f16 products where the limits ask for
-    them (``F16_PRODUCTS``) and the tile's register block is 4x4."""
+    """The generator's own variant: the wide tile where ``wide_tile_suits``, else tile by rule and K slices by
+    ``split_k``; f16 products where the limits ask for them (``F16_PRODUCTS``) and the tile's register block is
+    4x4."""
+    if wide_tile_suits(batch, m, n, k, limits):
+        return MatmulChoice(WIDE_TILE, WIDE_BLOCK, 1)
     split = split_k(batch, m, n, k, limits)
     if not limits.get(F16_PRODUCTS) or not is_tiled(m, n):
         return MatmulChoice(None, None, split)
@@ -134,8 +191,8 @@ def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulCh
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",
                   b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
                   split: int = 1, partial: str | None = None, f16: bool = False,
-                  looped: str = "", double: bool = False, products: int = 0,
-                  row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
+                  looped: str = "", double: bool = False, quads: bool = False, patches: bool = False,
+                  vector_loads: str = "", products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
     over b < batch, i < m, j < n, p < k.
 
@@ -150,7 +207,12 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     in f16 (see the module docstring; the WGSL then enables f16). ``looped`` ("a", "b" or "") names an operand whose
     loader is costly to write out many times (sibling matmuls' chain over their tensors): the tiled kernel fetches
     it in a loop, with one call of its loader. ``double`` double-buffers the tiled kernel's K chunks in workgroup
-    memory where twice the chunk fits its storage limit (else it is ignored).
+    memory where twice the chunk fits its storage limit (else it is ignored). ``quads`` stages the operands in quads
+    (see ``matmul_staging``), ``patches`` lays the tiled kernel's threads out in patches (``TiledPlan.patches_fit``;
+    else it is ignored). ``vector_loads`` names the operands ("a", "b", both or none) whose prelude also defines
+    ``load_a4(b, i, c4)`` / ``load_b4(b, j, c4)`` (unit-stride axis K: elements 4 * c4 .. 4 * c4 + 3 along p) or
+    ``load_a4(b, p, c4)`` / ``load_b4(b, p, c4)`` (unit-stride axis i or j), for an axis whose length is a multiple
+    of 4: quad staging then loads each quad as one vec4.
     ``products`` > 0: the prelude defines ``load_b1`` ... as further B operands, each summed against A, and
     ``store_c`` takes their sums after ``acc`` (``acc1``, ...); ``row_phases`` > 0: it defines ``row_phase0`` ... (terms
     over (b, i, p) summed over K, each before the next) and private ``row_stat0`` ... that hold their sums, which
@@ -169,7 +231,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
                             row_phases=row_phases)
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
-                         block=block, split=split, partial=partial, f16=f16, looped=looped, double=double)
+                         block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
+                         quads=quads, patches=patches, vector_loads=vector_loads)
 
 
 def split_k(batch, m, n, k, limits: dict) -> int:
@@ -225,10 +288,12 @@ def _tile_edge(size: int) -> int:
 
 def _choose_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int,
                        tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
-                       double: bool = False) -> TiledPlan:
+                       double: bool = False, quads: bool = False, patches: bool = False) -> TiledPlan:
     """The tile, chunk and register block (see the module docstring); with ``double``, two buffers of that chunk
-    where they fit ``shared_limit``."""
-    chosen = _single_tiled_plan(batch, m, n, k, shared_limit, max_threads, tile, block)
+    where they fit ``shared_limit``; with ``quads``, quad staging; with ``patches``, thread patches where they fit
+    the thread grid."""
+    chosen = replace(_single_tiled_plan(batch, m, n, k, shared_limit, max_threads, tile, block), quads=quads)
+    chosen = replace(chosen, patches=patches and chosen.patches_fit())
     doubled = replace(chosen, buffers=2)
     return doubled if double and doubled.shared_floats() * 4 <= shared_limit else chosen
 
@@ -273,9 +338,10 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
 
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
-                  partial: str | None, f16: bool, looped: str, double: bool) -> tuple[str, tuple[int, int, int]]:
+                  partial: str | None, f16: bool, looped: str, double: bool, quads: bool,
+                  patches: bool, vector_loads: str) -> tuple[str, tuple[int, int, int]]:
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
-                              block, double)
+                              block, double, quads, patches)
     element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
     tiles_m, tiles_n = ceil_div(m, plan.tile_m), ceil_div(n, plan.tile_n)
@@ -286,7 +352,10 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                     rows=is_size(m) or m % plan.tile_m != 0, cols=is_size(n) or n % plan.tile_n != 0,
                     k=is_size(k) or k == 0 or k % (split * plan.chunk_k) != 0)
     a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
-    stage_a, stage_b = Staging(plan, True, a_fast, looped == "a"), Staging(plan, False, b_fast, looped == "b")
+    stage_a = Staging(plan, True, a_fast, looped == "a", "a" in vector_loads)
+    stage_b = Staging(plan, False, b_fast, looped == "b", "b" in vector_loads)
+    vectors = "".join(name for name, stage in (("A", stage_a), ("B", stage_b)) if stage.vector)
+    vector_note = f", vec4 loads of {vectors}" if vectors else ""
 
     slots = plan.sums()
     acc_decl = "\n".join(f"    var acc_{g}_{i}_{h} = vec4<f32>();" for g, i, h in slots)
@@ -301,7 +370,9 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     kernel = f"""
 // ---- matmul: tiled {plan.tile_m}x{plan.tile_n}, K chunk {plan.chunk_k}, {tm}x{tn} threads of \
 {plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}\
-{f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}
+{f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}\
+{", quad staging" if plan.quads else ""}{", thread patches" if plan.patches else ""}\
+{vector_note}
 {header}var<workgroup> tile_a: array<vec4<{element}>, {plan.buffers * plan.chunk_k * a_row}>;
 var<workgroup> tile_b: array<vec4<{element}>, {plan.buffers * plan.chunk_k * b_row}>;
 
@@ -314,14 +385,26 @@ fn main({ENTRY}) {{
     let col0 = (tile_index % TILES_N) * {plan.tile_n}u;
     let k_begin = slice * K_SLICE;
     let k_end = min(K, k_begin + K_SLICE);
-    let tx = lid % {tn}u;
-    let ty = lid / {tn}u;
+{_thread_position(plan)}
 {acc_decl}
 {(_double_k_loop if plan.buffers == 2 else _k_loop)(plan, stage_a, stage_b, checks, f16, k > 0)}
 {epilogue}
 }}
 """
     return ("enable f16;\n" if f16 else "") + prelude + kernel, grid
+
+
+def _thread_position(plan: TiledPlan) -> str:
+    """WGSL for the thread's position (tx, ty) in the tm x tn thread grid: row-major strips by default, else in
+    patches of PATCH_ROWS x PATCH_COLS (neighbouring invocations), the patches row-major."""
+    tn = plan.threads_n
+    if not plan.patches:
+        return f"    let tx = lid % {tn}u;\n    let ty = lid / {tn}u;"
+    across = tn // PATCH_COLS
+    return f"""    let patch_index = lid / {PATCH_THREADS}u;
+    let in_patch = lid % {PATCH_THREADS}u;
+    let tx = (patch_index % {across}u) * {PATCH_COLS}u + in_patch % {PATCH_COLS}u;
+    let ty = (patch_index / {across}u) * {PATCH_ROWS}u + in_patch / {PATCH_COLS}u;"""
 
 
 def _k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: Checks, f16: bool,

@@ -1,5 +1,20 @@
 """The tiled matmul kernel's staging: WGSL that fetches a K chunk of an operand into registers and stores it into
-shared memory, and the range checks a tile needs (each left out where the shape makes it always true)."""
+shared memory, and the range checks a tile needs (each left out where the shape makes it always true).
+
+Shared-memory layout (both operands): K-major, one row of ``shared_row(edge)`` vec4s per K step holding the tile's
+``edge`` rows of A (so A is stored transposed) or columns of B, plus SHARED_PAD_VEC4 vec4 of padding. The products
+read one vec4 per 4 rows (columns) per K step, a quarter-warp's 8 threads 8 neighbouring vec4s or one broadcast
+vec4: no bank conflicts. The stores:
+- element staging (the default): each thread stages single elements, the operand's unit-stride axis fastest across
+  threads (coalesced loads), and stores each as one component of a vec4. Where that axis is K (A row-major, B
+  column-major) a warp stores 32 transposed elements: thread e at K step e % chunk, row e / chunk; the pad shifts
+  each K step by 4 banks, which makes them conflict-free for chunks of 8 (2-way at 16).
+- quad staging (``TiledPlan.quads``): each thread stages 4 neighbouring elements along the unit-stride axis (the
+  loads of a thread adjacent, its index math done once per 4); along the tile's edge (A column-major, B row-major)
+  they go into shared memory as one vec4 store, along K as 4 component stores (conflict-free for a chunk of 8).
+  Where the prelude defines a vec4 loader for the operand (``load_a4`` / ``load_b4``: a plain f32 operand whose
+  rows along that axis are whole vec4s, read through a vec4 binding of its value) the 4 are one vec4 load; else 4
+  scalar loads through ``load_a`` / ``load_b``, correct for any layout, gather, offset and stride."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,39 +31,59 @@ def shared_row(edge: int) -> int:
     return edge // 4 + SHARED_PAD_VEC4
 
 
+QUAD = 4  # elements a thread stages together under quad staging: one vec4 register
+
+
 class Staging:
     """WGSL that fetches one K chunk of A (or B) from memory into registers and stores it into shared memory.
 
-    Each thread takes elements ``lid + t * threads``; ``fast`` names the operand's unit-stride axis, which
-    varies fastest across threads so that the fetch is coalesced."""
+    Each thread takes units ``lid + t * threads`` (an element each, or under quad staging 4 neighbouring ones along
+    ``fast``); ``fast`` names the operand's unit-stride axis, which varies fastest across threads so that the fetch
+    is coalesced. An operand fetched in a loop (``looped``) keeps element staging."""
 
-    def __init__(self, plan: TiledPlan, a_side: bool, fast: str, looped: bool = False):
+    def __init__(self, plan: TiledPlan, a_side: bool, fast: str, looped: bool = False, vector: bool = False):
         self.plan, self.a_side, self.looped = plan, a_side, looped
         self.edge = plan.tile_m if a_side else plan.tile_n
         self.total = self.edge * plan.chunk_k
-        self.count = -(-self.total // plan.threads)
+        self.quads = plan.quads and not looped
+        self.width = QUAD if self.quads else 1  # elements per unit
+        self.units = self.total // self.width
+        self.count = -(-self.units // plan.threads)
         self.name = "a" if a_side else "b"
         self.along_k = fast == "p"  # p varies fastest across threads
+        self.vector = vector and self.quads  # a quad is one call of the prelude's vec4 loader
 
     def _decode(self, t: int) -> str:
-        chunk, e = self.plan.chunk_k, f"(lid + {t * self.plan.threads}u)"
+        """``p{t}`` and ``r{t}``: the K step and row (column) of unit t's first element."""
+        chunk, edge, w = self.plan.chunk_k // self.width, self.edge // self.width, self.width
+        e = f"(lid + {t * self.plan.threads}u)"
+        scale = f"{w}u * " if w > 1 else ""
         if self.along_k:
-            return f"let p{t} = {e} % {chunk}u;\n        let r{t} = {e} / {chunk}u;"
-        return f"let r{t} = {e} % {self.edge}u;\n        let p{t} = {e} / {self.edge}u;"
+            return f"let p{t} = {scale}({e} % {chunk}u);\n        let r{t} = {e} / {chunk}u;"
+        return f"let r{t} = {scale}({e} % {edge}u);\n        let p{t} = {e} / {edge}u;"
+
+    def _partial_unit(self, t: int) -> bool:
+        """Whether unit t lies past the chunk for some threads (the units do not divide evenly)."""
+        return (t + 1) * self.plan.threads > self.units
 
     def declare(self) -> str:
-        return "\n".join(f"    var stage_{self.name}{t} = 0.0;" for t in range(self.count))
+        zero = "vec4<f32>()" if self.quads else "0.0"
+        return "\n".join(f"    var stage_{self.name}{t} = {zero};" for t in range(self.count))
 
     def fetch(self, k0: str, checks: "Checks") -> str:
         """Load the chunk at ``k0`` into the staging registers (zero where out of range)."""
         if self.looped:
             return self._fetch_loop(k0, checks)
+        if self.vector:
+            return self._fetch_vectors(k0, checks)
+        if self.quads:
+            return self._fetch_quads(k0, checks)
         lines = []
         for t in range(self.count):
             reg = f"stage_{self.name}{t}"
             conds = []
-            if (t + 1) * self.plan.threads > self.total:
-                conds.append(f"lid + {t * self.plan.threads}u < {self.total}u")
+            if self._partial_unit(t):
+                conds.append(f"lid + {t * self.plan.threads}u < {self.units}u")
             if checks.live:
                 conds.append("live")
             edge = "row0 + r{t} < M" if self.a_side else "col0 + r{t} < N"
@@ -61,6 +96,67 @@ class Staging:
             body = f"{reg} = {load};"
             if conds:
                 body = f"{reg} = 0.0;\n        if ({' && '.join(conds)}) {{ {body} }}"
+            lines.append(f"""    {{
+        {self._decode(t)}
+        {body}
+    }}""")
+        return "\n".join(lines)
+
+    def _fetch_quads(self, k0: str, checks: "Checks") -> str:
+        """``fetch`` under quad staging: each unit's 4 elements loaded one by one, each range-checked where the
+        shape needs it (the row check once where the 4 lie along K, the K check once where they lie along the
+        edge), into one vec4 register."""
+        lines = []
+        edge_bound = "M" if self.a_side else "N"
+        origin = "row0" if self.a_side else "col0"
+        for t in range(self.count):
+            reg, shared, loads = f"stage_{self.name}{t}", [], []
+            if self._partial_unit(t):
+                shared.append(f"lid + {t * self.plan.threads}u < {self.units}u")
+            if checks.live:
+                shared.append("live")
+            for q in range(QUAD):
+                p, r = (f"p{t} + {q}u", f"r{t}") if self.along_k else (f"p{t}", f"r{t} + {q}u")
+                conds = []
+                if checks.rows if self.a_side else checks.cols:
+                    conds.append(f"{origin} + {r} < {edge_bound}")
+                if checks.k:
+                    conds.append(f"{k0} + {p} < k_end")
+                load = (f"load_a(batch_index, row0 + {r}, {k0} + {p})" if self.a_side else
+                        f"load_b(batch_index, {k0} + {p}, col0 + {r})")
+                body = f"{reg}[{q}] = {load};"
+                loads.append(f"        if ({' && '.join(conds)}) {{ {body} }}" if conds else f"        {body}")
+            inner = "\n".join(loads)
+            if shared:
+                inner = f"        if ({' && '.join(shared)}) {{\n{inner}\n        }}"
+            lines.append(f"""    {{
+        {self._decode(t)}
+        {reg} = vec4<f32>();
+{inner}
+    }}""")
+        return "\n".join(lines)
+
+    def _fetch_vectors(self, k0: str, checks: "Checks") -> str:
+        """``fetch`` under quad staging through the prelude's ``load_a4`` / ``load_b4`` (vec4 number c4 along the
+        unit-stride axis, at the other axis' coordinate): a quad starts at a multiple of 4 and the axis is whole
+        quads long (the prelude's promise), so its first element's range checks hold for all 4."""
+        lines = []
+        origin, edge_bound = ("row0", "M") if self.a_side else ("col0", "N")
+        for t in range(self.count):
+            reg = f"stage_{self.name}{t}"
+            conds = [f"lid + {t * self.plan.threads}u < {self.units}u"] if self._partial_unit(t) else []
+            conds += ["live"] if checks.live else []
+            if checks.rows if self.a_side else checks.cols:
+                conds.append(f"{origin} + r{t} < {edge_bound}")
+            if checks.k:
+                conds.append(f"{k0} + p{t} < k_end")
+            if self.along_k:
+                load = f"load_{self.name}4(batch_index, {origin} + r{t}, ({k0} + p{t}) / 4u)"
+            else:
+                load = f"load_{self.name}4(batch_index, {k0} + p{t}, ({origin} + r{t}) / 4u)"
+            body = f"{reg} = {load};"
+            if conds:
+                body = f"{reg} = vec4<f32>();\n        if ({' && '.join(conds)}) {{ {body} }}"
             lines.append(f"""    {{
         {self._decode(t)}
         {body}
@@ -98,12 +194,21 @@ class Staging:
         row = shared_row(self.edge)
         lines = []
         for t in range(self.count):
-            value = f"stage_{self.name}{t}" if element == "f32" else f"{element}(stage_{self.name}{t})"
-            guard = (f"if (lid + {t * self.plan.threads}u < {self.total}u) "
-                     if (t + 1) * self.plan.threads > self.total else "")
+            reg = f"stage_{self.name}{t}"
+            guard = f"if (lid + {t * self.plan.threads}u < {self.units}u) " if self._partial_unit(t) else ""
+            if not self.quads:
+                value = reg if element == "f32" else f"{element}({reg})"
+                stores = f"tile_{self.name}[{base}p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};"
+            elif self.along_k:  # 4 K steps of one row: a component of 4 shared rows
+                stores = "\n        ".join(
+                    f"tile_{self.name}[{base}(p{t} + {q}u) * {row}u + r{t} / 4u][r{t} % 4u] = "
+                    + (f"{reg}[{q}];" if element == "f32" else f"{element}({reg}[{q}]);") for q in range(QUAD))
+            else:  # 4 neighbouring rows of one K step: one vec4 of shared memory (r{t} is a multiple of 4)
+                value = reg if element == "f32" else f"vec4<{element}>({reg})"
+                stores = f"tile_{self.name}[{base}p{t} * {row}u + r{t} / 4u] = {value};"
             lines.append(f"""    {guard}{{
         {self._decode(t)}
-        tile_{self.name}[{base}p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};
+        {stores}
     }}""")
         return "\n".join(lines)
 

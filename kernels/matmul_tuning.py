@@ -9,11 +9,14 @@ Its candidates are the generator's own variant (``default_choice``) and the tile
 128x128 need MIN_WORKGROUPS_BIG of them unsplit), or partial sums too large for one binding; where f16 is allowed,
 also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower keeps f32),
 and of each shape unsplit in f32, its double-buffered variant where two chunks fit the workgroup storage limit.
+Tiles of VECTOR_MIN_TILE outputs or more add, per split up to VECTOR_MAX_SPLIT, a variant with quad staging and
+thread patches, and its double-buffered one unsplit (``meganeura.kernels.matmul``'s module docstring says what each
+does).
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .matmul import (F16_PRODUCTS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan, _max_threads, default_choice,
                      matmul_kernel, split_reduce_kernel)
@@ -28,6 +31,11 @@ from .matmul import (F16_PRODUCTS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_til
 CONFIGS = (((64, 64), (4, 4)), ((64, 64), (8, 4)), ((64, 64), (4, 8)), ((64, 128), (4, 4)), ((128, 64), (4, 4)),
            ((128, 128), (8, 8)), ((32, 64), (4, 4)), ((64, 32), (4, 4)), ((128, 256), (8, 16)), ((64, 96), (4, 4)))
 SPLITS = (1, 2, 4, 8, 16)
+# Tiles of at least this many outputs also get a candidate with quad staging and thread patches (each split up to
+# VECTOR_MAX_SPLIT, and double-buffered unsplit): where the products dominate, fewer staging instructions and shared
+# reads may tell; below, the tile's loads are few either way and the candidates would only lengthen tuning.
+VECTOR_MIN_TILE = 64 * 64
+VECTOR_MAX_SPLIT = 4  # and only up to this many K slices: past it a slice's products are too few to tell
 MIN_SLICE_K = 32  # each K slice at least this long
 MAX_WORKGROUPS = 4096  # more would only add partial sums to add up
 
@@ -35,8 +43,8 @@ MAX_WORKGROUPS = 4096  # more would only add partial sums to add up
 @dataclass(frozen=True)
 class MatmulProblem:
     """A tiled GEMM to tune: shape, operand layouts, whether f16 products are allowed, and the kernel's prelude
-    with the byte size of each of its bindings but the last, which the prelude declares as ``partial`` (an f32
-    array): the split variants' partial sums."""
+    with the byte size of each of its bindings before the one it declares as ``partial`` (an f32 array: the split
+    variants' partial sums) and of each after it (``aliases``)."""
     batch: int
     m: int
     n: int
@@ -48,6 +56,8 @@ class MatmulProblem:
     bindings: tuple[int, ...]
     partial: str
     looped: str = ""  # matmul_kernel's ``looped``: an operand fetched in a loop
+    vector_loads: str = ""  # matmul_kernel's ``vector_loads`` (quad-staged variants): operands read as vec4s
+    aliases: tuple[int, ...] = ()  # bytes of the bindings after ``partial`` (vec4 bindings of those operands)
 
     def key(self) -> str:
         digest = hashlib.sha256(self.prelude.encode()).hexdigest()[:12]
@@ -88,7 +98,8 @@ def variants(p: MatmulProblem, limits: dict, max_binding: int) -> tuple[list[Mat
         passes.append([matmul_kernel(p.prelude, **shape, k=p.k, limits=limits, a_fast=p.a_fast, b_fast=p.b_fast,
                                      tile=c.tile, block=c.block, split=c.split,
                                      partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped,
-                                     double=c.double)])
+                                     double=c.double, quads=c.quads, patches=c.patches,
+                                     vector_loads=p.vector_loads)])
         if c.split > 1:
             passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial, limits=limits))
     return choices, passes
@@ -99,7 +110,8 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
     products too for 4x4 blocks, where ``limits`` allow them)."""
     default = default_choice(batch, m, n, k, limits)
     shared, threads = limits["max-compute-workgroup-storage-size"], _max_threads(limits)
-    seen = {(_choose_tiled_plan(batch, m, n, k, shared, threads), default.split, default.f16)}
+    seen = {(_choose_tiled_plan(batch, m, n, k, shared, threads, default.tile, default.block), default.split,
+             default.f16)}
     found = [default]
     modes = (False, True) if limits.get(F16_PRODUCTS) else (False,)
     for tile, block in CONFIGS:
@@ -118,11 +130,22 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
                 if (plan, split, f16) not in seen:
                     seen.add((plan, split, f16))
                     found.append(MatmulChoice(tile, block, split, f16))
-        doubled = _choose_tiled_plan(batch, m, n, k, shared, threads, tile, block, double=True)
-        if doubled.buffers == 2 and (doubled, 1, False) not in seen:
-            seen.add((doubled, 1, False))
-            found.append(MatmulChoice(tile, block, 1, double=True))
+            if (plan.tile_m * plan.tile_n >= VECTOR_MIN_TILE and split <= VECTOR_MAX_SPLIT
+                    and (wide := _wide(plan, split)) not in seen):
+                seen.add(wide)
+                found.append(MatmulChoice(tile, block, split, quads=True, patches=True))
+        for quads in (False, True) if plan.tile_m * plan.tile_n >= VECTOR_MIN_TILE else (False,):
+            doubled = _choose_tiled_plan(batch, m, n, k, shared, threads, tile, block, double=True, quads=quads,
+                                         patches=quads)
+            if doubled.buffers == 2 and (doubled, 1, False) not in seen:
+                seen.add((doubled, 1, False))
+                found.append(MatmulChoice(tile, block, 1, double=True, quads=quads, patches=quads))
     return found
+
+
+def _wide(plan, split: int) -> tuple:
+    """The seen-key of ``plan`` staged in quads with thread patches (where they fit its thread grid)."""
+    return replace(plan, quads=True, patches=plan.patches_fit()), split, False
 
 
 def partial_bytes(problem: MatmulProblem, choices: list[MatmulChoice]) -> int:

@@ -47,14 +47,16 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
 
 
 def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],
-                   products: list = (), row_phases: list = ()) -> str:
+                   products: list = (), row_phases: list = (), quads: list = ()) -> str:
     """Bindings, ``load_a``, ``load_b`` and ``store_c`` of a matmul whose outputs lie side by side along ``axis``
     (``i`` or ``j``). ``a_blocks`` and ``b_blocks`` hold (first index along ``axis``, operand expression) per block
     (one block for the operand the outputs share); ``stores`` (first index along ``axis``, epilogue expression of
     ``acc``, output name, rows, columns, dtype) per output. ``store_c`` and a blocked loader pick the block by ``i``
     or ``j`` and index within it. ``products``: further B operands (``load_b1``, ...), whose sums ``store_c`` takes
     as ``acc1``, ...; ``row_phases``: the row prologue's terms (``row_phase0``, ...), whose sums ``load_a`` and the
-    later terms read as ``row_stat0``, ... (``kernels.matmul``'s gemv declares and fills them)."""
+    later terms read as ``row_stat0``, ... (``kernels.matmul``'s gemv declares and fills them); ``quads``: (operand,
+    its other axis, vec4 binding, vec4 index of the row's first element) per operand read in vec4s
+    (``matmul_quad_loader``)."""
     stats = [f"row_stat{k}" for k in range(len(row_phases))]
     parts = [wgsl.binding_decls(decl),
              block_function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks], stats),
@@ -66,8 +68,21 @@ def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[
              block_function("store_c", ("b", "i", "j"), axis,
                             [(s, e, f"{out}[(b_ * {wgsl.size_i32(m)} + i_) * {wgsl.size_i32(n)} + j_] = {{}};", dtype)
                              for s, e, out, m, n, dtype in stores],
-                            ["acc"] + [f"acc{k}" for k in range(1, 1 + len(products))])]
+                            ["acc"] + [f"acc{k}" for k in range(1, 1 + len(products))]),
+             *(matmul_quad_loader(*quad) for quad in quads)]
     return _with_helpers("\n".join(parts))
+
+
+def matmul_quad_loader(operand: str, other: str, binding: str, row) -> str:
+    """``load_<operand>4(b, <other>, c4)`` (``kernels.matmul``'s ``vector_loads``): vec4 number c4 of the row of
+    ``binding`` (the operand's value typed as vec4s) that starts at vec4 ``row``, an expression of the operand's
+    coordinates (``b``, ``i``, ``p`` of A; ``b``, ``p``, ``j`` of B) without its unit-stride one."""
+    args = ("b", "i", "p") if operand == "a" else ("b", "p", "j")
+    em = wgsl.Emitter([f"{x}_" for x in args])
+    start = em.value(row)
+    return (f"fn load_{operand}4(b: u32, {other}: u32, c4: u32) -> vec4<f32> {{\n  let b_ = i32(b);\n"
+            f"  let {other}_ = i32({other});\n" + "".join(f"{line}\n" for line in em.lines)
+            + f"  return {binding}[{start} + i32(c4)];\n}}")
 
 
 def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tuple], accs=("acc",)) -> str:

@@ -250,7 +250,7 @@ def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: di
     if choose is None:
         return variants
     f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
-    problems = {id(n): _matmul_problem(n, values, stored, f16) for n in nodes
+    problems = {id(n): _matmul_problem(n, values, stored, f16, limits) for n in nodes
                 if matmul_kernels.is_tiled(n.rows, n.columns)
                 and not any(map(is_size, (n.batch, n.rows, n.columns, n.k)))}
     distinct = list(dict.fromkeys(problems.values()))
@@ -264,14 +264,22 @@ def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: di
 _TUNING_PARTIAL = "tuning partial sums"  # the bound key of a problem's partial-sum binding
 
 
-def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool) -> MatmulProblem:
+def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool, limits: dict) -> MatmulProblem:
     """The tuning problem of a tiled matmul node: its shape and layouts, and its kernel's prelude with a partial-sum
-    binding last (as a split variant's kernel has it)."""
+    binding after the node's own (as a split variant's kernel has it), then the vec4 bindings of the operands that
+    quad-staged variants read as vec4s (``_matmul_quads``)."""
     slots = _bindings(node, values, stored, _TUNING_PARTIAL)
     a_fast, b_fast = _fast_axes(slots.exprs)
-    sizes = tuple(STATUS_BYTES if vid == "status" else tensor_bytes(values[vid], stored) for vid in slots.bound[:-1])
-    return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16, _matmul_prelude(node, slots),
-                         sizes, slots.name(len(slots.bound) - 1), _looped_operand(node))
+
+    def size(vid) -> int:
+        return STATUS_BYTES if vid == "status" else tensor_bytes(values[vid], stored)
+
+    decl, bound = list(slots.decl), list(slots.bound)
+    quads = _matmul_quads(node, slots, decl, bound, limits)
+    return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16,
+                         _matmul_prelude(node, slots, decl, quads), tuple(map(size, slots.bound[:-1])),
+                         slots.name(len(slots.bound) - 1), _looped_operand(node),
+                         "".join(quad[0] for quad in quads), tuple(map(size, bound[len(slots.bound):])))
 
 
 def _looped_operand(node: Matmul) -> str:
@@ -469,17 +477,50 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
                     variant: matmul_kernels.MatmulChoice) -> list[tuple]:
     """The matmul pass; cut into slices of K, the slices' pass and the pass summing them."""
     a_fast, b_fast = _fast_axes(slots.exprs)
-    prelude = _matmul_prelude(node, slots)
+    decl, bound = list(slots.decl), list(slots.bound)
+    quads = (_matmul_quads(node, slots, decl, bound, limits) if variant.quads
+             and matmul_kernels.is_tiled(node.rows, node.columns) else [])
+    prelude = _matmul_prelude(node, slots, decl, quads)
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
-                 f16=variant.f16, looped=_looped_operand(node), double=variant.double, products=len(node.products),
-                 row_phases=len(node.row_phases))
+                 f16=variant.f16, looped=_looped_operand(node), double=variant.double, quads=variant.quads,
+                 patches=variant.patches, vector_loads="".join(quad[0] for quad in quads),
+                 products=len(node.products), row_phases=len(node.row_phases))
     if scratch is None:
-        return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), slots.bound)]
+        return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
-    return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), slots.bound),
+    return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), bound),
             (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial, limits=limits),
-             slots.bound)]
+             bound)]
+
+
+def _matmul_quads(node: Matmul, slots: Slots, decl: list, bound: list, limits: dict) -> list[tuple]:
+    """The operands of a tiled matmul to read as vec4s along their unit-stride axis (``matmul_prelude``'s
+    ``quads``): plain f32 reads of rows of whole vec4s (``_quad_rows``) of one block each, not fetched in a loop, not
+    a value the kernel stores over, each through a vec4 binding of its value appended to ``decl`` and ``bound``
+    while the bindings stay within the adapter's limit. None where a binding offset may fall between 16-byte
+    boundaries."""
+    if limits.get("min-storage-buffer-offset-alignment", 256) % 16:
+        return []
+    a_fast, b_fast = _fast_axes(slots.exprs)
+    blocked = "a" if node.block_axis == "i" else "b"
+    operands = (("a", slots.exprs[0], (2, "i", node.k) if a_fast == "p" else (1, "p", node.rows)),
+                ("b", slots.exprs[1], (1, "j", node.k) if b_fast == "p" else (2, "p", node.columns)))
+    aliases, quads = {}, []
+    room = limits.get("max-storage-buffers-per-shader-stage", 8)
+    for operand, e, (coord, other, size) in operands:
+        if is_size(size) or (operand == blocked and len(node.sizes) > 1) or _looped_operand(node) == operand:
+            continue
+        found = _quad_rows(e, slots.decl, size, coord)
+        if found is None or found[0] in slots.out_slots or (found[0] not in aliases and len(bound) >= room):
+            continue
+        slot, row = found
+        if slot not in aliases:  # one vec4 binding per value, however many operands read it
+            aliases[slot] = f"b{slot}_4"
+            decl.append((len(bound), aliases[slot], "vec4<f32>"))
+            bound.append(bound[slot])
+        quads.append((operand, other, aliases[slot], row))
+    return quads
 
 
 def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
@@ -520,9 +561,10 @@ def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3) -> tuple[int, E.Expr]
     return None if row is None else (slot, row)
 
 
-def _matmul_prelude(node: Matmul, slots: Slots) -> str:
+def _matmul_prelude(node: Matmul, slots: Slots, decl: list | None = None, quads: list = ()) -> str:
     """``kernels.prelude.matmul_prelude`` of ``node``: with several outputs (``more_blocks``), the operand they do not
-    share and the epilogue go by the output's block of ``node.block_axis``."""
+    share and the epilogue go by the output's block of ``node.block_axis``; ``decl`` (default the slots') and
+    ``quads`` as ``_matmul_quads`` gives them."""
     axis, exprs = node.block_axis, slots.exprs
     end = 3 + 2 * len(node.more_blocks)
     starts = [sum(node.sizes[:k]) for k in range(len(node.sizes))]
@@ -535,4 +577,5 @@ def _matmul_prelude(node: Matmul, slots: Slots) -> str:
     for s, e, slot, size, v in zip(starts, epilogues, slots.out_slots, node.sizes, node.outs):
         m, n = (size, node.n) if axis == "i" else (node.m, size)
         stores.append((s, e, slots.name(slot), m, n, v.compute_dtype))
-    return matmul_prelude(slots.decl, axis, a_blocks, b_blocks, stores, products, row_phases)
+    return matmul_prelude(slots.decl if decl is None else decl, axis, a_blocks, b_blocks, stores, products, row_phases,
+                          quads)

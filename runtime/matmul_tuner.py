@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from meganeura.kernels import matmul as matmul_generator
-from meganeura.kernels import matmul_tuning
+from meganeura.kernels import matmul_common, matmul_staging, matmul_tuning
 from meganeura.kernels.matmul import SPLIT_MAX, TILE_SIZES, MatmulChoice
 from meganeura.kernels.matmul_tuning import MatmulProblem, partial_bytes, variants
 
@@ -42,11 +42,13 @@ FILE_VERSION = 2  # 2: problems keyed by their prelude too
 
 
 def timed_kernels() -> str:
-    """A digest of what tuned timings depend on besides the adapter: the source of the matmul generator, of its
-    candidates, of this module and of the timing, and whether kernels compile with naga's runtime checks
+    """A digest of what tuned timings depend on besides the adapter: the source of the matmul generator (and of the
+    modules it draws its staging and header from), of its candidates, of this module and of the timing, and whether
+    kernels compile with naga's runtime checks
     (``MEGANEURA_SHADER_CHECKS``)."""
     digest = hashlib.sha256()
-    for source in (matmul_generator.__file__, matmul_tuning.__file__, __file__, timing.__file__):
+    for source in (matmul_generator.__file__, matmul_staging.__file__, matmul_common.__file__, matmul_tuning.__file__,
+                   __file__, timing.__file__):
         digest.update(Path(source).read_bytes())
     digest.update(f"checks={os.environ.get(SHADER_CHECKS_ENV) == '1'}".encode())
     return digest.hexdigest()[:16]
@@ -73,7 +75,7 @@ class MatmulTuner:
         if new:
             start = time.perf_counter()
             built = [variants(p, self.device.limits, self.device.max_binding_size) for p in new]
-            requests = [(source, len(p.bindings) + 1, "matmul tuning")
+            requests = [(source, len(p.bindings) + 1 + len(p.aliases), "matmul tuning")
                         for p, (_, passes) in zip(new, built) for variant in passes for source, _ in variant]
             pipelines = dict(zip((source for source, _, _ in requests), self.device.pipelines(requests)))
             warm = False  # the first timed problem warms the GPU up; the rest follow it closely
@@ -91,7 +93,7 @@ class MatmulTuner:
         if not passes:
             return _entry(choices[0], None, None)
         dev = self.device
-        sizes = [*problem.bindings, partial_bytes(problem, choices)]
+        sizes = [*problem.bindings, partial_bytes(problem, choices), *problem.aliases]
         buffers = [dev.storage_buffer(max(4, -(-size // 4) * 4), "tuning scratch") for size in sizes]  # zeros
         try:
             group = dev.bind_group([(buffer, 0, buffer.size) for buffer in buffers], "matmul tuning")
@@ -137,12 +139,14 @@ class MatmulTuner:
 def _choice(entry: dict) -> MatmulChoice:
     tile, block = entry["tile"], entry["block"]
     return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"],
-                        entry.get("f16", False), entry.get("double", False))
+                        entry.get("f16", False), entry.get("double", False), entry.get("quads", False),
+                        entry.get("patches", False))
 
 
 def _entry(choice: MatmulChoice, seconds: float | None, default_seconds: float | None) -> dict:
     return {"tile": list(choice.tile) if choice.tile else None, "block": list(choice.block) if choice.block else None,
-            "split": choice.split, "f16": choice.f16, "double": choice.double,
+            "split": choice.split, "f16": choice.f16, "double": choice.double, "quads": choice.quads,
+            "patches": choice.patches,
             "us": None if seconds is None else round(float(seconds) * 1e6, 2),
             "default_us": None if default_seconds is None else round(float(default_seconds) * 1e6, 2)}
 
@@ -158,4 +162,4 @@ def _valid(entry) -> bool:
     blocks = {4, 8, *(size for _, block in configs for size in block)}
     return (isinstance(split, int) and 1 <= split <= SPLIT_MAX and pair(entry.get("tile"), edges)
             and pair(entry.get("block"), blocks) and entry.get("f16", False) in (False, True)
-            and entry.get("double", False) in (False, True))
+            and all(entry.get(flag, False) in (False, True) for flag in ("double", "quads", "patches")))

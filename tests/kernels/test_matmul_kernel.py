@@ -50,8 +50,32 @@ def make_operand(rng, batch: int, rows: int, cols: int, layout: str = "contiguou
     return Operand(flat, offset, strides, (batch, rows, cols))
 
 
-def build_prelude(a: Operand, b: Operand, *, batch: int, m: int, n: int, k: int, epilogue: str) -> str:
+def vector_loader(name: str, operand: Operand, bound_other: int, bound_quads: int) -> str:
+    """``load_<name>4(bi, o, c4)``: vec4 number c4 along the operand's unit-stride axis at coordinate o of its other
+    axis, read through binding ``<name>4`` (the same buffer typed as vec4s); checks that the row starts on a vec4
+    and that the indices are in range."""
+    sb, sr, sc = operand.strides
+    unit_rows = sr == 1  # the unit-stride axis is the operand's rows (A's i, B's p); else its columns
+    other = sc if unit_rows else sr
+    assert (sc if unit_rows else sr) != 1 and 1 in (sr, sc)
     return f"""
+fn load_{name}4(bi: u32, o: u32, c4: u32) -> vec4<f32> {{
+    let start = {operand.offset}u + bi * {sb}u + o * {other}u;
+    check_index(start % 4u == 0u && o < {bound_other}u && 4u * c4 + 3u < {bound_quads}u);
+    return {name}4[start / 4u + c4];
+}}
+@group(0) @binding({7 if name == "a" else 8}) var<storage, read_write> {name}4: array<vec4<f32>>;
+"""
+
+
+def build_prelude(a: Operand, b: Operand, *, batch: int, m: int, n: int, k: int, epilogue: str,
+                  vector_loads: str = "") -> str:
+    loaders = ""
+    if "a" in vector_loads:  # A: (bi, i, c4) along p, or (bi, p, c4) along i
+        loaders += vector_loader("a", a, m, k) if a.strides[2] == 1 else vector_loader("a", a, k, m)
+    if "b" in vector_loads:  # B: (bi, p, c4) along j, or (bi, j, c4) along p
+        loaders += vector_loader("b", b, k, n) if b.strides[2] == 1 else vector_loader("b", b, n, k)
+    return loaders + f"""
 @group(0) @binding(0) var<storage, read_write> a: array<f32>;
 @group(0) @binding(1) var<storage, read_write> b: array<f32>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
@@ -108,7 +132,8 @@ def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, lim
     assert b.shape == (batch, k, b.shape[2])
     n = b.shape[2]
     limits = dict(limits or device.limits)
-    prelude = build_prelude(a, b, batch=batch, m=m, n=n, k=k, epilogue=epilogue)
+    vector_loads = layout.get("vector_loads", "")
+    prelude = build_prelude(a, b, batch=batch, m=m, n=n, k=k, epilogue=epilogue, vector_loads=vector_loads)
     split = layout.get("split", 1)
     source, workgroups = matmul_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, **layout,
                                        **({"partial": "slices"} if split > 1 else {}))
@@ -126,6 +151,8 @@ def run_matmul(device, a: Operand, b: Operand, *, epilogue="acc", bias=None, lim
     arrays = [a.flat, b.flat, np.full(outputs, np.nan, np.float32), np.zeros(outputs, np.float32),
               np.zeros(4, np.float32), bias, np.full(max(split * outputs, 4), np.nan, np.float32)]
     buffers = [device.create_buffer_with_data(data=array, usage=usage) for array in arrays]
+    if vector_loads:  # bindings 7 and 8: A and B again, as vec4s
+        buffers += [buffers[0], buffers[1]]
     entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
                 "buffer": {"type": wgpu.BufferBindingType.storage}} for i in range(len(buffers))]
     group_layout = device.create_bind_group_layout(entries=entries)
@@ -469,6 +496,7 @@ def f16_device():
     (2, 40, 72, 300, {"tile": (32, 64), "block": (4, 4)}),
     (1, 48, 40, 520, {"tile": (16, 32), "split": 4}),        # K slices: f32 partial sums, then the reduction
     (1, 70, 40, 100, {"tile": (64, 64), "double": True}),    # double-buffered f16 chunks
+    (1, 70, 40, 100, {"tile": (64, 64), "quads": True, "patches": True}),  # quads: f16 components and vec4s
 ])
 def test_f16_products_are_within_f16_rounding(f16_device, batch, m, n, k, layout):
     """f16 products: every output stored once and in range, off f64 by f16's rounding (about 1e-3 relative L2 for
@@ -490,3 +518,65 @@ def test_f32_kernels_do_not_enable_f16(device):
     rng = np.random.default_rng(1)
     source, _ = check(device, make_operand(rng, 1, 40, 30), make_operand(rng, 1, 30, 50))
     assert "f16" not in source
+
+
+@pytest.mark.parametrize("batch, m, n, k, layout", [
+    (1, 64, 64, 64, {"tile": (64, 64)}),                            # every range check left out
+    (2, 75, 93, 41, {"tile": (64, 64), "block": (8, 8)}),           # ragged tiles, K not whole chunks
+    (1, 131, 70, 300, {"tile": (128, 64), "block": (8, 8)}),        # 8x8 blocks in patches, a long K, ragged
+    (1, 130, 260, 37, {"tile": (128, 256), "block": (8, 16)}),      # the wide tile, ragged on every side
+    (3, 17, 9, 40, {}),                                             # batched, the rule's 16x16 tile (no patches)
+    (1, 1, 70, 50, {"tile": (16, 64)}),                             # 1 x N through the tiled kernel
+    (1, 70, 1, 50, {"tile": (64, 16)}),                             # N x 1 through the tiled kernel
+    (1, 40, 50, 700, {"tile": (64, 64), "split": 4}),               # K slices of whole chunks
+    (1, 70, 64, 130, {"tile": (64, 64), "double": True}),           # double-buffered quads
+    (1, 70, 64, 33, {"tile": (64, 64), "looped": "a"}),             # A fetched in a loop: element staging for A
+    (40, 32, 32, 40, {"tile": (32, 32), "grid": 7}),                # folded grid: workgroups without a tile
+])
+@pytest.mark.parametrize("a_layout, b_layout", [("contiguous", "contiguous"), ("transposed", "transposed")])
+def test_quad_staging_and_thread_patches_match(device, batch, m, n, k, layout, a_layout, b_layout):
+    """Quad staging with thread patches, against f64 (rtol 1e-4, positive operands): each output stored once, every
+    index in range, on ragged tiles, 1 x N and N x 1, batches, K slices, double buffers and folded grids, with the
+    operands' unit-stride axis along K (4 component stores into shared memory) or along the tile's edge (one vec4)."""
+    rng = np.random.default_rng(m * 7 + n * 3 + k)
+    grid = layout.pop("grid", None)
+    limits = dict(device.limits, **({GRID_LIMIT: grid} if grid else {}))
+    a_fast, b_fast = ("p", "j") if a_layout == "contiguous" else ("i", "p")
+    source, _ = check(device, make_operand(rng, batch, m, k, a_layout), make_operand(rng, batch, k, n, b_layout),
+                      a_fast=a_fast, b_fast=b_fast, limits=limits, quads=True, patches=True, **layout)
+    kernel = source[source.index("// ---- matmul"):]
+    assert "quad staging" in kernel
+    threads_m, threads_n = map(int, re.search(r"(\d+)x(\d+) threads", kernel).groups())
+    assert ("thread patches" in kernel) == (threads_m % 4 == 0 and threads_n % 8 == 0)  # patches of 4 x 8
+
+
+@pytest.mark.parametrize("batch, m, n, k, layout", [
+    (1, 64, 64, 64, {"tile": (64, 64)}),                            # every range check left out
+    (2, 76, 92, 44, {"tile": (64, 64), "block": (8, 8)}),           # ragged tiles, K not whole chunks
+    (1, 132, 72, 300, {"tile": (128, 64), "block": (8, 8), "double": True}),
+    (1, 40, 52, 700, {"tile": (64, 64), "split": 4}),               # K slices of whole chunks
+    (1, 4, 68, 52, {"tile": (16, 64)}),                             # a few rows through the tiled kernel
+    (40, 32, 32, 40, {"tile": (32, 32), "grid": 7}),                # folded grid: workgroups without a tile
+])
+@pytest.mark.parametrize("a_layout, b_layout", [("contiguous", "contiguous"), ("transposed", "transposed")])
+def test_vec4_loads_match(device, batch, m, n, k, layout, a_layout, b_layout):
+    """Quad staging through vec4 loaders (rows of whole vec4s: the unit-stride axis a multiple of 4, offsets too),
+    against f64 (rtol 1e-4): each output stored once, every loader index in range and each quad starting on a vec4
+    (``vector_loader`` checks), ragged tiles, K slices, double buffers, folded grids, both operand layouts."""
+    rng = np.random.default_rng(m * 5 + n * 3 + k)
+    grid = layout.pop("grid", None)
+    limits = dict(device.limits, **({GRID_LIMIT: grid} if grid else {}))
+    a_fast, b_fast = ("p", "j") if a_layout == "contiguous" else ("i", "p")
+    a = make_operand(rng, batch, m, k, a_layout, offset=8)
+    b = make_operand(rng, batch, k, n, b_layout, offset=4)
+    source, _ = check(device, a, b, a_fast=a_fast, b_fast=b_fast, limits=limits, quads=True, patches=True,
+                      vector_loads="ab", **layout)
+    kernel = source[source.index("// ---- matmul"):]
+    assert "vec4 loads of AB" in kernel and "load_a4(" in kernel and "load_b4(" in kernel
+    assert "load_a(" not in kernel and "load_b(" not in kernel
+
+
+def test_vec4_loads_only_under_quad_staging_and_not_for_a_looped_operand():
+    assert "vec4 loads" not in header(1, 64, 64, 64, vector_loads="ab")
+    assert header(1, 64, 64, 64, quads=True, vector_loads="ab").endswith(", quad staging, vec4 loads of AB")
+    assert header(1, 64, 64, 64, quads=True, vector_loads="ab", looped="a").endswith("vec4 loads of B")

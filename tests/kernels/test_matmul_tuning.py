@@ -1,7 +1,11 @@
 """Tests for meganeura.kernels.matmul_tuning: the candidate variants of a problem and their passes (no device: the
 timing is meganeura.runtime.matmul_tuner's, tested in tests/runtime)."""
+import re
+
+import pytest
+
 from meganeura.kernels import matmul_tuning
-from meganeura.kernels.matmul import default_choice
+from meganeura.kernels.matmul import MatmulChoice, default_choice
 from meganeura.kernels.matmul_tuning import candidates, partial_bytes, plain_problem, variants
 
 LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,
@@ -83,3 +87,54 @@ def test_f16_problems_get_f16_candidates():
     choices, passes = variants(fast, LIMITS, 1 << 30)
     assert any(c.f16 for c in choices)
     assert all(("enable f16;" in built[0][0]) == c.f16 for c, built in zip(choices, passes))
+
+
+BIG = {**LIMITS, "max-compute-workgroup-storage-size": 49152}
+
+
+def test_quad_and_patch_candidates_for_tiles_of_64x64_or_more():
+    """Tiles of VECTOR_MIN_TILE outputs or more get a quad-staged, patched candidate per split up to VECTOR_MAX_SPLIT
+    and a double-buffered one unsplit (where two chunks fit); smaller tiles get none."""
+    found = candidates(1, 1024, 1024, 1024, BIG)
+    wide = [c for c in found if c.quads]
+    assert all(c.patches and c.tile[0] * c.tile[1] >= matmul_tuning.VECTOR_MIN_TILE for c in wide)
+    assert {c.split for c in wide} == {1, 2, 4} and any(c.double for c in wide)
+    assert {(128, 128), (64, 64), (128, 256)} & {c.tile for c in wide if c.split == 1} == {(128, 128), (64, 64)}
+    assert not any(c.quads for c in candidates(1, 20, 24, 64, LIMITS))  # 32x32 tiles at most: too small
+
+
+def _workgroup_bytes(source: str) -> int:
+    sizes = re.findall(r"var<workgroup>\s+\w+\s*:\s*array<vec4<f32>,\s*(\d+)>", source)
+    return 16 * sum(int(size) for size in sizes)
+
+
+@pytest.mark.parametrize("storage, invocations", [(16384, 256), (8192, 256), (16384, 128), (49152, 1024)])
+def test_no_candidate_exceeds_the_adapter_s_limits(storage, invocations):
+    """Every candidate's kernel fits the workgroup storage and invocation limits it is built for: a variant that
+    would not (two 128x128 chunks of 8 at 16 KiB, 256 threads where 128 are allowed) is not offered, or is offered
+    as the smaller plan it falls back to."""
+    limits = {**LIMITS, "max-compute-workgroup-storage-size": storage,
+              "max-compute-invocations-per-workgroup": invocations}
+    problem = plain_problem(1, 2048, 2048, 2048, "p", "j")
+    choices, passes = variants(problem, limits, 1 << 40)
+    assert len(choices) > 10
+    for choice, built in zip(choices, passes):
+        source = built[0][0]
+        assert _workgroup_bytes(source) <= storage, choice
+        assert int(re.search(r"@workgroup_size\((\d+)\)", source).group(1)) <= invocations, choice
+    doubled = {c.tile for c in choices if c.double}
+    assert ((128, 128) in doubled) == (storage >= 2 * 8 * (128 + 128 + 8) * 4)
+
+
+def test_the_wide_tile_is_the_default_only_where_the_limits_and_shape_suit_it():
+    """128x256 tiles of 8x16 blocks, unsplit, for outputs of whole wide tiles (at least 128 of them) where the
+    adapter gives 256 invocations and 24.5 KiB of workgroup storage; elsewhere the rule's tile and split."""
+    wide = MatmulChoice((128, 256), (8, 16), 1)
+    assert default_choice(1, 4096, 4096, 4096, BIG) == wide
+    assert default_choice(1, 2048, 2048, 2048, BIG) == wide      # 128 tiles
+    assert default_choice(4, 1024, 1024, 512, BIG) == wide       # batched: 4 x 32 tiles
+    assert default_choice(1, 1024, 1024, 1024, BIG).tile is None  # 32 tiles: too few
+    assert default_choice(1, 2048, 2000, 2048, BIG).tile is None  # not whole tiles
+    assert default_choice(1, 4096, 4096, 4096, LIMITS).tile is None  # WebGPU's default 16 KiB
+    assert default_choice(1, 4096, 4096, 4096, {**BIG, "max-compute-invocations-per-workgroup": 128}).tile is None
+    assert candidates(1, 4096, 4096, 4096, BIG)[0] == wide

@@ -721,3 +721,26 @@ def test_sibling_reductions_far_apart_keep_no_large_operand_alive(rows):
     else:
         assert labels.count("sum") == 1
         assert plan.stats["arena_bytes"] >= 2 * grad_bytes
+
+
+@pytest.mark.parametrize("k, room, vec4_bindings", [(40, 8, 1), (42, 8, 0), (40, 2, 0)])
+def test_quad_staged_matmuls_read_rows_of_whole_vec4s_through_one_vec4_binding(k, room, vec4_bindings):
+    """x @ x.T with a quad-staged variant forced: both operands read x along K, so where K is whole vec4s one vec4
+    binding of x serves both loaders; none where K is not (42) or no binding is left (the adapter's limit). Every
+    output as numpy's (f64, rtol 1e-4)."""
+    from meganeura.kernels.matmul import MatmulChoice
+
+    m = 70
+    b = GraphBuilder()
+    x = b.input("x", (m, k), "float32")
+    b.output(_projections(b, x, [x], k)[0])
+    limits = {**get_device().limits, "max-storage-buffers-per-shader-stage": room}
+    choice = MatmulChoice((64, 64), (4, 4), 1, quads=True, patches=True)
+    plan, _ = compile_graph(b.graph, limits, choose_matmuls=lambda problems: [choice] * len(problems))
+    (source,) = [s for s in plan.kernels.values() if "// ---- matmul: tiled" in s]
+    assert source.count("array<vec4<f32>>") == vec4_bindings and "quad staging" in source
+    assert ("vec4 loads of AB" in source) == (vec4_bindings == 1)
+    data = {"x": RNG.standard_normal((m, k)).astype(np.float32)}
+    (out,) = Program(get_device(), plan).run(data).values()
+    x64 = data["x"].astype(np.float64)
+    np.testing.assert_allclose(out.reshape(m, m), x64 @ x64.T, rtol=1e-4, atol=1e-4)

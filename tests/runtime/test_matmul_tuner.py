@@ -19,6 +19,7 @@ def test_every_candidate_survives_the_file():
     """A remembered choice is read back as itself, whichever tile and register block it has."""
     found = candidates(1, 4096, 4096, 4096, {**LIMITS, "max-compute-workgroup-storage-size": 49152})
     assert (128, 256) in {c.tile for c in found} and (8, 16) in {c.block for c in found}
+    assert any(c.quads and c.patches and c.double for c in found)
     for choice in found:
         entry = json.loads(json.dumps(matmul_tuner._entry(choice, 1e-4, 2e-4)))
         assert matmul_tuner._valid(entry) and matmul_tuner._choice(entry) == choice

@@ -1,5 +1,7 @@
 """The ``tune`` option: plans take the tuner's matmul variants (checked against eager with variants forced), and a
 bad option value is refused."""
+import re
+
 import pytest
 import torch
 
@@ -23,7 +25,13 @@ class ForcingTuner:
         return [self.choice for _ in problems]
 
 
-@pytest.mark.parametrize("choice", [MatmulChoice((16, 32), (4, 4), 2), MatmulChoice((32, 16), (8, 4), 1)])
+@pytest.mark.parametrize("choice", [
+    MatmulChoice((16, 32), (4, 4), 2), MatmulChoice((32, 16), (8, 4), 1),
+    # quad staging and thread patches: both operands read along K (K = 96, 72: rows of whole vec4s), so as vec4s
+    MatmulChoice((64, 64), (8, 8), 1, quads=True, patches=True),
+    MatmulChoice((32, 64), (4, 4), 2, quads=True, patches=True),
+    MatmulChoice((64, 64), (4, 4), 1, double=True, quads=True, patches=True),
+])
 def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     torch._dynamo.reset()  # dynamo would reuse the graph compiled for another model of the same shapes
     torch.manual_seed(0)
@@ -35,7 +43,8 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     generate = matmul.matmul_kernel
 
     def recording(prelude, **kw):
-        built.append((kw["tile"], kw["block"], kw.get("split", 1)))
+        built.append((kw["tile"], kw["block"], kw.get("split", 1), kw["double"], kw["quads"], kw["patches"],
+                      kw["vector_loads"]))
         return generate(prelude, **kw)
 
     monkeypatch.setattr(matmul, "matmul_kernel", recording)
@@ -44,12 +53,15 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
         assert_same(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     shapes = sorted((p.batch, p.m, p.n, p.k, p.a_fast, p.b_fast, p.f16) for p in tuner.asked)
     assert shapes == [(1, 50, 40, 72, "p", "p", False), (1, 50, 72, 96, "p", "p", False)]  # once each
-    assert built and all(b == (choice.tile, choice.block, choice.split) for b in built)
+    assert built and all(b == (choice.tile, choice.block, choice.split, choice.double, choice.quads, choice.patches,
+                               "ab" if choice.quads else "") for b in built)
 
 
 def _functions(prelude: str) -> str:
-    """A prelude's functions (loads, store), without the binding declarations."""
-    return prelude[prelude.index("fn "):]
+    """A prelude's functions (loads, store), without the binding declarations, nor the vec4 loaders that only
+    quad-staged variants call (a tuning problem's prelude has them for those candidates; a plan's kernel only where
+    its variant is one)."""
+    return re.sub(r"fn load_[ab]4\(.*?\n}\n?", "", prelude[prelude.index("fn "):], flags=re.S)
 
 
 def test_the_tuner_times_each_kernel_with_its_own_loads_and_store(monkeypatch, tmp_path):
@@ -108,3 +120,23 @@ def test_bad_tune_value_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(Exception, match="tune"):
         torch.compile(model, backend="meganeura", options={"tune": "yes"})(torch.randn(2, 4))
+
+
+def test_untuned_large_products_take_the_wide_tile_and_match_eager(monkeypatch):
+    """Untuned, an output of at least 128 whole 128x256 tiles gets WIDE_TILE's kernel where the adapter's limits
+    allow it (lavapipe: 1,024 invocations, 32 KiB of workgroup storage), K not a whole chunk; f64 reference, rtol
+    1e-4 (positive operands: no cancellation)."""
+    assert matmul.wide_tile_suits(1, 2048, 2048, 20, get_device().limits)
+    torch._dynamo.reset()
+    built = []
+    generate = matmul.matmul_kernel
+
+    def recording(prelude, **kw):
+        built.append((kw["tile"], kw["block"], kw.get("split", 1)))
+        return generate(prelude, **kw)
+
+    monkeypatch.setattr(matmul, "matmul_kernel", recording)
+    x, w = torch.rand(2048, 20) + 0.25, torch.rand(20, 2048) + 0.25
+    compiled = torch.compile(lambda a, b: a @ b, backend="meganeura", options={"tune": False})
+    assert_same(compiled(x, w).double(), x.double() @ w.double(), rtol=1e-4, atol=1e-5)
+    assert built == [(matmul.WIDE_TILE, matmul.WIDE_BLOCK, 1)]
