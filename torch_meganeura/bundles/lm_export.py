@@ -12,6 +12,14 @@ The model runs through ``GenerationStep``: its cache is the one Hugging Face's `
 store new keys and values out of place (``index_copy``) at ``cache_position``, so that the traced graph takes the
 cache as inputs and returns the new one; the plans store it over the old one (``in_place``). Traced with
 ``torch.export`` and compiled through the same pipeline as ``export`` (``export.compile_program``).
+
+Batches (``batch_size=B`` > 1): both phases are traced with B rows, left-padded so that every row's prompt ends at
+the same cache slot: the rows share ``cache_position`` (HF's static cache writes one slot range for all rows), and
+``prompt_start`` [B] gives each row's first slot. From it the step makes the model's own ``attention_mask`` over the
+whole cache (0 on the padding) and ``position_ids`` counting from each row's first token, and HF's masking
+(``create_causal_mask``) adds causality: each row sees its own tokens at its own positions, and its tokens are the
+ones it gets alone. Per-row positions (a cache length per row) would need a cache update and a mask of our own: HF's
+take one ``cache_position`` for all rows. Batch 1 takes no ``prompt_start`` and passes neither (its plans as before).
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ class _OutOfPlaceLayer(StaticLayer):
 
 class GenerationStep(torch.nn.Module):
     """``model`` over a static cache of ``max_cache_len`` positions, as the generation bundle's phases run it
-    (``meganeura.runtime.lm_bundle``: inputs, outputs)."""
+    (``meganeura.runtime.lm_bundle``: inputs, outputs), for the cache's rows (``prompt_start`` where several)."""
 
     def __init__(self, model, max_cache_len: int):
         super().__init__()
