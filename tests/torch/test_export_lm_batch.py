@@ -1,7 +1,8 @@
 """Batched generation bundles (``export_lm(..., batch_size=4)``): four prompts of different lengths generated together
 each get the greedy tokens HF eager's ``generate`` gives that prompt alone, each stopping at its own end-of-sequence
-id while the others go on; fewer prompts than the batch, a single prompt and the CLI's repeated ``--ids`` too; too
-many prompts, an empty one and one too long for the cache are refused by name."""
+id while the others go on; fewer prompts than the batch, a single prompt and the CLI's repeated ``--ids`` and
+``--prompts-file`` too; a decode step moves a few numbers a row; too many prompts, an empty one and one too long
+for the cache are refused by name."""
 from __future__ import annotations
 
 import shutil
@@ -68,10 +69,20 @@ def exported(request, tmp_path_factory):
     torch.manual_seed(0)
     model = MODELS[request.param]()
     path = tmp_path_factory.mktemp(request.param) / "lm"
-    manifest = torch_meganeura.export_lm(model, path, max_cache_len=CACHE, batch_size=BATCH)
+    manifest = torch_meganeura.export_lm(model, path, max_cache_len=CACHE, batch_size=BATCH, tokenizer=_words())
     assert manifest["batch_size"] == BATCH
     prompts = [torch.randint(0, 128, (n,)) for n in LENGTHS]
     return model, path, prompts, [_alone(model, p, NEW) for p in prompts]
+
+
+def _words():
+    """A word-level fast tokenizer of the vocabulary: ``w<id>`` is token id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words)
 
 
 def _alone(model, prompt: torch.Tensor, new: int, eos: int | None = None) -> list[int]:
@@ -133,6 +144,41 @@ def test_cli_generates_repeated_ids_together(exported, capsys):
         ids = next(line for line in lines if line.startswith(f"ids[{k}]:")).split()[1]
         assert [int(i) for i in ids.split(",")] == alone[k][:len(prompt) + 8]
     assert any("(all 3 prompts together)" in line for line in lines), lines
+
+
+def test_cli_generates_a_file_of_prompts_together(exported, tmp_path, capsys):
+    """--prompts-file: one prompt a line as text (blank lines skipped), each printed as ids and text; a file of more
+    prompts than the batch is refused."""
+    _, path, prompts, alone = exported
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(" ".join(f"w{i}" for i in p.tolist()) for p in prompts[:2]) + "\n\n")
+    assert cli(["generate", str(path), "--prompts-file", str(file), "--max-new-tokens", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for k, prompt in enumerate(prompts[:2]):
+        text = next(line for line in lines if line.startswith(f"text[{k}]:")).split()[1:]
+        assert text == [f"w{i}" for i in alone[k][:len(prompt) + 6]]
+    file.write_text("w1\n" * (BATCH + 1))
+    assert cli(["generate", str(path), "--prompts-file", str(file)]) == 1
+    assert "5 prompts: this bundle generates for at most 4 together" in capsys.readouterr().err
+
+
+def test_a_batched_decode_step_moves_a_few_numbers_per_row(exported):
+    """A decode step of the batch uploads each row's token and start and reads back each row's token (and the status
+    word), not the vocabulary's scores: the per-step transfers stay small as the batch grows."""
+    from meganeura.runtime.device import get_device
+
+    _, path, prompts, _ = exported
+    lm, counters = load(path), get_device().counters
+    batch = [p.numpy() for p in prompts]
+    lm.generate(batch, 4, eos_token_id=[])  # warm: the bind groups over both sets of cache arrays
+    up, down = counters.bytes_uploaded, counters.bytes_downloaded
+    lm.generate(batch, 17, eos_token_id=[])
+    steps = 2 + 16  # two prefill runs (the 37-token prompt) and 16 decode steps
+    prefill_ids = 2 * BATCH * lm._phases["prefill"].length * 8
+    per_step_down = (counters.bytes_downloaded - down) / steps
+    per_step_up = (counters.bytes_uploaded - up - prefill_ids - 16 * BATCH * 8) / steps
+    assert per_step_down <= 64 + 8 * BATCH < lm.vocab_size * 4, per_step_down
+    assert per_step_up <= 64 + 8 * BATCH, per_step_up
 
 
 def test_bad_batches_are_refused_by_name(exported, tmp_path):
