@@ -10,8 +10,11 @@ every PyTorch row is warmed by a call of the length it is timed at; HF ``generat
 backend="meganeura", both caches, with the first call's time (compile included) and a second call's tokens/s and decode
 tokens/s by context length; and the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime,
 with its export time, bundle size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each
-decode step's time at its position). Every row's tokens are compared with eager's default ``generate`` on the
-CPU in float32: a row whose tokens differ is marked. Writes ``OUT.json`` and the markdown table ``OUT.md``.
+decode step's time at its position); then a bundle exported with ``batch_size=--batch`` generating for that many
+prompts of different lengths together (the first the 16-token prompt, each next one a token shorter), its
+tokens/s the aggregate over every prompt, and the ratio of that to the batch-1 bundle's. Every row's tokens are
+compared with eager's default ``generate`` on the CPU in float32 (the batched row's, each prompt's with that prompt
+alone): a row whose tokens differ is marked. Writes ``OUT.json`` and the markdown table ``OUT.md``.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--max-cache-len", type=int, default=1024, help="the bundle's cache (prompt and new tokens)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="prompts that the batched bundle's row generates together (default 8; 1: no such row)")
     p.add_argument("--adapter", help="meganeura's adapter (index or name substring)")
     return p
 
@@ -110,35 +115,44 @@ def _backend_rows(model, prompt, new: int) -> list[dict]:
     return rows
 
 
-def _bundle_row(model, prompt, new: int, max_cache_len: int, adapter) -> dict:
-    import numpy as np
-
+def _bundle_row(model, prompts: list, new: int, max_cache_len: int, adapter) -> dict:
+    """The generation bundle's row: batch 1 for one prompt, else a bundle of ``batch_size=len(prompts)`` generating
+    for them together (tokens/s: the aggregate over the prompts; ``tokens``: a list per prompt)."""
     import torch_meganeura
     from meganeura.runtime import load
 
+    batch = len(prompts)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lm"
         start = time.perf_counter()
-        torch_meganeura.export_lm(model, path, max_cache_len=max_cache_len, adapter=adapter)
+        torch_meganeura.export_lm(model, path, max_cache_len=max_cache_len, batch_size=batch, adapter=adapter)
         exported = time.perf_counter()
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         lm = load(path, adapter=adapter)
         loaded = time.perf_counter()
-        ids = prompt[0].numpy()
-        lm.generate(ids, 4)  # warm: pipelines and bind groups over both cache arrays
-        eos, lm.eos_token_ids = lm.eos_token_ids, []  # every row makes ``new`` tokens
-        out = lm.generate(ids, new)
-        lm.eos_token_ids = eos
+        ids = [p[0].numpy() for p in prompts]
+        request = ids if batch > 1 else ids[0]
+        lm.generate(request, 4)  # warm: pipelines and bind groups over both cache arrays
+        out = lm.generate(request, new, eos_token_id=[])  # every prompt makes ``new`` tokens
         stats = lm.stats
-        by_context = {str(len(ids) + i + 1): 1.0 / t for i, t in enumerate(stats.decode_steps)}
-        row = {"competitor": "meganeura-bundle", "cache": "static", "export_seconds": exported - start,
+        length = max(len(i) for i in ids)
+        by_context = {str(length + i + 1): batch / t for i, t in enumerate(stats.decode_steps)}
+        row = {"competitor": "meganeura-bundle", "cache": "static", "batch": batch, "export_seconds": exported - start,
                "bundle_bytes": size, "load_seconds": loaded - exported, "seconds": stats.prefill_seconds
                + stats.decode_seconds, "tokens_per_second": stats.new_tokens / (stats.prefill_seconds
                + stats.decode_seconds), "prefill_tokens_per_second": stats.prefill_tokens_per_second,
                "decode_tokens_per_second": stats.decode_tokens_per_second, "decode_by_context": by_context,
-               "tokens": np.asarray(out).tolist(), "adapter": lm.device.describe()}
+               "tokens": [o.tolist() for o in out] if batch > 1 else out.tolist(), "adapter": lm.device.describe()}
         lm.release()
     return row
+
+
+def _prompts(vocab: int, prompt_tokens: int, batch: int) -> list:
+    """``batch`` prompts of different lengths: ``prompt_tokens``, then a token fewer each (at least one)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (1, max(1, prompt_tokens - k)), generator=generator) for k in range(batch)]
 
 
 def markdown(result: dict) -> str:
@@ -146,15 +160,18 @@ def markdown(result: dict) -> str:
              f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, "
              f"{result['new_tokens']} new tokens; "
              "tokens/s over the whole generate call (prefill included) unless a column says otherwise.", "",
-             "| competitor | cache | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | first call s | "
-             "load s | export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| competitor | cache | batch | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | "
+             "first call s | load s | export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
         size = f"{r['bundle_bytes'] / (1 << 20):.1f}" if "bundle_bytes" in r else "-"
-        lines.append(f"| {r['competitor']} | {r['cache']} | {r['tokens_per_second']:.1f} | "
+        lines.append(f"| {r['competitor']} | {r['cache']} | {r['batch']} | {r['tokens_per_second']:.1f} | "
                      f"{f('prefill_tokens_per_second', '.1f')} | {f('decode_tokens_per_second', '.1f')} | "
                      f"{'yes' if r['equal'] else 'NO'} | {f('first_call_seconds', '.1f')} | "
                      f"{f('load_seconds', '.2f')} | {f('export_seconds', '.1f')} | {size} |")
+    if "batch_speedup" in result:
+        lines += ["", f"The bundle at batch {result['batch']}: {result['batch_speedup']:.2f}x batch 1's aggregate "
+                  "tokens/s (tokens/s counts every prompt's new tokens)."]
     return "\n".join(lines) + "\n"
 
 
@@ -168,23 +185,35 @@ def main(argv=None) -> int:
     workload = WORKLOADS["smollm2"]
     model = workload.build(args.smoke).eval()
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+    prompts = _prompts(vocab, args.prompt_tokens, max(args.batch, 1))
+    prompt = prompts[0]
     new = min(args.new_tokens, args.max_cache_len - args.prompt_tokens)
     with torch.no_grad():
-        reference = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
+        alone = [model.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
+                 for p in prompts]
+        reference = alone[0]
         device = "cuda" if torch.cuda.is_available() else "cpu"
         rows = _eager_rows(model, prompt, new, device)
         rows += _backend_rows(model, prompt, new)
-    rows.append(_bundle_row(model, prompt, new, args.max_cache_len, args.adapter))
     for row in rows:
-        row["equal"] = row.pop("tokens") == reference
-        print(f"{row['competitor']:18s} {row['cache']:8s} {row['tokens_per_second']:9.1f} tokens/s  "
-              f"{'tokens equal eager' if row['equal'] else 'TOKENS DIFFER'}", flush=True)
+        row["batch"] = 1
+    rows.append(_bundle_row(model, [prompt], new, args.max_cache_len, args.adapter))
+    if args.batch > 1:
+        rows.append(_bundle_row(model, prompts, new, args.max_cache_len, args.adapter))
+    for row in rows:
+        row["equal"] = row.pop("tokens") == (alone if row["batch"] > 1 else reference)
+        print(f"{row['competitor']:18s} {row['cache']:8s} batch {row['batch']} "
+              f"{row['tokens_per_second']:9.1f} tokens/s  {'tokens equal eager' if row['equal'] else 'TOKENS DIFFER'}",
+              flush=True)
     machine = (f"{torch.cuda.get_device_name()} (CUDA) beside {rows[-1]['adapter']}" if device == "cuda"
                else rows[-1]["adapter"])
     description = "SmolLM2-135M's config (HF Llama, random weights)" + (", smoke scale" if args.smoke else "")
     result = {"description": description, "machine": machine, "torch": torch.__version__,
               "prompt_tokens": args.prompt_tokens, "new_tokens": new, "smoke": args.smoke, "rows": rows}
+    if args.batch > 1:
+        result["batch"] = args.batch
+        result["batch_speedup"] = rows[-1]["tokens_per_second"] / rows[-2]["tokens_per_second"]
+        print(f"bundle batch {args.batch}: {result['batch_speedup']:.2f}x batch 1's aggregate tokens/s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

@@ -4,10 +4,12 @@
     meganeura run BUNDLE --input NAME=FILE.npy ... [--output DIR] [--repeat N] [--adapter A] [--seed S]
                                                           run a bundle on .npy inputs, write .npy outputs, time it
     meganeura inspect BUNDLE [--json] [--dispatches]      validate a bundle; print its manifest, plan and memory
-    meganeura generate BUNDLE (--ids 1,2,3 | --prompt TEXT) [--max-new-tokens N] [--temperature T] [--top-k K]
-                       [--top-p P] [--seed S] [--adapter A]
+    meganeura generate BUNDLE (--ids 1,2,3 ... | --prompt TEXT ... | --prompts-file FILE) [--max-new-tokens N]
+                       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--adapter A]
                                                           generate with a generation bundle (export_lm); print the
-                                                          ids (and text) and tokens per second
+                                                          ids (and text) and tokens per second; several prompts
+                                                          (repeated --ids or --prompt, or a file of one prompt a
+                                                          line) go through a batched bundle together
 
 Input files are read with ``numpy.load(..., allow_pickle=False)``. Errors print one line to stderr and exit 1.
 """
@@ -64,12 +66,16 @@ def _parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate token ids with a generation bundle",
                                    description="Generate with a bundle written by torch_meganeura.export_lm: print "
-                                               "the prompt and new ids (and text, with --prompt) and tokens/s.")
+                                               "the prompt and new ids (and text, with --prompt) and tokens/s. "
+                                               "Several prompts (up to the bundle's batch_size) are generated "
+                                               "together, each printed on lines of its own.")
     generate.add_argument("bundle", type=Path, help="generation bundle directory (written by export_lm)")
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--ids", help="the prompt's token ids, comma-separated")
-    prompt.add_argument("--prompt", help="the prompt as text: needs the bundle's tokenizer.json and the tokenizers "
-                                         "package")
+    prompt.add_argument("--ids", action="append", help="a prompt's token ids, comma-separated (repeat it for a batch)")
+    prompt.add_argument("--prompt", action="append", help="a prompt as text (repeat it for a batch): needs the "
+                                                          "bundle's tokenizer.json and the tokenizers package")
+    prompt.add_argument("--prompts-file", type=Path, help="a text file of prompts, one a line (blank lines skipped), "
+                                                          "generated together; needs the tokenizer as --prompt does")
     generate.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     generate.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
@@ -160,18 +166,38 @@ def generate_command(args) -> None:
     start = time.perf_counter()
     lm = load(args.bundle, adapter=args.adapter)
     loaded = time.perf_counter()
-    tokenizer = _tokenizer(lm) if args.prompt is not None else None
-    ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else _ids(args.ids)
-    out = lm.generate(np.asarray(ids, dtype=np.int64), args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    texts = _prompt_texts(args)
+    tokenizer = _tokenizer(lm) if texts is not None else None
+    prompts = [np.asarray(tokenizer.encode(t).ids if tokenizer is not None else _ids(t), dtype=np.int64)
+               for t in (texts if texts is not None else args.ids)]
+    batch = prompts if len(prompts) > 1 else prompts[0]
+    outs = lm.generate(batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed)
     stats = lm.stats
     print(f"adapter:  {lm.device.describe()}")
     print(f"load:     {1e3 * (loaded - start):.1f} ms (validate, pipelines, weights upload)")
     print(f"prefill:  {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tokens/s")
-    print(f"decode:   {stats.new_tokens} new tokens, {stats.decode_tokens_per_second:.1f} tokens/s")
-    print("ids:      " + ",".join(str(int(i)) for i in out))
-    if tokenizer is not None:
-        print("text:     " + tokenizer.decode(out.tolist()))
+    print(f"decode:   {stats.new_tokens} new tokens, {stats.decode_tokens_per_second:.1f} tokens/s"
+          + (f" (all {len(prompts)} prompts together)" if len(prompts) > 1 else ""))
+    for k, out in enumerate(outs if len(prompts) > 1 else [outs]):
+        tag = f"[{k}]" if len(prompts) > 1 else ""
+        print(f"{'ids' + tag + ':':<10}" + ",".join(str(int(i)) for i in out))
+        if tokenizer is not None:
+            print(f"{'text' + tag + ':':<10}" + tokenizer.decode(out.tolist()))
+
+
+def _prompt_texts(args) -> list[str] | None:
+    """The prompts as text (--prompt, --prompts-file), or None where they are ids (--ids)."""
+    if args.prompts_file is None:
+        return args.prompt
+    try:
+        lines = args.prompts_file.read_text().splitlines()
+    except OSError as err:
+        raise ValueError(f"--prompts-file {args.prompts_file}: {err.strerror}") from None
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+    return texts
 
 
 def _ids(text: str) -> list[int]:

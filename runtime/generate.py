@@ -3,15 +3,25 @@
 ``lm = load(path)`` (``model.load`` recognises a generation bundle), then ``lm.generate(prompt_ids,
 max_new_tokens)`` returns the prompt and the new ids as one int64 array; ``lm.stream(...)`` yields the new ids one
 by one. The weights go up once, shared by the prefill and decode programs, and the KV cache lives in device arrays
-that both bind: a decode step uploads a few numbers (the token, its position, the sampler's) and reads back one
-token id. Greedy (``temperature=0``) and temperature sampling choose on the device; ``top_k`` / ``top_p`` read the
-last row's scores back and sample on the host. ``seed`` makes sampling repeat (the device's random numbers are keyed
-by it too).
+that both bind: a decode step uploads a few numbers (the tokens, their position, the sampler's) and reads back the
+token ids. Greedy (``temperature=0``) and temperature sampling choose on the device; ``top_k`` / ``top_p`` read the
+last column's scores back and sample on the host. ``seed`` makes sampling repeat (the device's random numbers are
+keyed by it too).
 
 A prompt runs through prefill in chunks of the bundle's ``prefill_tokens``; the last chunk is the last
 ``prefill_tokens`` tokens of the prompt (its earlier ones are written again with the same keys and values), or, for a
 shorter prompt, the prompt padded at its end: the padding's cache slots lie after the prompt, unread until the
 decode steps write them.
+
+Batches: a bundle exported with ``batch_size=B`` generates for up to B prompts of any lengths together:
+``generate([prompt, ...], max_new_tokens)`` returns one array per prompt, and ``stream`` yields, per step, a list
+with each prompt's new id (None once that prompt has ended). The prompts are left-padded to the longest one, so that
+every row's prompt ends at the same cache slot and every row's new token goes to the same slot; ``prompt_start``
+tells the plans where each row's own tokens begin, and the model masks the padding out and counts each row's
+positions from its first token (``torch_meganeura.bundles.lm_export``): each row's tokens are the ones it would get
+alone. A row stops at its own end-of-sequence id; it is fed its last token again until the others end (its slot in
+the batch costs the same either way) and its outputs are dropped. A batch smaller than B is filled with one-token
+rows whose outputs are dropped.
 """
 from __future__ import annotations
 
@@ -22,21 +32,23 @@ import numpy as np
 
 from .device import Device
 from .errors import InputError
-from .lm_bundle import LMBundle, cache_name
+from .lm_bundle import PADDING_INPUT, LMBundle, cache_name
 from .program import Program
 from .requirements import check_requirements
 from .resident import DedicatedBuffers, DeviceArray
 
 _INT32 = np.iinfo(np.int32)
+FILLER_TOKEN = 0  # the id of left padding and of the one-token rows that fill a batch: masked out or dropped
 
 
 @dataclass
 class GenerationStats:
-    """Times of the last ``generate`` / ``stream``: prefill (the prompt) and decode (each new token after the
-    first), in seconds."""
+    """Times of the last ``generate`` / ``stream``: prefill (the prompts) and decode (each step after the first),
+    in seconds; token counts over every prompt of a batch (its filler rows and ended rows not counted)."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
+    decode_tokens: int = 0  # new tokens that decode steps made (all but each prompt's first)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: list = field(default_factory=list)
@@ -47,7 +59,7 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return len(self.decode_steps) / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class _Phase:
@@ -64,6 +76,7 @@ class _Phase:
         source = {e["plan_name"]: e["source"] for e in manifest["params"]}
         self.program.bind_params({t.buffer: weight_buffers[source[t.name]] for t in bundle.plan.params})
         self.length = next(e["shape"][1] for e in manifest["inputs"] if e["name"] == "input_ids")
+        self.prompt_start = self.inputs.get(PADDING_INPUT)
 
 
 class LanguageModel:
@@ -74,6 +87,7 @@ class LanguageModel:
             check_requirements(phase.manifest["requires"], device.features, device.limits, device.describe())
         self.path, self.manifest, self.device = bundle.path, bundle.manifest, device
         self.max_cache_len = bundle.manifest["max_cache_len"]
+        self.batch_size = bundle.manifest["batch_size"]
         self.vocab_size = bundle.manifest["vocab_size"]
         self.eos_token_ids = list(bundle.manifest["eos_token_ids"])
         self._buffers = DedicatedBuffers(device, "weight")
@@ -92,38 +106,69 @@ class LanguageModel:
         self._rng = np.random.default_rng()
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, eos_token_id=None) -> np.ndarray:
+                 top_p: float | None = None, seed: int | None = None, eos_token_id=None):
         """The prompt followed by up to ``max_new_tokens`` new ids (fewer where an end-of-sequence id comes: the
-        bundle's, or ``eos_token_id``), as an int64 array of shape [n]."""
+        bundle's, or ``eos_token_id``), as an int64 array of shape [n]. Given a list of prompts (at most the
+        bundle's ``batch_size``), a list of such arrays, one per prompt, each ending at its own end-of-sequence id."""
+        if _is_batch(prompt_ids):
+            prompts = self._prompts(prompt_ids)
+            new = [[] for _ in prompts]
+            for step in self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id):
+                for row, token in zip(new, step):
+                    if token is not None:
+                        row.append(token)
+            return [np.concatenate([p, np.asarray(n, dtype=np.int64)]) for p, n in zip(prompts, new)]
         prompt = _prompt(prompt_ids)
         new = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id))
         return np.concatenate([prompt, np.asarray(new, dtype=np.int64)])
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None, eos_token_id=None):
-        """An iterator of the new token ids, one by one (``generate``'s arguments, checked now)."""
-        prompt = _prompt(prompt_ids)
+        """An iterator of the new token ids, one by one (``generate``'s arguments, checked now); given a list of
+        prompts, of lists with each prompt's new id, None for a prompt that has ended."""
+        batch = _is_batch(prompt_ids)
+        prompts = self._prompts(prompt_ids) if batch else [_prompt(prompt_ids)]
         sampler = _Sampler(temperature, top_k, top_p, self.vocab_size)
-        self._check_length(len(prompt), max_new_tokens)
-        stops = set(self.eos_token_ids if eos_token_id is None else np.atleast_1d(eos_token_id).tolist())
-        return self._tokens(prompt, max_new_tokens, sampler, stops, seed)
+        self._check_length(max(len(p) for p in prompts), max_new_tokens)
+        stops = self.eos_token_ids if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
+        steps = self._tokens(prompts, max_new_tokens, sampler, set(stops), seed)
+        return steps if batch else (step[0] for step in steps)
 
-    def _tokens(self, prompt: np.ndarray, max_new_tokens: int, sampler: "_Sampler", stops: set, seed):
+    def _prompts(self, prompts) -> list[np.ndarray]:
+        """A batch's prompts, checked: at most the bundle's batch size, each a non-empty 1-D array of ids."""
+        if len(prompts) > self.batch_size:
+            raise InputError(f"{len(prompts)} prompts: this bundle generates for at most {self.batch_size} together "
+                             f"(export_lm's batch_size)")
+        checked = []
+        for k, prompt in enumerate(prompts):
+            try:
+                checked.append(_prompt(prompt))
+            except InputError as err:
+                raise InputError(f"prompt {k}: {err}") from None
+        return checked
+
+    def _tokens(self, prompts: list[np.ndarray], max_new_tokens: int, sampler: "_Sampler", stops: set, seed):
+        """Each step's new ids of ``prompts`` (a list, None where a prompt has ended)."""
         self._rng = np.random.default_rng(seed)
-        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        rows = _LeftPadded(prompts, self.batch_size)
+        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
         start = time.perf_counter()
-        token = self._prefill(prompt, sampler)
+        tokens = self._prefill(rows, sampler)
         self.stats.prefill_seconds = time.perf_counter() - start
-        position = len(prompt)
+        live = [True] * len(prompts)
+        position = rows.length
         for n in range(max_new_tokens):
-            self.stats.new_tokens += 1
-            yield token
-            if token in stops or n + 1 == max_new_tokens:
+            step = [int(t) if alive else None for t, alive in zip(tokens, live)]
+            self.stats.new_tokens += sum(live)
+            yield step
+            live = [alive and token not in stops for token, alive in zip(step, live)]
+            if not any(live) or n + 1 == max_new_tokens:
                 return
             began = time.perf_counter()
-            token = self._run("decode", np.array([[token]]), position, 0, sampler)
+            tokens = self._run("decode", tokens[:, None], position, 0, sampler, rows.starts)
             self.stats.decode_steps.append(time.perf_counter() - began)
             self.stats.decode_seconds += self.stats.decode_steps[-1]
+            self.stats.decode_tokens += sum(live)
             position += 1
 
     def _check_length(self, prompt: int, max_new_tokens: int) -> None:
@@ -134,21 +179,23 @@ class LanguageModel:
                              f"{prompt + max_new_tokens} "
                              f"cache positions; this bundle holds {self.max_cache_len} (export_lm's max_cache_len)")
 
-    def _prefill(self, prompt: np.ndarray, sampler: "_Sampler") -> int:
-        """Run the prompt through prefill in chunks; return the first new token."""
-        chunk = self._phases["prefill"].length
+    def _prefill(self, rows: "_LeftPadded", sampler: "_Sampler") -> np.ndarray:
+        """Run the prompts through prefill in chunks; return each row's first new token."""
+        chunk, ids = self._phases["prefill"].length, rows.ids
         start = 0
-        while start + chunk < len(prompt):
-            self._run("prefill", prompt[None, start:start + chunk], start, chunk - 1, sampler)
+        while start + chunk < rows.length:
+            self._run("prefill", ids[:, start:start + chunk], start, chunk - 1, sampler, rows.starts)
             start += chunk
-        if len(prompt) >= chunk:
-            return self._run("prefill", prompt[None, -chunk:], len(prompt) - chunk, chunk - 1, sampler)
-        padded = np.zeros((1, chunk), dtype=np.int64)
-        padded[0, :len(prompt)] = prompt
-        return self._run("prefill", padded, 0, len(prompt) - 1, sampler)
+        if rows.length >= chunk:
+            return self._run("prefill", ids[:, -chunk:], rows.length - chunk, chunk - 1, sampler, rows.starts)
+        padded = np.full((len(ids), chunk), FILLER_TOKEN, dtype=np.int64)
+        padded[:, :rows.length] = ids
+        return self._run("prefill", padded, 0, rows.length - 1, sampler, rows.starts)
 
-    def _run(self, phase_name: str, ids: np.ndarray, start: int, last: int, sampler: "_Sampler") -> int:
-        """One run of a phase at cache positions ``start``...; returns the token it chose (or the host sampler's)."""
+    def _run(self, phase_name: str, ids: np.ndarray, start: int, last: int, sampler: "_Sampler",
+             prompt_starts: np.ndarray) -> np.ndarray:
+        """One run of a phase at cache positions ``start``...; returns the token each row chose (or the host
+        sampler's)."""
         phase = self._phases[phase_name]
         length = ids.shape[1]
         feed = {phase.inputs["input_ids"]: ids.astype(np.int64),
@@ -156,6 +203,8 @@ class LanguageModel:
                 phase.inputs["last"]: np.array([last], dtype=np.int64),
                 phase.inputs["temperature"]: np.array([sampler.device_temperature], dtype=np.float32),
                 phase.inputs["sampling"]: np.array([sampler.device_sampling], dtype=np.float32)}
+        if phase.prompt_start is not None:
+            feed[phase.prompt_start] = prompt_starts
         if phase.rng_input:
             feed[phase.rng_input] = self._rng.integers(_INT32.min, _INT32.max, size=2, dtype=np.int32, endpoint=True)
         cache = {phase.inputs[n]: self._cache[n] for n in self._cache_names}
@@ -167,11 +216,11 @@ class LanguageModel:
                 self._cache[n] = new
         scores = results[phase.outputs["scores"]]
         if sampler.on_host:
-            token = sampler.sample(scores.numpy().reshape(-1), self._rng)
+            tokens = np.array([sampler.sample(row, self._rng) for row in scores.numpy().reshape(len(ids), -1)])
         else:
-            token = int(np.asarray(results[phase.outputs["token"]]).reshape(-1)[0])
+            tokens = np.asarray(results[phase.outputs["token"]]).reshape(-1).astype(np.int64)
         scores.release()
-        return token
+        return tokens
 
     def release(self) -> None:
         """Free the device memory of this model; it cannot generate afterwards."""
@@ -181,8 +230,28 @@ class LanguageModel:
             array.release()
 
     def __repr__(self) -> str:
-        return (f"<meganeura LanguageModel {self.path} ({self.max_cache_len} positions, vocabulary {self.vocab_size}) "
-                f"on {self.device.describe()}>")
+        batch = f", batches of {self.batch_size}" if self.batch_size > 1 else ""
+        return (f"<meganeura LanguageModel {self.path} ({self.max_cache_len} positions{batch}, vocabulary "
+                f"{self.vocab_size}) on {self.device.describe()}>")
+
+
+class _LeftPadded:
+    """Prompts as the bundle's rows: ``ids`` [batch, length], each prompt at the end of its row after
+    FILLER_TOKEN padding, ``starts`` [batch] where each row's own tokens begin; rows past the prompts hold one
+    filler token."""
+
+    def __init__(self, prompts: list[np.ndarray], batch: int):
+        self.length = max(len(p) for p in prompts)
+        self.ids = np.full((batch, self.length), FILLER_TOKEN, dtype=np.int64)
+        lengths = [len(p) for p in prompts] + [1] * (batch - len(prompts))
+        self.starts = self.length - np.asarray(lengths, dtype=np.int64)
+        for row, prompt in enumerate(prompts):
+            self.ids[row, self.starts[row]:] = prompt
+
+
+def _is_batch(prompt_ids) -> bool:
+    """A list or tuple of prompts (each a sequence of ids), as opposed to one prompt."""
+    return isinstance(prompt_ids, (list, tuple)) and any(np.ndim(p) > 0 for p in prompt_ids)
 
 
 def _prompt(prompt_ids) -> np.ndarray:
@@ -190,8 +259,8 @@ def _prompt(prompt_ids) -> np.ndarray:
     if prompt.ndim == 2 and prompt.shape[0] == 1:
         prompt = prompt[0]
     if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-        raise InputError(f"prompt_ids must be a non-empty 1-D array of token ids (or [1, n]), got "
-                         f"{prompt.dtype} of shape {prompt.shape}")
+        raise InputError(f"prompt_ids must be a non-empty 1-D array of token ids (or [1, n]; several prompts: a "
+                         f"list of them), got {prompt.dtype} of shape {prompt.shape}")
     return prompt.astype(np.int64)
 
 

@@ -9,11 +9,14 @@ Layout::
     prefill/              a bundle (``bundle``) of ``prefill_tokens`` tokens at a time, its weights shared
     decode/               a bundle of one token, its weights shared
 
-Both phases take ``input_ids`` [1, T] (int64), ``cache_position`` [T] (int64), ``last`` [1] (the row of the token
-to predict from), ``temperature`` [1] and ``sampling`` [1] (float32; 0 for greedy) and the cache (``cache_0``...:
-a key and a value tensor per layer, [1, kv heads, max_cache_len, head dim]); they return ``token`` [1] (int64: the
-argmax of the scores, with Gumbel noise where sampling), ``scores`` [1, vocab] (the last row's logits over the
-temperature) and the new cache, which the plans store over the old one. ``read_lm_bundle`` checks the
+Both phases take ``input_ids`` [B, T] (int64; B the manifest's ``batch_size``), ``cache_position`` [T] (int64, the
+same slots for every row), ``last`` [1] (the column of the token to predict from), ``temperature`` [1] and
+``sampling`` [1] (float32; 0 for greedy) and the cache (``cache_0``...: a key and a value tensor per layer,
+[B, kv heads, max_cache_len, head dim]), and where B > 1, ``prompt_start`` [B] (int64: the cache slot of each
+row's first token; the rows are left-padded to a common end, their padding masked out); they return ``token`` [B]
+(int64: the argmax of the scores, with Gumbel noise where sampling), ``scores`` [B, vocab] (the last column's
+logits over the temperature) and the new cache, which the plans store over the old one. Version 2 added
+``batch_size`` and ``prompt_start``. ``read_lm_bundle`` checks the
 manifest and every file's SHA-256 (``manifest``, as a deploy bundle's), both phases (``read_bundle``) and that they
 agree with the manifest on the cache.
 """
@@ -30,14 +33,16 @@ from .errors import BundleError
 from .manifest import Format, check_file_list, check_keys, read_files, read_manifest, sha256
 
 FORMAT_NAME = "meganeura-lm"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "lm.json"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 PHASES = ("prefill", "decode")
 INPUTS = ("input_ids", "cache_position", "last", "temperature", "sampling")  # then the cache
+PADDING_INPUT = "prompt_start"  # after the cache, where batch_size > 1
 OUTPUTS = ("token", "scores")  # then the new cache
-MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "max_cache_len": int, "prefill_tokens": int,
+MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "max_cache_len": int, "batch_size": int,
+                 "prefill_tokens": int,
                  "vocab_size": int, "eos_token_ids": list, "cache": list, "weights": list,
                  "tokenizer": (str, type(None)), "files": dict}
 FORMAT = Format(FORMAT_NAME, FORMAT_VERSION, MANIFEST, MANIFEST_KEYS, "generation bundle", "torch_meganeura.export_lm")
@@ -69,7 +74,7 @@ def cache_name(i: int) -> str:
 def write_lm_bundle(path, phases: dict, weights: dict[str, np.ndarray], dtypes: dict[str, str], meta: dict,
                     tokenizer: bytes | None = None, overwrite: bool = False) -> dict:
     """Write a generation bundle. ``phases``: phase name -> (plan, description) with shared params; ``weights``:
-    host forms by state dict name, of logical ``dtypes``; ``meta``: producer, max_cache_len, prefill_tokens,
+    host forms by state dict name, of logical ``dtypes``; ``meta``: producer, max_cache_len, batch_size, prefill_tokens,
     vocab_size, eos_token_ids, cache. lm.json is written last."""
     path = Path(path)
     prepare_directory(path, overwrite, MANIFEST)
@@ -118,7 +123,10 @@ def read_lm_bundle(path) -> LMBundle:
 
 
 def _check_manifest(manifest: dict) -> None:
-    """The manifest's prefill length, tokenizer and file list (its keys and their types checked before)."""
+    """The manifest's batch size, prefill length, tokenizer and file list (its keys and their types checked
+    before)."""
+    if manifest["batch_size"] < 1:
+        raise BundleError(f"{MANIFEST}: batch_size {manifest['batch_size']} must be at least 1")
     if not 0 < manifest["prefill_tokens"] <= manifest["max_cache_len"]:
         raise BundleError(f"{MANIFEST}: prefill_tokens {manifest['prefill_tokens']} must lie in 1..max_cache_len")
     expected = {WEIGHTS_FILE} | ({TOKENIZER_FILE} if manifest["tokenizer"] is not None else set())
@@ -130,15 +138,17 @@ def _check_manifest(manifest: dict) -> None:
 def _check_phase(manifest: dict, phase: str, bundle_manifest: dict) -> None:
     """A phase takes and returns what the module docstring says, its cache as the manifest's, at its length."""
     length = manifest["prefill_tokens"] if phase == "prefill" else 1
+    batch = manifest["batch_size"]
     cache = [cache_name(i) for i in range(len(manifest["cache"]))]
+    padding = [PADDING_INPUT] if batch > 1 else []
     inputs = {e["name"]: e for e in bundle_manifest["inputs"]}
     outputs = {e["name"]: e for e in bundle_manifest["outputs"]}
-    if list(inputs) != [*INPUTS, *cache] or list(outputs) != [*OUTPUTS, *cache]:
+    if list(inputs) != [*INPUTS, *cache, *padding] or list(outputs) != [*OUTPUTS, *cache]:
         raise BundleError(f"phase {phase} takes {list(inputs)} and returns {list(outputs)}, expected "
-                          f"{[*INPUTS, 'cache_0...']} and {[*OUTPUTS, 'cache_0...']}")
-    if inputs["input_ids"]["shape"] != [1, length]:
+                          f"{[*INPUTS, 'cache_0...', *padding]} and {[*OUTPUTS, 'cache_0...']}")
+    if inputs["input_ids"]["shape"] != [batch, length]:
         raise BundleError(f"phase {phase} takes input_ids of shape {inputs['input_ids']['shape']}, expected "
-                          f"[1, {length}]")
+                          f"[{batch}, {length}]")
     for name, entry in zip(cache, manifest["cache"]):
         for side in (inputs[name], outputs[name]):
             if (side["shape"], side["dtype"]) != (entry["shape"], entry["dtype"]):

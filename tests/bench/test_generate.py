@@ -1,5 +1,5 @@
 """bench.generate at smoke scale: every row's greedy tokens equal eager's (the backend's with both caches among
-them), and the report is written."""
+them, and the batched bundle's, each prompt's with that prompt alone), and the report is written."""
 import json
 
 from bench import generate
@@ -7,14 +7,18 @@ from bench import generate
 
 def test_generate_benchmark_smoke(tmp_path):
     out = tmp_path / "generate"
-    assert generate.main(["--out", str(out), "--smoke", "--new-tokens", "12", "--max-cache-len", "32"]) == 0
+    assert generate.main(["--out", str(out), "--smoke", "--new-tokens", "12", "--max-cache-len", "32",
+                          "--batch", "3"]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
-    rows = {(r["competitor"], r["cache"]): r for r in result["rows"]}
-    assert set(rows) == {("torch-cpu-eager", "dynamic"), ("torch-cpu-eager", "static"),
-                         ("meganeura-backend", "dynamic"), ("meganeura-backend", "static"),
-                         ("meganeura-bundle", "static")}
+    rows = {(r["competitor"], r["cache"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {("torch-cpu-eager", "dynamic", 1), ("torch-cpu-eager", "static", 1),
+                         ("meganeura-backend", "dynamic", 1), ("meganeura-backend", "static", 1),
+                         ("meganeura-bundle", "static", 1), ("meganeura-bundle", "static", 3)}
     assert all(r["equal"] for r in rows.values()), rows
-    bundle = rows["meganeura-bundle", "static"]
+    bundle = rows["meganeura-bundle", "static", 1]
     assert bundle["bundle_bytes"] > 0 and len(bundle["decode_by_context"]) == 11  # the first token is prefill's
-    assert "| meganeura-bundle | static |" in out.with_suffix(".md").read_text()
-    assert len(rows["meganeura-backend", "dynamic"]["decode_by_context"]) == 11
+    batched = rows["meganeura-bundle", "static", 3]
+    assert result["batch_speedup"] == batched["tokens_per_second"] / bundle["tokens_per_second"]
+    report = out.with_suffix(".md").read_text()
+    assert "| meganeura-bundle | static | 1 |" in report and "| meganeura-bundle | static | 3 |" in report
+    assert len(rows["meganeura-backend", "dynamic", 1]["decode_by_context"]) == 11

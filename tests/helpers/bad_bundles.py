@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from meganeura.runtime import bundle, lm_bundle
+
 
 @dataclass(frozen=True)
 class Kind:
@@ -20,10 +22,12 @@ class Kind:
     kind: str  # the kind's name in messages
     writer: str  # the function that writes one
     kernels: str  # a folder of kernels, relative to the bundle
+    version: int  # the format version this runtime reads
 
 
-DEPLOY = Kind("manifest.json", "meganeura-bundle", "bundle", "torch_meganeura.export", "kernels")
-GENERATION = Kind("lm.json", "meganeura-lm", "generation bundle", "torch_meganeura.export_lm", "decode/kernels")
+DEPLOY = Kind("manifest.json", "meganeura-bundle", "bundle", "torch_meganeura.export", "kernels", bundle.FORMAT_VERSION)
+GENERATION = Kind("lm.json", "meganeura-lm", "generation bundle", "torch_meganeura.export_lm", "decode/kernels",
+                  lm_bundle.FORMAT_VERSION)
 
 
 def edit_manifest(path: Path, kind: Kind, edit) -> None:
@@ -55,8 +59,8 @@ SHARED = {
     "another format": (lambda p, k: edit_manifest(p, k, lambda m: m.update(format="meganeura-other")),
                        "{manifest} does not describe a {format}"),
     "wrong format version": (lambda p, k: edit_manifest(p, k, lambda m: m.update(format_version=99)),
-                             "format version 99 is not supported: this runtime reads version 1; export the model "
-                             "again ({writer}) with a matching torch-meganeura"),
+                             "format version 99 is not supported: this runtime reads version {version}; export the "
+                             "model again ({writer}) with a matching torch-meganeura"),
     "manifest without a key": (lambda p, k: edit_manifest(p, k, lambda m: m.pop("producer")),
                                "{manifest} has no 'producer'"),
     "key of the wrong type": (lambda p, k: edit_manifest(p, k, lambda m: m.update(producer=[])),
@@ -77,4 +81,5 @@ SHARED = {
 
 def expected(case: str, kind: Kind) -> str:
     """The message ``SHARED[case]`` must raise on a bundle of ``kind``."""
-    return SHARED[case][1].format(manifest=kind.manifest, format=kind.format, kind=kind.kind, writer=kind.writer)
+    return SHARED[case][1].format(manifest=kind.manifest, format=kind.format, kind=kind.kind, writer=kind.writer,
+                                 version=kind.version)
