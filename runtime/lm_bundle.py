@@ -45,7 +45,15 @@ MANIFEST_KEYS = {"format": str, "format_version": int, "producer": dict, "max_ca
                  "prefill_tokens": int,
                  "vocab_size": int, "eos_token_ids": list, "cache": list, "weights": list,
                  "tokenizer": (str, type(None)), "files": dict}
-FORMAT = Format(FORMAT_NAME, FORMAT_VERSION, MANIFEST, MANIFEST_KEYS, "generation bundle", "torch_meganeura.export_lm")
+
+
+def _from_version_1(manifest: dict) -> dict:
+    """A version-1 manifest (before batched bundles) as version 2: its plans take one row and no ``prompt_start``."""
+    return {**manifest, "format_version": FORMAT_VERSION, "batch_size": 1}
+
+
+FORMAT = Format(FORMAT_NAME, FORMAT_VERSION, MANIFEST, MANIFEST_KEYS, "generation bundle", "torch_meganeura.export_lm",
+                upgrades={1: _from_version_1})
 
 
 @dataclass(frozen=True)

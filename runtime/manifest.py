@@ -2,7 +2,8 @@
 bundle): a directory whose JSON manifest names its format and version, holds keys of known types and lists every
 other file with its SHA-256.
 
-``read_manifest`` checks the manifest (present, JSON, this format, this version, every key of its type);
+``read_manifest`` checks the manifest (present, JSON, this format, this version or an older one it upgrades, every
+key of its type);
 ``check_file_list`` the files it lists against those the kind expects; ``read_files`` reads each listed file and
 checks it against its hash. Each kind adds its own checks. Only JSON and bytes are read here (no pickle); every
 failure raises ``BundleError`` with the problem, which the kind's reader prefixes with the bundle's path.
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from .errors import BundleError
@@ -26,6 +28,8 @@ class Format:
     keys: dict  # manifest key -> type (or tuple of types)
     kind: str  # the bundle kind in messages: "bundle", "generation bundle"
     writer: str  # the function that writes one: the hint of a missing manifest or an old version
+    # older "format_version" -> what makes its manifest this version's (the keys added since, at their old meaning)
+    upgrades: dict[int, Callable[[dict], dict]] = field(default_factory=dict)
 
 
 def sha256(data: bytes) -> str:
@@ -33,8 +37,8 @@ def sha256(data: bytes) -> str:
 
 
 def read_manifest(path: Path, form: Format) -> dict:
-    """The manifest of the bundle at ``path``, checked: present, JSON, of ``form``'s format and version, every key
-    of ``form.keys`` there with its type."""
+    """The manifest of the bundle at ``path``, checked: present, JSON, of ``form``'s format and version (an older
+    version that ``form`` upgrades is read as this one), every key of ``form.keys`` there with its type."""
     file = path / form.manifest
     if not file.is_file():
         raise BundleError(f"no {form.manifest} (a {form.kind} is a directory written by {form.writer})")
@@ -47,6 +51,8 @@ def read_manifest(path: Path, form: Format) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != form.name:
         raise BundleError(f"{form.manifest} does not describe a {form.name}")
     version = manifest.get("format_version")
+    if version in form.upgrades:
+        manifest, version = form.upgrades[version](manifest), form.version
     if version != form.version:
         raise BundleError(f"format version {version!r} is not supported: this runtime reads version {form.version}; "
                           f"export the model again ({form.writer}) with a matching torch-meganeura")

@@ -135,6 +135,18 @@ def test_bad_bundles_are_refused_by_name(exported, tmp_path):
         load(broken)
 
 
+def test_a_bundle_of_format_version_1_still_generates(exported, tmp_path):
+    """A generation bundle written before batched bundles (lm.json version 1: no ``batch_size``) is read as a
+    one-row bundle and gives the tokens it gave."""
+    _, path = exported
+    old = Path(shutil.copytree(path, tmp_path / "v1"))
+    manifest = json.loads((old / "lm.json").read_text())
+    del manifest["batch_size"]
+    (old / "lm.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    prompt = np.arange(3, 11)
+    assert load(old).generate(prompt, 8).tolist() == load(path).generate(prompt, 8).tolist()
+
+
 def test_cli_generate_prints_ids_and_rates(exported, capsys):
     model, path = exported
     prompt = torch.randint(0, 128, (1, 6))
