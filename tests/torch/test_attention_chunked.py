@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import meganeura.kernels.attention.chunked as chunked_kernels
 import meganeura.kernels.attention.plans as attention_plans
-from helpers.compare import assert_within_eager_error, check_gradients_against_eager
+from helpers.compare import assert_same, assert_within_eager_error, check_gradients_against_eager
 from meganeura.kernels.attention.plans import (AttentionShape, BlockPlan, ChunkedPlan, FlashPlan,
                                                chunked_shared_bytes, forward_plan)
 
@@ -131,3 +131,19 @@ def test_chunked_plans_fit_their_limits(d, limits):
     assert plan.rows // 4 * attention_plans.FLASH_KEY_GROUPS <= limits["max-compute-invocations-per-workgroup"]
     too_wide = AttentionShape(2, 4, 4, 300, 300, 160, 160, 0.1, False, False)
     assert attention_plans.chunked_plan(too_wide, limits) is None
+
+
+def test_chunked_forward_on_a_device_held_to_webgpu_default_limits(monkeypatch, chunked_only):
+    """Under ``MEGANEURA_LIMITS=webgpu-default`` (a device created with WebGPU's default limits, which wgpu enforces
+    when it builds the pipeline) a head size of 128 over 100 rows runs the chunked forward, within 16 KiB of
+    workgroup storage and without subgroups or f16, and matches eager."""
+    from meganeura.runtime.device import LIMITS_ENV
+
+    monkeypatch.setenv(LIMITS_ENV, "webgpu-default")
+    fn, q, k, v = _inputs(128, 100, 90, "causal")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(fn, backend="meganeura")(q, k, v)
+    assert chunked_only and all(chunked_shared_bytes(shape, plan.rows, plan.d_chunk, plan.v_chunk) <= WEBGPU_STORAGE
+                                for shape, plan in chunked_only)
+    assert_same(got, fn(q, k, v), rtol=RTOL, atol=ATOL, rel=REL)
