@@ -9,6 +9,10 @@ to its 4 rows x 4 keys of scores in registers. The probabilities go to workgroup
 of the tile's value rows (``plan.v_chunk`` keys) staged in the same area, each thread owning 4 rows x its vec4
 columns of the output. One pass over the keys; the query rows are read again for each key tile (what the resident
 block saves, at the cost of workgroup storage), nothing else is recomputed.
+
+On lavapipe (a CPU driver on 2 shared cores, no GPU figure; seconds a call): 4 heads x 512 x 64 at WebGPU's 16 KiB,
+the blocked forward 0.74, this one 0.46 (the flash forward at lavapipe's 32 KiB 0.36); 4 heads x 512 x 128 fused,
+the per-row kernel 6.7, this one 0.58 (the unfused path, which the lowering picks for that shape, 1.0).
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""Attention planners: which form runs a pass (flash, blocked or per row), how many rows a workgroup takes, and how
-many slices the other sequence is cut into; with the constants they weigh and the scratch the slices need.
+"""Attention planners: which form runs a pass (flash, chunked flash, blocked or per row), how many rows a workgroup
+takes, and how many slices the other sequence is cut into; with the constants they weigh and the scratch the slices
+need.
 
-The flash forward runs where ``flash_plan`` gives a plan, else the blocked form where ``block_plan`` does, else the
-per-row kernel. A pass cut into slices (``splits`` above 1) writes per-slice partial results to scratch laid out
-as ``partial_layout`` says; a second dispatch (``merge``) merges them.
+The forward runs flash where ``flash_plan`` gives a plan, else chunked flash where ``chunked_plan`` does (long query
+sequences), else the blocked form where ``block_plan`` does, else the per-row kernel (``forward_plan``); the
+gradient passes blocked or per row. A pass cut into slices (``splits`` above 1) writes per-slice partial results to
+scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them.
 """
 from __future__ import annotations
 
