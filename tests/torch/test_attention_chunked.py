@@ -147,3 +147,19 @@ def test_chunked_forward_on_a_device_held_to_webgpu_default_limits(monkeypatch, 
     assert chunked_only and all(chunked_shared_bytes(shape, plan.rows, plan.d_chunk, plan.v_chunk) <= WEBGPU_STORAGE
                                 for shape, plan in chunked_only)
     assert_same(got, fn(q, k, v), rtol=RTOL, atol=ATOL, rel=REL)
+
+
+def test_chunked_forward_over_a_symbolic_key_length(chunked_only):
+    """A fixed block of 70 query rows over key lengths that change between calls: after the second length the key
+    length is symbolic, and one chunked kernel (its key slices sized when the plan runs) serves every length."""
+    from meganeura.kernels.sizes import is_size
+
+    fn = _inputs(128, 70, 80, "plain")[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="meganeura")
+    q = torch.randn(1, 2, 70, 128)
+    for length in (80, 100, 130):
+        k, v = torch.randn(1, 2, length, 128), torch.randn(1, 2, length, 128)
+        with torch.no_grad():
+            assert_same(compiled(q, k, v), fn(q, k, v), rtol=RTOL, atol=ATOL, rel=REL, what=f"{length} keys")
+    assert any(is_size(shape.lk) and not is_size(shape.lq) for shape, _ in chunked_only)
