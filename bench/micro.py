@@ -1,5 +1,5 @@
-"""Micro benchmarks: f32 matmul, a fused pointwise chain and a copy (the bandwidth roof), a row reduction, and the
-host cost per dispatch of plan replay.
+"""Micro benchmarks: f32 matmul, f32 attention, a fused pointwise chain and a copy (the bandwidth roof), a row
+reduction, and the host cost per dispatch of plan replay.
 
 Each matmul size is timed twice: one product per call (its latency: the launch and the wait count in full), and, for
 sizes up to ``BACK_TO_BACK_MAX``, ``BACK_TO_BACK`` independent products (no operand shared) per call, issued back to
@@ -16,6 +16,9 @@ two CUDA events recorded on its stream (the kernels of a call and any gaps betwe
 The dispatch chain reports the wall time per dispatch (host and GPU: a chain of dependent dispatches is bound by
 whichever is slower) and, for meganeura, the host's share alone: recording and submitting, before the wait.
 PyTorch's side calls the same function on resident tensors (CPU, and CUDA where present, synchronised).
+Each attention shape (``ATTENTION_SHAPES``: ``F.scaled_dot_product_attention`` on one batch, PyTorch's SDPA on its
+side) has a second row, meganeura's alone, whose plan is compiled for WebGPU's default workgroup storage
+(``PORTABLE_STORAGE``): the kernel a portable bundle runs, on the same adapter.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .turns import RUN_LENGTH, take_turns
@@ -33,6 +37,11 @@ BACK_TO_BACK = 8  # products per call in a matmul throughput row
 BACK_TO_BACK_MAX = 2048  # sizes up to this get a throughput row
 GPU_CALLS = 10  # calls timed on the GPU per row, after the timed turns (their median is the row's GPU time)
 COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager")  # (a plan replay has no resident/compiled form)
+# (heads, sequence length, head size, causal) of a batch-1 f32 self-attention: Whisper-tiny's encoder (1,500 frames),
+# and a head size of 128 (an LLM's) over 2,048 causal tokens (scores past the unfused path's 64 MiB: fused). FLOPs
+# counted: 4 * heads * length^2 * head size (two products), half of it where causal.
+ATTENTION_SHAPES = ((6, 1500, 64, False), (8, 2048, 128, True))
+PORTABLE_STORAGE = 16384  # WebGPU's default max-compute-workgroup-storage-size: the second row of each shape
 
 
 @dataclass
@@ -54,8 +63,9 @@ class MicroResult:
     error: str | None = None
 
 
-def _device_call(fn, args):
-    """Callables that replay ``fn``'s plan on the device and that return its outputs; its dispatch count."""
+def _device_call(fn, args, storage: int | None = None):
+    """Callables that replay ``fn``'s plan on the device and that return its outputs; its dispatch count. With
+    ``storage``, the plan is compiled (untuned) for that workgroup storage limit instead of the device's."""
     from meganeura.runtime.device import get_device
     from meganeura.runtime.program import Program
     from torch_meganeura.lower.fx_lowering import lower_graph
@@ -64,7 +74,8 @@ def _device_call(fn, args):
     gm = make_fx(fn)(*args)
     lowered = lower_graph(gm, list(args), set(range(len(args))))
     device = get_device()
-    plan, _, _ = compile_plan(lowered.graph, device, tuning_enabled(None))  # tuned under bench --tune
+    limits = None if storage is None else dict(device.limits, **{"max-compute-workgroup-storage-size": storage})
+    plan, _, _ = compile_plan(lowered.graph, device, tuning_enabled(None), limits=limits)  # tuned under bench --tune
     outputs = [t.name for t in plan.outputs]
     program = Program(device, plan, resident_outputs=outputs)
     program.upload_params({name: args[i].numpy() for i, name in lowered.params})
@@ -91,9 +102,9 @@ def _timed(call, sync) -> float:
 
 
 def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: int, repeats: int,
-            run_length: int = RUN_LENGTH) -> list[MicroResult]:
+            run_length: int = RUN_LENGTH, storage: int | None = None) -> list[MicroResult]:
     """Time ``fn(*args)`` for each competitor, in turns of ``run_length`` calls; ``amount`` is the FLOPs or bytes of
-    one call."""
+    one call. ``storage``: meganeura's plan compiled for that workgroup storage limit (``_device_call``)."""
     from .gates import rel_l2
 
     want = _flat(fn(*args))
@@ -102,7 +113,7 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
         res = MicroResult(name, competitor, work)
         results.append(res)
         try:
-            call, sync, result, res.dispatches, host_ms, gpu_ms = _prepare(competitor, fn, args)
+            call, sync, result, res.dispatches, host_ms, gpu_ms = _prepare(competitor, fn, args, storage)
             res.correct = rel_l2(result(), want) < 1e-3
             timed.append((res, call, sync, host_ms, gpu_ms))
         except Exception as err:  # noqa: BLE001 - reported per competitor
@@ -132,13 +143,13 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
     return results
 
 
-def _prepare(competitor: str, fn, args):
+def _prepare(competitor: str, fn, args, storage: int | None = None):
     """(call, sync, result, dispatches per call or None, host ms of the last call or None, GPU timer or None) of one
     competitor; the GPU timer ``gpu_ms(calls)`` makes that many calls and returns each one's GPU milliseconds."""
     if competitor == "meganeura":
         from meganeura.runtime.device import get_device
 
-        run, result, dispatches, host_ms = _device_call(fn, args)  # (its outputs stay on the device: it returns
+        run, result, dispatches, host_ms = _device_call(fn, args, storage)  # (outputs stay on the device: it returns
         device = get_device()                                      # once submitted, and is waited for here)
         timer = (lambda calls: _profiled_ms(device, run, calls)) if "timestamp-query" in device.features else None
         return run, device.synchronize, result, dispatches, host_ms, timer
@@ -204,14 +215,49 @@ def _row_sum(x):
     return x.sum(dim=-1)
 
 
+def _attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _causal_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def parse_attention_shapes(text: str) -> tuple:
+    """``ATTENTION_SHAPES`` from ``"6x1500x64,8x1024x128c"`` (``bench --attention-shapes``)."""
+    shapes = []
+    for item in filter(None, text.split(",")):
+        causal = item.endswith("c")
+        heads, length, d = (int(n) for n in item.rstrip("c").split("x"))
+        shapes.append((heads, length, d, causal))
+    return tuple(shapes)
+
+
+def attention_rows(shapes, timing, gen) -> list[MicroResult]:
+    """Each attention shape's row (every competitor) and its row at WebGPU's default workgroup storage
+    (meganeura's alone)."""
+    results = []
+    for heads, length, d, causal in shapes:
+        args = tuple(torch.randn(1, heads, length, d, generator=gen) for _ in range(3))
+        name = f"attention {heads}x{length}x{d}" + (" causal" if causal else "")
+        fn = _causal_attention if causal else _attention
+        flops = 4.0 * heads * length * length * d / (2 if causal else 1)
+        competitors, *rest = timing
+        results += measure(name, fn, args, "GFLOP/s", flops, *timing)
+        if "meganeura" in competitors:
+            results += measure(f"{name} at {PORTABLE_STORAGE // 1024} KiB", fn, args, "GFLOP/s", flops, ["meganeura"],
+                               *rest, storage=PORTABLE_STORAGE)
+    return results
+
+
 def _dispatch_chain(x, w):
     for _ in range(DISPATCH_CHAIN):
         x = x @ w  # a matmul per step: nothing fuses, every step is a dispatch
     return x
 
 
-def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: int, run_length: int = RUN_LENGTH
-            ) -> list[MicroResult]:
+def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: int, run_length: int = RUN_LENGTH,
+            attention_shapes=ATTENTION_SHAPES) -> list[MicroResult]:
     """Every micro benchmark; ``stream_mib`` sizes the pointwise, copy and reduction inputs."""
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -223,6 +269,7 @@ def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: in
             operands = tuple(torch.randn(n, n, generator=gen) for _ in range(2 * BACK_TO_BACK))
             results += measure(f"matmul {n} x{BACK_TO_BACK} back to back", _matmuls, operands, "GFLOP/s",
                                2.0 * n**3 * BACK_TO_BACK, *timing)
+    results += attention_rows(attention_shapes, timing, gen)
     numel = stream_mib * (1 << 20) // 4
     x = torch.randn(numel, generator=gen)
     for name, fn in ((f"pointwise chain {stream_mib} MiB", _pointwise_chain), (f"copy {stream_mib} MiB", _copy)):

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
     p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
     p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
+    p.add_argument("--attention-shapes", default="6x1500x64,8x2048x128c",
+                   help="micro: f32 self-attentions HEADSxLENGTHxHEADSIZE, a final 'c' for causal; '' for none")
     p.add_argument("--note", default="", help="a remark on the conditions of this run, shown in the report")
     p.add_argument("--merge", action="store_true",
                    help="add to an existing results file (cells of the same workload, mode and competitor "
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
         sizes = [int(n) for n in args.matmul_sizes.split(",") if n]
         micro_competitors = [c for c in competitors if c in micro.COMPETITORS]
         done = micro.run_all(micro_competitors, sizes, args.stream_mib, args.warmup, args.repeats,
-                             args.run_length)
+                             args.run_length, micro.parse_attention_shapes(args.attention_shapes))
         result["micro"] = [dataclasses.asdict(m) for m in done]
         for m in done:
             rate = f"{m.rate:10.1f} {m.work}" if m.rate is not None else m.error

@@ -6,21 +6,26 @@ head inside the load), optionally ``load_bias(b, h, i, j)`` (an additive mask), 
 ``load_dout(b, h, i, c)``, ``load_lse(b, h, i)`` and ``load_delta(b, h, i)`` (delta = rowsum(dout * out)).
 Outputs are written contiguously into the arrays named by the caller.
 
-Three passes (forward, grad_q, grad_kv), each in two forms, and the forward in a third:
+Three passes (forward, grad_q, grad_kv), each in two forms, and the forward in two more:
   ``blocked``/``blocked_grad``  a block of rows per workgroup, one row per thread, tiles of the other sequence in
                                 workgroup memory (head sizes up to d + dv = 160);
   ``per_row``                   one workgroup per row (otherwise);
-  ``flash``                     the forward, register-tiled (head sizes up to ``plans.FLASH_MAX_HEAD``).
+  ``flash``                     the forward, register-tiled, its block of query rows resident in workgroup memory
+                                (head sizes up to ``plans.FLASH_MAX_HEAD``, where the workgroup storage holds it);
+  ``chunked``                   the flash forward's register tiles over chunks of the head size and of the value
+                                tile, for long query sequences where ``flash`` does not fit (WebGPU's 16 KiB; head
+                                sizes up to ``plans.CHUNKED_MAX_HEAD``).
 Where row blocks are too few to fill the GPU, the other sequence is cut into slices whose partial results a second
-dispatch merges (``merge``). ``plans`` picks the form, rows per workgroup and slices; ``dispatch`` assembles a
-pass's dispatches; ``common`` holds the WGSL pieces the passes share. (Modules: ``blocked``, ``blocked_grad``,
-``per_row``, ``flash``, ``merge``, ``plans``, ``dispatch``, ``common``.)
+dispatch merges (``merge``). ``plans`` picks the form (``forward_plan``: flash, chunked, blocked, per row), rows per
+workgroup and slices; ``dispatch`` assembles a pass's dispatches; ``common`` holds the WGSL pieces the passes share.
+(Modules: ``blocked``, ``blocked_grad``, ``per_row``, ``flash``, ``chunked``, ``merge``, ``plans``, ``dispatch``,
+``common``.)
 
 A score at or below ``MASKED`` (an additive mask of -inf or the dtype's minimum) counts as masked out; a row with
 every score masked outputs zeros (like PyTorch's math attention).
 
 Tests that switch a form off patch the module that reads the name: ``plans.FLASH_MAX_HEAD``,
-``flash.flash_forward``.
+``plans.CHUNKED_MAX_HEAD``, ``flash.flash_forward``, ``chunked.chunked_forward``.
 """
 from .common import MASKED
 from .dispatch import attention_kernel

@@ -1,12 +1,12 @@
-"""``attention_kernel``: the dispatches of one attention pass, in the form its plan picks (flash forward, blocked or
-per row), followed by the merge where the pass is cut into slices."""
+"""``attention_kernel``: the dispatches of one attention pass, in the form its plan picks (flash forward, chunked flash
+forward, blocked or per row), followed by the merge where the pass is cut into slices."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 from ..sizes import concrete
-from . import blocked, blocked_grad, flash, merge, per_row
-from .plans import AttentionShape, block_plan, flash_plan
+from . import blocked, blocked_grad, chunked, flash, merge, per_row
+from .plans import AttentionShape, BlockPlan, ChunkedPlan, FlashPlan, block_plan, forward_plan
 
 
 def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
@@ -15,14 +15,16 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
     names the output arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv. Where
     ``attention_splits`` is above 1 and ``partial`` names the scratch array, there are two dispatches: the
     slices, then their merge; with no ``partial`` (the scheduler had no storage binding left for it) one, unsliced."""
-    plan = flash_plan(shape, limits) if kind == "forward" else None
-    if plan is not None:
+    plan = forward_plan(shape, limits) if kind == "forward" else block_plan(shape, kind, limits)
+    if plan is None:  # (its sizes concrete: a dynamic graph's plan then holds for these alone)
+        concrete_shape = replace(shape, batch=concrete(shape.batch), lq=concrete(shape.lq), lk=concrete(shape.lk))
+        return [per_row.per_row_kernel(prelude, kind, concrete_shape, outs, limits)]
+    if isinstance(plan, FlashPlan):
         generate = flash.flash_forward  # read at call time: tests swap it for a spy
+    elif isinstance(plan, ChunkedPlan):
+        generate = chunked.chunked_forward
     else:
-        plan = block_plan(shape, kind, limits)
-        if plan is None:  # (its sizes concrete: a dynamic graph's plan then holds for these alone)
-            concrete_shape = replace(shape, batch=concrete(shape.batch), lq=concrete(shape.lq), lk=concrete(shape.lk))
-            return [per_row.per_row_kernel(prelude, kind, concrete_shape, outs, limits)]
+        assert isinstance(plan, BlockPlan)
         generate = {"forward": blocked.blocked_forward, "grad_q": blocked_grad.blocked_grad_q,
                     "grad_kv": blocked_grad.blocked_grad_kv}[kind]
     if plan.splits > 1 and partial is None:

@@ -38,9 +38,6 @@ def flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashP
     blocks = s.batch * s.heads * ceil_div(s.lq, plan.rows)
     grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     cols = range(per_thread)
-    sum_stores = "\n".join(f"  ex[{_row(r, groups)} * EXS + kg] = l[{r}];" for r in ROWS4)
-    sums = "\n".join(f"  for (var g = 0u; g < KG; g++) {{ total[{r}] = total[{r}] + ex[{_row(r, groups)} * EXS + g]; }}"
-                     for r in ROWS4)
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     o_regs = "\n".join(f"  var o{r}_{w} = vec4<f32>();" for r in ROWS4 for w in cols)
     kernel = _header(s, plan, blocks, grid) + f"""
@@ -58,12 +55,8 @@ def flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashP
     workgroupBarrier();
 {_key_tile(s, plan)}
   }}
-  workgroupBarrier();
-{sum_stores}
-  workgroupBarrier();
-  var total = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
-{sums}
-{_stores(s, plan, outs, partial, cols)}
+{row_totals(groups)}
+{stores(s, plan, outs, partial, cols)}
 }}
 """
     return prelude + "\n" + vec4_loaders(prelude, s, "q", "k", "v") + kernel, grid
@@ -90,12 +83,25 @@ var<workgroup> ex: array<f32, {plan.rows * (kg + 1)}>;
 """
 
 
-def _row(r: int, groups: int) -> str:
+def row_totals(groups: int) -> str:
+    """WGSL: after the last key tile, each row's sum of probabilities (``total``), added up from the threads'
+    partial sums through ``ex``."""
+    stores = "\n".join(f"  ex[{tile_row(r, groups)} * EXS + kg] = l[{r}];" for r in ROWS4)
+    sums = "\n".join(f"  for (var g = 0u; g < KG; g++) {{ total[{r}] += ex[{tile_row(r, groups)} * EXS + g]; }}"
+                     for r in ROWS4)
+    return f"""  workgroupBarrier();
+{stores}
+  workgroupBarrier();
+  var total = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+{sums}"""
+
+
+def tile_row(r: int, groups: int) -> str:
     """WGSL: the tile row of a thread's r-th query row."""
     return f"(rg + {groups * r}u)"
 
 
-def _shares(total: int, threads: int):
+def shares(total: int, threads: int):
     """(element index, guard) of each of a thread's shares of ``total`` staged elements."""
     for t in range(-(-total // threads)):
         e = f"(tid + {t * threads}u)"
@@ -108,7 +114,7 @@ def _stage_q(s: AttentionShape, plan: FlashPlan) -> str:
     threads = plan.rows // 4 * FLASH_KEY_GROUPS
     return "\n".join(f"  {guard}{{\n    let r = {e} / {d4}u;\n    let c4 = {e} % {d4}u;\n"
                      f"    qs[r * QS + c4] = load_q4(b, h, min(i0 + r, LQ - 1u), c4);\n  }}"
-                     for e, guard in _shares(plan.rows * d4, threads))
+                     for e, guard in shares(plan.rows * d4, threads))
 
 
 def _stage_kv(s: AttentionShape, plan: FlashPlan) -> str:
@@ -121,7 +127,7 @@ def _stage_kv(s: AttentionShape, plan: FlashPlan) -> str:
         # A clamped load kept by select, not a load under ``if``: H200, loads of keys (and query rows) past the
         # end skipped by ``if`` took Whisper-tiny's attention from 0.77 to 1.09 ms a call (SmolLM2's one-token
         # attention 0.32 -> 0.30).
-        for e, guard in _shares(FLASH_KEYS * width, threads):
+        for e, guard in shares(FLASH_KEYS * width, threads):
             load = f"select(vec4<f32>(), load_{what}4(b, h, min(start + j, LK - 1u), c4), start + j < key_end)"
             lines.append(f"    {guard}{{\n      let j = {e} / {width}u;\n      let c4 = {e} % {width}u;\n"
                          f"      {array}[j * {stride} + c4] = {load};\n    }}")
@@ -131,32 +137,40 @@ def _stage_kv(s: AttentionShape, plan: FlashPlan) -> str:
 def _key_tile(s: AttentionShape, plan: FlashPlan) -> str:
     """WGSL: one staged key tile: the thread's 4x4 scores, the rows' shared max and the online softmax, the
     probabilities through workgroup memory, and P V into the thread's output registers."""
-    _, _, per_thread = flash_sizes(s)
-    kg = FLASH_KEY_GROUPS
-    accumulate = "\n".join(
-        f"        {{ let vv = vs[j * DVP4 + kg + {kg * w}u];\n"
-        + "".join(f"          o{r}_{w} = fma(vec4<f32>(pv[{r}]), vv, o{r}_{w});\n" for r in ROWS4) + "        }"
-        for w in range(per_thread))
-    p_stores = "\n".join(f"    ps[(kg + {kg * t}u) * (GROUPS + 1u) + rg] = "
-                         f"vec4<f32>(p0[{t}], p1[{t}], p2[{t}], p3[{t}]);" for t in range(4))
     return f"""    var s0 = vec4<f32>();
     var s1 = vec4<f32>();
     var s2 = vec4<f32>();
     var s3 = vec4<f32>();
 {_products(s, plan)}
-{_scores(s, plan)}
+{scores(s, plan)}
     workgroupBarrier();
     var p0 = vec4<f32>();
     var p1 = vec4<f32>();
     var p2 = vec4<f32>();
     var p3 = vec4<f32>();
-{_softmax(s, plan)}
-{p_stores}
+{softmax(s, plan)}
+{prob_stores()}
     workgroupBarrier();
     for (var j = 0u; j < BK; j++) {{
-      let pv = ps[j * (GROUPS + 1u) + rg];
-{accumulate}
+{accumulate(s, "j", "vs[j * DVP4")}
     }}"""
+
+
+def prob_stores() -> str:
+    """WGSL: the thread's 4x4 probabilities into ``ps``, a vec4 of its 4 rows per key."""
+    return "\n".join(f"    ps[(kg + {FLASH_KEY_GROUPS * t}u) * (GROUPS + 1u) + rg] = "
+                     f"vec4<f32>(p0[{t}], p1[{t}], p2[{t}], p3[{t}]);" for t in range(4))
+
+
+def accumulate(s: AttentionShape, key: str, value_row: str) -> str:
+    """WGSL: the probabilities of tile key ``key`` (its 4 rows) times the thread's vec4 columns of that key's value
+    row, whose vec4 c4 is read as ``value_row + c4]``, into the output registers."""
+    _, _, per_thread = flash_sizes(s)
+    kg = FLASH_KEY_GROUPS
+    return f"      let pv = ps[{key} * (GROUPS + 1u) + rg];\n" + "\n".join(
+        f"      {{ let vv = {value_row} + kg + {kg * w}u];\n"
+        + "".join(f"        o{r}_{w} = fma(vec4<f32>(pv[{r}]), vv, o{r}_{w});\n" for r in ROWS4) + "      }"
+        for w in range(per_thread))
 
 
 def _products(s: AttentionShape, plan: FlashPlan) -> str:
@@ -164,7 +178,7 @@ def _products(s: AttentionShape, plan: FlashPlan) -> str:
     d4, _, _ = flash_sizes(s)
     groups, kg = plan.rows // 4, FLASH_KEY_GROUPS
     step = "\n".join(  # the products of vec4 column c4 of the tile's query and key rows
-        [f"        let q{r} = qs[{_row(r, groups)} * QS + c4];" for r in ROWS4]
+        [f"        let q{r} = qs[{tile_row(r, groups)} * QS + c4];" for r in ROWS4]
         + [f"        let k{t} = ks[(kg + {kg * t}u) * QS + c4];" for t in ROWS4]
         + [f"        s{r} = fma(vec4<f32>(q{r}[{u}]), vec4<f32>(k0[{u}], k1[{u}], k2[{u}], k3[{u}]), s{r});"
            for u in range(4) for r in ROWS4])
@@ -176,27 +190,27 @@ def _products(s: AttentionShape, plan: FlashPlan) -> str:
         + [f"    {{\n        let c4 = {c}u;\n{step}\n    }}" for c in range(whole, d4)])
 
 
-def _scores(s: AttentionShape, plan: FlashPlan) -> str:
+def scores(s: AttentionShape, plan: FlashPlan) -> str:
     """WGSL: the products scaled, biased and masked into scores, each row's max of its 4 into ``ex``."""
     groups, kg = plan.rows // 4, FLASH_KEY_GROUPS
     bias = "load_bias(b, h, min(i, LQ - 1u), min(j, LK - 1u))" if s.has_bias else "0.0"
     masked = "j >= key_end" + (" || j > i" if s.causal else "")
     return "\n".join(
-        f"      {{\n        let i = i0 + {_row(r, groups)};\n"
+        f"      {{\n        let i = i0 + {tile_row(r, groups)};\n"
         + "".join(f"        {{ let j = start + kg + {kg * t}u;\n"
                   f"          s{r}[{t}] = select(s{r}[{t}] * SCALE + {bias}, MASKED, {masked}); }}\n" for t in range(4))
-        + f"        ex[{_row(r, groups)} * EXS + kg] = max(max(s{r}[0], s{r}[1]), max(s{r}[2], s{r}[3]));\n      }}"
+        + f"        ex[{tile_row(r, groups)} * EXS + kg] = max(max(s{r}[0], s{r}[1]), max(s{r}[2], s{r}[3]));\n      }}"
         for r in ROWS4)
 
 
-def _softmax(s: AttentionShape, plan: FlashPlan) -> str:
+def softmax(s: AttentionShape, plan: FlashPlan) -> str:
     """WGSL: per row, the tile's max from ``ex``, the running max, output and partial sum rescaled to it, and the
     probabilities of the thread's 4 keys."""
     _, _, per_thread = flash_sizes(s)
     groups = plan.rows // 4
     return "\n".join(
         f"      {{\n        var tile_max = MASKED;\n"
-        f"        for (var g = 0u; g < KG; g++) {{ tile_max = max(tile_max, ex[{_row(r, groups)} * EXS + g]); }}\n"
+        f"        for (var g = 0u; g < KG; g++) {{ tile_max = max(tile_max, ex[{tile_row(r, groups)} * EXS + g]); }}\n"
         f"        let m_new = max(m[{r}], tile_max);\n"
         f"        let alpha = select(exp(m[{r}] - m_new), 1.0, m[{r}] <= MASKED);\n"
         f"        m[{r}] = m_new;\n"
@@ -207,7 +221,7 @@ def _softmax(s: AttentionShape, plan: FlashPlan) -> str:
         for r in ROWS4)
 
 
-def _stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: str | None, cols: range) -> str:
+def stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: str | None, cols: range) -> str:
     """WGSL: each thread's 4 output rows (its vec4 columns of each), normalised into ``out`` with the row's
     log-sum-exp into ``lse``; or, keys cut into slices, unnormalised with the running max and sum into this
     slice's row of ``partial`` (the layout ``merge.merge_slices`` reads)."""

@@ -1,9 +1,11 @@
-"""Attention planners: which form runs a pass (flash, blocked or per row), how many rows a workgroup takes, and how
-many slices the other sequence is cut into; with the constants they weigh and the scratch the slices need.
+"""Attention planners: which form runs a pass (flash, chunked flash, blocked or per row), how many rows a workgroup
+takes, and how many slices the other sequence is cut into; with the constants they weigh and the scratch the slices
+need.
 
-The flash forward runs where ``flash_plan`` gives a plan, else the blocked form where ``block_plan`` does, else the
-per-row kernel. A pass cut into slices (``splits`` above 1) writes per-slice partial results to scratch laid out
-as ``partial_layout`` says; a second dispatch (``merge``) merges them.
+The forward runs flash where ``flash_plan`` gives a plan, else chunked flash where ``chunked_plan`` does (long query
+sequences), else the blocked form where ``block_plan`` does, else the per-row kernel (``forward_plan``); the
+gradient passes blocked or per row. A pass cut into slices (``splits`` above 1) writes per-slice partial results to
+scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them.
 """
 from __future__ import annotations
 
@@ -40,6 +42,21 @@ FLASH_TARGET_WORKGROUPS = 512
 FLASH_SLICE_MIN_TILES = 8
 
 
+# ---------------------------------------------------------------------------------------------- chunked flash forward
+# The flash forward's register tiles (4 rows x 4 keys of scores, 4 rows x vec4 columns of output a thread) over
+# chunks of the head size: for long query sequences where the flash forward's resident query block does not fit the
+# workgroup storage (WebGPU's default 16 KiB) or its head size limit, in place of the blocked (one row per thread)
+# and per-row kernels.
+CHUNKED_MAX_HEAD = 128  # head sizes up to this (a thread's output registers: 4 rows x dv / 8 floats)
+CHUNKED_MIN_ROWS = 64  # query rows per (batch, head) at least (a full block of rows); fewer keep the blocked forward
+CHUNKED_MIN_KEYS = 64  # keys at least (a symbolic length counts as long)
+CHUNKED_ROWS = (64, 32)  # query rows per workgroup, as in the flash forward
+CHUNKED_V_CHUNKS = (FLASH_KEYS, 16, 8, 4)  # keys per value chunk, the largest that fits
+# Barriers are what the chunks cost: a plan is scored by barriers per key tile per query row (two per head-size
+# chunk and per value chunk, one for the rows' max), the fewest first.
+CHUNKED_SOFTMAX_BARRIERS = 1
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     batch: int
@@ -69,10 +86,25 @@ class FlashPlan:
     chunk: int = 0  # keys per slice, a multiple of FLASH_KEYS (with splits > 1)
 
 
+@dataclass(frozen=True)
+class ChunkedPlan:
+    rows: int  # query rows per workgroup, 4 per thread across rows
+    d_chunk: int  # vec4 columns of the query and key rows staged per chunk (a divisor of the row's vec4 count)
+    v_chunk: int  # keys of a value tile staged per chunk (a divisor of FLASH_KEYS)
+    splits: int = 1  # slices of the keys, each a workgroup of its own (merged by a second dispatch)
+    chunk: int = 0  # keys per slice, a multiple of FLASH_KEYS (with splits > 1)
+
+
+def forward_plan(shape: AttentionShape, limits: dict) -> FlashPlan | ChunkedPlan | BlockPlan | None:
+    """The forward's form: the flash forward where it fits, the chunked one for long query sequences, else the
+    blocked one (None: the per-row kernel)."""
+    return flash_plan(shape, limits) or chunked_plan(shape, limits) or block_plan(shape, "forward", limits)
+
+
 def attention_splits(shape: AttentionShape, kind: str, limits: dict) -> int:
     """How many slices of the other sequence pass ``kind`` is cut into (1: not cut). The slices' partial results
     go to scratch of ``partial_floats`` floats, and a second dispatch merges them."""
-    plan = (flash_plan(shape, limits) if kind == "forward" else None) or block_plan(shape, kind, limits)
+    plan = forward_plan(shape, limits) if kind == "forward" else block_plan(shape, kind, limits)
     return 1 if plan is None else plan.splits
 
 
@@ -184,6 +216,12 @@ def flash_plan(s: AttentionShape, limits: dict) -> FlashPlan | None:
         rows = fitting[0]
     else:
         rows = next((r for r in fitting if s.batch * s.heads * -(-s.lq // r) >= FLASH_MIN_BLOCKS), fitting[-1])
+    splits, chunk = _key_slices(s, rows)
+    return FlashPlan(rows, splits, chunk)
+
+
+def _key_slices(s: AttentionShape, rows: int) -> tuple[int, int]:
+    """(slices, keys per slice) of a flash forward of ``rows`` query rows per workgroup."""
     blocks = s.batch * s.heads * ceil_div(s.lq, rows)
     tiles = ceil_div(s.lk, FLASH_KEYS)
     if is_size(tiles):
@@ -194,4 +232,45 @@ def flash_plan(s: AttentionShape, limits: dict) -> FlashPlan | None:
                 blocks * splits < FLASH_MIN_BLOCKS and tiles // (splits * 2) >= SPLIT_MIN_TILES
                 or blocks * splits < FLASH_TARGET_WORKGROUPS and tiles // (splits * 2) >= FLASH_SLICE_MIN_TILES):
             splits *= 2
-    return FlashPlan(rows, splits, ceil_div(tiles, splits) * FLASH_KEYS if splits > 1 else 0)
+    return splits, ceil_div(tiles, splits) * FLASH_KEYS if splits > 1 else 0
+
+
+# ---------------------------------------------------------------------------------------------- chunked flash forward
+def chunked_shared_bytes(s: AttentionShape, rows: int, d_chunk: int, v_chunk: int) -> int:
+    """Workgroup storage of the chunked forward: the probabilities, the row exchange, and one staging area that
+    holds a chunk of query and key rows (padded by a vec4) or a chunk of value rows."""
+    _, dvp4, _ = flash_sizes(s)
+    groups = rows // 4
+    staging = max((rows + FLASH_KEYS) * (d_chunk + 1), v_chunk * dvp4)
+    return 16 * (FLASH_KEYS * (groups + 1) + staging) + 4 * rows * (FLASH_KEY_GROUPS + 1)
+
+
+def chunked_plan(s: AttentionShape, limits: dict) -> ChunkedPlan | None:
+    """Rows per workgroup, chunk sizes and key slices of the chunked forward, or None where it does not apply:
+    head sizes above CHUNKED_MAX_HEAD, a short or symbolic query sequence, short keys, or no plan of 32 rows whose
+    smallest chunks fit the workgroup storage and invocations. Of the plans that fit, the fewest barriers per key
+    tile and query row (then the larger block)."""
+    d4, dvp4, _ = flash_sizes(s)
+    if (max(s.d, s.dv) > CHUNKED_MAX_HEAD or is_size(s.lq) or s.lq < CHUNKED_MIN_ROWS
+            or (not is_size(s.lk) and s.lk < CHUNKED_MIN_KEYS)):
+        return None
+    storage = limits.get("max-compute-workgroup-storage-size", 16384)
+    invocations = min(limits.get("max-compute-invocations-per-workgroup", 256),
+                      limits.get("max-compute-workgroup-size-x", 256))
+    candidates = []
+    for rows in CHUNKED_ROWS:
+        if rows // 4 * FLASH_KEY_GROUPS > invocations:
+            continue
+        d_chunk = next((c for c in range(d4, 0, -1) if d4 % c == 0
+                        and chunked_shared_bytes(s, rows, c, CHUNKED_V_CHUNKS[-1]) <= storage), None)
+        v_chunk = next((c for c in CHUNKED_V_CHUNKS
+                        if d_chunk and chunked_shared_bytes(s, rows, d_chunk, c) <= storage), None)
+        if v_chunk is None:
+            continue
+        barriers = 2 * (d4 // d_chunk) + 2 * (FLASH_KEYS // v_chunk) + CHUNKED_SOFTMAX_BARRIERS
+        candidates.append((barriers / rows, -rows, ChunkedPlan(rows, d_chunk, v_chunk)))
+    if not candidates:
+        return None
+    plan = min(candidates)[2]
+    splits, chunk = _key_slices(s, plan.rows)
+    return ChunkedPlan(plan.rows, plan.d_chunk, plan.v_chunk, splits, chunk)

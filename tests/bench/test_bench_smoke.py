@@ -112,14 +112,19 @@ def test_half_gate_allows_one_and_a_half_times_eager_error_at_the_dtype():
 
 
 def test_micro_benchmarks_check_every_row_and_keep_back_to_back_products_apart(tmp_path):
-    """Each micro benchmark's meganeura result matches PyTorch; the throughput row's products run as separate
-    dispatches (distinct operands, so the compiler cannot merge them into one wider GEMM), and the report renders
-    every row. No timing is asserted."""
+    """Each micro benchmark's meganeura result matches PyTorch (the attention rows' plans at the device's workgroup
+    storage and at WebGPU's 16 KiB too); the throughput row's products run as separate dispatches (distinct
+    operands, so the compiler cannot merge them into one wider GEMM), and the report renders every row. No timing
+    is asserted."""
     from bench import micro
 
-    done = micro.run_all(["meganeura", "torch-cpu-eager"], [32], stream_mib=1, warmup=0, repeats=1)
+    shapes = micro.parse_attention_shapes("2x70x64,2x80x128c")
+    assert shapes == ((2, 70, 64, False), (2, 80, 128, True))
+    done = micro.run_all(["meganeura", "torch-cpu-eager"], [32], stream_mib=1, warmup=0, repeats=1,
+                         attention_shapes=shapes)
     names = {r.name for r in done}
     assert f"matmul 32 x{micro.BACK_TO_BACK} back to back" in names and "matmul 32" in names
+    assert {"attention 2x70x64", "attention 2x70x64 at 16 KiB", "attention 2x80x128 causal"} <= names
     for r in done:
         assert r.error is None, r.error
         assert r.correct, f"{r.name} {r.competitor}"

@@ -117,8 +117,10 @@ FLASH_OFF_CASES = [(32, 7, "causal"), (64, 128, "gqa_causal_cross"), (64, 300, "
 @pytest.mark.parametrize("d, seq, variant", FLASH_OFF_CASES)
 def test_blocked_forward_where_flash_is_off(monkeypatch, d, seq, variant):
     """Head sizes up to 64 take the flash forward; where an adapter's workgroup storage cannot hold its tiles, the
-    blocked forward runs instead: the same checks with flash off."""
+    chunked forward runs for long query sequences (``test_attention_chunked``) and the blocked forward for the rest:
+    the same checks with flash and chunked off."""
     monkeypatch.setattr(attention_plans, "FLASH_MAX_HEAD", 0)
+    monkeypatch.setattr(attention_plans, "CHUNKED_MAX_HEAD", 0)
     monkeypatch.setattr(flash_kernels, "flash_forward", _not_called)
     _check_sdpa(d, seq, variant)
 
@@ -212,7 +214,7 @@ def test_flash_forward_with_head_sizes_off_the_vec4_grid(monkeypatch):
 def test_flash_forward_plans_fit_the_adapter():
     """64 query rows per workgroup where that gives enough blocks, else 32; keys cut into slices for few blocks:
     short slices for very few, slices of at least 8 tiles past 128 workgroups; no flash plan where workgroup storage
-    cannot hold 32 rows' tiles (the blocked forward runs then)."""
+    cannot hold 32 rows' tiles (the chunked forward runs then for long query sequences)."""
     from meganeura.kernels.attention import AttentionShape, attention_kernel
     from meganeura.kernels.attention.plans import flash_plan, flash_shared_bytes
 
@@ -228,7 +230,7 @@ def test_flash_forward_plans_fit_the_adapter():
     small = dict(big, **{"max-compute-workgroup-storage-size": 16384})
     assert flash_plan(whisper, small) is None
     passes = attention_kernel("", "forward", whisper, ["out", "lse"], small, partial="scratch")
-    assert "flash" not in passes[0][0]
+    assert "(chunked flash)" in passes[0][0]
     assert flash_plan(AttentionShape(1, 6, 6, 1500, 1500, 80, 64, 0.1, False, False), big) is None
 
 
