@@ -11,11 +11,10 @@ in place) returns once it is submitted, and its status is read at the device's n
 (``meganeura.runtime.in_flight``). A plan of more than a few dozen dispatches is submitted in parts
 (``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts doubling
 up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A run of a
-plan of ``AHEAD_MIN_DISPATCHES`` or more then records the next run's dispatches while the GPU works, before it waits
-(``_record_ahead``), over the per-run buffers it predicts for the next run (those of the run before: a static KV cache
-repeats its buffers, a cache that comes back alternates between two): the next run submits that command buffer with its
-copies in one submit where its buffers are those, so recording leaves the path from a call to the GPU. While a profiler
-is attached to the device (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
+plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers, then records the next run's dispatches while the GPU
+works, before it waits (``_record_ahead``): the next run submits that command buffer with its copies in one submit, so
+recording leaves the path from a call to the GPU. While a profiler is attached to the device
+(``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
 fresh pool buffers and returned without a read-back, and ``run(..., device_inputs=...)`` binds such arrays as
@@ -55,12 +54,6 @@ BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes g
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
 RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input alternates between two buffers
-
-
-def _same_swaps(recorded: dict, swaps: dict) -> bool:
-    """Whether a run's per-run buffers (buffer name -> buffer) are those a command list was recorded over."""
-    return len(recorded) == len(swaps) and all(
-        name in recorded and recorded[name] is buffer for name, buffer in swaps.items())
 
 
 class Program:
@@ -118,7 +111,7 @@ class Program:
         self._bind_groups: dict[tuple[Binding, ...], object] = {}
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
-        self._ahead, self._last_swaps = None, None  # the next run recorded ahead; the last's per-run buffers (see run)
+        self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
         self._recent_outputs: dict[str, tuple[deque, int]] = {}  # each resident output's latest buffers and its
         # buffers' size (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
@@ -348,7 +341,9 @@ class Program:
         self._upload(arrays, swaps)
         commands = self._with_swaps(swaps)
         profiler = dev.profiler if commands else None
-        ahead, missed = self._take_ahead(swaps, profiler)
+        ahead, self._ahead = self._ahead, None
+        if swaps or profiler is not None:
+            ahead = None  # recorded over the program's own buffers, without timestamps
         # A run with no host outputs returns once submitted; its status is read at the next wait (``in_flight``)
         waits = bool(self._output_offsets) or profiler is not None or dev.in_flight.sync
         copies = self._copies if waits or self._status_offsets else []
@@ -359,10 +354,11 @@ class Program:
                 encoder = self._record(encoder, commands, profiler)
             for source, src_offset, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
-        dev.submit(encoder, "plan", before=() if ahead is None else (ahead[0],))
+        dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
-        if profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
-            self._record_next(swaps, missed)
+        if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
+            with dev.checked("recording the plan ahead"):
+                self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
         data = self._finish(staging, waits, profiler)
         return {t.name: kept[t.name] if t.name in kept
@@ -430,32 +426,13 @@ class Program:
             compute_pass(encoder, commands[start:end], self._sizes_group)
         return encoder
 
-    def _take_ahead(self, swaps: dict, profiler) -> tuple:
-        """(the run recorded ahead, if recorded over this run's per-run buffers ``swaps`` and without timestamps;
-        whether one was recorded over other buffers)."""
-        ahead, self._ahead = self._ahead, None
-        missed = ahead is not None and not _same_swaps(ahead[1], swaps)
-        return (None if missed or profiler is not None else ahead), missed
-
-    def _record_next(self, swaps: dict, missed: bool) -> None:
-        """Record the next run ahead (``_record_ahead``) over the per-run buffers predicted for it: those of the run
-        before this one, the same where they repeat (a static KV cache updated in place), and where outputs
-        alternate between two buffers (a cache that comes back as the next run's input: ``_new_output``) those of
-        two runs before the next. Not after a miss: per-run buffers that follow no such pattern are then recorded
-        once a run, not twice."""
-        predicted, self._last_swaps = self._last_swaps, swaps
-        if not missed and (predicted is not None or not swaps):
-            with self.device.checked("recording the plan ahead"):
-                self._ahead = self._record_ahead(predicted or {})
-
-    def _record_ahead(self, swaps: dict) -> tuple:
-        """The next run's status clears and dispatches over the per-run buffers ``swaps``, recorded into one command
-        buffer now, while the GPU works on this run: the next run submits it before its own copies if its per-run
-        buffers are those (a rebind drops it). Returns (the command buffer, ``swaps``)."""
+    def _record_ahead(self):
+        """The next run's status clears and dispatches, recorded into one command buffer now, while the GPU works on
+        this run: the next run submits it before its own copies, over the same buffers (a rebind drops it)."""
         encoder = command_encoder(self.device.wgpu_device)
         self._clear_status(encoder)
-        compute_pass(encoder, self._with_swaps(swaps), self._sizes_group)
-        return finish(encoder), swaps
+        compute_pass(encoder, self._commands, self._sizes_group)
+        return finish(encoder)
 
     def _clear_status(self, encoder) -> None:
         for name, _, _ in self._status_offsets:

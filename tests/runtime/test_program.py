@@ -327,31 +327,6 @@ def test_later_runs_submit_the_dispatches_recorded_ahead(monkeypatch):
         assert device.counters.submits - before == 4
 
 
-def test_runs_over_per_run_buffers_submit_the_dispatches_recorded_ahead(monkeypatch):
-    """A run whose input is the last run's output, kept on the device (a KV cache that comes back), and whose output
-    is a new array: the outputs alternate between two buffers (``_new_output``), so a run's per-run buffers are
-    those of two runs before, which the run before recorded the dispatches over, ahead. From the third run on, each
-    run submits them with nothing else to record; the values are the chain's, run after run."""
-    import meganeura.runtime.program as program_module
-    import meganeura.runtime.program_plan as program_plan
-    from meganeura.runtime.resident import DeviceArray
-
-    n, steps = 100, 12
-    monkeypatch.setattr(program_plan, "FIRST_PART", 2)
-    monkeypatch.setattr(program_plan, "SUBMIT_EVERY", 4)
-    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps)
-    device = get_device()
-    program = Program(device, chain_plan(n, steps), resident_outputs=["out"], device_only_inputs=["a"])
-    a = RNG.standard_normal(n, dtype=np.float32)
-    x, want = DeviceArray.upload(device, a, "float32"), a.astype(np.float64)
-    for run in range(6):
-        before = device.counters.submits
-        x = program.run({}, {"a": x})["out"]  # (the last run's output goes back to the pool)
-        want = want * (2**steps - 1)
-        assert device.counters.submits - before == (4 if run < 2 else 1), run  # parts, or all recorded ahead
-        np.testing.assert_allclose(x.numpy(), want, rtol=1e-5)
-
-
 def test_large_download_is_copied_in_slices_exactly(monkeypatch):
     """A download of several slices (a device array to the host) is copied by threads: every byte lands where it
     belongs."""
