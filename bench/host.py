@@ -31,6 +31,9 @@ from .workloads import WORKLOADS
 
 WAYS = {"loop": "meganeura-loop", "resident": "meganeura-resident"}
 MOVED = ("waits", "submits", "bytes_uploaded", "bytes_downloaded")  # the device's counters reported per step
+# HF ``generate``'s caches through the backend: its default (dynamic) cache, and its static cache without the
+# compile HF would otherwise make of the forward (Inductor's), so that the forward is ours
+HF_CACHES = {"hf-generate": {}, "hf-generate-static": {"cache_implementation": "static", "disable_compile": True}}
 INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
 
 
@@ -72,15 +75,18 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
             "parameters": sum(1 for _ in base.parameters()), **call_counts(profile), **moved}
 
 
-def _per_token(generate, short: int, long: int) -> float:
+def _per_token(generate, short: int, long: int) -> dict:
     """Host microseconds per decode token: ``generate(n)`` timed at two lengths (each warmed at its own length), the
-    difference over the tokens between them, so that the prompt's prefill cancels out."""
-    seconds = {}
+    difference over the tokens between them, so that the prompt's prefill cancels out. Both the wall time
+    (``per_token_us``) and the process's CPU time (``per_token_cpu_us``): on a machine shared with other work, the
+    wall time counts the time the process waited for a core, the CPU time only what it ran."""
+    wall, cpu = {}, {}
     for n in (short, long, short, long):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         generate(n)
-        seconds[n] = time.perf_counter() - start  # the second call of each length: warm
-    return (seconds[long] - seconds[short]) / (long - short) * 1e6
+        wall[n], cpu[n] = time.perf_counter() - start, time.process_time() - start_cpu  # the second call: warm
+    per = (long - short) / 1e6
+    return {"per_token_us": (wall[long] - wall[short]) / per, "per_token_cpu_us": (cpu[long] - cpu[short]) / per}
 
 
 def _counts_per_token(generate, short: int, long: int) -> dict:
@@ -102,8 +108,9 @@ def _counts_per_token(generate, short: int, long: int) -> dict:
 
 def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
     """Host us per decode token of SmolLM2's config (greedy, a 16-token prompt): HF ``generate`` through the
-    backend with its default cache, and the torch-free generation bundle (``export_lm``), each with its counts per
-    token (``_counts_per_token``). The null device computes
+    backend with its default cache (``hf-generate``) and with the static cache (``hf-generate-static``, HF's own
+    compile of it off), and the torch-free generation bundle (``export_lm``), each with its counts per token
+    (``_counts_per_token``). The null device computes
     nothing: every token is 0, which HF is kept from stopping at (``min_new_tokens``) and the bundle too."""
     import tempfile
 
@@ -113,25 +120,36 @@ def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
     torch.manual_seed(0)
     model = WORKLOADS["smollm2"].build(smoke).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, 16))
-    rows = []
-    compiled = torch.compile(model.forward, backend="meganeura")
+    rows, forward = [], model.forward
+    for way, cache in HF_CACHES.items():
+        torch._dynamo.reset()  # (each cache's graphs count towards dynamo's recompile limit of the forward's frame)
+        compiled = torch.compile(forward, backend="meganeura")
 
-    def hf(n):
-        with torch.no_grad():
-            model.forward = compiled
-            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False)
+        def hf(n, cache=cache, compiled=compiled):
+            with torch.no_grad():
+                model.forward = compiled
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, **cache)
 
-    rows.append({"workload": "smollm2", "way": "hf-generate", "per_token_us": _per_token(hf, short, long),
-                 **_counts_per_token(hf, short, long)})
+        rows.append({"workload": "smollm2", "way": way, **_per_token(hf, short, long),
+                     **_counts_per_token(hf, short, long)})
     with tempfile.TemporaryDirectory() as folder:
         torch_meganeura.export_lm(model, f"{folder}/lm", max_cache_len=long + 32)
         lm = load(f"{folder}/lm")
         ids = prompt[0].numpy()
         bundle = lambda n: lm.generate(ids, n, eos_token_id=-1)  # noqa: E731
-        rows.append({"workload": "smollm2", "way": "bundle", "per_token_us": _per_token(bundle, short, long),
+        rows.append({"workload": "smollm2", "way": "bundle", **_per_token(bundle, short, long),
                      **_counts_per_token(bundle, short, long)})
     return rows
+
+
+def _print_decode(decode: list[dict]) -> None:
+    bundle = next(row for row in decode if row["way"] == "bundle")
+    print("smollm2 decode, host us per token (wall, CPU; each against the bundle's):", flush=True)
+    for row in decode:
+        print(f"  {row['way']}: {row['per_token_us']:.0f} wall ({row['per_token_us'] / bundle['per_token_us']:.2f}), "
+              f"{row['per_token_cpu_us']:.0f} CPU ({row['per_token_cpu_us'] / bundle['per_token_cpu_us']:.2f}); "
+              + ", ".join(f"{row[k]:g} {k}" for k in ("interceptions", "wrappers", *MOVED)), flush=True)
 
 
 def main(argv=None) -> int:
@@ -149,13 +167,7 @@ def main(argv=None) -> int:
     if args.decode:
         decode = measure_decode(args.smoke)
         rows += decode
-        print(f"smollm2 decode, host us per token: HF generate through the backend {decode[0]['per_token_us']:.0f}, "
-              f"the bundle {decode[1]['per_token_us']:.0f} "
-              f"(ratio {decode[0]['per_token_us'] / decode[1]['per_token_us']:.2f})",
-              flush=True)
-        for row in decode:
-            print(f"  {row['way']} per token: " + ", ".join(f"{row[k]:g} {k}" for k in ("interceptions", "wrappers",
-                                                                                       *MOVED)), flush=True)
+        _print_decode(decode)
     for name in [w for w in args.workloads.split(",") if w != "none"]:
         for way in args.ways.split(","):
             row = measure(name, way, args.steps, args.smoke)

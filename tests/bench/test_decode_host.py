@@ -2,8 +2,10 @@
 records and moves bytes like a GPU, computes nothing): what a token costs the host must not grow with the model's
 depth. A tiny Llama at two depths, with the default cache and the static cache; per token (the difference between
 two generate lengths, so that the prefill cancels out): the bytes up and down, the waits, our tensor overrides
-entered (interceptions) and the tensor wrappers made, counted, not timed (``bench.host``'s counts)."""
+entered (interceptions) and the tensor wrappers made, counted, not timed (``bench.host``'s counts); and the argument
+signatures built (``per_call.signature``), which a step that replays the entry the last step ran builds none of."""
 import cProfile
+import pstats
 
 import pytest
 import torch
@@ -66,8 +68,15 @@ def _per_token(depth: int, cache: str, device) -> dict:
         generate(n)
         profile.disable()
         after = device.counters.snapshot()
-        counts[n] = {**call_counts(profile), **{key: after[key] - before[key] for key in MOVED}}
+        counts[n] = {**call_counts(profile), "signatures": _signatures(profile),
+                     **{key: after[key] - before[key] for key in MOVED}}
     return {key: (counts[LONG][key] - counts[SHORT][key]) / (LONG - SHORT) for key in counts[LONG]}
+
+
+def _signatures(profile: cProfile.Profile) -> int:
+    """Calls of ``per_call.signature``: the signature of every argument of a partition, built to select its entry."""
+    return sum(s[1] for (path, _, name), s in pstats.Stats(profile).stats.items()
+               if name == "signature" and path.endswith("per_call.py"))
 
 
 _MEASURED: dict[str, tuple[dict, dict]] = {}  # cache -> the per-token counts at each depth (measured once)
@@ -88,6 +97,16 @@ def test_a_decode_tokens_transfers_do_not_grow_with_depth(null_device, cache):
     assert deep["waits"] == (1 if cache == "dynamic" else STATIC_CACHE_WAITS), deep
     assert deep["bytes_downloaded"] <= 4 * LLAMA["vocab_size"] + 64, deep  # the logits and the status words
     assert deep["wrappers"] == 0, deep
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_decode_step_replays_its_entry_without_building_signatures(null_device, cache):
+    """A steady decode step's partition calls take the entry the last step ran (``_BoundPlan.replays``): no argument
+    signature is built. (The static cache's updated inputs, ``DeviceTensor``s since their first update, once failed
+    the check of the arguments with symbolic sizes, and every step built the signature of every argument.)"""
+    shallow, deep = _at_depths(cache, null_device)
+    # (a static cache is new at each generate call: its first steps may build one more or one fewer at one length)
+    assert all(abs(counts["signatures"]) * (LONG - SHORT) <= 1 for counts in (shallow, deep)), (shallow, deep)
 
 
 @pytest.mark.xfail(strict=True, reason="dynamo gives each layer's cache a symbolic length of its own: it reads a size "

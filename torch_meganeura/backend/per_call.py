@@ -87,7 +87,8 @@ class _BoundPlan:
         outputs, in_place = self.lowered.outputs, self.graph.plan.in_place if self.graph is not None else {}
         # the updates written into an array of their own: the argument's spare one (``device_tensor.adopt``)
         self.alternating = {i: outputs[k][1] for i, k in self.updated.items() if outputs[k][1] not in in_place}
-        self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims]  # checked through the abstract key
+        # checked through the abstract key, an argument updated in place as the tensor it was (``_signature``)
+        self._sized = [(i, item, i in self.updated) for i, item in enumerate(self.key) if i in dims]
 
     def _params(self, args) -> list:
         return [args[i] for i in self._param_positions]
@@ -125,7 +126,7 @@ class _BoundPlan:
 
     def _serves(self, args, sizes: tuple) -> bool:
         """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards."""
-        return all(_fits(args[i], item) for i, item in self._sized) and self.graph.holds(sizes)
+        return all(_fits(args[i], item, updated) for i, item, updated in self._sized) and self.graph.holds(sizes)
 
     def bind(self, args, store: ParamStore) -> None:
         """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph
@@ -166,13 +167,15 @@ def signature_item(a):
     return a if kind is None else (a.shape, a.dtype, kind)
 
 
-def _fits(a, item) -> bool:
+def _fits(a, item, updated: bool = False) -> bool:
     """Whether ``a`` has the abstract signature ``item`` (``DynamicSizes.abstract_item`` of its ``signature_item``:
-    None at its symbolic dimensions; an int argument's is None), read without building it."""
+    None at its symbolic dimensions; an int argument's is None), read without building it. An argument the graph
+    ``updated`` in place is a ``DeviceTensor`` since, seen as the tensor it was (``DevicePartition._signature``)."""
     if item is None:
         return True
     shape, dtype, kind = item
-    if arg_kind(a) != kind or a.dtype != dtype:
+    have = arg_kind(a)
+    if (have if have != "resident" or not updated else "tensor") != kind or a.dtype != dtype:
         return False
     own = a.shape
     return len(own) == len(shape) and all(s is None or s == n for n, s in zip(own, shape))
