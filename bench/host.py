@@ -8,7 +8,8 @@ Each way (``loop``: ``torch.compile`` + ``keep_on_device(AdamW)``, the ordinary 
 ``compile_train_step``) trains the workload on a device that allocates, uploads and records like a GPU but computes
 nothing (``bench.memory.use_null_device``): the plans, bindings and transfers are those a GPU with the adapter's
 limits would get, and a step's wall time is host work only. After the first step (which compiles), each step is
-timed; the last is profiled to count what the per-call path does per step:
+timed, in wall time and in the CPU time of the calling thread (``cpu_us``: what a machine shared with other
+processes does not inflate); the last is profiled to count what the per-call path does per step:
 - ``interceptions``: calls of our ``__torch_function__`` / ``__torch_dispatch__`` overrides;
 - ``wrappers``: tensor wrapper subclasses made (``_make_wrapper_subclass``);
 - ``waits``, ``submits`` and bytes up and down, from the device's counters.
@@ -58,11 +59,12 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
     runner = Runner(WAYS[way], workload, base, "training", batch)
     runner.first_call()
     runner.step()
-    micros = []
+    micros, cpu_micros = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         runner.step()
         micros.append((time.perf_counter() - start) * 1e6)
+        cpu_micros.append((time.thread_time() - cpu_start) * 1e6)
     counters = get_device().counters
     before = counters.snapshot()
     profile = cProfile.Profile()
@@ -72,6 +74,7 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
     after = counters.snapshot()
     moved = {key: after[key] - before[key] for key in MOVED}
     return {"workload": name, "way": way, "host_us": micros, "median_us": statistics.median(micros),
+            "cpu_us": cpu_micros, "median_cpu_us": statistics.median(cpu_micros),
             "parameters": sum(1 for _ in base.parameters()), **call_counts(profile), **moved}
 
 
@@ -172,13 +175,15 @@ def main(argv=None) -> int:
         for way in args.ways.split(","):
             row = measure(name, way, args.steps, args.smoke)
             rows.append(row)
-            print(f"{name} {way}: host {row['median_us']:.0f} us/step (median of {args.steps}), "
+            print(f"{name} {way}: host {row['median_us']:.0f} us/step, {row['median_cpu_us']:.0f} CPU us/step "
+                  f"(medians of {args.steps}), "
                   f"{row['interceptions']} interceptions, {row['wrappers']} wrappers, {row['waits']} waits, "
                   f"{row['submits']} submits, {row['bytes_uploaded']} B up, {row['bytes_downloaded']} B down "
                   f"({row['parameters']} parameters)", flush=True)
         ways = {r["way"]: r for r in rows if r["workload"] == name}
         if len(ways) == 2:
-            print(f"{name}: loop / resident host time {ways['loop']['median_us'] / ways['resident']['median_us']:.2f}")
+            print(f"{name}: loop / resident host time {ways['loop']['median_us'] / ways['resident']['median_us']:.2f}, "
+                  f"CPU time {ways['loop']['median_cpu_us'] / ways['resident']['median_cpu_us']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -31,6 +31,7 @@ and the next run recorded ahead, stay the same whatever the sizes.
 """
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from functools import partial
@@ -466,9 +467,9 @@ class Program:
         """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""
         if not swaps:
             return self._commands
-        key = tuple(id(buffer) for buffer in swaps.values())
+        key = tuple(map(id, swaps.values()))
         cached = self._swapped_commands.get(key)
-        if cached is not None and all(a is b for a, b in zip(cached[1], swaps.values())):
+        if cached is not None and all(map(operator.is_, cached[1], swaps.values())):
             return cached[0]
         commands = self._build_swapped(swaps)
         if len(self._swapped_commands) >= SWAPPED_COMMAND_LISTS:

@@ -118,7 +118,8 @@ class _DeviceStep:
                   if p.grad is not None]
         if not active:
             return
-        steps = [self._steps_done(p) + 1 for _, p in active]
+        states = [self.optimizer.state[p] for _, p in active]  # once a step: a tensor's hash is a Python call
+        steps = [self._steps_done(state) + 1 for state in states]
         pairs = sorted({(g, s) for (g, _), s in zip(active, steps)})
         row_of = {pair: r for r, pair in enumerate(pairs)}
         rows = [row_of[(g, s)] for (g, _), s in zip(active, steps)]
@@ -127,11 +128,11 @@ class _DeviceStep:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._compile(params, rows, len(pairs))
-        arrays = self._arrays(params)
+        arrays = self._arrays(params, states)
         hyper = optimizers.hyperparameter_rows(self.optimizer, pairs)
         results = plan.run(lambda role: hyper if role.kind is Kind.HYPER else arrays[role])
         self._take(params, arrays, results)
-        self._count(params, steps)
+        self._count(states, steps)
 
     def _compile(self, params: list, rows: list[int], n_rows: int) -> RoleProgram:
         names = [str(i) for i in range(len(params))]
@@ -150,16 +151,15 @@ class _DeviceStep:
                                 tuple((slot, Role.state(slot, name)) for slot in self.update_spec.slots)))
         return self._roles
 
-    def _arrays(self, params: list) -> dict:
+    def _arrays(self, params: list, states: list) -> dict:
         """Each role's device array for this update: parameters (uploaded first where eager code wrote them),
-        gradients (resident, or uploaded), optimizer state (created at a parameter's first update)."""
+        gradients (resident, or uploaded), optimizer state (``states``, by parameter; created at a parameter's first
+        update)."""
         arrays, pool_cleared = {}, False
-        state_of = self.optimizer.state
-        for p, (param, grad_role, slots) in zip(params, self._roles_of(len(params))):
+        for p, state, (param, grad_role, slots) in zip(params, states, self._roles_of(len(params))):
             arrays[param] = self.store.array(p)
             grad = p.grad
             arrays[grad_role] = grad if self._on_device(grad) else upload_array(self.device, grad.detach())
-            state = state_of[p]
             for slot, role in slots:
                 value = state.get(slot)
                 if not self._on_device(value):
@@ -192,10 +192,10 @@ class _DeviceStep:
             else:
                 arrays[role].written_on_device()
 
-    def _steps_done(self, p) -> int:
-        """Updates ``p`` has had: its ``step`` (Adam), or whether SGD made its momentum buffer. A step tensor that
-        ``_count`` wrote and nothing wrote since is not read again (a read is a call into torch)."""
-        state = self.optimizer.state.get(p, {})
+    def _steps_done(self, state: dict) -> int:
+        """Updates a parameter with optimizer ``state`` has had: its ``step`` (Adam), or whether SGD made its
+        momentum buffer. A step tensor that ``_count`` wrote and nothing wrote since is not read again (a read is a
+        call into torch)."""
         if self.update_spec.kind == "sgd":
             return int(state.get("momentum_buffer") is not None)
         step = state.get("step")
@@ -206,16 +206,17 @@ class _DeviceStep:
             return counted[2]
         return int(step)
 
-    def _count(self, params: list, steps: list[int]) -> None:
-        """Set each parameter's ``step`` to its count: its own tensor, written in place (as torch's Adam increments
-        it), or a new one where it has none or shares it with another parameter."""
+    def _count(self, states: list, steps: list[int]) -> None:
+        """Set each parameter's ``step`` (in its optimizer state, ``states``) to its count: its own tensor, written
+        in place (as torch's Adam increments it), or a new one where it has none or shares it with another
+        parameter."""
         if self.update_spec.kind == "sgd":
             return
-        state_of, counted = self.optimizer.state, {}
-        for p, s in zip(params, steps):
-            step = state_of[p].get("step")
+        counted = {}
+        for state, s in zip(states, steps):
+            step = state.get("step")
             if step is None or id(step) in counted:
-                step = state_of[p]["step"] = torch.tensor(float(s))
+                step = state["step"] = torch.tensor(float(s))
             else:
                 step.fill_(s)  # (0.8 us; a new tensor costs 5, and _foreach_add_ of 0-d tensors 3 a tensor)
             counted[id(step)] = (step, step._version, s)
