@@ -382,17 +382,17 @@ def test_few_long_rows_are_reduced_in_slices_then_combined(shape, axes):
     np.testing.assert_allclose(out[plan.outputs[1].name], data * biggest - total, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("shape, axes, quads", [
-    ((6, 1028), (1,), True),  # more of a thread's quads than one unrolled round: the round, then one at a time
-    ((3, 10000), (1,), True),  # few rows (the softmax's dependent phases are not cut into slices)
-    ((4, 3, 8), (0, 2), True),  # two reduced axes, the last one of 2 quads per row
-    ((4, 8, 3), (1,), False),  # reduced along an axis that is not the last: no rows of whole vec4s
+@pytest.mark.parametrize("shape, axes", [
+    ((6, 1028), (1,)), ((3, 10000), (1,)),  # few rows (the softmax's dependent phases are not cut into slices)
+    ((4, 3, 8), (0, 2)),  # two reduced axes, the last one of 2 quads per row
+    ((4, 8, 3), (1,)),  # reduced along an axis that is not the last
 ])
-def test_row_programs_read_quads_along_rows_of_whole_vec4s(shape, axes, quads):
-    """A sum and a softmax's two dependent phases (a max, then a sum of exp(x - max), then each element's share)
-    read rows of whole vec4s a quad at a time through a vec4 binding of the input: the sum and the max phase over
-    the input, the exp phase too (its read of the transposed copy stays element by element). Every result against
-    float64."""
+def test_row_programs_of_several_phases_read_element_by_element(shape, axes):
+    """A sum and a softmax's two dependent phases (a max, then a sum of exp(x - max), then each element's share), one
+    row program of three phases, read their rows element by element, not a quad at a time: phases read by quads
+    added up 3x eager's error from float64 in the bias gradients of a VAE trained 8 steps (test_trajectory; one
+    phase's sums read by quads are ``test_slices_of_long_rows_read_quads_where_each_is_whole_vec4s``'s). Every result
+    against float64."""
     b = GraphBuilder()
     x = b.input("x", shape, "float32")
     coords = [E.coord(d) for d in range(len(shape))]
@@ -410,7 +410,7 @@ def test_row_programs_read_quads_along_rows_of_whole_vec4s(shape, axes, quads):
     for out in (total, largest, share):
         b.output(out)
     plan, _ = compile_graph(b.graph, get_device().limits)
-    assert any("array<vec4<f32>>" in plan.kernels[d.kernel] for d in plan.dispatches) == quads
+    assert not any("array<vec4<f32>>" in plan.kernels[d.kernel] for d in plan.dispatches)
     data = {"x": RNG.standard_normal(shape).astype(np.float32)}
     data["xt"] = RNG.standard_normal(tuple(shape[d] for d in order)).astype(np.float32)
     out = Program(get_device(), plan).run(data)
