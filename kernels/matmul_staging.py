@@ -93,14 +93,18 @@ class Staging:
                 conds.append(f"{k0} + p{t} < k_end")
             load = (f"load_a(batch_index, row0 + r{t}, {k0} + p{t})" if self.a_side else
                     f"load_b(batch_index, {k0} + p{t}, col0 + r{t})")
-            body = f"{reg} = {load};"
-            if conds:
-                body = f"{reg} = 0.0;\n        if ({' && '.join(conds)}) {{ {body} }}"
-            lines.append(f"""    {{
+            lines.append(self._guarded_load(t, reg, load, conds, "0.0"))
+        return "\n".join(lines)
+
+    def _guarded_load(self, t: int, reg: str, load: str, conds: list[str], zero: str) -> str:
+        """Thread ``t``'s load into ``reg``, ``zero`` where any of ``conds`` (the tile's edges) fails."""
+        body = f"{reg} = {load};"
+        if conds:
+            body = f"{reg} = {zero};\n        if ({' && '.join(conds)}) {{ {body} }}"
+        return f"""    {{
         {self._decode(t)}
         {body}
-    }}""")
-        return "\n".join(lines)
+    }}"""
 
     def _fetch_quads(self, k0: str, checks: "Checks") -> str:
         """``fetch`` under quad staging: each unit's 4 elements loaded one by one, each range-checked where the
@@ -154,13 +158,7 @@ class Staging:
                 load = f"load_{self.name}4(batch_index, {origin} + r{t}, ({k0} + p{t}) / 4u)"
             else:
                 load = f"load_{self.name}4(batch_index, {k0} + p{t}, ({origin} + r{t}) / 4u)"
-            body = f"{reg} = {load};"
-            if conds:
-                body = f"{reg} = vec4<f32>();\n        if ({' && '.join(conds)}) {{ {body} }}"
-            lines.append(f"""    {{
-        {self._decode(t)}
-        {body}
-    }}""")
+            lines.append(self._guarded_load(t, reg, load, conds, "vec4<f32>()"))
         return "\n".join(lines)
 
     def _fetch_loop(self, k0: str, checks: "Checks") -> str:
