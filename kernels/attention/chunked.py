@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..matmul import fold_grid
 from ..sizes import ceil_div
 from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
-from .flash import ROWS4, accumulate, prob_stores, row_totals, scores, shares, softmax, stores, tile_row
+from .flash import ROWS4, accumulate, probabilities, row_totals, shares, stores, tile_row
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, ChunkedPlan, chunked_shared_bytes, flash_sizes
 
 
@@ -52,14 +52,7 @@ def chunked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Chun
       workgroupBarrier();
 {_chunk_products(plan)}
     }}
-{scores(s, plan)}
-    workgroupBarrier();
-    var p0 = vec4<f32>();
-    var p1 = vec4<f32>();
-    var p2 = vec4<f32>();
-    var p3 = vec4<f32>();
-{softmax(s, plan)}
-{prob_stores()}
+{probabilities(s, plan)}
     for (var v0 = 0u; v0 < BK; v0 = v0 + VC) {{
       workgroupBarrier();
 {_stage_v(s, plan)}

@@ -142,18 +142,24 @@ def _key_tile(s: AttentionShape, plan: FlashPlan) -> str:
     var s2 = vec4<f32>();
     var s3 = vec4<f32>();
 {_products(s, plan)}
-{scores(s, plan)}
+{probabilities(s, plan)}
+    workgroupBarrier();
+    for (var j = 0u; j < BK; j++) {{
+{accumulate(s, "j", "vs[j * DVP4")}
+    }}"""
+
+
+def probabilities(s: AttentionShape, plan) -> str:
+    """WGSL: the tile's scores, their online softmax into the thread's 4x4 probabilities p0..p3, and those into
+    ``ps`` (``prob_stores``)."""
+    return f"""{scores(s, plan)}
     workgroupBarrier();
     var p0 = vec4<f32>();
     var p1 = vec4<f32>();
     var p2 = vec4<f32>();
     var p3 = vec4<f32>();
 {softmax(s, plan)}
-{prob_stores()}
-    workgroupBarrier();
-    for (var j = 0u; j < BK; j++) {{
-{accumulate(s, "j", "vs[j * DVP4")}
-    }}"""
+{prob_stores()}"""
 
 
 def prob_stores() -> str:
