@@ -53,7 +53,7 @@ def test_in_place_weight_change_is_seen():
     model = Small().eval()
     x = torch.randn(3, 8)
     compiled = check_against_eager(model, x)
-    first = _call(compiled, x)
+    first = _call(compiled, x).clone()  # (read now: the next call reads its output back too, as this one did)
     with torch.no_grad():
         model.fc1.weight.add_(1.0)
         model.fc2.bias.mul_(-2.0)

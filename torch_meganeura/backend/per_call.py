@@ -29,7 +29,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
 from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, kept_array, lazy_output, read_back_output,
-                            spare_array)
+                                     read_now, spare_array)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
 from ..tensors.resident import ResidentTensor
@@ -77,7 +77,7 @@ class _BoundPlan:
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
     _generation: int = 0
     _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
-    returns: tuple = (None, ())  # (the partition's positions read then, how each output returns: ``_returns``)
+    returns: dict = field(default_factory=dict)  # positions read before a call -> how outputs return (``_returns``)
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
@@ -199,10 +199,16 @@ class DevicePartition(torch.nn.Module):
         # A backward's outputs that are gradients of parameters: resident too while ``kept.kept`` says that the
         # forward's parameters are kept on the device (``device_optimizer``)
         self.kept_gradients, self._kept = frozenset(kept_gradients), kept
-        # An inference graph's outputs that it returns as they are (``lazy_outputs``) and that came back as an input
-        # of a compiled call (``_returned``: a KV cache that Python only hands back) stay on the device from then on,
-        # until eager code reads them (``device_tensor``); a position read once is read back at every later call.
-        self.lazy_outputs, self._returned, self._read = frozenset(lazy_outputs), frozenset(), frozenset()
+        # An inference graph's outputs that it returns as they are (``lazy_outputs``) are read back by the run at the
+        # first call and after a call whose output at that position eager code read (``_read``, since the last call),
+        # each into a tensor that reports its first read. After a call whose output nobody read, that position stays
+        # on the device until eager code reads it (``device_tensor``): a call that reads nothing returns once its run
+        # is submitted. Outputs that came back as an input of a compiled call (``_returned``: a KV cache that Python
+        # only hands back) are consumed; the others are watched (``_unread``): one still unread and alive two calls
+        # later (outputs kept in a list) is read back then, so that the device memory unread outputs hold is bounded.
+        self.lazy_outputs, self._returned = frozenset(lazy_outputs), frozenset()
+        self._read = frozenset() if lazy_from_first else self.lazy_outputs
+        self._unread: dict[int, tuple] = {}  # position -> weak references to its last two lazy outputs
         # A training forward's user outputs (the loss, the logits) stay on the device at every call, until eager code
         # reads them: a step that reads nothing (no ``loss.item()``) waits for nothing, one that reads the loss once.
         self.lazy_from_first = lazy_from_first
@@ -220,14 +226,20 @@ class DevicePartition(torch.nn.Module):
     def forward(self, *args):
         entry = self._last
         _note_returned(args)
-        lazy = self.lazy_outputs if self.lazy_from_first else (self.lazy_outputs - self._read) & self._returned
+        read = self._read
+        lazy = self.lazy_outputs if self.lazy_from_first else self.lazy_outputs - read
         variant = (self._keeps_gradients(), lazy)
         sizes = self.dynamic.values(args) if self.dynamic is not None else ()
         if entry is None or entry.variant != variant or not entry.replays(args, sizes):
             entry = self._entry_for(args, variant)
             if entry is None:
                 return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
-        return self._run(entry, args, sizes)
+        self._read = frozenset()  # (what eager code reads of this call's outputs; a call that raises resets nothing)
+        try:
+            return self._run(entry, args, sizes, read)
+        except BaseException:
+            self._read |= read
+            raise
 
     def _signature(self, args) -> tuple:
         """``signature(args)``, an argument updated in place seen as the tensor it was before its first update (a
@@ -339,8 +351,8 @@ class DevicePartition(torch.nn.Module):
         return positions | {k for k, (kind, _) in enumerate(lowered.outputs) if kind == "plan" and k in lazy}
 
     def _reader(self, position: int):
-        """What a lazy output calls when eager code first reads it: later calls read that position back (one
-        function per position)."""
+        """What an inference graph's output calls when eager code first reads it: the next call reads that position
+        back (one function per position)."""
         found = self._readers.get(position)
         if found is None:
             found = self._readers[position] = self._new_reader(position)
@@ -356,13 +368,13 @@ class DevicePartition(torch.nn.Module):
 
         return read
 
-    def _returns(self, entry: _BoundPlan) -> tuple:
+    def _returns(self, entry: _BoundPlan, read: frozenset) -> tuple:
         """How each output of ``entry``'s runs returns, by position: ``ADOPTED`` (an argument updated in place),
         ``CONST``, ``SAVED`` (a ``ResidentTensor``), ``LAZY`` (a ``DeviceTensor`` until eager code reads it) or
-        ``READ`` (read back), each with whether it may come back as an input (``_may_come_back``). Decided once per
-        entry and set of positions read (``_read``), not per call."""
-        read, returns = entry.returns
-        if read is self._read:
+        ``READ`` (read back), each with whether it is an inference graph's user output (``_track``). Decided once per
+        entry and set of positions ``read``, not per call."""
+        returns = entry.returns.get(read)
+        if returns is not None:
             return returns
         keep, _ = entry.variant
         saved = self.resident_outputs | (self.kept_gradients if keep else frozenset())
@@ -371,11 +383,11 @@ class DevicePartition(torch.nn.Module):
         for k, (kind, _) in enumerate(entry.lowered.outputs):
             how = (ADOPTED if k in entry.updated.values() else CONST if kind == "const" else SAVED if k in saved
                    else LAZY if k in lazy else READ)
-            returns.append((how, k in self.lazy_outputs and k not in self._read and not self.lazy_from_first))
-        entry.returns = (self._read, tuple(returns))
-        return entry.returns[1]
+            returns.append((how, k in self.lazy_outputs and not self.lazy_from_first))
+        returns = entry.returns[read] = tuple(returns)
+        return returns
 
-    def _run(self, entry: _BoundPlan, args, sizes: tuple):
+    def _run(self, entry: _BoundPlan, args, sizes: tuple, read: frozenset):
         lowered, program = entry.lowered, entry.program
         host, on_device = feed(lowered, args, program.device)
         updated = entry.updated
@@ -390,7 +402,7 @@ class DevicePartition(torch.nn.Module):
         results = program.run(host, on_device, into, sizes=sizes)
         adopted = {k: adopt(args[i], results[lowered.outputs[k][1]], on_device[names[i]]) for i, k in updated.items()}
         outs, made = [], {}
-        for k, ((kind, item), (how, may_come_back)) in enumerate(zip(lowered.outputs, self._returns(entry))):
+        for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]
             if how == ADOPTED:
                 outs.append(adopted[k])
@@ -404,9 +416,30 @@ class DevicePartition(torch.nn.Module):
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
-            if may_come_back and type(outs[-1]) is torch.Tensor:
-                outs[-1] = _may_come_back(outs[-1], self, k)
+            if tracked:
+                outs[-1] = self._track(outs[-1], k, how)
         return tuple(outs) if lowered.returns_tuple else outs[0]
+
+    def _track(self, t: torch.Tensor, position: int, how: str) -> DeviceTensor:
+        """An inference graph's user output as a ``DeviceTensor`` that reports eager code's first read (``_reader``):
+        lazy, or read back already. Until it comes back as an input, it is marked as one that may (``_may_come_back``)
+        and, lazy, watched (``_watch_unread``)."""
+        if type(t) is torch.Tensor:
+            t = read_back_output(t, self._reader(position))
+        if position not in self._returned:  # (a position that came back: its graph was traced for it already)
+            _may_come_back(t, self, position)
+            if how == LAZY:
+                self._watch_unread(position, t)
+        return t
+
+    def _watch_unread(self, position: int, t: DeviceTensor) -> None:
+        """Watch ``t``, the lazy output at ``position``; the one of two calls before, if still alive and unread, is read
+        back now (its position then reads back at every call: ``_reader``)."""
+        last, before = self._unread.get(position, (None, None))
+        older = before() if before is not None else None
+        if older is not None and type(older) is DeviceTensor:
+            read_now(older)
+        self._unread[position] = (weakref.ref(t), last)
 
 
 # How an output of a run returns (``DevicePartition._returns``)
@@ -451,19 +484,17 @@ def _graph_key(key: tuple) -> tuple:
                  for item in key)
 
 
-def _may_come_back(t: torch.Tensor, partition: DevicePartition, position: int) -> torch.Tensor:
-    """An output that may come back as an input of a compiled call, read back: a ``DeviceTensor`` already (filled),
-    so that its class is the one it keeps once it stays on the device (dynamo traces a graph again when an input's
-    class changes); eager code's first touch makes it a plain tensor. Tagged (seen again as an input: lazy from then
-    on), and marked for dynamo to trace the graph it comes back to with its sizes symbolic: a KV cache, new at the
-    first decode step, would otherwise make that graph static, and the next step, one position longer, another."""
-    t = read_back_output(t, partition._reader(position))
+def _may_come_back(t: DeviceTensor, partition: DevicePartition, position: int) -> None:
+    """Mark ``t``, an output that may come back as an input of a compiled call (a ``DeviceTensor``: the class it
+    keeps while it stays on the device, as dynamo traces a graph again when an input's class changes). Tagged (seen
+    again as an input: consumed, not watched), and marked for dynamo to trace the graph it comes back to with its
+    sizes symbolic: a KV cache, new at the first decode step, would otherwise make that graph static, and the next
+    step, one position longer, another."""
     with torch._C.DisableTorchFunctionSubclass():  # (marking it is not eager code reading it)
         t._meganeura_returned = (weakref.ref(partition), position)
         dims = [d for d, size in enumerate(t.shape) if size > 1]
         if dims:
             torch._dynamo.maybe_mark_dynamic(t, dims)
-    return t
 
 
 def _note_returned(args) -> None:

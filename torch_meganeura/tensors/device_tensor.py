@@ -323,6 +323,15 @@ def _release(t: DeviceTensor, kept: Kept) -> None:
     kept.on_read()
 
 
+def read_now(t: DeviceTensor) -> None:
+    """Read the lazy output ``t`` back now, as eager code's first read would: a plain tensor from then on."""
+    with torch._C.DisableTorchFunctionSubclass():
+        kept = getattr(t, "_meganeura_kept", None)
+        if kept is not None and kept.on_read is not None:
+            _sync(t, kept)
+            _release(t, kept)
+
+
 def sync(tensors) -> None:
     """Download every stale tensor of ``tensors`` now (eager reads do so by themselves, one at a time)."""
     with torch._C.DisableTorchFunctionSubclass():

@@ -1,0 +1,105 @@
+"""Inference outputs that eager code does not read stay on the device, and the call returns once its run is
+submitted: what a compiled call waits for and downloads, by whether its last output was read, and that outputs kept
+unread hold a bounded amount of device memory, chain into other compiled calls without a round trip, and raise a
+device error where they are read."""
+import torch
+import torch.nn as nn
+
+from helpers.compare import assert_same, check_against_eager, device_counters
+from torch_meganeura.tensors.device_tensor import DeviceTensor
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _call(compiled, *args):
+    with torch.no_grad():
+        return compiled(*args)
+
+
+def _moved(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in ("waits", "bytes_downloaded")}
+
+
+def _is_lazy(t: torch.Tensor) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():
+        return type(t) is DeviceTensor and t._meganeura_kept.stale
+
+
+def test_a_call_after_an_unread_output_waits_for_nothing_and_its_output_reads_right():
+    torch.manual_seed(0)
+    model = Small().eval()
+    compiled = check_against_eager(model, torch.randn(3, 8))  # (reads its output: the next call reads back too)
+    _call(compiled, torch.randn(3, 8))  # read back, not read by anyone
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    before = device_counters()
+    out = _call(compiled, xs[0])
+    moved = _moved(before, device_counters())
+    assert _is_lazy(out), "an output nobody read last time should stay on the device"
+    assert moved == {"waits": 0, "bytes_downloaded": 0}, moved
+    with torch.no_grad():
+        assert_same(out, model(xs[0]), rtol=1e-4, atol=1e-5)  # the first read downloads it
+        assert type(out) is torch.Tensor
+        before = device_counters()
+        second = compiled(xs[1])  # its last output was read: read back by the run, one wait
+        assert _moved(before, device_counters())["waits"] == 1
+        assert not _is_lazy(second)
+        assert_same(second, model(xs[1]), rtol=1e-4, atol=1e-5)
+
+
+def test_outputs_kept_unread_in_a_list_hold_at_most_two_on_the_device():
+    torch.manual_seed(0)
+    model = Small().eval()
+    compiled = check_against_eager(model, torch.randn(3, 8))
+    xs = [torch.randn(3, 8) for _ in range(8)]
+    outs = [_call(compiled, x) for x in xs]  # an evaluation loop collecting outputs, reading them at the end
+    assert sum(map(_is_lazy, outs)) <= 2, [_is_lazy(t) for t in outs]
+    assert any(map(_is_lazy, outs)), "outputs nobody read should have stayed on the device for a while"
+    with torch.no_grad():
+        assert_same(torch.stack(outs), torch.stack([model(x) for x in xs]), rtol=1e-4, atol=1e-5)
+
+
+def test_an_unread_output_goes_into_the_next_compiled_call_without_a_round_trip():
+    torch.manual_seed(0)
+    first, second = Small().eval(), nn.Linear(4, 5).eval()
+    encode = check_against_eager(first, torch.randn(3, 8))
+    decode = check_against_eager(second, torch.randn(3, 4))
+    for _ in range(2):  # (then neither call's output was read the call before)
+        _call(decode, _call(encode, torch.randn(3, 8)))
+    x = torch.randn(3, 8)
+    before = device_counters()
+    hidden = _call(encode, x)
+    out = _call(decode, hidden)
+    after = device_counters()
+    assert _is_lazy(hidden) and _is_lazy(out)
+    up = after["bytes_uploaded"] - before["bytes_uploaded"] - x.numel() * 4
+    assert 0 <= up < hidden.numel() * 4, f"{up} B went up besides x: the hidden state should not have"
+    assert _moved(before, after) == {"waits": 0, "bytes_downloaded": 0}
+    with torch.no_grad():
+        assert_same(out, second(first(x)), rtol=1e-4, atol=1e-5)
+
+
+def test_an_index_out_of_range_in_a_call_nobody_waited_for_raises_where_it_is_read():
+    def fn(table, ids):
+        return nn.functional.embedding(ids, table) * 2
+
+    table, good = torch.randn(10, 3), torch.tensor([0, 3, 9])
+    compiled = check_against_eager(fn, table, good)
+    _call(compiled, table, good)  # unread: the next call's output stays on the device
+    bad = _call(compiled, table, torch.tensor([0, 10, 1]))
+    assert _is_lazy(bad)
+    try:
+        bad.sum()
+    except RuntimeError as err:
+        assert "index out of range in embedding" in str(err), err
+    else:
+        raise AssertionError("reading the output of a run with an index out of range did not raise")
+    with torch.no_grad():  # the next call runs, and gives eager's values
+        assert_same(compiled(table, good), fn(table, good), rtol=0, atol=0)
