@@ -16,8 +16,8 @@ half-precision model and batch in float64, and the allowance is ``HALF_FACTOR`` 
 Half dtypes are measured in latency and inference (``HALF_MODES``) by the competitors that take any model as it is
 (``HALF_COMPETITORS``); precision "fast" and the resident training step stay float32.
 Competitors are timed in turns of consecutive calls after a warm-up (``turns``: a call right after the other GPU
-API's pays a context switch); both sides are synchronised (a CUDA synchronize; meganeura returns host tensors, so
-its calls end when the results are read back).
+API's pays a context switch); both sides are synchronised (a CUDA synchronize; meganeura's ``Device.synchronize``:
+an inference call whose last output nobody read returns once submitted, its output staying on the device).
 """
 from __future__ import annotations
 
