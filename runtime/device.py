@@ -272,6 +272,7 @@ class Device:
         self.arena = SharedArena(self)  # the arena buffer of every program on this device
         self.in_flight = InFlight(self.counters)  # runs whose status is unread (``meganeura.runtime.in_flight``)
         self._fence_staging = None  # where ``synchronize`` copies the fence to wait for the queue
+        self._submitted_since_wait = False  # (a wait waits for the whole queue: ``synchronize`` then has none to make)
         self.profiler = profiler_from_env(self)  # set while plan runs record per-dispatch GPU timestamps
 
     def describe(self) -> str:
@@ -440,9 +441,13 @@ class Device:
             commands = native.finish(encoder)
             self.queue.submit([*before, commands])
         self.counters.submits += 1
+        self._submitted_since_wait = True
 
     def synchronize(self) -> None:
-        """Wait for everything submitted; raise the first status error a run in flight set."""
+        """Wait for everything submitted; raise the first status error a run in flight set. Nothing to wait for
+        where nothing was submitted since the last wait (a run that read its outputs back waited for the queue)."""
+        if not self._submitted_since_wait and not self.in_flight:
+            return
         if self.in_flight:
             self.counters.waits += 1
             self.in_flight.settle()
@@ -457,6 +462,7 @@ class Device:
 
     def _waited(self) -> None:
         """After a wait for the queue: count it, and read the runs in flight (the queue has passed them)."""
+        self._submitted_since_wait = False
         if not self.in_flight.settling:
             self.counters.waits += 1
             self.in_flight.settle()

@@ -173,6 +173,7 @@ class RecordingDevice:
         self.pool = BufferPool(self)
         self.arena = SharedArena(self)
         self.in_flight = InFlight(self.counters)
+        self._submitted_since_wait = False  # as ``Device``'s: ``synchronize`` waits only for what is unwaited
 
     def describe(self) -> str:
         return f"{self.name} (no GPU)"
@@ -300,6 +301,7 @@ class RecordingDevice:
                     source.data[start:start + command.size])
         self.submits.append(Submit(label, submitted))
         self.counters.submits += 1
+        self._submitted_since_wait = True
 
     def read_mapped(self, buffer: RecordedBuffer, size: int, on_unmapped) -> np.ndarray:
         """A copy of the first ``size`` bytes; the buffer is handed back at once (as where wgpu-native is absent)."""
@@ -311,11 +313,15 @@ class RecordingDevice:
         assert buffer.kind == "staging" and size <= buffer.size, f"read of {size} bytes from {buffer!r}"
         self.counters.bytes_downloaded += size
         data = np.frombuffer(bytes(buffer.data[:size]), np.uint8).copy()
+        self._submitted_since_wait = False
         if not self.in_flight.settling:  # a wait: the runs in flight are read (``Device._waited``)
             self.counters.waits += 1
             self.in_flight.settle()
         return data
 
     def synchronize(self) -> None:
+        if not self._submitted_since_wait and not self.in_flight:
+            return
+        self._submitted_since_wait = False
         self.counters.waits += 1
         self.in_flight.settle()

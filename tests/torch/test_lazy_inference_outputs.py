@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import assert_same, check_against_eager, device_counters
+from meganeura.runtime.device import get_device
 from torch_meganeura.tensors.device_tensor import DeviceTensor
 
 
@@ -34,6 +35,7 @@ def _is_lazy(t: torch.Tensor) -> bool:
 
 
 def test_a_call_after_an_unread_output_waits_for_nothing_and_its_output_reads_right():
+    """Also: ``synchronize`` waits for a run in flight, and for nothing after a run that waited itself."""
     torch.manual_seed(0)
     model = Small().eval()
     compiled = check_against_eager(model, torch.randn(3, 8))  # (reads its output: the next call reads back too)
@@ -44,12 +46,16 @@ def test_a_call_after_an_unread_output_waits_for_nothing_and_its_output_reads_ri
     moved = _moved(before, device_counters())
     assert _is_lazy(out), "an output nobody read last time should stay on the device"
     assert moved == {"waits": 0, "bytes_downloaded": 0}, moved
+    get_device().synchronize()
+    assert device_counters()["waits"] - before["waits"] == 1, "synchronize should wait for the run in flight"
     with torch.no_grad():
         assert_same(out, model(xs[0]), rtol=1e-4, atol=1e-5)  # the first read downloads it
         assert type(out) is torch.Tensor
         before = device_counters()
         second = compiled(xs[1])  # its last output was read: read back by the run, one wait
-        assert _moved(before, device_counters())["waits"] == 1
+        get_device().synchronize()  # (nothing submitted since that wait: nothing to wait for)
+        after = device_counters()
+        assert _moved(before, after)["waits"] == 1 and after["submits"] - before["submits"] == 1
         assert not _is_lazy(second)
         assert_same(second, model(xs[1]), rtol=1e-4, atol=1e-5)
 
