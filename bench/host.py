@@ -3,6 +3,7 @@
     python -m bench.host --workloads resnet50,smollm2 --steps 5           # full size
     python -m bench.host --smoke --workloads resnet50 --steps 3
     python -m bench.host --workloads none --decode                        # per decode token: HF vs the bundle
+    python -m bench.host --workloads none --inference whisper_tiny,resnet50  # per inference call
 
 Each way (``loop``: ``torch.compile`` + ``keep_on_device(AdamW)``, the ordinary loop; ``resident``:
 ``compile_train_step``) trains the workload on a device that allocates, uploads and records like a GPU but computes
@@ -76,6 +77,33 @@ def measure(name: str, way: str, steps: int, smoke: bool) -> dict:
     return {"workload": name, "way": way, "host_us": micros, "median_us": statistics.median(micros),
             "cpu_us": cpu_micros, "median_cpu_us": statistics.median(cpu_micros),
             "parameters": sum(1 for _ in base.parameters()), **call_counts(profile), **moved}
+
+
+def measure_inference(name: str, mode: str, calls: int, smoke: bool) -> dict:
+    """Host microseconds of an inference call (``mode`` "inference" or "latency", as the benchmark's cells call it:
+    the output not read, then ``Device.synchronize``) after warm calls, with the counts of the last ``calls``."""
+    from meganeura.runtime.device import get_device
+
+    workload = WORKLOADS[name]
+    torch.manual_seed(0)
+    base = workload.build(smoke)
+    batch = workload.batch("full" if mode == "inference" else "minimal", torch.Generator().manual_seed(0), smoke)
+    torch._dynamo.reset()
+    runner = Runner("meganeura", workload, base, mode, batch)
+    runner.first_call()
+    for _ in range(3):  # (the first reads back what the gate read; the next ones leave their outputs on the device)
+        runner.step()
+    counters = get_device().counters
+    before, micros, cpu_micros = counters.snapshot(), [], []
+    for _ in range(calls):
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        runner.step()
+        micros.append((time.perf_counter() - start) * 1e6)
+        cpu_micros.append((time.thread_time() - cpu_start) * 1e6)
+    after = counters.snapshot()
+    return {"workload": name, "way": mode, "host_us": micros, "median_us": statistics.median(micros),
+            "cpu_us": cpu_micros, "median_cpu_us": statistics.median(cpu_micros),
+            **{key: (after[key] - before[key]) / calls for key in MOVED}}
 
 
 def _per_token(generate, short: int, long: int) -> dict:
@@ -164,6 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--decode", action="store_true", help="also host us per decode token: HF generate through the "
                                                          "backend against the generation bundle (SmolLM2's config)")
+    p.add_argument("--inference", default="", help="also host us per inference call of these workloads "
+                                                   "(comma-separated), in inference and latency mode")
     args = p.parse_args(argv)
     use_null_device()
     rows = []
@@ -171,6 +201,12 @@ def main(argv=None) -> int:
         decode = measure_decode(args.smoke)
         rows += decode
         _print_decode(decode)
+    for name in [w for w in args.inference.split(",") if w]:
+        for mode in ("inference", "latency"):
+            row = measure_inference(name, mode, args.steps, args.smoke)
+            rows.append(row)
+            print(f"{name} {mode}: host {row['median_us']:.0f} us/call, {row['median_cpu_us']:.0f} CPU us/call "
+                  f"(medians of {args.steps}); per call: " + ", ".join(f"{row[k]:g} {k}" for k in MOVED), flush=True)
     for name in [w for w in args.workloads.split(",") if w != "none"]:
         for way in args.ways.split(","):
             row = measure(name, way, args.steps, args.smoke)
