@@ -15,6 +15,7 @@ A cell also has a dtype (``DTYPES``): in bfloat16 or float16 the model and the b
 half-precision model and batch in float64, and the allowance is ``HALF_FACTOR`` times eager's own error at the dtype.
 Half dtypes are measured in latency and inference (``HALF_MODES``) by the competitors that take any model as it is
 (``HALF_COMPETITORS``); precision "fast" and the resident training step stay float32.
+Inference batches are on the device before the timed calls on both sides (``DEVICE_BATCH``).
 Competitors are timed in turns of consecutive calls after a warm-up (``turns``: a call right after the other GPU
 API's pays a context switch); both sides are synchronised (a CUDA synchronize; meganeura's ``Device.synchronize``:
 an inference call whose last output nobody read returns once submitted, its output staying on the device).
@@ -40,6 +41,9 @@ COMPETITORS = ("meganeura", "meganeura-fast", "meganeura-resident", "meganeura-l
 # meganeura-resident: compile_train_step, forward, backward and AdamW in one device plan; meganeura-loop: the ordinary
 # loop through the backend with keep_on_device(AdamW)
 TRAINING_ONLY = ("meganeura-resident", "meganeura-loop")
+# Inference batches put on the device once (``torch_meganeura.to_device``), as CUDA's are moved to the GPU once; the
+# training ways take host batches, which each step uploads (the resident step's API takes host tensors)
+DEVICE_BATCH = ("meganeura", "meganeura-fast")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF_MODES = ("latency", "inference")
 HALF_COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager", "torch-cuda-inductor")
@@ -74,6 +78,10 @@ class Runner:
         self.device = "cuda" if competitor.startswith("torch-cuda") else "cpu"
         self.model = copy.deepcopy(base).to(self.device).train(self.training and workload.train_mode)
         self.batch = tuple(t.to(self.device) for t in batch)
+        if competitor in DEVICE_BATCH and not self.training:
+            from torch_meganeura import to_device
+
+            self.batch = tuple(map(to_device, self.batch))
         what = workload.loss if self.training else workload.output
         model = self.model
 

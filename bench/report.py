@@ -94,6 +94,10 @@ def markdown(data: dict) -> str:
     if data["settings"].get("tuned"):
         lines += ["", "meganeura compiled with tuned matmul variants (`--tune`): a workload's first call includes "
                       "timing its new GEMM shapes."]
+    if data["settings"].get("device_batch"):
+        lines += ["", "Inference batches are on the device before the timed calls: moved to the GPU once for PyTorch, "
+                      "put on meganeura's device once (`torch_meganeura.to_device`). Training batches come from the "
+                      "host at every meganeura step."]
     if data["settings"].get("note"):
         lines += ["", f"Note: {data['settings']['note']}"]
     lines.append("")

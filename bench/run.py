@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     result["settings"] = {"warmup": args.warmup, "repeats": args.repeats, "run_length": args.run_length,
                           "competitors": competitors, "dtypes": dtypes,
                           "scale": "smoke" if args.smoke else "full", "note": args.note,
-                          "tuned": args.tune}
+                          "tuned": args.tune, "device_batch": True}
     print(f"adapter: {result['machine'].get('adapter')}; CUDA: {result['machine']['cuda_device']}", flush=True)
     for name in workloads:
         for mode, dtype in runs:

@@ -23,6 +23,7 @@ from meganeura.runtime.profiler import profile as device_profile
 from .backend.entry import FallbackError, meganeura_backend
 from .training.keep_on_device import keep_on_device, sync_parameters
 from .backend.explain import explain
+from .tensors.device_tensor import uploaded
 from .bundles.export import ExportError, export
 from .training.step import TrainStep, compile_train_step
 
@@ -32,6 +33,13 @@ def export_lm(model, path, **kwargs) -> dict:
     from .bundles.lm_export import export_lm as export_generation_bundle  # noqa: PLC0415 - imports transformers
 
     return export_generation_bundle(model, path, **kwargs)
+
+
+def to_device(tensor, adapter=None):
+    """``tensor``'s values uploaded to the device now, as a CPU tensor (detached) that compiled calls bind without
+    uploading it again, as a CUDA tensor made once with ``.cuda()`` is: a batch used by several calls, or put on the
+    device ahead of its call. Eager code reads it as any tensor; a write to it goes up at the next compiled call."""
+    return uploaded(tensor, get_device(adapter))
 
 
 def profile(adapter=None):
@@ -44,4 +52,4 @@ def profile(adapter=None):
 
 __version__ = "0.1.0"
 __all__ = ["meganeura_backend", "explain", "export", "export_lm", "ExportError", "FallbackError", "compile_train_step",
-           "TrainStep", "profile", "keep_on_device", "sync_parameters", "__version__"]
+           "TrainStep", "profile", "keep_on_device", "sync_parameters", "to_device", "__version__"]

@@ -1,10 +1,11 @@
 """Inference outputs that eager code does not read stay on the device, and the call returns once its run is
 submitted: what a compiled call waits for and downloads, by whether its last output was read, and that outputs kept
 unread hold a bounded amount of device memory, chain into other compiled calls without a round trip, and raise a
-device error where they are read."""
+device error where they are read; and inputs put on the device once (``torch_meganeura.to_device``)."""
 import torch
 import torch.nn as nn
 
+import torch_meganeura
 from helpers.compare import assert_same, check_against_eager, device_counters
 from meganeura.runtime.device import get_device
 from torch_meganeura.tensors.device_tensor import DeviceTensor
@@ -109,3 +110,21 @@ def test_an_index_out_of_range_in_a_call_nobody_waited_for_raises_where_it_is_re
         raise AssertionError("reading the output of a run with an index out of range did not raise")
     with torch.no_grad():  # the next call runs, and gives eager's values
         assert_same(compiled(table, good), fn(table, good), rtol=0, atol=0)
+
+
+def test_an_input_put_on_the_device_once_goes_up_only_when_eager_code_writes_it():
+    torch.manual_seed(0)
+    model = Small().eval()
+    compiled = check_against_eager(model, torch.randn(3, 8))
+    x = torch_meganeura.to_device(torch.randn(3, 8))
+    for _ in range(2):
+        before = device_counters()
+        out = _call(compiled, x)
+        assert device_counters()["bytes_uploaded"] == before["bytes_uploaded"], "x should not go up again"
+        with torch.no_grad():
+            assert_same(out, model(x), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        x.mul_(-2.0)  # eager code writes it: the next call binds the new values
+        before = device_counters()
+        assert_same(_call(compiled, x), model(x), rtol=1e-4, atol=1e-5)
+    assert device_counters()["bytes_uploaded"] - before["bytes_uploaded"] == x.numel() * 4

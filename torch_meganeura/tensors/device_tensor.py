@@ -12,7 +12,8 @@ plain tensors they are, and the backend binds their device arrays instead of upl
   backend's ``ParamStore`` entry, which the device update writes.
 - ``DeviceTensor``: an output of an inference graph that eager code has not read (a KV cache that Python only hands
   back to the next call), with a device array of its own (``lazy_output``); a call that takes it back binds that
-  array (``bound_array``). Or an input that a graph updates on the device (a static KV cache, BatchNorm's running
+  array (``bound_array``). Or an input put on the device once (``uploaded``: ``torch_meganeura.to_device``). Or
+  an input that a graph updates on the device (a static KV cache, BatchNorm's running
   statistics in training): the tensor itself then stands for the array (``adopt``), and is one from the graph's
   compilation on (``mark_updated``).
 """
@@ -196,6 +197,17 @@ def lazy_output(array: DeviceArray, on_read=None) -> DeviceTensor:
         t = torch.empty(array.shape, dtype=TORCH_DTYPE[array.dtype]).as_subclass(DeviceTensor)
         t._meganeura_kept = Kept(array=array, stale=True, version=t._version, on_read=on_read)
     return t
+
+
+def uploaded(t: torch.Tensor, device) -> DeviceTensor:
+    """A copy of ``t`` (detached) whose values are on ``device`` too, uploaded now: compiled calls bind its array
+    without an upload; eager code reads its host copy, which stays current; a write goes up at the next bind."""
+    with torch._C.DisableTorchFunctionSubclass():
+        host = t.detach().clone()
+        array = DeviceArray.upload(device, host_form(host), logical_dtype(host.dtype))
+        kept = host.as_subclass(DeviceTensor)
+        kept._meganeura_kept = Kept(array=array, stale=False, version=kept._version)
+    return kept
 
 
 def read_back_output(t: torch.Tensor, on_read=None) -> DeviceTensor:
