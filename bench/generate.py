@@ -36,9 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8,
                    help="prompts that the batched bundle's row generates together (default 8; 1: no such row)")
     p.add_argument("--adapter", help="meganeura's adapter (index or name substring)")
+    p.add_argument("--caches", default=",".join(CACHES),
+                   help="HF caches of the eager and backend rows, comma-separated (HF's compiled row is always there)")
     return p
 
 
+CACHES = ("dynamic", "static")
 EAGER_CACHES = {  # cache label -> generate's arguments; every row is warmed with the call it then times
     "dynamic": {},
     "static": {"cache_implementation": "static", "disable_compile": True},  # pure eager: HF compiles it otherwise
@@ -48,7 +51,7 @@ EAGER_CACHES = {  # cache label -> generate's arguments; every row is warmed wit
 HF_COMPILED_CACHE = {"hf-compiled-static": {"cache_implementation": "static"}}
 
 
-def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
+def _eager_rows(model, prompt, new: int, device: str, caches=CACHES) -> list[dict]:
     """PyTorch's rows: eager with each cache, and on CUDA HF's auto-compiled static cache. Each is warmed by a
     call of the length it is timed at (the static cache's size, and the compiled graphs, depend on it)."""
     import torch
@@ -56,8 +59,8 @@ def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
     rows = []
     model = model.to(device)
     ids = prompt.to(device)
-    caches = {**EAGER_CACHES, **(HF_COMPILED_CACHE if device == "cuda" else {})}
-    for cache, kwargs in caches.items():
+    chosen = {c: kwargs for c, kwargs in EAGER_CACHES.items() if c in caches}
+    for cache, kwargs in {**chosen, **(HF_COMPILED_CACHE if device == "cuda" else {})}.items():
         competitor = f"torch-{device}-{'hf-compiled' if cache in HF_COMPILED_CACHE else 'eager'}"
         seconds = []
         for _ in range(2):  # warm, then timed: the same call
@@ -78,14 +81,14 @@ def _eager_rows(model, prompt, new: int, device: str) -> list[dict]:
     return rows
 
 
-def _backend_rows(model, prompt, new: int) -> list[dict]:
+def _backend_rows(model, prompt, new: int, caches=CACHES) -> list[dict]:
     """HF ``generate`` with ``forward`` compiled by the backend: the first call (compiling) and a second, timed."""
     import copy
 
     import torch
 
     rows = []
-    for cache in ("dynamic", "static"):
+    for cache in caches:
         kwargs = {"cache_implementation": "static"} if cache == "static" else {}
         torch._dynamo.reset()
         compiled = copy.deepcopy(model)
@@ -193,8 +196,9 @@ def main(argv=None) -> int:
                  for p in prompts]
         reference = alone[0]
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        rows = _eager_rows(model, prompt, new, device)
-        rows += _backend_rows(model, prompt, new)
+        caches = [c for c in args.caches.split(",") if c]
+        rows = _eager_rows(model, prompt, new, device, caches)
+        rows += _backend_rows(model, prompt, new, caches)
     for row in rows:
         row["batch"] = 1
     rows.append(_bundle_row(model, [prompt], new, args.max_cache_len, args.adapter))
