@@ -187,3 +187,36 @@ def test_load_state_dict_between_steps_and_a_kept_state_continued_by_an_eager_op
     for step in range(2):
         pair.step()
     pair.assert_match("continued eagerly")
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(6, 4), nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_parameter_given_data_of_another_shape_binds_a_plan_for_it():
+    """SGD without momentum keeps no state: a parameter whose data take another shape (``.data``) goes on training
+    with an update for that shape, as in eager PyTorch."""
+    torch.manual_seed(0)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    torch_meganeura.keep_on_device(opt)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="meganeura")
+    x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    for step in range(4):
+        if step == 2:
+            for m in (model, ref):
+                m.scale.data = torch.full((1,), 0.5)
+        for forward, o in ((compiled, opt), (ref, ref_opt)):
+            o.zero_grad()
+            F.cross_entropy(forward(x), y).backward()
+            o.step()
+    assert model.scale.shape == (1,)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")

@@ -81,7 +81,7 @@ class BoundUpdate:
         self.states, self.slots = states, slots
         self.state_tensors = [state[slot] for slot in slots for state in states]  # slot by slot
         self.pairs, self.counts, self.first_counts = pairs, None, counts
-        self.param_arrays: list = []  # the last run's (a new copy is checked against the plan's shapes)
+        self.param_arrays: list | None = None  # the last run's (a new copy is checked against the plan's shapes)
         self.param_specs = [(tuple(p.shape), logical_dtype(p.dtype)) for p in self.updated]
         self._name(roles)
 
@@ -117,7 +117,7 @@ class BoundUpdate:
         """Run the update with ``grads`` (those of ``params``), take its results in and count it. False, having run
         nothing, where a parameter's device copy is no longer of the shape or dtype the plan was compiled for."""
         param_arrays = self.store.arrays(self.updated)
-        if not all(map(_same, param_arrays, self.param_arrays)):  # a new copy: the first run, or a tensor replaced
+        if self.param_arrays is None or not all(map(_same, param_arrays, self.param_arrays)):  # (a copy replaced)
             if [(a.shape, a.dtype) for a in param_arrays] != self.param_specs:
                 return False
             self.param_arrays = param_arrays
