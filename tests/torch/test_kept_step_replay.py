@@ -220,3 +220,34 @@ def test_a_parameter_given_data_of_another_shape_binds_a_plan_for_it():
     assert model.scale.shape == (1,)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_step_hooks_and_a_closure_see_the_step_as_eager_hooks_do():
+    """With a step pre-hook (which changes the learning rate before the update) and a post-hook registered, and with
+    ``step(closure)``, torch's step runs around the device update with the gradients hidden (not the parameter
+    lists): the hooks run once per step, the pre-hook's change applies, and the gradients are there after."""
+    pair = Pair(adamw)
+    calls = []
+
+    def halve_lr(opt, args, kwargs):
+        opt.param_groups[0]["lr"] *= 0.5
+
+    def count(opt, args, kwargs):
+        calls.append(len(opt.param_groups[0]["params"]))
+
+    for opt in (pair.opt, pair.ref_opt):
+        opt.register_step_pre_hook(halve_lr)
+        opt.register_step_post_hook(count)
+    for step in range(3):
+        pair.step()
+        pair.assert_match(f"hooked step {step}")
+    assert calls == [4] * 6
+    assert all(p.grad is not None for p in pair.model.parameters())
+    for model, forward, opt in ((pair.model, pair.compiled, pair.opt), (pair.ref, pair.ref, pair.ref_opt)):
+        def closure(forward=forward, opt=opt):
+            opt.zero_grad()
+            loss = F.cross_entropy(forward(pair.x), pair.y)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    pair.assert_match("step(closure)")
