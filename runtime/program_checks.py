@@ -4,6 +4,8 @@ array against its tensor's spec on the way up (``to_device_array``); and the rea
 arrays (``from_device_bytes``) and status errors (``status_error``)."""
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from .device import Device
@@ -13,6 +15,7 @@ from .plan import Plan, TensorSpec
 from .resident import DeviceArray
 
 _INT32 = np.iinfo(np.int32)
+_BUFFER = operator.attrgetter("buffer")
 _HOST_FORM = {"bfloat16": " (its raw bits as uint16; numpy has no bfloat16)"}
 
 
@@ -89,17 +92,16 @@ def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorS
     """A run's host and device inputs against the plan's inputs ``specs``: each given once, the device-only ones on
     the device, each device array live on ``device``, of its spec's dtype and its shape in this run (``shapes``), in
     a buffer it may swap."""
-    given = set(inputs) | set(device_inputs)
-    missing = sorted(set(specs) - given)
-    extra = sorted(given - set(specs))
-    both = sorted(set(inputs) & set(device_inputs))
-    if missing or extra or both:
-        raise InputError(f"missing inputs {missing}, unexpected inputs {extra}, given twice {both}; "
+    if (len(inputs) + len(device_inputs) != len(specs) or not specs.keys() >= device_inputs.keys()
+            or not specs.keys() >= inputs.keys() or inputs.keys() & device_inputs.keys()):  # (no set built)
+        given = set(inputs) | set(device_inputs)
+        raise InputError(f"missing inputs {sorted(set(specs) - given)}, unexpected inputs "
+                         f"{sorted(given - set(specs))}, given twice {sorted(set(inputs) & set(device_inputs))}; "
                          f"expected {sorted(specs)}")
     host_only = sorted(device_only & set(inputs))
     if host_only:
         raise InputError(f"inputs {host_only} are device-only in this program: pass them as device_inputs")
-    if device_inputs.keys() - alone:
+    if not alone.issuperset(device_inputs):
         require_own_buffers([specs[name] for name in device_inputs], alone, "a device input")
     for name, array in device_inputs.items():  # (one test per input where all is well: a step binds hundreds)
         if (not isinstance(array, DeviceArray) or array.buffer is None or array.device is not device
@@ -144,7 +146,7 @@ def check_into(into: dict, device_inputs: dict, resident: dict[str, TensorSpec],
 def check_in_place(device_inputs: dict, in_place: dict[str, str]) -> None:
     """An input that an output overwrites (``in_place``: output -> input) must be the only input bound to its array
     (another would read the new values as its own)."""
-    bound = [id(array.buffer) for array in device_inputs.values()]
+    bound = list(map(id, map(_BUFFER, device_inputs.values())))
     if len(set(bound)) == len(bound):  # every input in an array of its own: none shares a target's
         return
     targets = {id(device_inputs[name].buffer): name for name in in_place.values()}

@@ -18,7 +18,7 @@ from meganeura.runtime.errors import InputError
 from meganeura.runtime.dtypes import host_words
 from meganeura.runtime.resident import DedicatedBuffers, DeviceArray
 
-from ..lower.registry import logical_dtype
+from ..lower.registry import TORCH_TO_LOGICAL, logical_dtype
 
 
 def host_form(t: torch.Tensor) -> np.ndarray:
@@ -105,6 +105,21 @@ class ParamStore:
                 self._generation += 1
             self._set(key, t, _DeviceCopy(None, stamp, array))
             return array
+
+    def arrays(self, ts: list) -> list[DeviceArray]:
+        """``array`` of each of ``ts`` (a kept optimizer's parameters, every step): a copy written from the same
+        tensor at its current version, storage, shape and dtype is taken as it is, in one loop; any other goes
+        through ``array``."""
+        entries, found = self._entries, []
+        with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
+            for t in ts:
+                entry = entries.get(id(t))
+                if (entry is not None and entry.ref() is t and entry.stamp == (t._version, t.data_ptr())
+                        and entry.array.shape == t.shape and entry.array.dtype == TORCH_TO_LOGICAL.get(t.dtype)):
+                    found.append(entry.array)
+                else:
+                    found.append(self.array(t))
+        return found
 
     def kept(self, t: torch.Tensor) -> DeviceArray | None:
         """The device copy of ``t`` as it stands (None if there is none), without looking at the host data."""

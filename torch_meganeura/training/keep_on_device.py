@@ -22,8 +22,12 @@ What a step then moves between host and device is the batch and what eager code 
   reads its data (printing it, ``state_dict()``, ``torch.save``, an eager forward), once per step. Reading metadata
   (shape, ``.grad``, ``_version``) downloads nothing. An eager write (``load_state_dict``, ``p.mul_``) is uploaded
   before the next plan reads the parameter.
-- ``optimizer.state[p]`` holds ``step`` as torch keeps it and the state tensors (``exp_avg``...) as ResidentTensors:
+- ``optimizer.state[p]`` holds ``step`` as torch keeps it (a 0-d tensor of its own to eager code; a view of one
+  tensor of all the counts, ``bound_update.StepCounts``) and the state tensors (``exp_avg``...) as ResidentTensors:
   ``optimizer.state_dict()``, ``torch.save`` and ``load_state_dict`` work unchanged.
+- A step whose parameters, gradients and state are the last step's objects replays the update that step bound,
+  with no per-parameter work but identity checks and the reads of what eager code may have written
+  (``bound_update``).
 
 Eager code that reads or writes a gradient works on its host copy (``resident``): ``clip_grad_norm_`` downloads the
 gradients and its scaled ones are uploaded by the step, correct but with that traffic. Gradient accumulation
@@ -43,6 +47,7 @@ from ..backend.entry import param_store
 from ..tensors.device_tensor import DeviceParameter, Kept, sync
 from ..tensors.params import upload_array
 from ..tensors.resident import ResidentTensor
+from .bound_update import BoundUpdate
 from .role_program import RoleProgram
 from .roles import Kind, Role
 from .trace import trace_update
@@ -90,7 +95,8 @@ def _kept_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True):
 
 class _DeviceStep:
     """The device update of a kept optimizer, one compiled plan per set of parameters with gradients (their shapes,
-    dtypes and rows of numbers). Its per-step work reads parameters' metadata only, with subclass overrides off."""
+    dtypes and rows of numbers), bound at a step and replayed while it holds (``bound_update``). Its per-step work
+    reads parameters' metadata only, with subclass overrides off."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store):
         self.optimizer, self.store, self.device = optimizer, store, store.device
@@ -99,7 +105,7 @@ class _DeviceStep:
         self.zero_grad = optimizer.zero_grad  # torch's
         self._plans: dict[tuple, RoleProgram] = {}
         self._roles: list[tuple] = []  # per parameter position: its param, grad and state roles (``_roles_of``)
-        self._counted: dict[int, tuple] = {}  # id(step tensor) -> (it, its _version, the count it holds) (``_count``)
+        self._bound: BoundUpdate | None = None  # the last step's (``bound_update``)
 
     def step(self, closure=None):
         def update():
@@ -114,25 +120,40 @@ class _DeviceStep:
         return optimizers.as_optimizer_step(self.optimizer, update, self._replaced, user_code=closure is not None)
 
     def _update(self) -> None:
-        active = [(g, p) for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]
-                  if p.grad is not None]
-        if not active:
-            return
+        """Run the update: the last step's binding where it holds (``bound_update``), else a new one."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        bound, self._bound = self._bound, None  # (a run that raises leaves no binding behind)
+        if bound is None or not bound.holds(params, grads) or not bound.run(grads):
+            if all(g is None for g in grads):
+                return
+            bound = self._bind(params, grads)
+            bound.run(grads)  # (runs: it was bound from these parameters' shapes and dtypes)
+        self._bound = bound
+
+    def _bind(self, params: list, grads: list) -> BoundUpdate:
+        """Bind the update of the parameters with gradients: their step counts and rows of numbers, the plan
+        compiled for their shapes and dtypes, and their optimizer state (made on the device where missing)."""
+        groups = [g for g, group in enumerate(self.optimizer.param_groups) for _ in group["params"]]
+        active = [(g, p) for g, p, grad in zip(groups, params, grads) if grad is not None]
         states = [self.optimizer.state[p] for _, p in active]  # once a step: a tensor's hash is a Python call
         steps = [self._steps_done(state) + 1 for state in states]
         pairs = sorted({(g, s) for (g, _), s in zip(active, steps)})
         row_of = {pair: r for r, pair in enumerate(pairs)}
         rows = [row_of[(g, s)] for (g, _), s in zip(active, steps)]
-        params = [p for _, p in active]
-        key = tuple((tuple(p.shape), p.dtype, r) for p, r in zip(params, rows))
+        updated = [p for _, p in active]
+        for p in updated:
+            if type(p) is not DeviceParameter or p._meganeura_kept.store is not self.store:
+                raise TypeError(f"a parameter of this optimizer (shape {tuple(p.shape)}) is not kept on its device: "
+                                "keep_on_device keeps the parameters the optimizer has when it is called; add "
+                                "parameters before calling it")
+        key = tuple((tuple(p.shape), p.dtype, r) for p, r in zip(updated, rows))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._compile(params, rows, len(pairs))
-        arrays = self._arrays(params, states)
-        hyper = optimizers.hyperparameter_rows(self.optimizer, pairs)
-        results = plan.run(lambda role: hyper if role.kind is Kind.HYPER else arrays[role])
-        self._take(params, arrays, results)
-        self._count(states, steps)
+            plan = self._plans[key] = self._compile(updated, rows, len(pairs))
+        self._make_state(updated, states)
+        return BoundUpdate(self.optimizer, self.store, plan, params, grads, states, self.update_spec, pairs,
+                           self._roles_of(len(updated))[:len(updated)], steps)
 
     def _compile(self, params: list, rows: list[int], n_rows: int) -> RoleProgram:
         names = [str(i) for i in range(len(params))]
@@ -151,73 +172,28 @@ class _DeviceStep:
                                 tuple((slot, Role.state(slot, name)) for slot in self.update_spec.slots)))
         return self._roles
 
-    def _arrays(self, params: list, states: list) -> dict:
-        """Each role's device array for this update: parameters (uploaded first where eager code wrote them),
-        gradients (resident, or uploaded), optimizer state (``states``, by parameter; created at a parameter's first
-        update)."""
-        arrays, pool_cleared = {}, False
-        for p, state, (param, grad_role, slots) in zip(params, states, self._roles_of(len(params))):
-            arrays[param] = self.store.array(p)
-            grad = p.grad
-            arrays[grad_role] = grad if self._on_device(grad) else upload_array(self.device, grad.detach())
-            for slot, role in slots:
+    def _make_state(self, params: list, states: list) -> None:
+        """Put each parameter's optimizer state tensors on the device (``states``, by parameter): made at its first
+        update, uploaded where eager code set them (``load_state_dict``)."""
+        pool_cleared = False
+        for p, state in zip(params, states):
+            for slot in self.update_spec.slots:
                 value = state.get(slot)
-                if not self._on_device(value):
-                    if not pool_cleared:
-                        # The state is made once, after the first backward, whose saved activations wait in the
-                        # device's pool for the next forward: they would sit beside the new state at the run's peak
-                        # (full-size Whisper-tiny: 165 MiB), so they go first, and the next forward makes them again.
-                        self.device.pool.clear()
-                        pool_cleared = True
-                    value = state[slot] = ResidentTensor(upload_array(
-                        self.device, torch.zeros_like(p.detach()) if value is None else value.detach()))
-                arrays[role] = value
-        return arrays
-
-    def _on_device(self, value) -> bool:
-        """Whether ``value`` is a tensor kept on this optimizer's device."""
-        return isinstance(value, ResidentTensor) and value.array.device is self.device
-
-    def _take(self, params: list, arrays: dict, results: dict) -> None:
-        """Take the update's results in: an output stored over its input's array needs nothing; another becomes the
-        role's array (the store's copy of the parameter, or the state's ResidentTensor)."""
-        for role, array in results.items():
-            p = params[int(role.name)]
-            if role.kind is Kind.PARAM:
-                if array is not arrays[role]:
-                    self.store.replace(p, array)
-                p._meganeura_kept.stale = True
-            elif array is not arrays[role].array:
-                self.optimizer.state[p][role.slot] = ResidentTensor(array)
-            else:
-                arrays[role].written_on_device()
+                if isinstance(value, ResidentTensor) and value.array.device is self.device:
+                    continue
+                if not pool_cleared:
+                    # The state is made once, after the first backward, whose saved activations wait in the
+                    # device's pool for the next forward: they would sit beside the new state at the run's peak
+                    # (full-size Whisper-tiny: 165 MiB), so they go first, and the next forward makes them again.
+                    self.device.pool.clear()
+                    pool_cleared = True
+                state[slot] = ResidentTensor(upload_array(
+                    self.device, torch.zeros_like(p.detach()) if value is None else value.detach()))
 
     def _steps_done(self, state: dict) -> int:
         """Updates a parameter with optimizer ``state`` has had: its ``step`` (Adam), or whether SGD made its
-        momentum buffer. A step tensor that ``_count`` wrote and nothing wrote since is not read again (a read is a
-        call into torch)."""
+        momentum buffer."""
         if self.update_spec.kind == "sgd":
             return int(state.get("momentum_buffer") is not None)
         step = state.get("step")
-        if step is None:
-            return 0
-        counted = self._counted.get(id(step))
-        if counted is not None and counted[0] is step and counted[1] == step._version:
-            return counted[2]
-        return int(step)
-
-    def _count(self, states: list, steps: list[int]) -> None:
-        """Set each parameter's ``step`` (in its optimizer state, ``states``) to its count: its own tensor, written
-        in place (as torch's Adam increments it), or a new one where it has none or shares it with another
-        parameter."""
-        if self.update_spec.kind == "sgd":
-            return
-        counted = {}
-        for state, s in zip(states, steps):
-            step = state.get("step")
-            if step is None or id(step) in counted:
-                step = state["step"] = torch.tensor(float(s))
-            else:
-                step.fill_(s)  # (0.8 us; a new tensor costs 5, and _foreach_add_ of 0-d tensors 3 a tensor)
-            counted[id(step)] = (step, step._version, s)
-        self._counted = counted
+        return 0 if step is None else int(step)

@@ -168,30 +168,57 @@ def as_optimizer_step(optimizer: torch.optim.Optimizer, update, step=None, user_
     Where ``update`` runs no user code (``user_code``: a closure given to the step) and no step hook is registered,
     torch's step runs with subclass overrides off: it then runs no eager code that reads a parameter's data, and
     its loops over the parameters (``.grad`` reads) would each meet a kept parameter's override
-    (``device_tensor.DeviceParameter``)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    (``device_tensor.DeviceParameter``). Nothing else then sees the parameters until torch's step returns, and the
+    param groups' lists of parameters are hidden from it instead of each gradient: its loops have nothing to visit."""
+    quiet = not user_code and not _step_hooks(optimizer)
+    hide = _hide_param_lists if quiet else _hide_gradients
     hidden, result = [], []
 
     def closure() -> torch.Tensor:
         result.append(update())
-        with torch._C.DisableTorchFunctionSubclass():  # (metadata only)
-            hidden.extend(p.grad for p in params)
-            for p in params:
-                p.grad = None
+        hidden.append(hide(optimizer))
         return result[0]
 
-    quiet = not user_code and not _step_hooks(optimizer)
     try:
         with torch._C.DisableTorchFunctionSubclass() if quiet else contextlib.nullcontext():
             (step or optimizer.step)(closure)
     finally:
-        with torch._C.DisableTorchFunctionSubclass():
-            for p, grad in zip(params, hidden):
-                p.grad = grad
+        for give_back in hidden:
+            give_back()
     if not result:
         raise RuntimeError("meganeura runs its device update as the closure of optimizer.step, which did not call "
                            "it: was optimizer.step replaced?")
     return result[0]
+
+
+def _hide_gradients(optimizer: torch.optim.Optimizer):
+    """Set every ``.grad`` of ``optimizer``'s parameters to None; returns the function that gives them back."""
+    with torch._C.DisableTorchFunctionSubclass():  # (metadata only)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+    def give_back() -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            for p, grad in zip(params, grads):
+                p.grad = grad
+
+    return give_back
+
+
+def _hide_param_lists(optimizer: torch.optim.Optimizer):
+    """Empty the lists of parameters of ``optimizer``'s param groups (each group's list replaced by an empty one);
+    returns the function that puts them back."""
+    lists = [(group, group["params"]) for group in optimizer.param_groups]
+    for group, _ in lists:
+        group["params"] = []
+
+    def give_back() -> None:
+        for group, params in lists:
+            group["params"] = params
+
+    return give_back
 
 
 def _step_hooks(optimizer: torch.optim.Optimizer) -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..backend.device_graph import compile_device_graph, feed, program_for
-from ..tensors.params import upload_array
+from ..backend.device_graph import compile_device_graph, feed, program_for, rng_seed
+from ..tensors.params import host_form, upload_array
 from .roles import Kind, Role
 
 UPDATED_KINDS = (Kind.PARAM, Kind.STATE, Kind.BUFFER, Kind.ACC)  # outputs that replace the input of their role
@@ -45,6 +45,8 @@ class RoleProgram:
         on_device = [name for role, name in self.input_names.items() if role.kind not in HOST_KINDS]
         self.program = program_for(graph, device, resident, on_device)
         self.constants = {role: upload_array(device, value) for role, value in constants.items()}
+        self._constant_inputs = {self.input_names[role]: array for role, array in self.constants.items()
+                                 if role in self.input_names}
 
     def run(self, value_of, into: dict | None = None) -> dict:
         """Run once, each placeholder fed ``value_of(role)`` (a device array, a resident tensor, or a host tensor for
@@ -57,6 +59,18 @@ class RoleProgram:
         into = {self.output_names[role]: array for role, array in (into or {}).items() if role in self.swapped}
         results = self.program.run(host, device_inputs, into)
         return {role: results[name] for role, name in self.output_names.items()}
+
+    def run_named(self, device_inputs: dict, host: dict) -> dict:
+        """``run`` with the device arrays given by plan input name (``input_names``'s, bound as they are; the
+        constants are added here) and the host tensors (``HOST_KINDS``) by role: for a caller that keeps its inputs'
+        names from one run to the next (``bound_update``). Returns the outputs by plan output name
+        (``output_names``'s): device arrays, and numpy arrays for ``READ_BACK_KINDS``."""
+        device_inputs.update(self._constant_inputs)
+        host_inputs = {self.input_names[role]: host_form(value) for role, value in host.items()
+                       if role in self.input_names}
+        if self.lowered.rng_seed:
+            host_inputs[self.lowered.rng_seed] = rng_seed()
+        return self.program.run(host_inputs, device_inputs)
 
     def release(self) -> None:
         self.program.release()

@@ -1,0 +1,174 @@
+"""The device update of an optimizer kept on the device (``keep_on_device``), bound once and replayed at every step
+whose parameters, gradients and optimizer state are those it was bound from: ``opt.step()``'s per-parameter Python
+reduced to identity checks and the reads of what eager code may have written (issue 50).
+
+A step binds (``BoundUpdate``) what it found: every parameter of the param groups in order, which of them have a
+gradient, the ``optimizer.state`` mapping and each updated parameter's state dict, the state tensors in them (made
+on the device at a parameter's first update), the step counts (``StepCounts``), the compiled plan and the names of
+its inputs and outputs. The next step replays the binding while ``holds`` finds nothing of that changed:
+
+- the same parameters in the same param groups, and gradients at the same positions (a parameter replaced or
+  added, a gradient set to None: bound again);
+- the same ``optimizer.state`` holding the same dicts for the same parameters, and in them the same state tensors
+  (``load_state_dict``, a state tensor replaced or deleted: bound again);
+- step counts that nothing but the update wrote (a ``step`` replaced or written: bound again, reading them).
+
+What eager code may change in place without that is read at every step, as before: the numbers of ``param_groups``
+(learning rate, weight decay, betas: ``optimizers.hyperparameter_rows``), a parameter written on the host (its
+version, storage, shape and dtype: ``ParamStore.arrays``; a shape or dtype of its own binds again), a gradient or a
+state tensor whose host copy was written (``ResidentTensor``'s twin, uploaded first), a gradient on the host (a
+gradient accumulated or clipped by eager code, uploaded).
+"""
+from __future__ import annotations
+
+import operator
+from itertools import chain, compress
+
+import torch
+
+from ..lower.registry import logical_dtype
+from ..tensors.params import upload_array
+from ..tensors.resident import ResidentTensor, device_arrays, written_on_device
+from .optimizers import OptimizerSpec, hyperparameter_rows
+from .roles import Role
+
+_same = operator.is_
+
+
+class StepCounts:
+    """Adam's ``step`` of each updated parameter (``state["step"]``, a 0-d float tensor as torch keeps it) as views
+    of one tensor, so that one in-place add counts an update of them all. To eager code each is a tensor of its own
+    (its element): ``state_dict``, ``torch.save`` and an eager optimizer that loads them, counting each in place, see
+    each parameter's count; writing one steps the version they share, which ``holds`` notices."""
+
+    def __init__(self, states: list[dict], counts: list[int]):
+        self.base = torch.tensor([float(c) for c in counts])  # (the default float dtype, as torch.tensor(step))
+        self.views = self.base.unbind(0)
+        for state, view in zip(states, self.views):
+            state["step"] = view
+        self.version = self.base._version
+
+    def holds(self, states: list[dict]) -> bool:
+        """Whether each of ``states`` still holds its view, and nothing but ``advance`` wrote them."""
+        return self.base._version == self.version and all(map(_same, [s.get("step") for s in states], self.views))
+
+    def advance(self) -> None:
+        self.base.add_(1)
+        self.version = self.base._version
+
+
+class BoundUpdate:
+    """A kept optimizer's update as one step bound it (module docstring): ``run`` while ``holds``.
+
+    ``params``: every parameter of the param groups, in order; ``grads``: their gradients at the binding step;
+    ``states``: the state dict of each parameter with a gradient (the state tensors of ``spec.slots`` in them, on
+    the device); ``pairs``: the (param group, step count) of each row of numbers the plan reads, the count being that of
+    the update to run; ``plan``: the ``RoleProgram`` over the parameters with a gradient, named by their position
+    among them (``roles``: (param, grad, ((slot, state role), ...)) each); ``counts``: Adam's step count of each of
+    them after the update."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store, plan, params: list, grads: list, states: list[dict],
+                 spec: OptimizerSpec, pairs: list[tuple[int, int]], roles: list[tuple], counts: list[int]):
+        self.optimizer, self.store, self.plan, self.device = optimizer, store, plan, store.device
+        self.kind, slots = spec.kind, spec.slots
+        self.params, self.sizes = params, [len(group["params"]) for group in optimizer.param_groups]
+        self.with_grad = [g is not None for g in grads]
+        self.active = None if all(self.with_grad) else list(compress(range(len(params)), self.with_grad))
+        self.updated = list(compress(params, self.with_grad))
+        self.kept = [p._meganeura_kept for p in self.updated]  # (the link a DeviceParameter keeps for life)
+        self.state_map = optimizer.state
+        self.state_keys, self.state_values = list(self.state_map), list(self.state_map.values())
+        self.states, self.slots = states, slots
+        self.state_tensors = [state[slot] for slot in slots for state in states]  # slot by slot
+        self.pairs, self.counts, self.first_counts = pairs, None, counts
+        self.param_arrays: list | None = None  # the last run's (a new copy is checked against the plan's shapes)
+        self.param_specs = [(tuple(p.shape), logical_dtype(p.dtype)) for p in self.updated]
+        self._name(roles)
+
+    def _name(self, roles: list[tuple]) -> None:
+        """The plan's input names of the device inputs in ``run``'s order (params, grads, state slot by slot), and
+        the output names of the parameters and state tensors it writes, with their positions."""
+        inputs = self.plan.input_names
+        order = [param for param, _, _ in roles] + [grad for _, grad, _ in roles]
+        order += [states[s][1] for s in range(len(self.slots)) for _, _, states in roles]
+        self.read = [role in inputs for role in order]
+        self.input_names = [inputs[role] for role in compress(order, self.read)]
+        outputs = self.plan.output_names
+        self.param_outputs = [(k, outputs[param]) for k, (param, _, _) in enumerate(roles) if param in outputs]
+        state_roles = [states[s][1] for s in range(len(self.slots)) for _, _, states in roles]
+        self.state_outputs = [(i, outputs[role]) for i, role in enumerate(state_roles) if role in outputs]
+        self.hyper = Role.hyper()
+
+    def holds(self, params: list, grads: list) -> bool:
+        """Whether a step with ``params`` (every parameter of the param groups, in order) and their ``grads`` replays
+        this binding (module docstring)."""
+        optimizer, state_map = self.optimizer, self.optimizer.state
+        return (self.pairs is not None and len(params) == len(self.params) and all(map(_same, params, self.params))
+                and [len(group["params"]) for group in optimizer.param_groups] == self.sizes
+                and [g is not None for g in grads] == self.with_grad
+                and state_map is self.state_map and len(state_map) == len(self.state_keys)
+                and all(map(_same, state_map, self.state_keys))
+                and all(map(_same, state_map.values(), self.state_values))
+                and all(map(_same, [state.get(slot) for slot in self.slots for state in self.states],
+                            self.state_tensors))
+                and (self.counts is None or self.counts.holds(self.states)))
+
+    def run(self, grads: list) -> bool:
+        """Run the update with ``grads`` (those of ``params``), take its results in and count it. False, having run
+        nothing, where a parameter's device copy is no longer of the shape or dtype the plan was compiled for."""
+        param_arrays = self.store.arrays(self.updated)
+        if self.param_arrays is None or not all(map(_same, param_arrays, self.param_arrays)):  # (a copy replaced)
+            if [(a.shape, a.dtype) for a in param_arrays] != self.param_specs:
+                return False
+            self.param_arrays = param_arrays
+        if self.active is not None:
+            grads = [grads[i] for i in self.active]
+        state_arrays = device_arrays(self.state_tensors)
+        arrays = chain(param_arrays, _grad_arrays(grads, self.device), state_arrays)
+        hyper = hyperparameter_rows(self.optimizer, self.pairs)
+        results = self.plan.run_named(dict(zip(self.input_names, compress(arrays, self.read))), {self.hyper: hyper})
+        self._take(results, param_arrays, state_arrays)
+        self._count()
+        return True
+
+    def _take(self, results: dict, param_arrays: list, state_arrays: list) -> None:
+        """Take the run's results in: an output stored over its input's array needs nothing but the host copies
+        marked stale; another becomes the store's copy of the parameter, or the state tensor (here too)."""
+        for k, name in self.param_outputs:
+            array = results[name]
+            if array is not param_arrays[k]:
+                self.store.replace(self.updated[k], array)
+        for kept in self.kept:
+            kept.stale = True
+        tensors, n = self.state_tensors, len(self.states)
+        for i, name in self.state_outputs:
+            array = results[name]
+            if array is not state_arrays[i]:
+                slot, k = divmod(i, n)
+                self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
+        written_on_device(tensors if len(self.state_outputs) == len(tensors) else
+                          [tensors[i] for i, _ in self.state_outputs])
+
+    def _count(self) -> None:
+        """Count the update: Adam's step counts, and the rows' counts of the next update; an SGD update's next
+        rows are those of a parameter with its momentum buffer made, and where rows of one group merge (parameters
+        that had not all been updated), the binding ends (``pairs`` None: the plan reads other rows)."""
+        if self.kind == "sgd":
+            following = sorted({(g, 2 if self.slots else 1) for g, _ in self.pairs})
+            self.pairs = following if len(following) == len(self.pairs) else None
+            return
+        if self.counts is None:
+            self.counts = StepCounts(self.states, self.first_counts)
+        else:
+            self.counts.advance()
+        self.pairs = [(g, s + 1) for g, s in self.pairs]
+
+
+def _grad_arrays(grads: list, device) -> list:
+    """Each gradient's device array: a resident tensor's own (its host copy uploaded first where eager code wrote
+    it), else an upload of its values (a gradient on the host, or a resident tensor of another device)."""
+    if all(type(grad) is ResidentTensor for grad in grads) and all(grad.array.device is device for grad in grads):
+        return device_arrays(grads)
+    return [device_arrays([grad])[0] if isinstance(grad, ResidentTensor) and grad.array.device is device
+            else upload_array(device, grad.detach()) for grad in grads]
+
