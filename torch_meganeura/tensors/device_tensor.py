@@ -230,12 +230,16 @@ def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None) 
     ``read``, the array the graph read ``t`` from, is kept as its ``spare`` where ``array`` is another: the next
     update is written there, so that the two alternate and the runs' bindings repeat. Its version steps, as an
     eager update's would (a plan that binds it as a parameter binds its new array: ``compiled._BoundPlan``)."""
+    spare = read if read is not array else None
     with torch._C.DisableTorchFunctionSubclass():
         if type(t) is not DeviceTensor:
             t.__class__ = DeviceTensor
-        torch.autograd.graph.increment_version(t)
-        spare = read if read is not array else None
-        t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare)
+        torch._C._increment_version((t,))  # (``torch.autograd.graph.increment_version``, without its checks)
+        kept = t.__dict__.get("_meganeura_kept")
+        if kept is None or kept.store is not None or kept.on_read is not None:
+            t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare)
+        else:  # (its own link, updated: a static cache's tensors are adopted at every decode step)
+            kept.array, kept.stale, kept.version, kept.self_copy, kept.spare = array, True, t._version, True, spare
     return t
 
 
