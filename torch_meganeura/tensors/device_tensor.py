@@ -18,6 +18,7 @@ plain tensors they are, and the backend binds their device arrays instead of upl
 """
 from __future__ import annotations
 
+import threading
 import types
 from collections import OrderedDict
 
@@ -79,6 +80,20 @@ class Kept:
         return self.array if self.array is not None else self.store.kept(t)
 
 
+def _tracing_context_reader():
+    """``TracingContext.try_get``, read straight from the thread-local it keeps the context in where this torch has
+    one: ``try_get``'s ``getattr`` misses the attribute outside tracing, which raises and catches an AttributeError
+    (3 us; the override looks the context up twice per op, and a decode token's ops on its 60 KV-cache tensors, a
+    training step's metadata reads of kept parameters, make thousands of lookups)."""
+    local = getattr(torch._guards, "_TLS", None)
+    if isinstance(local, threading.local):
+        return lambda: local.__dict__.get("tracing_context")
+    return torch._guards.TracingContext.try_get
+
+
+_tracing_context = _tracing_context_reader()
+
+
 class _EagerOverride:
     """The classes' ``__torch_function__``: the override eager code meets, and none while dynamo traces (a
     tracing context is active), so that dynamo traces these tensors as the plain ones it compiles: tracing through
@@ -96,7 +111,7 @@ class _EagerOverride:
 
     @eager_only
     def __get__(self, instance, owner):
-        if torch._guards.TracingContext.try_get() is not None:
+        if _tracing_context() is not None:
             return torch._C._disabled_torch_function_impl
         return types.MethodType(self.function, owner)
 
