@@ -108,12 +108,16 @@ class _EagerOverride:
 
     def __init__(self, function):
         self.function = function
+        self._bound: dict[type, types.MethodType] = {}  # by owner: torch looks the override up twice per op
 
     @eager_only
     def __get__(self, instance, owner):
         if _tracing_context() is not None:
             return torch._C._disabled_torch_function_impl
-        return types.MethodType(self.function, owner)
+        bound = self._bound.get(owner)
+        if bound is None:
+            bound = self._bound[owner] = types.MethodType(self.function, owner)
+        return bound
 
 
 @eager_only
