@@ -37,6 +37,10 @@ MOVED = ("waits", "submits", "bytes_uploaded", "bytes_downloaded")  # the device
 # compile HF would otherwise make of the forward (Inductor's), so that the forward is ours
 HF_CACHES = {"hf-generate": {}, "hf-generate-static": {"cache_implementation": "static", "disable_compile": True}}
 INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
+# torch's CPU ops (HF's logits processors over the 49,152 logits of a decode token) in one thread: on a machine shared
+# with other processes, the threads of a parallel op wait for each other to be scheduled, which made those ops
+# 30-80x slower (5-10 ms each, measured on 2 shared cores) and the host time per token mostly that wait
+HOST_THREADS = 1
 
 
 def call_counts(profile: cProfile.Profile) -> dict[str, int]:
@@ -196,6 +200,7 @@ def main(argv=None) -> int:
                                                    "(comma-separated), in inference and latency mode")
     args = p.parse_args(argv)
     use_null_device()
+    torch.set_num_threads(HOST_THREADS)
     rows = []
     if args.decode:
         decode = measure_decode(args.smoke)

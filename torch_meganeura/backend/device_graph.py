@@ -110,14 +110,15 @@ def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inp
                    device_only_inputs=list(device_only_inputs))
 
 
-def feed(lowered: LoweredGraph, args, device) -> tuple[dict, dict]:
-    """(host inputs, device inputs) by plan input name for one call with placeholder values ``args``: a
+def feed(lowered: LoweredGraph, args, device, inputs=None) -> tuple[dict, dict]:
+    """(host inputs, device inputs) by plan input name for one call with placeholder values ``args`` (of the plan
+    inputs ``inputs``, (argument index, name) pairs; all of ``lowered``'s where None): a
     ``DeviceArray`` or a ``ResidentTensor`` on ``device`` is bound as it is (a resident tensor's host copy goes up
     first where eager code wrote it), anything else goes up in device layout
     (a resident tensor of another device is downloaded first). The seed of the random ops is added where the plan
     has them."""
     host, on_device = {}, {}
-    for i, name in lowered.inputs:
+    for i, name in lowered.inputs if inputs is None else inputs:
         value = args[i]
         if isinstance(value, DeviceArray):
             on_device[name] = value

@@ -87,8 +87,14 @@ class _BoundPlan:
         outputs, in_place = self.lowered.outputs, self.graph.plan.in_place if self.graph is not None else {}
         # the updates written into an array of their own: the argument's spare one (``device_tensor.adopt``)
         self.alternating = {i: outputs[k][1] for i, k in self.updated.items() if outputs[k][1] not in in_place}
-        # checked through the abstract key, an argument updated in place as the tensor it was (``_signature``)
-        self._sized = [(i, item, i in self.updated) for i, item in enumerate(self.key) if i in dims]
+        names = dict(self.lowered.inputs)
+        # what a run feeds from its arguments (``device_graph.feed``): all inputs but those updated in place, which
+        # it binds as (argument index, output position, input name, output name, output name if alternating)
+        self.fed = [(i, name) for i, name in self.lowered.inputs if i not in self.updated]
+        self.update_inputs = [(i, k, names[i], outputs[k][1], self.alternating.get(i)) for i, k in self.updated.items()]
+        # checked through the abstract key at every call; not the arguments updated in place, which a replay requires
+        # to be the objects of the last call (``replays``), checked then
+        self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims and i not in self.updated]
 
     def _params(self, args) -> list:
         return [args[i] for i in self._param_positions]
@@ -112,21 +118,23 @@ class _BoundPlan:
         ``DeviceTensor``: its kind changed, not its shape or dtype). (Their shapes and dtypes are then the bound
         ones: ``.data`` swaps change the storage, and dynamo's guards check every parameter's metadata before the
         graph runs.) ``sizes``: the call's symbol values (a dynamic graph's)."""
+        if len(args) != len(self.key) or tuple(id(args[i]) for i in self.updated) != self._updated_ids:
+            return False
         with torch._C.DisableTorchFunctionSubclass():  # (kept tensors' metadata: their override needs none of it)
-            if len(args) != len(self.key) or not all(signature_item(args[i]) == item for i, item in self._free):
+            if not all(signature_item(args[i]) == item for i, item in self._free):
                 return False
-            if self._sized and not self._serves(args, sizes):
+            if not self._serves(args, sizes):
                 return False
-        return (self.params_current(args) and tuple(id(args[i]) for i in self.updated) == self._updated_ids
-                and not self.program.device.lost)
+        return self.params_current(args) and not self.program.device.lost
 
     def select(self, args) -> None:
         """Remember the arguments updated in place of a call that selected this entry by its signature."""
         self._updated_ids = tuple(id(args[i]) for i in self.updated)
 
     def _serves(self, args, sizes: tuple) -> bool:
-        """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards."""
-        return all(_fits(args[i], item, updated) for i, item, updated in self._sized) and self.graph.holds(sizes)
+        """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards (an
+        argument updated in place is the object of the last call, which fitted: ``replays``)."""
+        return all(_fits(args[i], item) for i, item in self._sized) and (not sizes or self.graph.holds(sizes))
 
     def bind(self, args, store: ParamStore) -> None:
         """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph
@@ -167,15 +175,13 @@ def signature_item(a):
     return a if kind is None else (a.shape, a.dtype, kind)
 
 
-def _fits(a, item, updated: bool = False) -> bool:
+def _fits(a, item) -> bool:
     """Whether ``a`` has the abstract signature ``item`` (``DynamicSizes.abstract_item`` of its ``signature_item``:
-    None at its symbolic dimensions; an int argument's is None), read without building it. An argument the graph
-    ``updated`` in place is a ``DeviceTensor`` since, seen as the tensor it was (``DevicePartition._signature``)."""
+    None at its symbolic dimensions; an int argument's is None), read without building it."""
     if item is None:
         return True
     shape, dtype, kind = item
-    have = arg_kind(a)
-    if (have if have != "resident" or not updated else "tensor") != kind or a.dtype != dtype:
+    if arg_kind(a) != kind or a.dtype != dtype:
         return False
     own = a.shape
     return len(own) == len(shape) and all(s is None or s == n for n, s in zip(own, shape))
@@ -389,18 +395,16 @@ class DevicePartition(torch.nn.Module):
 
     def _run(self, entry: _BoundPlan, args, sizes: tuple, read: frozenset):
         lowered, program = entry.lowered, entry.program
-        host, on_device = feed(lowered, args, program.device)
-        updated = entry.updated
-        names = dict(lowered.inputs)
+        device = program.device
+        host, on_device = feed(lowered, args, device, entry.fed)
         into = {}
-        for i in updated:  # a new array the first time, the argument's own later
-            host.pop(names[i], None)
-            on_device[names[i]] = device_input(args[i], program.device)
-            spare = spare_array(args[i], program.device) if i in entry.alternating else None
+        for i, _, name, _, alternating in entry.update_inputs:  # a new array the first time, the argument's own later
+            on_device[name] = device_input(args[i], device)
+            spare = spare_array(args[i], device) if alternating is not None else None
             if spare is not None:
-                into[entry.alternating[i]] = spare
+                into[alternating] = spare
         results = program.run(host, on_device, into, sizes=sizes)
-        adopted = {k: adopt(args[i], results[lowered.outputs[k][1]], on_device[names[i]]) for i, k in updated.items()}
+        adopted = {k: adopt(args[i], results[out], on_device[name]) for i, k, name, out, _ in entry.update_inputs}
         outs, made = [], {}
         for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]

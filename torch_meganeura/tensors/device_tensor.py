@@ -19,6 +19,7 @@ plain tensors they are, and the backend binds their device arrays instead of upl
 """
 from __future__ import annotations
 
+import threading
 import types
 from collections import OrderedDict
 
@@ -80,6 +81,20 @@ class Kept:
         return self.array if self.array is not None else self.store.kept(t)
 
 
+def _tracing_context_reader():
+    """``TracingContext.try_get``, read straight from the thread-local it keeps the context in where this torch has
+    one: ``try_get``'s ``getattr`` misses the attribute outside tracing, which raises and catches an AttributeError
+    (3 us; the override looks the context up twice per op, and a decode token's ops on its 60 KV-cache tensors, a
+    training step's metadata reads of kept parameters, make thousands of lookups)."""
+    local = getattr(torch._guards, "_TLS", None)
+    if isinstance(local, threading.local):
+        return lambda: local.__dict__.get("tracing_context")
+    return torch._guards.TracingContext.try_get
+
+
+_tracing_context = _tracing_context_reader()
+
+
 class _EagerOverride:
     """The classes' ``__torch_function__``: the override eager code meets, and none while dynamo traces (a
     tracing context is active), so that dynamo traces these tensors as the plain ones it compiles: tracing through
@@ -94,12 +109,16 @@ class _EagerOverride:
 
     def __init__(self, function):
         self.function = function
+        self._bound: dict[type, types.MethodType] = {}  # by owner: torch looks the override up twice per op
 
     @eager_only
     def __get__(self, instance, owner):
-        if torch._guards.TracingContext.try_get() is not None:
+        if _tracing_context() is not None:
             return torch._C._disabled_torch_function_impl
-        return types.MethodType(self.function, owner)
+        bound = self._bound.get(owner)
+        if bound is None:
+            bound = self._bound[owner] = types.MethodType(self.function, owner)
+        return bound
 
 
 @eager_only
@@ -242,12 +261,16 @@ def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None) 
     ``read``, the array the graph read ``t`` from, is kept as its ``spare`` where ``array`` is another: the next
     update is written there, so that the two alternate and the runs' bindings repeat. Its version steps, as an
     eager update's would (a plan that binds it as a parameter binds its new array: ``compiled._BoundPlan``)."""
+    spare = read if read is not array else None
     with torch._C.DisableTorchFunctionSubclass():
         if type(t) is not DeviceTensor:
             t.__class__ = DeviceTensor
-        torch.autograd.graph.increment_version(t)
-        spare = read if read is not array else None
-        t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare)
+        torch._C._increment_version((t,))  # (``torch.autograd.graph.increment_version``, without its checks)
+        kept = t.__dict__.get("_meganeura_kept")
+        if kept is None or kept.store is not None or kept.on_read is not None:
+            t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare)
+        else:  # (its own link, updated: a static cache's tensors are adopted at every decode step)
+            kept.array, kept.stale, kept.version, kept.self_copy, kept.spare = array, True, t._version, True, spare
     return t
 
 
