@@ -48,7 +48,7 @@ from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pip
 from .program_checks import (check_in_place, check_into, check_limits, check_run_inputs, from_device_bytes,
                              require_own_buffers, status_error, to_device_array)
 from .readback import ReadBackBuffers
-from .resident import DeviceArray
+from .resident import DeviceArray, buffer_bytes
 
 OWNED_ROLES = ("input", "output", "status")  # and the arena, the device's (``meganeura.runtime.arena``)
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
@@ -113,8 +113,8 @@ class Program:
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
         self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
-        self._recent_outputs: dict[str, tuple[deque, int]] = {}  # each resident output's latest buffers and its
-        # buffers' size (``_new_output``)
+        # each resident output's latest buffers, its room and, in a plan without symbols, its buffers' size
+        self._recent_outputs: dict[str, tuple[deque, int, int | None]] = {}  # (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
         if self._arena is not None:
             self._use_current_arena()
@@ -457,9 +457,14 @@ class Program:
         buffers to the layers in another order, and a generate call's first steps built their groups again)."""
         recent = self._recent_outputs.get(name)
         if recent is None:
-            recent = self._recent_outputs[name] = (deque(maxlen=RECENT_OUTPUT_BUFFERS), self._output_room(spec))
-        buffers, room = recent
-        array = DeviceArray(self.device.pool, shape, spec.dtype, capacity=room, prefer=buffers)
+            room = self._output_room(spec)
+            # a plan without symbols gives the output one shape: its buffer's bytes, known once for every run
+            fixed = max(buffer_bytes(shape, spec.dtype), room) if self.symbolic is None else None
+            recent = self._recent_outputs[name] = (deque(maxlen=RECENT_OUTPUT_BUFFERS), room, fixed)
+        buffers, room, nbytes = recent
+        if nbytes is None:
+            nbytes = max(buffer_bytes(shape, spec.dtype), room)
+        array = DeviceArray.in_pool(self.device.pool, shape, spec.dtype, nbytes, buffers)
         buffers.append(array.buffer)
         return array
 

@@ -7,6 +7,8 @@ collected, so a training loop reuses the same buffers step after step instead of
 """
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 from .dtypes import HOST_DTYPE, from_storage, host_words, storage_bytes
@@ -14,10 +16,7 @@ from .dtypes import HOST_DTYPE, from_storage, host_words, storage_bytes
 
 def buffer_bytes(shape: tuple[int, ...], dtype: str) -> int:
     """Bytes of a contiguous tensor of logical ``dtype`` on the device; at least 4."""
-    n = 1
-    for s in shape:
-        n *= s
-    return max(storage_bytes(n, dtype), 4)
+    return max(storage_bytes(prod(shape), dtype), 4)
 
 
 def _alive(buffer) -> bool:
@@ -98,11 +97,18 @@ class DeviceArray:
         takes its size at the plan's bounds, so that the pool's buffers serve every length: a KV cache one token
         longer each step reuses the buffer of the step before, where exact sizes would leave one per length).
         ``prefer``: buffers to take from the pool first, where free (``BufferPool.acquire``)."""
-        self.device = pool.device
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self._pool = pool
-        self.buffer = pool.acquire(max(buffer_bytes(self.shape, dtype), capacity), prefer)
+        shape = tuple(shape)
+        self.device, self.shape, self.dtype, self._pool = pool.device, shape, dtype, pool
+        self.buffer = pool.acquire(max(buffer_bytes(shape, dtype), capacity), prefer)
+
+    @classmethod
+    def in_pool(cls, pool: BufferPool, shape: tuple[int, ...], dtype: str, nbytes: int, prefer=()) -> "DeviceArray":
+        """The array ``cls(pool, shape, dtype, capacity=nbytes, prefer=prefer)`` for an ``nbytes`` of at least the
+        shape's (not computed again): a program's resident output, made at every run in a buffer of one size."""
+        array = cls.__new__(cls)
+        array.device, array.shape, array.dtype, array._pool = pool.device, tuple(shape), dtype, pool
+        array.buffer = pool.acquire(nbytes, prefer)
+        return array
 
     @classmethod
     def upload(cls, device, array: np.ndarray, dtype: str, pool=None) -> "DeviceArray":
@@ -147,9 +153,12 @@ class DeviceArray:
             self._pool.release(buffer)
 
     def __del__(self):
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device: nothing left to give back
+        try:  # (``release``, inlined: hundreds of arrays die at every training step)
+            buffer = self.buffer
+            if buffer is not None:
+                self.buffer = None
+                self._pool.release(buffer)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, a lost device, or an acquire that failed
             pass
 
     def __repr__(self) -> str:

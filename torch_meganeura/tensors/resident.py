@@ -30,6 +30,10 @@ log = logging.getLogger("torch_meganeura")
 
 TORCH_DTYPE = {logical: dtype for dtype, logical in TORCH_TO_LOGICAL.items()}
 _SHARED = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}  # return the same value, another wrapper
+# The wrappers' device as an object: given as the string "cpu", ``_make_wrapper_subclass`` parses it at every call
+# (a training step makes hundreds of wrappers: saved activations, gradients and autograd's detach of each gradient)
+_HOST = torch.device("cpu")
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 class _Value:
@@ -43,25 +47,27 @@ class _Value:
 
 
 class ResidentTensor(torch.Tensor):
+    """``array``: the device array (its value's, the same in every wrapper of it, kept in a slot of each because the
+    per-call path reads it for every argument it binds)."""
+
+    __slots__ = ("_value", "array")  # no instance dict to make per wrapper
     _value: _Value
+    array: DeviceArray
 
     @staticmethod
     def __new__(cls, array: DeviceArray, value: _Value | None = None):
-        t = torch.Tensor._make_wrapper_subclass(cls, array.shape, dtype=TORCH_DTYPE[array.dtype], device="cpu")
-        t._value = value if value is not None else _Value(array)
+        t = _make_wrapper(cls, array.shape, dtype=TORCH_DTYPE[array.dtype], device=_HOST)
+        t._value = _Value(array) if value is None else value
+        t.array = array
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    @property
-    def array(self) -> DeviceArray:
-        return self._value.array
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _SHARED:  # first: autograd's AccumulateGrad detaches every gradient it stores
+            return _sharing(args[0])
         kwargs = kwargs or {}
-        if func in _SHARED:
-            return ResidentTensor(args[0].array, args[0]._value)
         log.debug("eager %s on a resident tensor: its host copy", func)
         written = _written_residents(func, args, kwargs)
         unwrap = lambda x: x.materialize() if isinstance(x, ResidentTensor) else x  # noqa: E731
@@ -109,6 +115,14 @@ class ResidentTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return repr(self.materialize())
+
+
+def _sharing(tensor: ResidentTensor) -> ResidentTensor:
+    """Another wrapper of ``tensor``'s value (``detach``, ``alias``), made without ``ResidentTensor(...)``'s call."""
+    array = tensor.array  # (its shape and dtype: a wrapper's ``shape`` and ``dtype`` cost more to read)
+    t = _make_wrapper(ResidentTensor, array.shape, dtype=TORCH_DTYPE[array.dtype], device=_HOST)
+    t._value, t.array = tensor._value, array
+    return t
 
 
 def device_arrays(tensors) -> list[DeviceArray]:
