@@ -2,9 +2,11 @@
 
 At a call with a signature (input shapes, dtypes, kinds and Python scalars) not seen before, the graph is
 lowered with those concrete shapes, fused, planned and instantiated on the device; later calls with the same
-signature only upload inputs (and changed parameters), replay the plan and read outputs back. A call first checks
-the entry the last call ran (its parameters by identity, version and storage, the other arguments by signature),
-which spares building the signature of hundreds of parameters at every call.
+signature only upload inputs (and changed parameters), replay the plan and read outputs back, except an inference
+call's outputs at positions that eager code did not read after the call before, which stay on the device
+(``DevicePartition``). A call first checks the entry the last call ran (its parameters by identity, version and
+storage, the other arguments by signature), which spares building the signature of hundreds of parameters at every
+call.
 
 Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any graph) are bound from the
 ``ParamStore``. Outputs at the positions in ``resident_outputs`` (activations saved for the backward) stay on
@@ -438,7 +440,7 @@ class DevicePartition(torch.nn.Module):
 
     def _watch_unread(self, position: int, t: DeviceTensor) -> None:
         """Watch ``t``, the lazy output at ``position``; the one of two calls before, if still alive and unread, is read
-        back now (its position then reads back at every call: ``_reader``)."""
+        back now (which marks the position read: the next call reads it back, ``_reader``)."""
         last, before = self._unread.get(position, (None, None))
         older = before() if before is not None else None
         if older is not None and type(older) is DeviceTensor:
