@@ -120,6 +120,16 @@ class DeviceArray:
             device.write(result.buffer, 0, host, "device array")
         return result
 
+    @classmethod
+    def zeros(cls, device, shape: tuple[int, ...], dtype: str, pool=None) -> "DeviceArray":
+        """A new device array of zeros (a buffer from the pool holds what its last user left there)."""
+        result = cls(pool or device.pool, tuple(shape), dtype)
+        with device.checked("zeroing a device array"):
+            encoder = device.wgpu_device.create_command_encoder()
+            encoder.clear_buffer(result.buffer)
+        device.submit(encoder, "zeros")
+        return result
+
     @property
     def nbytes(self) -> int:
         return buffer_bytes(self.shape, self.dtype)
