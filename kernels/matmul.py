@@ -192,7 +192,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                   b_fast: str = "j", tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
                   split: int = 1, partial: str | None = None, f16: bool = False,
                   looped: str = "", double: bool = False, quads: bool = False, patches: bool = False,
-                  vector_loads: str = "", products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
+                  vector_loads: str = "", products: int = 0, row_phases: int = 0,
+                  gemv_width: int = 0) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
     over b < batch, i < m, j < n, p < k.
 
@@ -216,7 +217,11 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     ``products`` > 0: the prelude defines ``load_b1`` ... as further B operands, each summed against A, and
     ``store_c`` takes their sums after ``acc`` (``acc1``, ...); ``row_phases`` > 0: it defines ``row_phase0`` ... (terms
     over (b, i, p) summed over K, each before the next) and private ``row_stat0`` ... that hold their sums, which
-    ``load_a`` reads. Only the gemv kernel over columns (m == 1) takes either (see ``_gemv_kernel``)."""
+    ``load_a`` reads. Only the gemv kernel over columns (m == 1) takes either (see ``_gemv_kernel``).
+    ``gemv_width`` > 0 (the gemv over columns with K contiguous, K a multiple of it): the prelude defines
+    ``load_a<w>(b, i, c)``, ``load_b<w>(b, j, c)`` and ``load_b<k>_<w>(b, j, c)`` in place of ``load_b`` and the
+    further products' loaders, each returning group c of w elements along K (``kernels.prelude.gemv_wide_loaders``),
+    and the gemv reads by groups."""
     if (products or row_phases) and (m != 1 or tile is not None or split > 1):
         raise ValueError("matmul_kernel: further products and a row prologue need the gemv kernel over columns "
                          "(m == 1)")
@@ -229,7 +234,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     if tile is None and not is_tiled(m, n):
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
-                            row_phases=row_phases)
+                            row_phases=row_phases, width=gemv_width)
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
                          block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
                          quads=quads, patches=patches, vector_loads=vector_loads)

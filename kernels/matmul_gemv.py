@@ -20,6 +20,12 @@ GEMV_PER_LANE_STRIDED = 16
 GEMV_MAX_LANES = 128
 GEMV_MAX_THREADS = 1 << 21
 GEMV_UNROLL = 8               # gemv: products a lane loads before adding them up
+# The gemv by groups (``width``: a half precision matrix read 8 elements to a vec4<u32> load, 16 bytes as a vec4 of
+# f32 would be): lanes as above over groups instead of elements, about GEMV_GROUPS_PER_LANE groups each, and a lane
+# loads GEMV_WIDE_UNROLL groups before adding them up (32 bytes of the matrix in flight per lane, as GEMV_UNROLL
+# f32 elements are).
+GEMV_GROUPS_PER_LANE = 2
+GEMV_WIDE_UNROLL = 2
 
 
 @dataclass(frozen=True)
@@ -32,8 +38,11 @@ class GemvPlan:
 # ---------------------------------------------------------------- gemv
 
 
-def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool) -> GemvPlan:
-    per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
+def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool, per_lane: int | None = None) -> GemvPlan:
+    """The plan of a gemv of ``outputs`` dot products over ``k`` terms (elements, or groups of them read at once, about
+    ``per_lane`` to a lane)."""
+    if per_lane is None:
+        per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
     k = SYMBOLIC_CHOICE["k"] if is_size(k) else k  # (a symbolic K counts as a long one)
     lanes = max(4, min(GEMV_MAX_LANES, threads, _pow2_floor(k // per_lane)))
     if is_size(outputs):  # symbolic: one plan for every count
@@ -71,6 +80,53 @@ def _gemv_lane(plan: GemvPlan, operands: tuple[str, ...]) -> str:
         }}"""
 
 
+def _gemv_wide_lane(plan: GemvPlan, operands: tuple[str, ...], width: int) -> str:
+    """``_gemv_lane`` by groups of ``width`` elements along K: the lane's every ``plan.lanes``-th group c from its own
+    (the ``operands``' group loaders, formatted with ``p``: the vector's, then each matrix's), GEMV_WIDE_UNROLL
+    groups loaded before they are added up, each group's products summed by vec4 dot products."""
+    vector, matrices = operands[0], operands[1:]
+    accs = _accumulators(len(matrices))
+    steps = [f"c + {u * plan.lanes}u" if u else "c" for u in range(GEMV_WIDE_UNROLL)]
+
+    def group(step: str, suffix: str) -> tuple[str, str]:
+        loads = f"            let x{suffix} = {vector.format(p=step)};" + "".join(
+            f"\n            let y{j}_{suffix} = {o.format(p=step)};" for j, o in enumerate(matrices))
+        sums = "\n".join(f"            {acc} = {acc} + {_group_dot(f'x{suffix}', f'y{j}_{suffix}', width)};"
+                         for j, acc in enumerate(accs))
+        return loads, sums
+
+    unrolled = [group(step, str(u)) for u, step in enumerate(steps)]
+    single = group("c", "")
+    return f"""        var c = lane;
+        for (; c + {(GEMV_WIDE_UNROLL - 1) * plan.lanes}u < GROUPS; c += {GEMV_WIDE_UNROLL * plan.lanes}u) {{
+{chr(10).join(loads for loads, _ in unrolled)}
+{chr(10).join(sums for _, sums in unrolled)}
+        }}
+        for (; c < GROUPS; c += {plan.lanes}u) {{
+{single[0]}
+{single[1]}
+        }}"""
+
+
+def _group_dot(x: str, y: str, width: int) -> str:
+    """The sum of the products of two groups of ``width`` elements (``kernels.prelude.GROUP_TYPE``)."""
+    if width == 4:
+        return f"dot({x}, {y})"
+    return " + ".join(f"dot({x}[{q}], {y}[{q}])" for q in range(width // 4))
+
+
+def _gemv_operands(by_column: bool, width: int, matrices: int) -> tuple[str, ...]:
+    """The loads of a gemv lane (formatted with ``p``: an element along K, or a group's number with ``width``): the
+    vector's, then each of the ``matrices``' (over rows: one)."""
+    if width:
+        return (f"load_a{width}(batch_index, 0u, {{p}})", f"load_b{width}(batch_index, out_index, {{p}})",
+                *(f"load_b{j}_{width}(batch_index, out_index, {{p}})" for j in range(1, matrices)))
+    if by_column:
+        return ("load_a(batch_index, 0u, {p})", "load_b(batch_index, {p}, out_index)",
+                *(f"load_b{j}(batch_index, {{p}}, out_index)" for j in range(1, matrices)))
+    return "load_a(batch_index, out_index, {p})", "load_b(batch_index, {p}, 0u)"
+
+
 def _accumulators(count: int) -> list[str]:
     """The names of a gemv's ``count`` accumulators: ``acc``, ``acc1``, ..."""
     return ["acc"] + [f"acc{k}" for k in range(1, count)]
@@ -99,12 +155,17 @@ def _row_prologue(phases: int, threads: int) -> str:
 
 
 def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
-                 contiguous_k: bool, products: int = 0, row_phases: int = 0) -> tuple[str, tuple[int, int, int]]:
+                 contiguous_k: bool, products: int = 0, row_phases: int = 0,
+                 width: int = 0) -> tuple[str, tuple[int, int, int]]:
     # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
     # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
+    # width > 0: over columns with K contiguous, by groups of width elements (``matmul_kernel``'s ``gemv_width``).
     by_column = m == 1
     outputs = n if by_column else m
-    plan = _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k)
+    if width and (not by_column or not contiguous_k or is_size(k) or k % width):
+        raise ValueError("matmul_kernel: a gemv by groups needs m == 1, K contiguous and a multiple of the group")
+    plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE) if width else
+            _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k))
     accs = _accumulators(1 + products)
     if threads * 4 * len(accs) > limits["max-compute-workgroup-storage-size"]:
         raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")
@@ -112,13 +173,11 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     total = batch * blocks
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     shared = ["partial"] + [f"partial{j}" for j in range(1, len(accs))]
+    operands = _gemv_operands(by_column, width, len(accs))
     if by_column:
-        operands = ("load_a(batch_index, 0u, {p})", "load_b(batch_index, {p}, out_index)",
-                    *(f"load_b{j}(batch_index, {{p}}, out_index)" for j in range(1, len(accs))))
         sums = ", ".join(f"{name}[lid]" for name in shared)
         store = f"store_c(batch_index, 0u, out_index, {sums});"
     else:
-        operands = "load_a(batch_index, out_index, {p})", "load_b(batch_index, {p}, 0u)"
         store = "store_c(batch_index, out_index, 0u, partial[lid]);"
     if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
         decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
@@ -132,8 +191,10 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     added = " ".join(f"{name}[lid] = {name}[lid] + {name}[lid + span * {partner_step}u];" for name in shared)
 
     kernel = f"""
-// ---- matmul: gemv over {"columns" if by_column else "rows"}, {plan.columns} outputs x {plan.lanes} K lanes
-{_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks)}{declared}
+// ---- matmul: gemv over {"columns" if by_column else "rows"}, {plan.columns} outputs x {plan.lanes} K lanes\
+{f", groups of {width}" if width else ""}
+{_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks, **({"GROUPS": k // width} if width else {}))}\
+{declared}
 @compute @workgroup_size({threads})
 fn main({ENTRY}) {{
 {LINEAR_WORKGROUP}    let batch_index = wg_linear / BLOCKS;
@@ -141,7 +202,7 @@ fn main({ENTRY}) {{
     let out_index = (wg_linear % BLOCKS) * {plan.columns}u + out_local;
     let has_output = live && out_index < OUTPUTS;
     {"".join(f"var {acc} = 0.0;" + chr(10) + "    " for acc in accs)}if (has_output) {{
-{_gemv_lane(plan, operands)}
+{_gemv_wide_lane(plan, operands, width) if width else _gemv_lane(plan, operands)}
     }}
     {kept}
     workgroupBarrier();

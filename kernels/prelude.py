@@ -8,7 +8,38 @@ The scheduler picks the expressions and the slots; this module renders them.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import wgsl
+
+# Wide loaders read a row's elements in groups of 4 (a vec4<f32> of f32 values, a vec2<u32> of halves) or 8 (two
+# vec4<f32>, one vec4<u32> of halves), each group one load (or two) through a binding of the value typed by
+# ``wide_binding_type``, widened in registers; their result type by group width:
+GROUP_TYPE = {4: "vec4<f32>", 8: "array<vec4<f32>, 2>"}
+
+
+def wide_binding_type(kind: str, width: int) -> str:
+    """The element type of a binding that reads a value stored as ``kind`` (a key of ``wgsl.STORAGE_TYPE``: "f32",
+    "bf16" or "f16") in groups of ``width`` elements."""
+    if kind == "f32":
+        return "vec4<f32>"
+    return "vec2<u32>" if width == 4 else "vec4<u32>"
+
+
+def wide_unit(kind: str, width: int) -> int:
+    """Elements of the value per element of its ``wide_binding_type`` binding: where rows start (a multiple of it)."""
+    return 4 if kind == "f32" else width
+
+
+def wide_group(binding: str, start: str, c: str, kind: str, width: int) -> str:
+    """WGSL (of type ``GROUP_TYPE[width]``) of group ``c`` (u32 text) of a row that starts at element ``start`` (i32
+    text) of ``binding``, a ``wide_binding_type(kind, width)`` binding."""
+    if kind == "f32" and width == 8:
+        at = f"{start} + 2i * i32({c})"
+        return f"{GROUP_TYPE[8]}({binding}[{at}], {binding}[{at} + 1i])"
+    word = f"{binding}[{start} + i32({c})]"
+    return word if kind == "f32" else f"mg_widen{width}_{kind}({word})"
+
 
 # The u32 coordinates each attention operand's loader takes, in order: batch, head, query row i, key row j and
 # c, the element within a row of head size.
@@ -17,9 +48,11 @@ ATTENTION_ARGS = {"q": "bhic", "k": "bhjc", "v": "bhjc", "bias": "bhij", "dout":
 
 def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings: int) -> str:
     """Binding declarations and one ``load_<operand>`` function per entry of ``loads``: (operand, its f32 expression,
-    quads), quads being None or (slot, vec4 index of the row's first element) for a head-size operand that reads
-    f32 rows starting at multiples of 4 elements. For those, ``load_<operand>4`` reads a vec4 at once through a second
-    binding of the same value, typed as vec4s (appended to ``bound`` and ``decl``), while the bindings stay within
+    quads), quads being None or (slot, index of the row's first element in groups of 4, storage kind) for a head-size
+    operand that reads
+    rows starting at multiples of 4 elements. For those, ``load_<operand>4`` reads a vec4 at once through a second
+    binding of the same value (``wide_binding_type``: vec4s of f32, vec2<u32>s of halves widened in registers;
+    appended to ``bound`` and ``decl``), while the bindings stay within
     ``max_bindings``. H200: the flash forward of 6 heads x 1500 x 1500, d 64, 195 -> 183 us; 4 x 12 heads x 1024 x
     1024 600 -> 585 us; 2 x 8 heads x 256 x 256, d 40 27.3 -> 24.9 us."""
     loaders, aliases = [], set()
@@ -32,22 +65,19 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
         loaders.append(f"fn load_{operand}({head}) -> f32 {{\n{casts}" + "\n".join(em.lines)
                        + f"\n  return {value};\n}}")
         if quads is not None and (quads[0] in aliases or len(bound) < max_bindings):
-            slot, row = quads
+            slot, row, kind = quads
             if slot not in aliases:  # one vec4 binding per value, however many operands read it
                 aliases.add(slot)
-                decl.append((len(bound), f"b{slot}_4", "vec4<f32>"))
+                decl.append((len(bound), f"b{slot}_4", wide_binding_type(kind, 4)))
                 bound.append(bound[slot])
-            em = wgsl.Emitter([f"{x}_" for x in args])
-            start = em.value(row)
-            row_args = args[:-1]
-            loaders.append(f"fn load_{operand}4({''.join(f'{x}: u32, ' for x in row_args)}c4: u32) -> vec4<f32> {{\n"
-                           + "".join(f"  let {x}_ = i32({x});\n" for x in row_args) + "\n".join(em.lines)
-                           + f"\n  return b{slot}_4[{start} + i32(c4)];\n}}")
+            loaders.append(wide_loader(f"load_{operand}4", tuple(args), args[-1], "",
+                                       [(0, f"b{slot}_4", row, kind)], 4))
     return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders]))
 
 
 def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],
-                   products: list = (), row_phases: list = (), quads: list = ()) -> str:
+                   products: list = (), row_phases: list = (), quads: list = (),
+                   gemv_wide: GemvWide | None = None) -> str:
     """Bindings, ``load_a``, ``load_b`` and ``store_c`` of a matmul whose outputs lie side by side along ``axis``
     (``i`` or ``j``). ``a_blocks`` and ``b_blocks`` hold (first index along ``axis``, operand expression) per block
     (one block for the operand the outputs share); ``stores`` (first index along ``axis``, epilogue expression of
@@ -55,8 +85,9 @@ def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[
     or ``j`` and index within it. ``products``: further B operands (``load_b1``, ...), whose sums ``store_c`` takes
     as ``acc1``, ...; ``row_phases``: the row prologue's terms (``row_phase0``, ...), whose sums ``load_a`` and the
     later terms read as ``row_stat0``, ... (``kernels.matmul``'s gemv declares and fills them); ``quads``: (operand,
-    its other axis, vec4 binding, vec4 index of the row's first element) per operand read in vec4s
-    (``matmul_quad_loader``)."""
+    its other axis, vec4 binding, index of the row's first element in that binding, storage kind) per operand read
+    in vec4s (``matmul_quad_loader``); ``gemv_wide``: the gemv's wide loaders, which take the place of ``load_b`` and
+    the further products' loaders (``gemv_wide_loaders``)."""
     stats = [f"row_stat{k}" for k in range(len(row_phases))]
     parts = [wgsl.binding_decls(decl),
              block_function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks], stats),
@@ -70,19 +101,71 @@ def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[
                              for s, e, out, m, n, dtype in stores],
                             ["acc"] + [f"acc{k}" for k in range(1, 1 + len(products))]),
              *(matmul_quad_loader(*quad) for quad in quads)]
+    if gemv_wide is not None:
+        parts[2:3 + len(products)] = gemv_wide_loaders(axis, gemv_wide)
     return _with_helpers("\n".join(parts))
 
 
-def matmul_quad_loader(operand: str, other: str, binding: str, row) -> str:
-    """``load_<operand>4(b, <other>, c4)`` (``kernels.matmul``'s ``vector_loads``): vec4 number c4 of the row of
-    ``binding`` (the operand's value typed as vec4s) that starts at vec4 ``row``, an expression of the operand's
-    coordinates (``b``, ``i``, ``p`` of A; ``b``, ``p``, ``j`` of B) without its unit-stride one."""
-    args = ("b", "i", "p") if operand == "a" else ("b", "p", "j")
-    em = wgsl.Emitter([f"{x}_" for x in args])
-    start = em.value(row)
-    return (f"fn load_{operand}4(b: u32, {other}: u32, c4: u32) -> vec4<f32> {{\n  let b_ = i32(b);\n"
-            f"  let {other}_ = i32({other});\n" + "".join(f"{line}\n" for line in em.lines)
-            + f"  return {binding}[{start} + i32(c4)];\n}}")
+def matmul_quad_loader(operand: str, other: str, binding: str, row, kind: str = "f32") -> str:
+    """``load_<operand>4(b, <other>, c4)`` (``kernels.matmul``'s ``vector_loads``): group c4 of 4 elements of the
+    row of ``binding`` (the operand's value as ``wide_binding_type(kind, 4)``) that starts at its element ``row``,
+    an expression of the operand's coordinates (``b``, ``i``, ``p`` of A; ``b``, ``p``, ``j`` of B) without its
+    unit-stride one."""
+    coords = ("b", "i", "p") if operand == "a" else ("b", "p", "j")
+    fast = next(x for x in coords[1:] if x != other)
+    return wide_loader(f"load_{operand}4", coords, fast, "", [(0, binding, row, kind)], 4)
+
+
+class GemvWide(NamedTuple):
+    """The wide loaders of a gemv over columns (m == 1, K contiguous; ``kernels.matmul_gemv``'s ``width``): each
+    matrix operand (B's blocks, then each further product's B) as a list of (first column of the block, binding,
+    row start in that binding's elements, storage kind), and the vector (A's row) as (binding, row start, kind), or
+    None where it is not a plain read (its group is then made of ``load_a``'s elements)."""
+    width: int
+    matrices: list
+    vector: tuple | None
+
+
+def gemv_wide_loaders(axis: str, wide: GemvWide) -> list[str]:
+    """``load_b8(b, j, c)``, ``load_b1_8(b, j, c)``, ... in place of the matrix operands' scalar loaders (their
+    bindings are typed for groups), and ``load_a8(b, i, c)``: group c of ``wide.width`` elements along K."""
+    w = wide.width
+    names = [f"load_b{w}"] + [f"load_b{k}_{w}" for k in range(1, len(wide.matrices))]
+    loaders = [wide_loader(name, ("b", "p", "j"), "p", axis, blocks, w) for name, blocks in zip(names, wide.matrices)]
+    if wide.vector is not None:
+        loaders.append(wide_loader(f"load_a{w}", ("b", "i", "p"), "p", "", [(0, *wide.vector)], w))
+    else:
+        elements = [f"load_a(b, i, p + {q}u)" for q in range(w)]
+        quads = ", ".join(f"vec4<f32>({', '.join(elements[q:q + 4])})" for q in range(0, w, 4))
+        loaders.append(f"fn load_a{w}(b: u32, i: u32, c: u32) -> {GROUP_TYPE[w]} {{\n  let p = {w}u * c;\n"
+                       f"  return {GROUP_TYPE[w]}({quads});\n}}")
+    return loaders
+
+
+def wide_loader(name: str, coords: tuple[str, ...], fast: str, axis: str, blocks: list[tuple], width: int) -> str:
+    """``name(<coords but fast>, c) -> GROUP_TYPE[width]``: group c of ``width`` elements along ``fast`` of the row at
+    the other u32 coordinates, ``wide_group`` of the block's binding. ``blocks`` holds (first index along ``axis``,
+    binding, row start expression over the coordinates, storage kind) in order; as in ``block_function``, with more
+    than one block ``<axis>_`` counts from the block's first index, and a block before the last runs only below the
+    next one's first index."""
+    args = [x for x in coords if x != fast]
+    lines = [f"fn {name}({''.join(f'{x}: u32, ' for x in args)}c: u32) -> {GROUP_TYPE[width]} {{"]
+    blocked = axis in args and len(blocks) > 1
+    lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
+    for k, (start, binding, row, kind) in enumerate(blocks):
+        last = k == len(blocks) - 1
+        indent = "  " if last else "    "
+        if not last:
+            lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
+        if blocked:
+            lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {start}i;" if start else ";"))
+        em = wgsl.Emitter([f"{x}_" for x in coords], indent=indent)
+        first = em.value(row)
+        lines += em.lines
+        lines.append(f"{indent}return {wide_group(binding, first, 'c', kind, width)};")
+        if not last:
+            lines.append("  }")
+    return "\n".join(lines + ["}"])
 
 
 def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tuple], accs=("acc",)) -> str:

@@ -394,6 +394,8 @@ HELPERS = {
 # at the same shapes; widened by bit operations it passes there (2.1e-4). A subnormal half widens through an exact
 # product by 2^-24. The float16 conversions choose among their cases by select, not by branches: they run for every
 # element a matmul or attention kernel loads (on the H200, float16 calls took up to 1.6x bfloat16's with branches).
+# The wide forms widen 4 halves (a vec2<u32>) or 8 (a vec4<u32>) at once, for loaders that read a row's halves in
+# groups (``kernels.prelude.wide_group``): one load per 4 or 8 elements, not one 32-bit load (and select) per element.
 HALF_HELPERS = {
     "mg_widen_bf16": """fn mg_widen_bf16(w: u32, hi: u32) -> f32 {
   return bitcast<f32>(select(w << 16u, w & 0xffff0000u, hi == 1u));
@@ -406,6 +408,24 @@ HALF_HELPERS = {
   let small = bitcast<u32>(f32(em) * 5.9604644775390625e-8);
   let mag = select(select(normal, special, em >= 0x7c00u), small, em < 0x400u);
   return bitcast<f32>(((h & 0x8000u) << 16u) | mag);
+}""",
+    "mg_widen4_bf16": """fn mg_widen4_bf16(w: vec2<u32>) -> vec4<f32> {
+  return bitcast<vec4<f32>>(vec4<u32>(w.x << 16u, w.x & 0xffff0000u, w.y << 16u, w.y & 0xffff0000u));
+}""",
+    "mg_widen4_f16": """fn mg_widen4_f16(w: vec2<u32>) -> vec4<f32> {
+  let h = vec4<u32>(w.x & 0xffffu, w.x >> 16u, w.y & 0xffffu, w.y >> 16u);
+  let em = h & vec4<u32>(0x7fffu);
+  let normal = (em << vec4<u32>(13u)) + vec4<u32>(0x38000000u);
+  let special = (em << vec4<u32>(13u)) | vec4<u32>(0x7f800000u);
+  let small = bitcast<vec4<u32>>(vec4<f32>(em) * 5.9604644775390625e-8);
+  let mag = select(select(normal, special, em >= vec4<u32>(0x7c00u)), small, em < vec4<u32>(0x400u));
+  return bitcast<vec4<f32>>(((h & vec4<u32>(0x8000u)) << vec4<u32>(16u)) | mag);
+}""",
+    "mg_widen8_bf16": """fn mg_widen8_bf16(w: vec4<u32>) -> array<vec4<f32>, 2> {
+  return array<vec4<f32>, 2>(mg_widen4_bf16(w.xy), mg_widen4_bf16(w.zw));
+}""",
+    "mg_widen8_f16": """fn mg_widen8_f16(w: vec4<u32>) -> array<vec4<f32>, 2> {
+  return array<vec4<f32>, 2>(mg_widen4_f16(w.xy), mg_widen4_f16(w.zw));
 }""",
     "mg_bf16_bits": """fn mg_bf16_bits(x: f32) -> u32 {
   let u = bitcast<u32>(x);
@@ -429,7 +449,8 @@ HALF_HELPERS = {
 }
 HELPERS.update(HALF_HELPERS)
 
-HELPER_DEPS = {"mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16": ["mg_widen_f16", "mg_f16_bits"],
+HELPER_DEPS = {"mg_widen8_bf16": ["mg_widen4_bf16"], "mg_widen8_f16": ["mg_widen4_f16"],
+               "mg_round_bf16": ["mg_widen_bf16", "mg_bf16_bits"], "mg_round_f16": ["mg_widen_f16", "mg_f16_bits"],
                "mg_pack_bf16": ["mg_bf16_bits"], "mg_pack_f16": ["mg_f16_bits"],
                "mg_exp": ["mg_exp_poly", "mg_ldexp_halves", "mg_isnan"],
                "mg_exp2": ["mg_exp_poly", "mg_ldexp_halves", "mg_isnan"], "mg_sinh": ["mg_exp", "mg_isnan"],

@@ -38,17 +38,18 @@ def unit_stride_coord(e: E.Expr, coords: tuple[int, ...]) -> int | None:
     return None
 
 
-def quad_row_index(index: E.Expr, coord: int) -> E.Expr | None:
-    """``(index - c) / 4`` where ``index`` is coordinate ``c`` (coefficient 1) plus a multiple of 4 that does not
-    involve ``c``: then elements c = 4 q .. 4 q + 3 of a row are vec4 number ``(index - c) / 4 + q`` of the buffer.
-    None for any other index."""
+def quad_row_index(index: E.Expr, coord: int, group: int = 4) -> E.Expr | None:
+    """``(index - c) / group`` where ``index`` is coordinate ``c`` (coefficient 1) plus a multiple of ``group`` that
+    does not involve ``c``: then elements c = 4 q .. 4 q + 3 of a row are vec4 number ``(index - c) / 4 + q`` of the
+    buffer (group 4), or elements 8 q .. 8 q + 7 of a row of halves vec4<u32> number ``(index - c) / 8 + q`` (group
+    8). None for any other index."""
     terms, const = _affine(index)
     c = E.coord(coord)
     rest = {atom: k for atom, k in terms.items() if atom != c}
-    if terms.get(c) != 1 or const % 4 or any(
-            k % 4 or any(n.op == "coord" and n.args[0] == coord for n in E.walk(atom)) for atom, k in rest.items()):
+    if terms.get(c) != 1 or const % group or any(
+            k % group or any(n.op == "coord" and n.args[0] == coord for n in E.walk(atom)) for atom, k in rest.items()):
         return None
-    return _build({atom: k // 4 for atom, k in rest.items()}, const // 4)
+    return _build({atom: k // group for atom, k in rest.items()}, const // group)
 
 
 def simplify(e: E.Expr, bounds: dict[int, int]) -> E.Expr:

@@ -15,7 +15,8 @@ from meganeura.kernels import attention as attention_kernels
 from meganeura.kernels import matmul as matmul_kernels
 from meganeura.kernels.matmul_tuning import MatmulProblem
 from meganeura.kernels import pointwise as pointwise_kernels
-from meganeura.kernels.prelude import ATTENTION_ARGS, attention_prelude, matmul_prelude
+from meganeura.kernels.prelude import (ATTENTION_ARGS, GemvWide, attention_prelude, matmul_prelude, wide_binding_type,
+                                       wide_unit)
 from meganeura.kernels import reduce as reduce_kernels
 from meganeura.kernels import wgsl
 from meganeura.runtime.dtypes import HALF_STORAGE, STORAGE, storage_bytes
@@ -35,6 +36,15 @@ from .planner import Interval, place
 # fetch written out (0.15 s with one tensor in place of the chain); with the loop no kernel of SmolVLA took more than
 # 0.5 s in a cold first call, and its GPU time per call stayed within 2 %.
 LOOPED_FETCH_BLOCKS = 4
+
+
+# Storage kinds that matmul and attention operands read in groups (``_quad_rows``): f32, and the halves, widened in
+# registers from a vec2<u32> (4) or vec4<u32> (8) load rather than one 32-bit load and select per element.
+WIDE_KINDS = ("f32", *HALF_STORAGE)
+# Elements of a group that the gemv reads of a half precision matrix at once (one vec4<u32>: 16 bytes, as a vec4 of
+# f32 is), and the matrices it reads so: a decode step's weights. f32 matrices keep the scalar gemv.
+GEMV_WIDTH = 8
+GEMV_WIDE_KINDS = HALF_STORAGE
 
 
 # The status buffer (and binding): 4 u32 words; kernels raise word 0 (atomicMax) and the runtime reads all back.
@@ -482,14 +492,16 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     """The matmul pass; cut into slices of K, the slices' pass and the pass summing them."""
     a_fast, b_fast = _fast_axes(slots.exprs)
     decl, bound = list(slots.decl), list(slots.bound)
-    quads = (_matmul_quads(node, slots, decl, bound, limits) if variant.quads
-             and matmul_kernels.is_tiled(node.rows, node.columns) else [])
-    prelude = _matmul_prelude(node, slots, decl, quads)
+    tiled = matmul_kernels.is_tiled(node.rows, node.columns)
+    quads = _matmul_quads(node, slots, decl, bound, limits) if variant.quads and tiled else []
+    wide = None if tiled else _gemv_wide(node, slots, decl, bound, limits)
+    prelude = _matmul_prelude(node, slots, decl, quads, wide)
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
                  f16=variant.f16, looped=_looped_operand(node), double=variant.double, quads=variant.quads,
                  patches=variant.patches, vector_loads="".join(quad[0] for quad in quads),
-                 products=len(node.products), row_phases=len(node.row_phases))
+                 products=len(node.products), row_phases=len(node.row_phases),
+                 gemv_width=wide.width if wide is not None else 0)
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
@@ -500,10 +512,10 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
 
 def _matmul_quads(node: Matmul, slots: Slots, decl: list, bound: list, limits: dict) -> list[tuple]:
     """The operands of a tiled matmul to read as vec4s along their unit-stride axis (``matmul_prelude``'s
-    ``quads``): plain f32 reads of rows of whole vec4s (``_quad_rows``) of one block each, not fetched in a loop, not
-    a value the kernel stores over, each through a vec4 binding of its value appended to ``decl`` and ``bound``
-    while the bindings stay within the adapter's limit. None where a binding offset may fall between 16-byte
-    boundaries."""
+    ``quads``): plain reads of f32 or halves in rows of whole groups of 4 (``_quad_rows``) of one block each, not
+    fetched in a loop, not a value the kernel stores over, each through a binding of its value in groups of 4 (vec4s
+    of f32, vec2<u32>s of halves) appended to ``decl`` and ``bound`` while the bindings stay within the adapter's
+    limit. None where a binding offset may fall between 16-byte boundaries."""
     if limits.get("min-storage-buffer-offset-alignment", 256) % 16:
         return []
     a_fast, b_fast = _fast_axes(slots.exprs)
@@ -515,16 +527,55 @@ def _matmul_quads(node: Matmul, slots: Slots, decl: list, bound: list, limits: d
     for operand, e, (coord, other, size) in operands:
         if is_size(size) or (operand == blocked and len(node.sizes) > 1) or _looped_operand(node) == operand:
             continue
-        found = _quad_rows(e, slots.decl, size, coord)
+        found = _quad_rows(e, slots.decl, size, coord, kinds=WIDE_KINDS)
         if found is None or found[0] in slots.out_slots or (found[0] not in aliases and len(bound) >= room):
             continue
-        slot, row = found
+        slot, row, kind = found
         if slot not in aliases:  # one vec4 binding per value, however many operands read it
             aliases[slot] = f"b{slot}_4"
-            decl.append((len(bound), aliases[slot], "vec4<f32>"))
+            decl.append((len(bound), aliases[slot], wide_binding_type(kind, 4)))
             bound.append(bound[slot])
-        quads.append((operand, other, aliases[slot], row))
+        quads.append((operand, other, aliases[slot], row, kind))
     return quads
+
+
+def _gemv_wide(node: Matmul, slots: Slots, decl: list, bound: list, limits: dict) -> GemvWide | None:
+    """The wide loaders of a gemv over columns (``GemvWide``): where every matrix operand (B's blocks and the further
+    products') is a plain read of a half precision value (``GEMV_WIDE_KINDS``) along K in rows of whole groups of
+    ``GEMV_WIDTH`` elements that start at multiples of it (``_quad_rows``), read by nothing else in the kernel, each
+    such binding in ``decl`` is retyped to groups (``wide_binding_type``; its scalar loader is left out); the vector,
+    a plain read of f32 or halves in such rows, is read through a binding of groups appended to ``decl`` and
+    ``bound`` while the adapter's limit leaves one, else by elements. None (the scalar gemv) for anything else: a
+    symbolic or misaligned K, a row offset that is not a multiple of the group, a gathered or fused matrix."""
+    if (node.rows != 1 or is_size(node.k) or _fast_axes(slots.exprs)[1] != "p"
+            or limits.get("min-storage-buffer-offset-alignment", 256) % 16):
+        return None
+    exprs, end = slots.exprs, 3 + 2 * len(node.more_blocks)
+    starts = [sum(node.sizes[:k]) for k in range(len(node.sizes))]
+    b_blocks = list(zip(starts, [exprs[1], *exprs[3:end:2]])) if node.block_axis == "j" else [(0, exprs[1])]
+    matrices = [b_blocks] + [[(0, e)] for e in exprs[end:end + len(node.products)]]
+    found = [[(start, _quad_rows(e, slots.decl, node.k, 1, GEMV_WIDTH, GEMV_WIDE_KINDS)) for start, e in blocks]
+             for blocks in matrices]
+    if any(q is None for blocks in found for _, q in blocks):
+        return None
+    wide_slots = {q[0] for blocks in found for _, q in blocks}
+    matrix_exprs = {id(e) for blocks in matrices for _, e in blocks}
+    others = [n for e in exprs if id(e) not in matrix_exprs for n in E.walk(e) if n.op == "read"]
+    if wide_slots & ({n.args[0] for n in others} | set(slots.out_slots)):
+        return None
+    for slot in wide_slots:
+        decl[slot] = (slot, decl[slot][1], wide_binding_type(slots.storage[slot], GEMV_WIDTH))
+    vector = _quad_rows(exprs[0], slots.decl, node.k, 2, GEMV_WIDTH, WIDE_KINDS)
+    if (vector is not None and vector[0] not in wide_slots | set(slots.out_slots)
+            and len(bound) < limits.get("max-storage-buffers-per-shader-stage", 8)):
+        slot, row, kind = vector
+        decl.append((len(bound), f"b{slot}_{GEMV_WIDTH}", wide_binding_type(kind, GEMV_WIDTH)))
+        bound.append(bound[slot])
+        vector = (decl[-1][1], row, kind)
+    else:
+        vector = None
+    return GemvWide(GEMV_WIDTH, [[(start, slots.name(q[0]), q[1], q[2]) for start, q in blocks] for blocks in found],
+                    vector)
 
 
 def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
@@ -544,31 +595,37 @@ KERNELS = {Pointwise: _pointwise_kernels, Reduce: _reduce_kernels, Matmul: _matm
 
 def _attention_prelude(node: Attention, slots: Slots, max_bindings: int) -> str:
     """``kernels.prelude.attention_prelude`` of ``node``: each operand expression read as f32, with the vec4 row
-    reads of head-size operands where ``_quad_rows`` finds them (their bindings appended to the slots)."""
+    reads of head-size operands (f32 or halves) where ``_quad_rows`` finds them (their bindings appended to the
+    slots)."""
     loads = []
     for operand, e in zip(node.operands(), slots.exprs):
         size = node.dv if operand in ("v", "dout") else node.d
-        quads = _quad_rows(e, slots.decl, size) if ATTENTION_ARGS[operand][-1] == "c" else None
+        quads = _quad_rows(e, slots.decl, size, kinds=WIDE_KINDS) if ATTENTION_ARGS[operand][-1] == "c" else None
         loads.append((operand, E.cast(e, E.F32), quads))
     return attention_prelude(slots.decl, slots.bound, loads, max_bindings)
 
 
-def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3) -> tuple[int, E.Expr] | None:
-    """(slot, vec4 index of the row's first element) where ``e`` is a plain read of f32 element c (coordinate
-    ``coord``) of rows of ``size`` elements that start at multiples of 4 elements; None otherwise."""
-    if e.op != "read" or e.dtype != E.F32 or size % 4:
+def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3, width: int = 4,
+               kinds: tuple[str, ...] = ("f32",)) -> tuple[int, E.Expr, str] | None:
+    """(slot, index of the row's first element in elements of its wide binding, storage kind) where ``e`` is a
+    plain read of element c (coordinate ``coord``) of a value stored as one of ``kinds``, in rows of ``size``
+    elements, a multiple of ``width``, that start at multiples of the wide binding's element (``wide_unit``: 4
+    elements of f32, ``width`` halves); None otherwise."""
+    if e.op != "read" or e.dtype != E.F32 or size % width:
         return None
-    slot, index = e.args[:2]
-    if len(e.args) > 2 or decl[slot][2] != "f32":
+    slot, index, *half = e.args
+    kind = half[0] if half else "f32"
+    if kind not in kinds or decl[slot][2] != wgsl.STORAGE_TYPE[kind]:
         return None
-    row = quad_row_index(index, coord)
-    return None if row is None else (slot, row)
+    row = quad_row_index(index, coord, wide_unit(kind, width))
+    return None if row is None else (slot, row, kind)
 
 
-def _matmul_prelude(node: Matmul, slots: Slots, decl: list | None = None, quads: list = ()) -> str:
+def _matmul_prelude(node: Matmul, slots: Slots, decl: list | None = None, quads: list = (),
+                    gemv_wide: GemvWide | None = None) -> str:
     """``kernels.prelude.matmul_prelude`` of ``node``: with several outputs (``more_blocks``), the operand they do not
     share and the epilogue go by the output's block of ``node.block_axis``; ``decl`` (default the slots') and
-    ``quads`` as ``_matmul_quads`` gives them."""
+    ``quads`` as ``_matmul_quads`` gives them, ``gemv_wide`` as ``_gemv_wide`` does."""
     axis, exprs = node.block_axis, slots.exprs
     end = 3 + 2 * len(node.more_blocks)
     starts = [sum(node.sizes[:k]) for k in range(len(node.sizes))]
@@ -582,4 +639,4 @@ def _matmul_prelude(node: Matmul, slots: Slots, decl: list | None = None, quads:
         m, n = (size, node.n) if axis == "i" else (node.m, size)
         stores.append((s, e, slots.name(slot), m, n, v.compute_dtype))
     return matmul_prelude(slots.decl if decl is None else decl, axis, a_blocks, b_blocks, stores, products, row_phases,
-                          quads)
+                          quads, gemv_wide)
