@@ -1,5 +1,5 @@
-"""Micro benchmarks: f32 matmul, f32 attention, a fused pointwise chain and a copy (the bandwidth roof), a row
-reduction, and the host cost per dispatch of plan replay.
+"""Micro benchmarks: projections (``F.linear``) in float32 and bfloat16, f32 matmul, f32 attention, a fused
+pointwise chain and a copy (the bandwidth roof), a row reduction, and the host cost per dispatch of plan replay.
 
 Each matmul size is timed twice: one product per call (its latency: the launch and the wait count in full), and, for
 sizes up to ``BACK_TO_BACK_MAX``, ``BACK_TO_BACK`` independent products (no operand shared) per call, issued back to
@@ -42,6 +42,18 @@ COMPETITORS = ("meganeura", "torch-cpu-eager", "torch-cuda-eager")  # (a plan re
 # counted: 4 * heads * length^2 * head size (two products), half of it where causal.
 ATTENTION_SHAPES = ((6, 1500, 64, False), (8, 2048, 128, True))
 PORTABLE_STORAGE = 16384  # WebGPU's default max-compute-workgroup-storage-size: the second row of each shape
+# Projections ``F.linear(x, w)``, x (M, K) and w (N, K), in each of PROJECTION_DTYPES (``bench --projections``): a
+# decode step's (M = 1: SmolLM2-135M's q/o, gate/up, down and LM head; Llama-3.2-1B's gate/up) and a prefill's.
+# A row runs as many independent projections per call (no operand shared: one dispatch each) as make its weights
+# at least PROJECTION_BYTES in float32 (half of it in bfloat16), past the GPU's L2 cache (H100: 50 MiB), as a decode
+# step's 540 MB are; at most MAX_PROJECTIONS.
+PROJECTIONS = ((1, 576, 576), (1, 576, 1536), (1, 1536, 576), (1, 576, 49152), (1, 2048, 8192), (128, 576, 1536))
+PROJECTION_DTYPES = ("float32", "bfloat16")
+PROJECTION_BYTES = 256 << 20
+MAX_PROJECTIONS = 128
+# A half row's correctness bound (relative L2 against PyTorch's CPU result in the same dtype): both round the outputs
+# to 8 significant bits, and sum in different orders (a bfloat16 output differs by an ulp, 2^-8, here and there).
+HALF_TOLERANCE = 2e-2
 
 
 @dataclass
@@ -70,6 +82,7 @@ def _device_call(fn, args, storage: int | None = None):
     from meganeura.runtime.program import Program
     from torch_meganeura.lower.fx_lowering import lower_graph
     from torch_meganeura.lower.tuning import compile_plan, tuning_enabled
+    from torch_meganeura.tensors.params import host_form, tensor_from_host
 
     gm = make_fx(fn)(*args)
     lowered = lower_graph(gm, list(args), set(range(len(args))))
@@ -78,7 +91,7 @@ def _device_call(fn, args, storage: int | None = None):
     plan, _, _ = compile_plan(lowered.graph, device, tuning_enabled(None), limits=limits)  # tuned under bench --tune
     outputs = [t.name for t in plan.outputs]
     program = Program(device, plan, resident_outputs=outputs)
-    program.upload_params({name: args[i].numpy() for i, name in lowered.params})
+    program.upload_params({name: host_form(args[i]) for i, name in lowered.params})
 
     def run():
         for array in program.run({}).values():
@@ -89,7 +102,7 @@ def _device_call(fn, args, storage: int | None = None):
         values = [arrays[name].numpy() for name in outputs]
         for array in arrays.values():
             array.release()
-        return _flat([torch.from_numpy(v) for v in values])
+        return _flat([tensor_from_host(v) for v in values])
 
     return run, result, len(plan.dispatches), lambda: program.host_seconds * 1e3
 
@@ -102,9 +115,10 @@ def _timed(call, sync) -> float:
 
 
 def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: int, repeats: int,
-            run_length: int = RUN_LENGTH, storage: int | None = None) -> list[MicroResult]:
+            run_length: int = RUN_LENGTH, storage: int | None = None, tolerance: float = 1e-3) -> list[MicroResult]:
     """Time ``fn(*args)`` for each competitor, in turns of ``run_length`` calls; ``amount`` is the FLOPs or bytes of
-    one call. ``storage``: meganeura's plan compiled for that workgroup storage limit (``_device_call``)."""
+    one call. ``storage``: meganeura's plan compiled for that workgroup storage limit (``_device_call``); a result
+    is correct within ``tolerance`` (relative L2 against PyTorch on the CPU)."""
     from .gates import rel_l2
 
     want = _flat(fn(*args))
@@ -114,7 +128,7 @@ def measure(name: str, fn, args, work: str, amount: float, competitors, warmup: 
         results.append(res)
         try:
             call, sync, result, res.dispatches, host_ms, gpu_ms = _prepare(competitor, fn, args, storage)
-            res.correct = rel_l2(result(), want) < 1e-3
+            res.correct = rel_l2(result().float(), want.float()) < tolerance
             timed.append((res, call, sync, host_ms, gpu_ms))
         except Exception as err:  # noqa: BLE001 - reported per competitor
             res.error = f"{type(err).__name__}: {err}"[:2000]
@@ -250,6 +264,34 @@ def attention_rows(shapes, timing, gen) -> list[MicroResult]:
     return results
 
 
+def _projections(*operands):
+    # independent projections of distinct operands (x0, w0, x1, w1, ...): no two share one, one dispatch each
+    return tuple(F.linear(x, w) for x, w in zip(operands[::2], operands[1::2]))
+
+
+def parse_projections(text: str) -> tuple:
+    """``PROJECTIONS`` from ``"1x576x1536,128x576x1536"`` (``bench --projections``: MxKxN)."""
+    return tuple(tuple(int(n) for n in item.split("x")) for item in filter(None, text.split(",")))
+
+
+def projection_rows(shapes, dtypes, timing, gen) -> list[MicroResult]:
+    """Each projection shape in each dtype (``PROJECTIONS``): GB/s of the weights, the rows and the outputs moved
+    for a decode's (M = 1), GFLOP/s for the rest; the same count of projections per call in every dtype."""
+    results = []
+    for m, k, n in shapes:
+        copies = max(1, min(MAX_PROJECTIONS, -(-PROJECTION_BYTES // (4 * n * k))))
+        for dtype in dtypes:
+            half = getattr(torch, dtype)
+            operands = tuple(t for _ in range(copies) for t in (torch.randn(m, k, generator=gen).to(half),
+                                                                 torch.randn(n, k, generator=gen).to(half)))
+            size = torch.finfo(half).bits // 8
+            work, amount = (("GB/s", copies * size * (n * k + m * k + m * n)) if m == 1 else
+                            ("GFLOP/s", copies * 2.0 * m * n * k))
+            results += measure(f"linear {m}x{k}x{n} {dtype} x{copies}", _projections, operands, work, amount,
+                               *timing, tolerance=1e-3 if dtype == "float32" else HALF_TOLERANCE)
+    return results
+
+
 def _dispatch_chain(x, w):
     for _ in range(DISPATCH_CHAIN):
         x = x @ w  # a matmul per step: nothing fuses, every step is a dispatch
@@ -257,11 +299,14 @@ def _dispatch_chain(x, w):
 
 
 def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: int, run_length: int = RUN_LENGTH,
-            attention_shapes=ATTENTION_SHAPES) -> list[MicroResult]:
-    """Every micro benchmark; ``stream_mib`` sizes the pointwise, copy and reduction inputs."""
+            attention_shapes=ATTENTION_SHAPES, projections=PROJECTIONS,
+            projection_dtypes=PROJECTION_DTYPES) -> list[MicroResult]:
+    """Every micro benchmark; ``stream_mib`` sizes the pointwise, copy and reduction inputs (0: none of them, nor the
+    dispatch chain)."""
     gen = torch.Generator().manual_seed(0)
     results = []
     timing = (competitors, warmup, repeats, run_length)
+    results += projection_rows(projections, projection_dtypes, timing, gen)
     for n in matmul_sizes:
         a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
         results += measure(f"matmul {n}", _matmul, (a, b), "GFLOP/s", 2.0 * n**3, *timing)
@@ -270,6 +315,8 @@ def run_all(competitors, matmul_sizes, stream_mib: int, warmup: int, repeats: in
             results += measure(f"matmul {n} x{BACK_TO_BACK} back to back", _matmuls, operands, "GFLOP/s",
                                2.0 * n**3 * BACK_TO_BACK, *timing)
     results += attention_rows(attention_shapes, timing, gen)
+    if not stream_mib:
+        return results
     numel = stream_mib * (1 << 20) // 4
     x = torch.randn(numel, generator=gen)
     for name, fn in ((f"pointwise chain {stream_mib} MiB", _pointwise_chain), (f"copy {stream_mib} MiB", _copy)):

@@ -58,9 +58,14 @@ def _parser() -> argparse.ArgumentParser:
                         "calls")
     p.add_argument("--micro", action="store_true", help="also run the micro benchmarks")
     p.add_argument("--matmul-sizes", default="1024,2048,4096", help="micro: square matmul sizes")
-    p.add_argument("--stream-mib", type=int, default=256, help="micro: size of the pointwise/copy/reduction input")
+    p.add_argument("--stream-mib", type=int, default=256,
+                   help="micro: size of the pointwise/copy/reduction input (0: none of them, nor the dispatch chain)")
     p.add_argument("--attention-shapes", default="6x1500x64,8x2048x128c",
                    help="micro: f32 self-attentions HEADSxLENGTHxHEADSIZE, a final 'c' for causal; '' for none")
+    p.add_argument("--projections", default=None,
+                   help="micro: projections F.linear(x, w), x MxK and w NxK, as MxKxN comma-separated (default: "
+                        "decode's and a prefill's at SmolLM2-135M's and Llama-3.2-1B's sizes; '' for none)")
+    p.add_argument("--projection-dtypes", default="float32,bfloat16", help="micro: the projections' dtypes")
     p.add_argument("--note", default="", help="a remark on the conditions of this run, shown in the report")
     p.add_argument("--merge", action="store_true",
                    help="add to an existing results file (cells of the same workload, mode and competitor "
@@ -172,8 +177,11 @@ def main(argv=None) -> int:
     if args.micro:
         sizes = [int(n) for n in args.matmul_sizes.split(",") if n]
         micro_competitors = [c for c in competitors if c in micro.COMPETITORS]
+        projections = (micro.PROJECTIONS if args.projections is None else
+                       micro.parse_projections(args.projections))
         done = micro.run_all(micro_competitors, sizes, args.stream_mib, args.warmup, args.repeats,
-                             args.run_length, micro.parse_attention_shapes(args.attention_shapes))
+                             args.run_length, micro.parse_attention_shapes(args.attention_shapes), projections,
+                             tuple(filter(None, args.projection_dtypes.split(","))))
         result["micro"] = [dataclasses.asdict(m) for m in done]
         for m in done:
             rate = f"{m.rate:10.1f} {m.work}" if m.rate is not None else m.error

@@ -113,16 +113,22 @@ def test_half_gate_allows_one_and_a_half_times_eager_error_at_the_dtype():
 
 def test_micro_benchmarks_check_every_row_and_keep_back_to_back_products_apart(tmp_path):
     """Each micro benchmark's meganeura result matches PyTorch (the attention rows' plans at the device's workgroup
-    storage and at WebGPU's 16 KiB too); the throughput row's products run as separate dispatches (distinct
+    storage and at WebGPU's 16 KiB too; the projections in float32 and bfloat16, one dispatch per projection of a
+    row: MAX_PROJECTIONS for these small ones); the throughput row's products run as separate dispatches (distinct
     operands, so the compiler cannot merge them into one wider GEMM), and the report renders every row. No timing
     is asserted."""
     from bench import micro
 
     shapes = micro.parse_attention_shapes("2x70x64,2x80x128c")
     assert shapes == ((2, 70, 64, False), (2, 80, 128, True))
+    projections = micro.parse_projections("1x64x40,8x64x40")
+    assert projections == ((1, 64, 40), (8, 64, 40))
     done = micro.run_all(["meganeura", "torch-cpu-eager"], [32], stream_mib=1, warmup=0, repeats=1,
-                         attention_shapes=shapes)
+                         attention_shapes=shapes, projections=projections)
     names = {r.name for r in done}
+    copies = micro.MAX_PROJECTIONS
+    assert {f"linear {shape} {dtype} x{copies}" for shape in ("1x64x40", "8x64x40")
+            for dtype in micro.PROJECTION_DTYPES} <= names
     assert f"matmul 32 x{micro.BACK_TO_BACK} back to back" in names and "matmul 32" in names
     assert {"attention 2x70x64", "attention 2x70x64 at 16 KiB", "attention 2x80x128 causal"} <= names
     for r in done:
@@ -131,6 +137,7 @@ def test_micro_benchmarks_check_every_row_and_keep_back_to_back_products_apart(t
     ours = {r.name: r for r in done if r.competitor == "meganeura"}
     assert ours[f"matmul 32 x{micro.BACK_TO_BACK} back to back"].dispatches == \
         micro.BACK_TO_BACK * ours["matmul 32"].dispatches
+    assert ours[f"linear 1x64x40 float32 x{copies}"].dispatches == copies
     from meganeura.runtime.device import get_device
 
     if "timestamp-query" in get_device().features:  # (lavapipe offers it) each row's kernels timed on the GPU
