@@ -44,6 +44,7 @@ WIDE_KINDS = ("f32", *HALF_STORAGE)
 # Elements of a group that the gemv reads of a half precision matrix at once (one vec4<u32>: 16 bytes, as a vec4 of
 # f32 is), and the matrices it reads so: a decode step's weights. f32 matrices keep the scalar gemv.
 GEMV_WIDTH = 8
+ROUNDED_TO = {"round_bf16": "bf16", "round_f16": "f16"}  # a rounding op -> the storage it rounds to
 GEMV_WIDE_KINDS = HALF_STORAGE
 
 
@@ -310,7 +311,9 @@ def _fast_axes(exprs: list[E.Expr]) -> tuple[str, str]:
 
 def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr:
     """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index (widened
-    from half precision where the value is ``stored`` so)."""
+    from half precision where the value is ``stored`` so), a rounding of such a read to its own half precision left
+    out: it is exact (a repeated KV head of a bf16 cache, rounded to bf16 as its copy, stays a plain read, which
+    attention then reads by groups)."""
     bounds = dict(enumerate(domain))
 
     def rewrite(n: E.Expr):
@@ -319,6 +322,8 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr
             index = simplify(linear_index(coords, values[vid].shape), bounds)
             half = stored.get(vid) if stored.get(vid) in HALF_STORAGE else ""
             return E.read(slot_of(vid), index, n.dtype, half)
+        if n.op in ROUNDED_TO and n.args[0].op == "read" and n.args[0].args[2:] == (ROUNDED_TO[n.op],):
+            return n.args[0]  # (a value widened from a half precision is that half precision already)
         return None
 
     return E.substitute(e, rewrite)

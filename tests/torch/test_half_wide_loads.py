@@ -145,3 +145,46 @@ def test_attention_reads_half_rows_by_vec2_loads(dtype, sources):
     q, k, v = (torch.randn(1, 2, 24, 32).to(dtype) for _ in range(3))
     _run_against_float64(F.scaled_dot_product_attention, q, k, v)
     assert any("array<vec2<u32>>" in s and "mg_widen4_" in s for s in sources)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_attention_reads_repeated_half_kv_heads_by_vec2_loads(dtype, sources):
+    """Grouped KV heads repeated for the query heads (as HF's ``repeat_kv`` does, through float32 and back as a
+    cache's copy may go): attention still reads the k and v rows by groups, through the repeat."""
+    q = torch.randn(1, 4, 24, 32).to(dtype)
+    k, v = (torch.randn(1, 2, 24, 32).to(dtype) for _ in range(2))
+
+    def attend(q, k, v):
+        repeat = lambda t: t.float().to(t.dtype)[:, :, None].expand(1, 2, 2, 24, 32).reshape(1, 4, 24, 32)  # noqa: E731
+        return F.scaled_dot_product_attention(q, repeat(k), repeat(v))
+
+    _run_against_float64(attend, q, k, v)
+    assert any("fn load_k4(" in s and "fn load_v4(" in s and "array<vec2<u32>>" in s for s in sources)
+
+
+def test_rounding_a_half_read_to_its_own_precision_is_left_out():
+    """A gemv whose weights are rounded to bfloat16 after their load from bfloat16 (as a copy of a half value is, a
+    repeated KV head of a half cache): the rounding is exact, the read stays plain, and the gemv reads by groups.
+    Against float64."""
+    import numpy as np
+
+    from meganeura.lowering import compile_graph
+    from meganeura.lowering import expr as E
+    from meganeura.lowering.builder import GraphBuilder
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.dtypes import bfloat16_bits, bfloat16_values
+    from meganeura.runtime.program import Program
+
+    b = GraphBuilder()
+    x, w = b.input("x", (1, 64), "float32"), b.input("w", (40, 64), "bfloat16")
+    weights = E.unary("round_bf16", b.load(w, [E.coord(2), E.coord(1)]))
+    b.output(b.gemm(1, 1, 40, 64, b.load(x, [E.coord(1), E.coord(2)]), weights))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    source = plan.kernels[plan.dispatches[0].kernel]
+    assert GROUPED_GEMV in source and "mg_round_bf16" not in source
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((1, 64)).astype(np.float32),
+            "w": bfloat16_bits(rng.standard_normal((40, 64)).astype(np.float32))}
+    got = Program(get_device(), plan).run(data)[plan.outputs[0].name]
+    want = data["x"].astype(np.float64) @ bfloat16_values(data["w"]).astype(np.float64).T
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
