@@ -43,7 +43,8 @@ Two kernel families, chosen by shape:
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its threads ("lanes", as
   many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a workgroup tree reduction.
   A lane loads GEMV_UNROLL products before adding them (in the order of a plain loop): loads in flight, not one
-  memory latency each.
+  memory latency each. Over columns with K contiguous, a half precision matrix whose rows are whole groups of 8
+  along K is read by groups instead (``gemv_width``): one vec4<u32> load per 8 elements, widened in registers.
 
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
 and the kernel recovers the linear workgroup index. No atomics: results are deterministic.

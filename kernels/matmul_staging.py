@@ -12,9 +12,10 @@ vec4: no bank conflicts. The stores:
 - quad staging (``TiledPlan.quads``): each thread stages 4 neighbouring elements along the unit-stride axis (the
   loads of a thread adjacent, its index math done once per 4); along the tile's edge (A column-major, B row-major)
   they go into shared memory as one vec4 store, along K as 4 component stores (conflict-free for a chunk of 8).
-  Where the prelude defines a vec4 loader for the operand (``load_a4`` / ``load_b4``: a plain f32 operand whose
-  rows along that axis are whole vec4s, read through a vec4 binding of its value) the 4 are one vec4 load; else 4
-  scalar loads through ``load_a`` / ``load_b``, correct for any layout, gather, offset and stride."""
+  Where the prelude defines a vec4 loader for the operand (``load_a4`` / ``load_b4``: a plain f32 or half precision
+  operand whose rows along that axis are whole quads, read through a binding of its value as vec4s of f32 or
+  vec2<u32>s of halves) the 4 are one load; else 4 scalar loads through ``load_a`` / ``load_b``, correct for any
+  layout, gather, offset and stride."""
 from __future__ import annotations
 
 from dataclasses import dataclass
