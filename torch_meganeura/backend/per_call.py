@@ -34,7 +34,8 @@ from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, kept_arr
                                      read_now, spare_array)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
-from ..tensors.resident import ResidentTensor
+from ..tensors.resident import TORCH_DTYPE, ResidentTensor
+from ..tensors.saved_pack import SavedPack
 from ..lower.symbolic import DynamicSizes
 from ..lower.tuning import tuning_enabled
 
@@ -160,6 +161,8 @@ def arg_kind(a) -> str | None:
     cls = type(a)
     if cls is torch.nn.Parameter:
         return "param"
+    if cls is DeviceArray:  # a saved activation, unpacked (``SavedPack``)
+        return "resident"
     if cls is torch.Tensor:
         return "param" if getattr(a, "_is_param", False) else "tensor"  # (what Parameter's isinstance accepts too)
     if isinstance(a, ResidentTensor) or cls is DeviceTensor and a._meganeura_kept.array is not None:
@@ -173,6 +176,8 @@ def arg_kind(a) -> str | None:
 
 def signature_item(a):
     """What selects a plan about one argument: a tensor's shape, dtype and kind, or a non-tensor's value."""
+    if type(a) is DeviceArray:  # (as the ResidentTensor of it: the same plan binds either)
+        return torch.Size(a.shape), TORCH_DTYPE[a.dtype], "resident"
     kind = arg_kind(a)
     return a if kind is None else (a.shape, a.dtype, kind)
 
@@ -198,12 +203,15 @@ class DevicePartition(torch.nn.Module):
 
     def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
                  fast: bool = False, kept_gradients=frozenset(), kept=None, lazy_outputs=frozenset(),
-                 mutated=None, lazy_from_first: bool = False):
+                 mutated=None, lazy_from_first: bool = False, pack_saved: bool = False):
         super().__init__()
         self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
         self.param_indices = set(param_indices)
         self.resident_outputs = frozenset(resident_outputs)
+        # A training forward's saved activations cross autograd as one ``SavedPack`` at all their positions, which
+        # the backward unpacks (``backend.packed``): here their positions, in the pack's order
+        self._packed = sorted(self.resident_outputs) if pack_saved else []
         # A backward's outputs that are gradients of parameters: resident too while ``kept.kept`` says that the
         # forward's parameters are kept on the device (``device_optimizer``)
         self.kept_gradients, self._kept = frozenset(kept_gradients), kept
@@ -241,7 +249,7 @@ class DevicePartition(torch.nn.Module):
         if entry is None or entry.variant != variant or not entry.replays(args, sizes):
             entry = self._entry_for(args, variant)
             if entry is None:
-                return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
+                return self.gm(*map(_eager_value, args))
         self._read = frozenset()  # (what eager code reads of this call's outputs; a call that raises resets nothing)
         try:
             return self._run(entry, args, sizes, read)
@@ -310,8 +318,8 @@ class DevicePartition(torch.nn.Module):
         graph = SHARED_GRAPHS.find(shared, device, values)
         new = graph is None
         if new:
-            graph = compile_device_graph(self.gm, list(args), params, device, tune=tune, f16_products=f16,
-                                         dynamic=self.dynamic, in_place=self.mutated)
+            graph = compile_device_graph(self.gm, [_as_tensor(a) for a in args], params, device, tune=tune,
+                                         f16_products=f16, dynamic=self.dynamic, in_place=self.mutated)
             SHARED_GRAPHS.add(shared, graph)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
         updated = self._updates(lowered)
@@ -407,7 +415,7 @@ class DevicePartition(torch.nn.Module):
                 into[alternating] = spare
         results = program.run(host, on_device, into, sizes=sizes)
         adopted = {k: adopt(args[i], results[out], on_device[name]) for i, k, name, out, _ in entry.update_inputs}
-        outs, made = [], {}
+        outs, made, packed = [], {}, self._packed
         for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]
             if how == ADOPTED:
@@ -417,13 +425,17 @@ class DevicePartition(torch.nn.Module):
             elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
                 outs.append(tensor_from_host(value))
             elif how == SAVED:
-                outs.append(ResidentTensor(value))
+                outs.append(value if k in packed else ResidentTensor(value))
             elif how == LAZY:  # one tensor for positions that return the same value
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
             if tracked:
                 outs[-1] = self._track(outs[-1], k, how)
+        if packed:
+            pack = SavedPack([outs[k] for k in packed])
+            for k in packed:
+                outs[k] = pack
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
     def _track(self, t: torch.Tensor, position: int, how: str) -> DeviceTensor:
@@ -522,4 +534,18 @@ def _param_array(t: torch.Tensor, store: ParamStore, name: str) -> DeviceArray:
 
 
 def _array_of(value) -> DeviceArray:
+    if type(value) is DeviceArray:
+        return value
     return value.array if isinstance(value, ResidentTensor) else value._meganeura_kept.array
+
+
+def _as_tensor(value):
+    """An argument as a tensor: a ``DeviceArray`` (an unpacked saved activation) as a ``ResidentTensor`` of it."""
+    return ResidentTensor(value) if type(value) is DeviceArray else value
+
+
+def _eager_value(value):
+    """An argument as eager PyTorch takes it (a partition that falls back): device values downloaded."""
+    if type(value) is DeviceArray:
+        return tensor_from_host(value.numpy())
+    return value.materialize() if isinstance(value, ResidentTensor) else value

@@ -1,0 +1,105 @@
+"""The forward->backward hand-off of a training graph as one object per device partition (``SavedPack``).
+
+A training forward's device partitions return the activations they save as one ``SavedPack`` each, at every saved
+position (``DevicePartition``'s ``pack_saved``). aot_autograd saves the forward's outputs past the user's and gives
+them to the backward graph as placeholders of the same names (its partitioner extracts both graphs from the joint
+one). So the forward's compiler records, by that name, which partition's pack holds each saved value and where
+(``record_packs``), in the tracing context the backward's compiler shares (as ``KeptGradients``); the backward's
+compiled function unpacks each pack before its graph runs (``Unpacker``): every position gets its value back, a
+``DeviceArray`` where only device partitions read it (they bind it as it is), a ``ResidentTensor`` of it where eager
+code does. A partition that ran in eager PyTorch returned real tensors, which stay as they are.
+
+Not packed: graphs over symbolic sizes (their partitions compare each argument's sizes, ``per_call._fits``), and
+what a forward saves that is not a partition's output (its inputs, the parameters).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..tensors.resident import ResidentTensor
+from ..tensors.saved_pack import SavedPack
+from ..lower.symbolic import DynamicSizes
+
+
+@dataclass
+class SavedPacks:
+    """Where the saved values of one graph's forward are: saved node name -> (partition, index in its pack)."""
+
+    where: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def of_this_graph(create: bool) -> "SavedPacks | None":
+        ctx = torch._guards.TracingContext.try_get()
+        if ctx is None:
+            return None
+        if create:
+            ctx.meganeura_saved_packs = SavedPacks()
+        return getattr(ctx, "meganeura_saved_packs", None)
+
+
+def packs_saved(gm: fx.GraphModule) -> bool:
+    """Whether a training forward's partitions pack what they save: where the backward's compiler can find where
+    (a tracing context) and the graph's sizes are static."""
+    return torch._guards.TracingContext.try_get() is not None and DynamicSizes.of(gm) is None
+
+
+def output_names(gm: fx.GraphModule) -> list[str | None]:
+    """The names of the nodes ``gm`` returns (None for a non-node), by position: taken before partitioning, which
+    returns the same positions from other nodes."""
+    output = gm.graph.find_nodes(op="output")[0]
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    return [v.name if isinstance(v, fx.Node) else None for v in values]
+
+
+def record_packs(fused: fx.GraphModule, names: list[str | None], first_saved: int, packed: dict[str, list[int]],
+                 packs: SavedPacks) -> None:
+    """Record where each value the forward ``fused`` saves (its outputs from ``first_saved``, named ``names`` before
+    partitioning) is: the partition call it comes from and its index in that partition's pack (``packed``: the
+    partition's packed output positions, in order)."""
+    output = fused.graph.find_nodes(op="output")[0]
+    values = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    for j in range(first_saved, len(values)):
+        node, position = values[j], 0
+        if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+            node, position = node.args
+        if isinstance(node, fx.Node) and node.op == "call_module" and node.target in packed and names[j]:
+            order = packed[node.target]
+            if position in order:
+                packs.where[names[j]] = (node.target, order.index(position))
+
+
+def placeholder_names(gm: fx.GraphModule) -> list[str]:
+    """The names of ``gm``'s placeholders, in order (taken before partitioning)."""
+    return [node.name for node in gm.graph.find_nodes(op="placeholder")]
+
+
+class Unpacker:
+    """Puts a backward's saved values back at their argument positions before its graph runs (the module docstring):
+    per partition pack, the position of one of its values (to find the pack), and (position, index, eager) of each."""
+
+    def __init__(self, gm: fx.GraphModule, packs: SavedPacks, device_partitions: set[str], names: list[str]):
+        """``gm``: the backward, partitioned; ``names``: its placeholders' names before partitioning."""
+        groups: dict[str, list[tuple[int, int, bool]]] = {}
+        for i, (node, name) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), names)):
+            found = packs.where.get(name)
+            if found is not None:
+                eager = any(u.op != "call_module" or u.target not in device_partitions for u in node.users)
+                groups.setdefault(found[0], []).append((i, found[1], eager))
+        self.groups = [(members[0][0], members) for members in groups.values()]
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def __call__(self, args: list) -> None:
+        for first, members in self.groups:
+            pack = args[first]
+            if type(pack) is not SavedPack:  # (its partition ran in eager PyTorch: real tensors)
+                continue
+            values = pack.values
+            for i, index, eager in members:
+                value = values[index]
+                args[i] = ResidentTensor(value) if eager and not isinstance(value, torch.Tensor) else value
