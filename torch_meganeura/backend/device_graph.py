@@ -104,10 +104,12 @@ def _in_place_request(lowered: LoweredGraph, in_place: dict[int, int]) -> dict[i
     return request
 
 
-def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=()) -> Program:
-    """``graph``'s plan on ``device``; the kernels compile on background threads meanwhile (``Program``)."""
+def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=(), saved_outputs=()) -> Program:
+    """``graph``'s plan on ``device``; the kernels compile on background threads meanwhile (``Program``).
+    ``saved_outputs``: resident outputs that a run writes into one set of buffers (a training forward's saved
+    activations, which live and die together)."""
     return Program(device, graph.plan, resident_outputs=list(resident_outputs),
-                   device_only_inputs=list(device_only_inputs))
+                   device_only_inputs=list(device_only_inputs), saved_outputs=list(saved_outputs))
 
 
 def feed(lowered: LoweredGraph, args, device, inputs=None) -> tuple[dict, dict]:

@@ -60,6 +60,7 @@ class PlanRecord:
 
 
 _VERSION = operator.attrgetter("_version")
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _STORAGE = torch.Tensor.data_ptr
 
 
@@ -327,7 +328,9 @@ class DevicePartition(torch.nn.Module):
                     if kind == "plan" and (k in self._resident_positions(lowered, variant) or k in updated.values())}
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
-        program = program_for(graph, device, resident, on_device)
+        packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``)
+                  if kind == "plan" and k in self._packed and k not in updated.values()}
+        program = program_for(graph, device, resident, on_device, packed)
         entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
@@ -433,9 +436,7 @@ class DevicePartition(torch.nn.Module):
             if tracked:
                 outs[-1] = self._track(outs[-1], k, how)
         if packed:
-            pack = SavedPack([outs[k] for k in packed])
-            for k in packed:
-                outs[k] = pack
+            _pack(outs, packed)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
     def _track(self, t: torch.Tensor, position: int, how: str) -> DeviceTensor:
@@ -537,6 +538,19 @@ def _array_of(value) -> DeviceArray:
     if type(value) is DeviceArray:
         return value
     return value.array if isinstance(value, ResidentTensor) else value._meganeura_kept.array
+
+
+def _pack(outs: list, positions: list[int]) -> None:
+    """The values at ``positions`` of a run's outputs (what a training forward saves) as one ``SavedPack`` at each;
+    each a ``ResidentTensor`` of its own where saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``:
+    they get every saved value as a tensor, ``save_on_cpu`` downloads them)."""
+    if _top_saved_tensors_hooks(True) is not None:
+        for k in positions:
+            outs[k] = _as_tensor(outs[k])
+        return
+    pack = SavedPack([outs[k] for k in positions])
+    for k in positions:
+        outs[k] = pack
 
 
 def _as_tensor(value):
