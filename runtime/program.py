@@ -346,18 +346,16 @@ class Program:
         device_inputs, into = device_inputs or {}, into or {}
         run, inputs = self._plan_for(sizes, inputs)
         arrays = self._convert_inputs(inputs, device_inputs, run)
-        check_into(into, device_inputs, self._resident, run.shapes, self.device)
+        check_into(into, device_inputs, self._unsaved, run.shapes, self.device)
         if self._in_place:
             check_in_place(device_inputs, self._in_place)
         dev = self.device
         swaps = {self._input_specs[name].buffer: array.buffer for name, array in device_inputs.items()}
-        if self._saved_set is not None and not into:
-            kept = {name: self._new_output(name, run.shapes[name], t) for name, t in self._unsaved.items()}
+        kept = {name: into[name] if name in into else self._new_output(name, run.shapes[name], t)
+                for name, t in self._unsaved.items()}
+        if self._saved_set is not None:
             names, sizes, shapes, dtypes = self._saved_set
             kept.update(zip(names, BufferSet(dev.pool, sizes).arrays(shapes, dtypes)))
-        else:
-            kept = {name: into[name] if name in into else self._new_output(name, run.shapes[name], t)
-                    for name, t in self._resident.items()}
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
         self._upload(arrays, swaps)
