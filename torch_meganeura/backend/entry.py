@@ -283,8 +283,9 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward",
                 pack_saved=pack_saved))
     if pack_saved:
-        record_packs(fused, names, meta.num_forward_returns,
-                     {n: getattr(fused, n)._packed for n in partitions if getattr(fused, n)._packed}, packs)
+        packed = {n: (p.pack_origin, p.packed_positions) for n in partitions
+                  if (p := getattr(fused, n)).packed_positions}
+        record_packs(fused, names, meta.num_forward_returns, packed, packs)
     unpack = Unpacker(fused, packs, set(partitions), names) if backward and packs else None
     context.record({"kind": "graph", "mode": mode, "partitions": len(partitions), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []

@@ -27,9 +27,10 @@ from ..lower.symbolic import DynamicSizes
 
 @dataclass
 class SavedPacks:
-    """Where the saved values of one graph's forward are: saved node name -> (partition, index in its pack)."""
+    """Where the saved values of one graph's forward are: saved node name -> (the partition's ``pack_origin``, index
+    in its pack, the value's shape and dtype)."""
 
-    where: dict[str, tuple[str, int]] = field(default_factory=dict)
+    where: dict[str, tuple[object, int, tuple, torch.dtype]] = field(default_factory=dict)
 
     @staticmethod
     def of_this_graph(create: bool) -> "SavedPacks | None":
@@ -55,21 +56,23 @@ def output_names(gm: fx.GraphModule) -> list[str | None]:
     return [v.name if isinstance(v, fx.Node) else None for v in values]
 
 
-def record_packs(fused: fx.GraphModule, names: list[str | None], first_saved: int, packed: dict[str, list[int]],
+def record_packs(fused: fx.GraphModule, names: list[str | None], first_saved: int, packed: dict[str, tuple],
                  packs: SavedPacks) -> None:
     """Record where each value the forward ``fused`` saves (its outputs from ``first_saved``, named ``names`` before
-    partitioning) is: the partition call it comes from and its index in that partition's pack (``packed``: the
-    partition's packed output positions, in order)."""
+    partitioning) is: the partition it comes from and its index in that partition's pack (``packed``: by partition
+    name, its pack origin and packed output positions, in order)."""
     output = fused.graph.find_nodes(op="output")[0]
     values = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     for j in range(first_saved, len(values)):
         node, position = values[j], 0
         if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
             node, position = node.args
-        if isinstance(node, fx.Node) and node.op == "call_module" and node.target in packed and names[j]:
-            order = packed[node.target]
+        value = values[j].meta.get("val") if isinstance(values[j], fx.Node) else None
+        if (isinstance(node, fx.Node) and node.op == "call_module" and node.target in packed and names[j]
+                and isinstance(value, torch.Tensor)):
+            origin, order = packed[node.target]
             if position in order:
-                packs.where[names[j]] = (node.target, order.index(position))
+                packs.where[names[j]] = (origin, order.index(position), tuple(value.shape), value.dtype)
 
 
 def placeholder_names(gm: fx.GraphModule) -> list[str]:
@@ -83,22 +86,24 @@ class Unpacker:
 
     def __init__(self, gm: fx.GraphModule, packs: SavedPacks, device_partitions: set[str], names: list[str]):
         """``gm``: the backward, partitioned; ``names``: its placeholders' names before partitioning."""
-        groups: dict[str, list[tuple[int, int, bool]]] = {}
+        groups: dict[object, list[tuple[int, int, bool]]] = {}
         for i, (node, name) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), names)):
-            found = packs.where.get(name)
-            if found is not None:
+            found, value = packs.where.get(name), node.meta.get("val")
+            if found is not None and isinstance(value, torch.Tensor) and found[2:] == (tuple(value.shape), value.dtype):
                 eager = any(u.op != "call_module" or u.target not in device_partitions for u in node.users)
                 groups.setdefault(found[0], []).append((i, found[1], eager))
-        self.groups = [(members[0][0], members) for members in groups.values()]
+        self.groups = [(origin, members[0][0], members) for origin, members in groups.items()]
 
     def __bool__(self) -> bool:
         return bool(self.groups)
 
     def __call__(self, args: list) -> None:
-        for first, members in self.groups:
+        for origin, first, members in self.groups:
             pack = args[first]
             if type(pack) is not SavedPack:  # (its partition ran in eager PyTorch: real tensors)
                 continue
+            if pack.origin is not origin:
+                raise RuntimeError("meganeura: the backward got the saved values of another forward's partition")
             values = pack.values
             for i, index, eager in members:
                 value = values[index]

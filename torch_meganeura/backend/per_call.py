@@ -212,7 +212,8 @@ class DevicePartition(torch.nn.Module):
         self.resident_outputs = frozenset(resident_outputs)
         # A training forward's saved activations cross autograd as one ``SavedPack`` at all their positions, which
         # the backward unpacks (``backend.packed``): here their positions, in the pack's order
-        self._packed = sorted(self.resident_outputs) if pack_saved else []
+        self.packed_positions = sorted(self.resident_outputs) if pack_saved else []
+        self.pack_origin = object()  # what its packs carry (``SavedPack.origin``)
         # A backward's outputs that are gradients of parameters: resident too while ``kept.kept`` says that the
         # forward's parameters are kept on the device (``device_optimizer``)
         self.kept_gradients, self._kept = frozenset(kept_gradients), kept
@@ -329,7 +330,7 @@ class DevicePartition(torch.nn.Module):
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
         packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``)
-                  if kind == "plan" and k in self._packed and k not in updated.values()}
+                  if kind == "plan" and k in self.packed_positions and k not in updated.values()}
         program = program_for(graph, device, resident, on_device, packed)
         entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
@@ -418,7 +419,7 @@ class DevicePartition(torch.nn.Module):
                 into[alternating] = spare
         results = program.run(host, on_device, into, sizes=sizes)
         adopted = {k: adopt(args[i], results[out], on_device[name]) for i, k, name, out, _ in entry.update_inputs}
-        outs, made, packed = [], {}, self._packed
+        outs, made, packed = [], {}, self.packed_positions
         for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]
             if how == ADOPTED:
@@ -436,7 +437,7 @@ class DevicePartition(torch.nn.Module):
             if tracked:
                 outs[-1] = self._track(outs[-1], k, how)
         if packed:
-            _pack(outs, packed)
+            _pack(outs, packed, self.pack_origin)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
     def _track(self, t: torch.Tensor, position: int, how: str) -> DeviceTensor:
@@ -540,7 +541,7 @@ def _array_of(value) -> DeviceArray:
     return value.array if isinstance(value, ResidentTensor) else value._meganeura_kept.array
 
 
-def _pack(outs: list, positions: list[int]) -> None:
+def _pack(outs: list, positions: list[int], origin: object) -> None:
     """The values at ``positions`` of a run's outputs (what a training forward saves) as one ``SavedPack`` at each;
     each a ``ResidentTensor`` of its own where saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``:
     they get every saved value as a tensor, ``save_on_cpu`` downloads them)."""
@@ -548,7 +549,7 @@ def _pack(outs: list, positions: list[int]) -> None:
         for k in positions:
             outs[k] = _as_tensor(outs[k])
         return
-    pack = SavedPack([outs[k] for k in positions])
+    pack = SavedPack([outs[k] for k in positions], origin)
     for k in positions:
         outs[k] = pack
 

@@ -22,15 +22,17 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 class SavedPack(torch.Tensor):
     """``values``: what the partition saves, by its saved output positions in order (``DeviceArray``s, or tensors
-    for the positions its plan returns on the host: constants, a 0-d bool)."""
+    for the positions its plan returns on the host: constants, a 0-d bool). ``origin``: the partition's token, which
+    the backward checks (the pack it unpacks is the one its graph's forward made)."""
 
-    __slots__ = ("values",)
+    __slots__ = ("values", "origin")
     values: list
+    origin: object
 
     @staticmethod
-    def __new__(cls, values: list):
+    def __new__(cls, values: list, origin: object):
         t = _make_wrapper(cls, _NO_ELEMENTS, dtype=torch.float32, device=_HOST)
-        t.values = values
+        t.values, t.origin = values, origin
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
