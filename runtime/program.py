@@ -77,15 +77,13 @@ class Program:
         if self.symbolic is not None:
             self._run_sizes = run_sizes(plan, slots)
             self._run_names = [t.name for t in plan.inputs + plan.outputs]  # (``run_sizes``'s order)
-        plan = plan.at(plan.bounds)
-        self.plan = plan
+        self.plan = plan = plan.at(plan.bounds)
         self._fixed = RunTensors({t.name: t.shape for t in plan.inputs + plan.outputs})  # a plan without symbols'
         check_limits(device, plan)
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
-        self._take_roles(plan, resident_outputs, device_only_inputs)
-        self._take_saved(saved_outputs)
+        self._take_roles(plan, resident_outputs, device_only_inputs, saved_outputs)
         input_specs = self._input_specs
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
         sizes_buffer = f"input:{SIZES_INPUT}" if self.symbolic is not None else None
@@ -126,10 +124,10 @@ class Program:
 
     # ---- construction
 
-    def _take_roles(self, plan: Plan, resident_outputs, device_only_inputs) -> None:
+    def _take_roles(self, plan: Plan, resident_outputs, device_only_inputs, saved_outputs) -> None:
         """Check and keep which outputs stay on the device (``_resident``), which are stored over an input
         (``_in_place``) and which inputs are bound from device arrays only (``_device_only``); each of those needs a
-        buffer of its own (``_alone``), swapped per run."""
+        buffer of its own (``_alone``), swapped per run; and which resident outputs are saved (``_take_saved``)."""
         stored = [t for t in plan.inputs + plan.params + plan.outputs if t.name not in plan.in_place]
         counts: dict[str, int] = {}
         for t in stored:
@@ -151,6 +149,7 @@ class Program:
         if uploaded:
             raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
         require_own_buffers([input_specs[n] for n in self._device_only], self._alone, "a device-only input")
+        self._take_saved(saved_outputs)
 
     def _take_saved(self, saved_outputs) -> None:
         """Keep which resident outputs a run writes into one set of pool buffers (``BufferSet``: one acquire and one

@@ -31,7 +31,7 @@ from ..lower.registry import TORCH_TO_LOGICAL
 from ..tensors.resident import TORCH_DTYPE, ResidentTensor
 from ..lower.partition import fallback_ops, partition
 from .saved_values import partition_joint
-from .packed import SavedPacks, Unpacker, output_names, packs_saved, placeholder_names, record_packs
+from .packed import Handoff
 
 log = logging.getLogger("torch_meganeura")
 
@@ -254,9 +254,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     meta = None if backward else _fw_metadata()
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
     copies = _take_input_copies(gm)
-    packs = SavedPacks.of_this_graph(create=mode == "forward")
-    pack_saved = mode == "forward" and packs is not None and packs_saved(gm)
-    names = output_names(gm) if pack_saved else placeholder_names(gm) if backward and packs else []
+    handoff = Handoff(gm, mode)  # (its names, taken before partitioning)
     fallbacks = _warn_about_fallbacks(gm, context)
     fused, partitions = partition(gm, 0 if backward else getattr(meta, "num_forward_returns", None))
     stepped = set(getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", ())) if meta is not None else set()
@@ -281,12 +279,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 fast=not backward and context.options.precision == "fast",
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
                 lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward",
-                pack_saved=pack_saved))
-    if pack_saved:
-        packed = {n: (p.pack_origin, p.packed_positions) for n in partitions
-                  if (p := getattr(fused, n)).packed_positions}
-        record_packs(fused, names, meta.num_forward_returns, packed, packs)
-    unpack = Unpacker(fused, packs, set(partitions), names) if backward and packs else None
+                pack_saved=handoff.packing))
+    unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0))
     context.record({"kind": "graph", "mode": mode, "partitions": len(partitions), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
     shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)

@@ -108,3 +108,27 @@ class Unpacker:
             for i, index, eager in members:
                 value = values[index]
                 args[i] = ResidentTensor(value) if eager and not isinstance(value, torch.Tensor) else value
+
+
+class Handoff:
+    """One graph's side of the hand-off: a training forward's partitions pack what they save (``packing``) and
+    ``finish`` records where; a backward's ``finish`` returns its ``Unpacker`` (None where it has nothing to unpack).
+    Made before partitioning, which renames the nodes."""
+
+    def __init__(self, gm: fx.GraphModule, mode: str):
+        self.mode, self.packs = mode, SavedPacks.of_this_graph(create=mode == "forward")
+        self.packing = mode == "forward" and self.packs is not None and packs_saved(gm)
+        backward = mode == "backward" and self.packs is not None
+        self.names = output_names(gm) if self.packing else placeholder_names(gm) if backward else []
+
+    def finish(self, fused: fx.GraphModule, partitions, first_saved: int) -> Unpacker | None:
+        """After ``fused``'s ``partitions`` became device partitions: a forward's saved values (its outputs from
+        ``first_saved``) recorded, a backward's unpacking made."""
+        if self.packing:
+            packed = {n: (p.pack_origin, p.packed_positions) for n in partitions
+                      if (p := getattr(fused, n)).packed_positions}
+            record_packs(fused, self.names, first_saved, packed, self.packs)
+        if self.mode != "backward" or self.packs is None:
+            return None
+        unpack = Unpacker(fused, self.packs, set(partitions), self.names)
+        return unpack if unpack else None
