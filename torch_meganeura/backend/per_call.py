@@ -10,7 +10,8 @@ call.
 
 Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any graph) are bound from the
 ``ParamStore``. Outputs at the positions in ``resident_outputs`` (activations saved for the backward) stay on
-the device as ``ResidentTensor``s, and ResidentTensor arguments are bound without an upload. A backward's
+the device, as ``ResidentTensor``s or, in a training forward, one ``SavedPack`` of their arrays (``backend.packed``),
+and ResidentTensor and ``DeviceArray`` arguments are bound without an upload. A backward's
 gradients of parameters that an optimizer keeps on the device (``device_optimizer``) stay there too.
 """
 from __future__ import annotations
