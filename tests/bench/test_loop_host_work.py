@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import torch_meganeura
 from bench.host import call_counts
-from torch_meganeura.tensors.saved_pack import SavedPack
+from helpers.saved import saved_packs
 
 DEPTHS = (2, 4)
 POOL_ACQUIRES = ("acquire", "acquire_set")  # runtime/resident.py's BufferPool
@@ -55,21 +55,6 @@ def _profiled(call):
     return result, counts
 
 
-def _saved_values(loss) -> int:
-    """How many values the forward of ``loss``'s compiled graph saved in packs (``SavedPack``)."""
-    packs, seen, todo = {}, set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for t in getattr(node, "saved_tensors", ()):
-            if isinstance(t, SavedPack):
-                packs[id(t)] = len(t.values)
-        todo.extend(n for n, _ in node.next_functions)
-    return sum(packs.values())
-
-
 def phase_counts(depth: int) -> dict[str, dict[str, int]]:
     """{phase: {"interceptions": n, "wrappers": n}} of one warm step of the loop at ``depth`` blocks."""
     torch.manual_seed(0)
@@ -83,7 +68,7 @@ def phase_counts(depth: int) -> dict[str, dict[str, int]]:
         opt.step()
         opt.zero_grad()
     loss, forward = _profiled(lambda: F.cross_entropy(compiled(x), y))
-    forward["saved"] = _saved_values(loss)
+    forward["saved"] = sum(len(pack.values) for pack in saved_packs(loss))  # (values saved in packs)
     _, backward = _profiled(loss.backward)
     _, step = _profiled(opt.step)
     _, zero = _profiled(opt.zero_grad)

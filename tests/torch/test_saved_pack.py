@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import torch_meganeura
 from helpers.compare import assert_grads_match
+from helpers.saved import saved_packs
 from meganeura.runtime.device import get_device
 from torch_meganeura.backend.per_call import DevicePartition
 from torch_meganeura.tensors.saved_pack import SavedPack
@@ -40,31 +41,23 @@ def _batch():
     return torch.randn(4, 3, 6, 6, generator=generator), torch.randint(0, 3, (4,), generator=generator)
 
 
-def _packs(loss) -> list[SavedPack]:
-    """The packs among the saved tensors of ``loss``'s autograd graph."""
-    packs, seen, todo = {}, set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        packs.update({id(t): t for t in getattr(node, "saved_tensors", ()) if isinstance(t, SavedPack)})
-        todo.extend(n for n, _ in node.next_functions)
-    return list(packs.values())
-
-
-def test_the_kept_loop_matches_eager_over_steps():
+def _compiled_and_reference():
+    """A ``ConvNet``, compiled, and an eager copy of it."""
     torch.manual_seed(0)
     model = ConvNet().train()
     reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    return model, reference, torch.compile(model, backend="meganeura")
+
+
+def test_the_kept_loop_matches_eager_over_steps():
+    model, reference, compiled = _compiled_and_reference()
     opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-2))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="meganeura")
     x, y = _batch()
     for step in range(STEPS):
         loss = F.cross_entropy(compiled(x), y)
-        assert _packs(loss), "the forward's partitions saved no pack"
+        assert saved_packs(loss), "the forward's partitions saved no pack"
         loss.backward()
         ref_loss = F.cross_entropy(reference(x), y)
         ref_loss.backward()
@@ -115,16 +108,12 @@ def test_a_backward_partition_in_eager_pytorch_reads_the_packed_values(monkeypat
         return compile_partition(self, *args)
 
     monkeypatch.setattr(DevicePartition, "_compile", fail_in_backward)
-    torch.manual_seed(0)
-    model = ConvNet().train()
-    reference = copy.deepcopy(model)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="meganeura")
+    model, reference, compiled = _compiled_and_reference()
     x, y = _batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = F.cross_entropy(compiled(x), y)
-        assert _packs(loss)
+        assert saved_packs(loss)
         loss.backward()
     assert any("compiling it failed" in str(w.message) for w in caught)
     F.cross_entropy(reference(x), y).backward()
@@ -132,11 +121,7 @@ def test_a_backward_partition_in_eager_pytorch_reads_the_packed_values(monkeypat
 
 
 def test_saved_tensor_hooks_get_each_value_as_a_tensor():
-    torch.manual_seed(0)
-    model = ConvNet().train()
-    reference = copy.deepcopy(model)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="meganeura")
+    model, reference, compiled = _compiled_and_reference()
     x, y = _batch()
     F.cross_entropy(compiled(x), y).backward()  # compiled, and the backward's plans too
     model.zero_grad()
