@@ -1,24 +1,31 @@
-"""``python -m bench.generate``: text generation at SmolLM2-135M's shapes (random weights), greedy, one process.
+"""``python -m bench.generate``: text generation at SmolLM2-135M's or Llama-3.2-1B's shapes (random weights), greedy,
+one process.
 
     python -m bench.generate --out bench/results/h200-generate                 # 16-token prompt, 256 new tokens
     python -m bench.generate --out /tmp/generate-smoke --smoke                 # tiny model: checks the path
+    python -m bench.generate --out OUT --model llama-3.2-1b --dtype bfloat16 --rows hf-compiled,bundle --batch 1
+    python -m bench.generate --out OUT --rows bundle --new-tokens 2032 --max-cache-len 2048 --compare-tokens 64
 
-Rows: PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache
+Rows (``--rows``): PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache
 (``disable_compile=True``: pure eager), on CUDA where it exists, else on the CPU; on CUDA, HF's static cache as HF
 ships it (``generate`` compiles the forward with Inductor by itself) as a row of its own, with its first call's time;
 every PyTorch row is warmed by a call of the length it is timed at; HF ``generate`` with ``model.forward`` compiled with
 backend="meganeura", both caches, with the first call's time (compile included) and a second call's tokens/s and decode
 tokens/s by context length; and the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime,
 with its export time, bundle size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each
-decode step's time at its position); then a bundle exported with ``batch_size=--batch`` generating for that many
+decode step's time at its position); with ``--half-bundle`` a bundle exported from the model in bfloat16 beside it,
+and the ratio of their tokens/s; then a bundle exported with ``batch_size=--batch`` generating for that many
 prompts of different lengths together (the first the 16-token prompt, each next one a token shorter), its
 tokens/s the aggregate over every prompt, and the ratio of that to the batch-1 bundle's. Every row's tokens are
-compared with eager's default ``generate`` on the CPU in float32 (the batched row's, each prompt's with that prompt
-alone): a row whose tokens differ is marked. Writes ``OUT.json`` and the markdown table ``OUT.md``.
+compared with eager's default ``generate`` on the CPU in the model's dtype (the bfloat16 bundle's with eager's in
+bfloat16; the batched row's, each prompt's with that prompt alone; ``--compare-tokens``: the first so many new
+tokens): a row whose tokens differ is marked. Writes ``OUT.json``, the markdown table ``OUT.md`` (with decode tokens/s
+by bands of context length) and ``OUT.png`` (decode tokens/s against context length).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -38,6 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="meganeura's adapter (index or name substring)")
     p.add_argument("--caches", default=",".join(CACHES),
                    help="HF caches of the eager and backend rows, comma-separated (HF's compiled row is always there)")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="the model's config (random weights)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype, every row")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help=f"rows to run, comma-separated, of {', '.join(ROWS)} (the batched bundle's row: --batch)")
+    p.add_argument("--half-bundle", action="store_true",
+                   help="also a batch-1 bundle exported from the model in bfloat16 (a float32 --dtype)")
+    p.add_argument("--compare-tokens", type=int,
+                   help="compare the first this many tokens with eager's (default: all; eager's reference on the "
+                        "CPU is slow for long runs)")
     return p
 
 
@@ -51,7 +67,36 @@ EAGER_CACHES = {  # cache label -> generate's arguments; every row is warmed wit
 HF_COMPILED_CACHE = {"hf-compiled-static": {"cache_implementation": "static"}}
 
 
-def _eager_rows(model, prompt, new: int, device: str, caches=CACHES) -> list[dict]:
+# Row groups (``--rows``): PyTorch eager with the caches of ``--caches``, HF's auto-compiled static cache (CUDA only),
+# HF generate through the backend, the torch-free bundle.
+ROWS = ("eager", "hf-compiled", "backend", "bundle")
+
+
+def _llama_1b(smoke: bool):
+    """Llama-3.2-1B's config (random weights): hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, vocabulary
+    128,256, tied embeddings; at smoke scale the same proportions, tiny."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if smoke:
+        return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                            num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                                            max_position_embeddings=256, tie_word_embeddings=True))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                                        rms_norm_eps=1e-5, tie_word_embeddings=True))
+
+
+def _smollm2(smoke: bool):
+    from .workloads import WORKLOADS
+
+    return WORKLOADS["smollm2"].build(smoke)
+
+
+MODELS = {"smollm2": ("SmolLM2-135M's config", _smollm2), "llama-3.2-1b": ("Llama-3.2-1B's config", _llama_1b)}
+
+
+def _eager_rows(model, prompt, new: int, device: str, caches=CACHES, compiled: bool = True) -> list[dict]:
     """PyTorch's rows: eager with each cache, and on CUDA HF's auto-compiled static cache. Each is warmed by a
     call of the length it is timed at (the static cache's size, and the compiled graphs, depend on it)."""
     import torch
@@ -60,7 +105,7 @@ def _eager_rows(model, prompt, new: int, device: str, caches=CACHES) -> list[dic
     model = model.to(device)
     ids = prompt.to(device)
     chosen = {c: kwargs for c, kwargs in EAGER_CACHES.items() if c in caches}
-    for cache, kwargs in {**chosen, **(HF_COMPILED_CACHE if device == "cuda" else {})}.items():
+    for cache, kwargs in {**chosen, **(HF_COMPILED_CACHE if device == "cuda" and compiled else {})}.items():
         competitor = f"torch-{device}-{'hf-compiled' if cache in HF_COMPILED_CACHE else 'eager'}"
         seconds = []
         for _ in range(2):  # warm, then timed: the same call
@@ -83,8 +128,6 @@ def _eager_rows(model, prompt, new: int, device: str, caches=CACHES) -> list[dic
 
 def _backend_rows(model, prompt, new: int, caches=CACHES) -> list[dict]:
     """HF ``generate`` with ``forward`` compiled by the backend: the first call (compiling) and a second, timed."""
-    import copy
-
     import torch
 
     rows = []
@@ -159,71 +202,169 @@ def _prompts(vocab: int, prompt_tokens: int, batch: int) -> list:
 
 
 def markdown(result: dict) -> str:
+    compared = result.get("compared_tokens", result["new_tokens"])
     lines = [f"# Generation at {result['description']}", "",
              f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, "
              f"{result['new_tokens']} new tokens; "
-             "tokens/s over the whole generate call (prefill included) unless a column says otherwise.", "",
-             "| competitor | cache | batch | tokens/s | prefill tok/s | decode tok/s | tokens equal eager | "
-             "first call s | load s | export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/s over the whole generate call (prefill included) unless a column says otherwise"
+             + (f"; tokens compared with eager's over the first {compared} new tokens." if compared <
+                result["new_tokens"] else "."), "",
+             "| competitor | cache | batch | dtype | tokens/s | prefill tok/s | decode tok/s | tokens equal eager "
+             "(new tokens before the first that differs) | "
+             "first call s | load s | export s | bundle MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
         size = f"{r['bundle_bytes'] / (1 << 20):.1f}" if "bundle_bytes" in r else "-"
-        lines.append(f"| {r['competitor']} | {r['cache']} | {r['batch']} | {r['tokens_per_second']:.1f} | "
+        lines.append(f"| {r['competitor']} | {r['cache']} | {r['batch']} | {r.get('dtype', 'float32')} | "
+                     f"{r['tokens_per_second']:.1f} | "
                      f"{f('prefill_tokens_per_second', '.1f')} | {f('decode_tokens_per_second', '.1f')} | "
-                     f"{'yes' if r['equal'] else 'NO'} | {f('first_call_seconds', '.1f')} | "
+                     f"{'yes' if r['equal'] else 'NO'} ({r.get('agreeing_tokens', '-')}) | "
+                     f"{f('first_call_seconds', '.1f')} | "
                      f"{f('load_seconds', '.2f')} | {f('export_seconds', '.1f')} | {size} |")
     if "batch_speedup" in result:
         lines += ["", f"The bundle at batch {result['batch']}: {result['batch_speedup']:.2f}x batch 1's aggregate "
                   "tokens/s (tokens/s counts every prompt's new tokens)."]
+    if "bfloat16_speedup" in result:
+        lines += ["", f"The bundle exported in bfloat16: {result['bfloat16_speedup']:.2f}x the float32 bundle's "
+                  "tokens/s."]
+    by_context = [r for r in result["rows"] if r.get("decode_by_context")]
+    if by_context:
+        lines += ["", "Decode tokens/s by context length (medians of the steps in each band; the plot beside this "
+                  "file shows every step):", "", "| row | " + " | ".join(CONTEXT_BANDS_LABELS) + " |",
+                  "|---|" + "---|" * len(CONTEXT_BANDS)]
+        for r in by_context:
+            cells = [f"{m:.1f}" if m else "-" for m in _band_medians(r["decode_by_context"])]
+            lines.append(f"| {_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+# Context bands of the by-context table: (first, last) context length of each band.
+CONTEXT_BANDS = ((1, 64), (65, 256), (257, 1024), (1025, 2048), (2049, 1 << 30))
+CONTEXT_BANDS_LABELS = ("<= 64", "65-256", "257-1024", "1025-2048", "> 2048")
+
+
+def _band_medians(by_context: dict) -> list:
+    """The median tokens/s of the decode steps whose context falls in each of ``CONTEXT_BANDS`` (None where none)."""
+    import statistics
+
+    steps = [(int(c), rate) for c, rate in by_context.items()]
+    return [statistics.median(rates) if (rates := [r for c, r in steps if lo <= c <= hi]) else None
+            for lo, hi in CONTEXT_BANDS]
+
+
+def _label(row: dict) -> str:
+    return f"{row['competitor']} {row['cache']} batch {row['batch']} {row.get('dtype', 'float32')}"
+
+
+def plot_by_context(result: dict, path: Path) -> None:
+    """Decode tokens/s against context length, one line per row that records its steps (the aggregate over a
+    batched row's prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in result["rows"]:
+        if r.get("decode_by_context"):
+            points = sorted((int(c), rate) for c, rate in r["decode_by_context"].items())
+            ax.plot([c for c, _ in points], [rate for _, rate in points], label=_label(r), linewidth=1)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Generation at {result['description']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    from .workloads import WORKLOADS
-
     torch.manual_seed(0)
-    workload = WORKLOADS["smollm2"]
-    model = workload.build(args.smoke).eval()
-    vocab = model.config.vocab_size
-    prompts = _prompts(vocab, args.prompt_tokens, max(args.batch, 1))
+    name, build = MODELS[args.model]
+    model = build(args.smoke).eval().to(getattr(torch, args.dtype))
+    wanted = set(args.rows.split(","))
+    if wanted - set(ROWS):
+        raise SystemExit(f"--rows: unknown {sorted(wanted - set(ROWS))}; choose of {', '.join(ROWS)}")
+    prompts = _prompts(model.config.vocab_size, args.prompt_tokens, max(args.batch, 1))
     prompt = prompts[0]
     new = min(args.new_tokens, args.max_cache_len - args.prompt_tokens)
+    checked = min(new, args.compare_tokens or new)
+    half = copy.deepcopy(model).to(torch.bfloat16) if args.half_bundle and args.dtype == "float32" else None
     with torch.no_grad():
-        alone = [model.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
-                 for p in prompts]
-        reference = alone[0]
+        alone = _references(model, prompts if "bundle" in wanted and args.batch > 1 else [prompt], checked)
+        half_reference = _references(half, [prompt], checked)[0] if half is not None else None
         device = "cuda" if torch.cuda.is_available() else "cpu"
         caches = [c for c in args.caches.split(",") if c]
-        rows = _eager_rows(model, prompt, new, device, caches)
-        rows += _backend_rows(model, prompt, new, caches)
+        rows = _eager_rows(model, prompt, new, device, caches if "eager" in wanted else [], "hf-compiled" in wanted)
+        rows += _backend_rows(model, prompt, new, caches) if "backend" in wanted else []
     for row in rows:
         row["batch"] = 1
-    rows.append(_bundle_row(model, [prompt], new, args.max_cache_len, args.adapter))
-    if args.batch > 1:
-        rows.append(_bundle_row(model, prompts, new, args.max_cache_len, args.adapter))
+    if "bundle" in wanted:
+        rows.append(_bundle_row(model, [prompt], new, args.max_cache_len, args.adapter))
+        if half is not None:
+            rows.append({**_bundle_row(half, [prompt], new, args.max_cache_len, args.adapter), "dtype": "bfloat16"})
+        if args.batch > 1:
+            rows.append(_bundle_row(model, prompts, new, args.max_cache_len, args.adapter))
     for row in rows:
-        row["equal"] = row.pop("tokens") == (alone if row["batch"] > 1 else reference)
-        print(f"{row['competitor']:18s} {row['cache']:8s} batch {row['batch']} "
-              f"{row['tokens_per_second']:9.1f} tokens/s  {'tokens equal eager' if row['equal'] else 'TOKENS DIFFER'}",
+        want = half_reference if row.get("dtype") == "bfloat16" else alone if row["batch"] > 1 else alone[0]
+        batched, compared = row["batch"] > 1, len(want[0] if row["batch"] > 1 else want) - prompt.shape[1]
+        row["agreeing_tokens"] = _agreeing(row.pop("tokens"), want, prompt.shape[1], batched)
+        row["equal"] = row["agreeing_tokens"] == compared
+        row.setdefault("dtype", args.dtype)
+        print(f"{row['competitor']:18s} {row['cache']:8s} batch {row['batch']} {row['dtype']:8s} "
+              f"{row['tokens_per_second']:9.1f} tokens/s  "
+              f"{'tokens equal eager' if row['equal'] else 'TOKENS DIFFER after %d' % row['agreeing_tokens']}",
               flush=True)
-    machine = (f"{torch.cuda.get_device_name()} (CUDA) beside {rows[-1]['adapter']}" if device == "cuda"
-               else rows[-1]["adapter"])
-    description = "SmolLM2-135M's config (HF Llama, random weights)" + (", smoke scale" if args.smoke else "")
-    result = {"description": description, "machine": machine, "torch": torch.__version__,
-              "prompt_tokens": args.prompt_tokens, "new_tokens": new, "smoke": args.smoke, "rows": rows}
-    if args.batch > 1:
-        result["batch"] = args.batch
-        result["batch_speedup"] = rows[-1]["tokens_per_second"] / rows[-2]["tokens_per_second"]
-        print(f"bundle batch {args.batch}: {result['batch_speedup']:.2f}x batch 1's aggregate tokens/s", flush=True)
+    adapter = next((r["adapter"] for r in rows if "adapter" in r), "")
+    machine = f"{torch.cuda.get_device_name()} (CUDA)" + (f" beside {adapter}" if adapter else "") if device == "cuda" \
+        else adapter or "CPU"
+    description = f"{name} (HF Llama, random weights, {args.dtype})" + (", smoke scale" if args.smoke else "")
+    result = {"description": description, "machine": machine, "torch": torch.__version__, "model": args.model,
+              "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "new_tokens": new,
+              "compared_tokens": checked, "smoke": args.smoke, "rows": rows}
+    result.update(_ratios(rows, args.batch))
+    for key, value in result.items():
+        if key.endswith("_speedup"):
+            print(f"{key}: {value:.2f}x", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {out}.json and {out}.md", flush=True)
+    plot_by_context(result, out.with_suffix(".png"))
+    print(f"wrote {out}.json, {out}.md and {out}.png", flush=True)
     return 0
+
+
+def _references(model, prompts: list, new: int) -> list:
+    """Eager greedy ``generate`` on the CPU of each prompt alone, ``new`` tokens (None for no model)."""
+    if model is None:
+        return []
+    return [model.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist() for p in prompts]
+
+
+def _agreeing(tokens: list, want: list, prompt_tokens: int, batched: bool) -> int:
+    """How many new tokens a row's tokens (prompt and new ones; a batched row's, a list per prompt, the least of
+    them) share with eager's ``want`` before the first that differs (``want``'s new tokens where none does)."""
+    if batched:
+        return min(_agreeing(t, w, len(w) - (len(want[0]) - prompt_tokens), False) for t, w in zip(tokens, want))
+    same = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+    return same - prompt_tokens
+
+
+def _ratios(rows: list, batch: int) -> dict:
+    """The batched bundle's aggregate tokens/s over batch 1's, and the bf16 bundle's over the f32 one's."""
+    bundles = {(r["batch"], r["dtype"]): r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle"}
+    ratios = {}
+    one = bundles.get((1, "float32"), bundles.get((1, "bfloat16")))
+    if batch > 1 and one:
+        dtype = next(d for b, d in bundles if b == batch)
+        ratios["batch"], ratios["batch_speedup"] = batch, bundles[batch, dtype] / one
+    if (1, "float32") in bundles and (1, "bfloat16") in bundles:
+        ratios["bfloat16_speedup"] = bundles[1, "bfloat16"] / bundles[1, "float32"]
+    return ratios
 
 
 if __name__ == "__main__":

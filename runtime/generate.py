@@ -100,7 +100,9 @@ class LanguageModel:
                         for name, phase in bundle.phases.items()}
         for phase in self._phases.values():
             phase.program.wait_pipelines()
-        self._cache = {name: DeviceArray(device.pool, tuple(e["shape"]), e["dtype"])
+        # zeros, as HF's StaticCache starts: attention weighs the positions past a sequence by exactly 0, and 0 times
+        # what an earlier user of a pool buffer left there (another model's values, NaN as this dtype) is NaN
+        self._cache = {name: DeviceArray.zeros(device, tuple(e["shape"]), e["dtype"])
                        for name, e in zip(self._cache_names, bundle.cache)}
         self.stats = GenerationStats()
         self._rng = np.random.default_rng()

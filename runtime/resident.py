@@ -172,6 +172,16 @@ class DeviceArray:
             device.write(result.buffer, 0, host, "device array")
         return result
 
+    @classmethod
+    def zeros(cls, device, shape: tuple[int, ...], dtype: str, pool=None) -> "DeviceArray":
+        """A new device array of zeros (a buffer from the pool holds what its last user left there)."""
+        result = cls(pool or device.pool, tuple(shape), dtype)
+        with device.checked("zeroing a device array"):
+            encoder = device.wgpu_device.create_command_encoder()
+            encoder.clear_buffer(result.buffer)
+        device.submit(encoder, "zeros")
+        return result
+
     @property
     def nbytes(self) -> int:
         return buffer_bytes(self.shape, self.dtype)
@@ -179,24 +189,7 @@ class DeviceArray:
     def numpy(self) -> np.ndarray:
         """Download the contents as a numpy array in the dtype's host form (int64 from int32, bool from u32,
         bfloat16 as raw uint16 bits)."""
-        if self.buffer is None:
-            raise ValueError("this device array was released")
-        n = 1
-        for s in self.shape:
-            n *= s
-        if n == 0:
-            return np.empty(self.shape, dtype=HOST_DTYPE[self.dtype])
-        dev = self.device
-        staging = dev.staging_buffer(self.nbytes, "download")
-        try:
-            with dev.checked("downloading a device array"):
-                encoder = dev.wgpu_device.create_command_encoder()
-                encoder.copy_buffer_to_buffer(self.buffer, 0, staging, 0, self.nbytes)
-            dev.submit(encoder, "download")
-            data = dev.read_staging(staging, self.nbytes)
-        finally:
-            dev.destroy_buffer(staging)
-        return from_storage(data, self.dtype, self.shape).copy()
+        return download_arrays([self])[0]
 
     def release(self) -> None:
         """Give the buffer back to the pool; the array cannot be used afterwards."""
@@ -216,3 +209,31 @@ class DeviceArray:
     def __repr__(self) -> str:
         state = "released" if self.buffer is None else "live"
         return f"<DeviceArray {self.dtype}{list(self.shape)} on {self.device.name}, {state}>"
+
+
+def download_arrays(arrays: list[DeviceArray]) -> list[np.ndarray]:
+    """The contents of each of ``arrays`` (``DeviceArray.numpy``), all copied into one staging buffer by one
+    submission and read back in one wait: the arrays of one device, each at a 4-byte aligned offset (each
+    ``nbytes`` is a multiple of 4: half precisions are stored two to a word)."""
+    for array in arrays:
+        if array.buffer is None:
+            raise ValueError("this device array was released")
+    present = [array for array in arrays if prod(array.shape)]
+    if not present:
+        return [np.empty(array.shape, dtype=HOST_DTYPE[array.dtype]) for array in arrays]
+    device = present[0].device
+    offsets, total = {}, 0
+    for array in present:
+        offsets[id(array)], total = total, total + array.nbytes
+    staging = device.staging_buffer(total, "download")
+    try:
+        with device.checked("downloading device arrays"):
+            encoder = device.wgpu_device.create_command_encoder()
+            for array in present:
+                encoder.copy_buffer_to_buffer(array.buffer, 0, staging, offsets[id(array)], array.nbytes)
+        device.submit(encoder, "download")
+        data = device.read_staging(staging, total)
+    finally:
+        device.destroy_buffer(staging)
+    return [from_storage(data, array.dtype, array.shape, offsets[id(array)]).copy() if id(array) in offsets
+            else np.empty(array.shape, dtype=HOST_DTYPE[array.dtype]) for array in arrays]

@@ -22,3 +22,20 @@ def test_generate_benchmark_smoke(tmp_path):
     report = out.with_suffix(".md").read_text()
     assert "| meganeura-bundle | static | 1 |" in report and "| meganeura-bundle | static | 3 |" in report
     assert len(rows["meganeura-backend", "dynamic", 1]["decode_by_context"]) == 11
+
+
+def test_generate_benchmark_other_model_half_bundle_and_prefix_comparison(tmp_path):
+    """Llama-3.2-1B's proportions at smoke scale, the bundle rows only (``--rows``), its float32 bundle and one
+    exported in bfloat16 beside it (each compared with eager in its dtype), tokens compared over a prefix; the plot is
+    written."""
+    out = tmp_path / "generate"
+    assert generate.main(["--out", str(out), "--smoke", "--model", "llama-3.2-1b", "--rows", "bundle", "--half-bundle",
+                          "--new-tokens", "10", "--max-cache-len", "32", "--batch", "1", "--compare-tokens", "6"]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["competitor"], r["dtype"]): r for r in result["rows"]}
+    assert set(rows) == {("meganeura-bundle", "float32"), ("meganeura-bundle", "bfloat16")}
+    assert all(r["equal"] and r["agreeing_tokens"] == 6 for r in rows.values()), rows
+    assert result["bfloat16_speedup"] == (rows["meganeura-bundle", "bfloat16"]["tokens_per_second"]
+                                          / rows["meganeura-bundle", "float32"]["tokens_per_second"])
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| meganeura-bundle static batch 1 bfloat16 |" in out.with_suffix(".md").read_text()

@@ -10,6 +10,7 @@ printing, in eval mode after training, and with eager writes between steps.
 """
 import copy
 import io
+import math
 import re
 import warnings
 
@@ -159,6 +160,31 @@ def test_resnet_30_adamw_steps_in_train_mode(monkeypatch):
     # from the fourth step: the first optimizer step frees the pool's buffers (the first saved activations'), and
     # the second and third steps bind the new ones with each of the statistics' two alternating arrays
     assert loops.groups[3:] == [0] * len(loops.groups[3:]), loops.groups
+
+
+def test_state_dict_of_a_kept_model_downloads_in_a_few_waits():
+    """After kept steps, one parameter read alone downloads its own bytes alone; ``state_dict()`` then reads every
+    parameter and running statistic as eager's in a number of waits that grows with the log of the tensors
+    (``tensors/read_ahead.py``: each read downloads twice the stale tensors of the read before in its group, the
+    parameters or the buffers of one graph), not one wait per tensor."""
+    loops = resnet_loops()
+    images, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 5, (2,))
+    for step in range(2):
+        assert_losses_match(*loops.step(images, labels), step)
+    counters = get_device().counters
+    first = loops.model.resnet.embedder.embedder.convolution.weight
+    waits, down = counters.waits, counters.bytes_downloaded
+    torch.testing.assert_close(first * 1, loops.ref.resnet.embedder.embedder.convolution.weight, rtol=RTOL, atol=ATOL)
+    assert (counters.waits - waits, counters.bytes_downloaded - down) == (1, first.nbytes)
+    waits = counters.waits
+    state = loops.model.state_dict()
+    params, buffers = len(list(loops.model.parameters())), len(list(loops.model.buffers()))
+    groups_waits = sum(math.ceil(math.log2(n + 1)) for n in (params, buffers))
+    assert counters.waits - waits <= groups_waits < params + buffers, (counters.waits - waits, params, buffers)
+    want = loops.ref.state_dict()
+    assert list(state) == list(want)
+    for name, value in state.items():
+        torch.testing.assert_close(value, want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
 def test_batchnorm_statistics_written_by_eager_code_and_read_in_eval_mode():

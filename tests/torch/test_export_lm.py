@@ -229,6 +229,26 @@ def test_the_cache_is_held_once(exported):
     lm.release()
 
 
+def test_a_bundle_loaded_over_buffers_another_model_left_generates_eager_tokens(exported):
+    """In a long-lived process the device's pool hands a new bundle's cache the buffers that earlier models released,
+    holding their values (here NaN, as another dtype's words may read): the cache starts as zeros all the same, as
+    HF's StaticCache does, and the greedy tokens equal HF's (before the fix: NaN scores past the prompt)."""
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.lm_bundle import read_lm_bundle
+    from meganeura.runtime.resident import DeviceArray, buffer_bytes
+
+    model, path = exported
+    device = get_device()
+    for entry in read_lm_bundle(path).cache:
+        words = buffer_bytes(tuple(entry["shape"]), entry["dtype"]) // 4
+        DeviceArray.upload(device, np.full(words, np.nan, np.float32), "float32").release()
+    prompt = torch.randint(0, 128, (1, 8))
+    lm = load(path)
+    got = lm.generate(prompt[0].numpy(), 16).tolist()
+    lm.release()
+    assert got == model.generate(prompt, max_new_tokens=16, do_sample=False)[0].tolist()
+
+
 @pytest.mark.parametrize("portable", [True, False], ids=["portable", "adapter_limits"])
 def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, portable):
     """From one layer's attention to the next layer's, the decode plan has LLAMA_DECODE_DISPATCHES_PER_LAYER

@@ -35,6 +35,7 @@ from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, kept_arr
                                      read_now, spare_array)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
+from ..tensors.read_ahead import ReadAhead
 from ..tensors.resident import TORCH_DTYPE, ResidentTensor
 from ..tensors.saved_pack import SavedPack
 from ..lower.symbolic import DynamicSizes
@@ -83,6 +84,7 @@ class _BoundPlan:
     _generation: int = 0
     _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
     returns: dict = field(default_factory=dict)  # positions read before a call -> how outputs return (``_returns``)
+    read_ahead: ReadAhead | None = None  # the updated arguments, as eager code reads them (``read_ahead``)
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
@@ -419,7 +421,11 @@ class DevicePartition(torch.nn.Module):
             if spare is not None:
                 into[alternating] = spare
         results = program.run(host, on_device, into, sizes=sizes)
-        adopted = {k: adopt(args[i], results[out], on_device[name]) for i, k, name, out, _ in entry.update_inputs}
+        if entry.read_ahead is None:
+            entry.read_ahead = ReadAhead([args[i] for i, *_ in entry.update_inputs])
+        entry.read_ahead.restart()
+        adopted = {k: adopt(args[i], results[out], on_device[name], (entry.read_ahead, position))
+                   for position, (i, k, name, out, _) in enumerate(entry.update_inputs)}
         outs, made, packed = [], {}, self.packed_positions
         for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]

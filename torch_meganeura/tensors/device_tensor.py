@@ -28,9 +28,10 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from meganeura.runtime.dtypes import host_words
-from meganeura.runtime.resident import DeviceArray
+from meganeura.runtime.resident import DeviceArray, download_arrays
 
 from .params import host_form, tensor_from_host
+from .read_ahead import ReadAhead
 from ..lower.registry import logical_dtype
 from .resident import TORCH_DTYPE
 
@@ -68,14 +69,16 @@ class Kept:
     ``stale`` while the device holds values the host has not got; ``version``, the tensor's version when the array
     was last current (a later one: the host wrote it); ``on_read``, called at the first download; ``self_copy``,
     while aot_autograd may still copy the tensor into itself (``adopt``): one version step that writes nothing;
-    ``spare``, the array a graph's update replaced, where the next update is written (``adopt``)."""
+    ``spare``, the array a graph's update replaced, where the next update is written (``adopt``); ``read_ahead``,
+    the group whose download it joins at ``position`` (``read_ahead.ReadAhead``), if any."""
 
-    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy", "spare")
+    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy", "spare", "read_ahead", "position")
 
     def __init__(self, store=None, array: DeviceArray | None = None, stale: bool = False, version: int = 0,
-                 on_read=None, self_copy: bool = False, spare: DeviceArray | None = None):
+                 on_read=None, self_copy: bool = False, spare: DeviceArray | None = None,
+                 read_ahead: ReadAhead | None = None, position: int = 0):
         self.store, self.array, self.stale, self.version, self.on_read = store, array, stale, version, on_read
-        self.self_copy, self.spare = self_copy, spare
+        self.self_copy, self.spare, self.read_ahead, self.position = self_copy, spare, read_ahead, position
 
     def device_array(self, t: torch.Tensor) -> DeviceArray:
         return self.array if self.array is not None else self.store.kept(t)
@@ -255,12 +258,15 @@ def bound_array(t: DeviceTensor) -> DeviceArray:
     return kept.array
 
 
-def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None) -> torch.Tensor:
+def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None,
+          read_ahead: tuple[ReadAhead, int] | None = None) -> torch.Tensor:
     """``t`` itself, its values now ``array``'s (a graph updated it on the device): a ``DeviceTensor`` from here on,
     its host copy stale (a static KV cache that a compiled call updated in place, BatchNorm's running statistics).
     ``read``, the array the graph read ``t`` from, is kept as its ``spare`` where ``array`` is another: the next
     update is written there, so that the two alternate and the runs' bindings repeat. Its version steps, as an
-    eager update's would (a plan that binds it as a parameter binds its new array: ``compiled._BoundPlan``)."""
+    eager update's would (a plan that binds it as a parameter binds its new array: ``compiled._BoundPlan``).
+    ``read_ahead``: the group and position whose downloads it joins (``Kept``)."""
+    group, position = read_ahead or (None, 0)
     spare = read if read is not array else None
     with torch._C.DisableTorchFunctionSubclass():
         if type(t) is not DeviceTensor:
@@ -268,9 +274,11 @@ def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None) 
         torch._C._increment_version((t,))  # (``torch.autograd.graph.increment_version``, without its checks)
         kept = t.__dict__.get("_meganeura_kept")
         if kept is None or kept.store is not None or kept.on_read is not None:
-            t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare)
+            t._meganeura_kept = Kept(array=array, stale=True, version=t._version, self_copy=True, spare=spare,
+                                     read_ahead=group, position=position)
         else:  # (its own link, updated: a static cache's tensors are adopted at every decode step)
             kept.array, kept.stale, kept.version, kept.self_copy, kept.spare = array, True, t._version, True, spare
+            kept.read_ahead, kept.position = group, position
     return t
 
 
@@ -336,19 +344,36 @@ def _before_eager(func, args, kwargs) -> None:
 
 
 def _sync(t: torch.Tensor, kept: Kept) -> None:
-    """Download ``t``'s device values into it where the host copy is stale (subclass overrides off); an output
-    read by eager code is an ordinary tensor from then on (``_release``)."""
+    """Download ``t``'s device values into it where the host copy is stale (subclass overrides off), with the stale
+    members of its read-ahead group that come next (``read_ahead``) in the same wait; an output read by eager code
+    is an ordinary tensor from then on (``_release``)."""
     if not kept.stale:
         return
-    host = tensor_from_host(kept.device_array(t).numpy()).reshape(t.shape)
-    # Through .data: the version stays, so nothing uploads it back. Outside any dispatch mode: filling the host copy
-    # is not an op of the program (aot_autograd's first call of a graph analyses its ops under a mode that refuses
-    # tensor subclasses, and a training forward's output, read by eager code between graphs, meets it there).
-    with _disable_current_modes():
-        t.data.copy_(host)
-    kept.stale = False
-    if kept.on_read is not None and type(t) is not DeviceTensor:  # (an output is released by the caller)
-        kept.on_read()
+    group = kept.read_ahead
+    _download([t] if group is None else group.batch(t, kept.position, _stale_bytes))
+
+
+def _stale_bytes(t: torch.Tensor) -> int:
+    """The bytes a download of ``t`` moves: 0 unless it is a stale kept tensor."""
+    kept = t.__dict__.get("_meganeura_kept")
+    return kept.device_array(t).nbytes if kept is not None and kept.stale else 0
+
+
+def _download(tensors: list) -> None:
+    """Download the device values of the stale kept ``tensors`` into them, in one wait."""
+    kepts = [t._meganeura_kept for t in tensors]
+    arrays = download_arrays([kept.device_array(t) for t, kept in zip(tensors, kepts)])
+    for t, kept, array in zip(tensors, kepts, arrays):
+        host = tensor_from_host(array).reshape(t.shape)
+        # Through .data: the version stays, so nothing uploads it back. Outside any dispatch mode: filling the host
+        # copy is not an op of the program (aot_autograd's first call of a graph analyses its ops under a mode that
+        # refuses tensor subclasses, and a training forward's output, read by eager code between graphs, meets it
+        # there).
+        with _disable_current_modes():
+            t.data.copy_(host)
+        kept.stale = False
+        if kept.on_read is not None and type(t) is not DeviceTensor:  # (an output is released by the caller)
+            kept.on_read()
 
 
 def _release(t: DeviceTensor, kept: Kept) -> None:
@@ -368,12 +393,10 @@ def read_now(t: DeviceTensor) -> None:
 
 
 def sync(tensors) -> None:
-    """Download every stale tensor of ``tensors`` now (eager reads do so by themselves, one at a time)."""
+    """Download every stale tensor of ``tensors`` now, in one wait (eager reads do so by themselves, a read-ahead
+    group's window at a time)."""
     with torch._C.DisableTorchFunctionSubclass():
-        for t in tensors:
-            kept = getattr(t, "_meganeura_kept", None)
-            if kept is not None:
-                _sync(t, kept)
+        _download([t for t in tensors if _stale_bytes(t)])
 
 
 def _flat(args, kwargs):

@@ -46,6 +46,7 @@ from . import optimizers
 from ..backend.entry import param_store
 from ..tensors.device_tensor import DeviceParameter, Kept, sync
 from ..tensors.params import upload_array
+from ..tensors.read_ahead import ReadAhead
 from ..tensors.resident import ResidentTensor
 from .bound_update import BoundUpdate
 from .role_program import RoleProgram
@@ -71,10 +72,11 @@ def keep_on_device(optimizer: torch.optim.Optimizer, adapter=None) -> torch.opti
             raise TypeError(f"keep_on_device takes an optimizer over CPU nn.Parameters (what a module holds); got "
                             f"{type(p).__name__} on {p.device}")
     store = param_store(get_device(adapter))
-    for p in params:
+    read_ahead = ReadAhead(params)  # eager reads after a step (state_dict()) download them in a few waits
+    for position, p in enumerate(params):
         p.__class__ = DeviceParameter  # the same object: modules, optimizer state and hooks still find it
-        p._meganeura_kept = Kept(store=store)
-    optimizer._meganeura_step = _DeviceStep(optimizer, store)
+        p._meganeura_kept = Kept(store=store, read_ahead=read_ahead, position=position)
+    optimizer._meganeura_step = _DeviceStep(optimizer, store, read_ahead)
     # A method of the optimizer: an LR scheduler re-binds ``step.__func__`` to the optimizer when it wraps it.
     optimizer.step = types.MethodType(_kept_step, optimizer)
     optimizer.zero_grad = types.MethodType(_kept_zero_grad, optimizer)
@@ -98,8 +100,8 @@ class _DeviceStep:
     dtypes and rows of numbers), bound at a step and replayed while it holds (``bound_update``). Its per-step work
     reads parameters' metadata only, with subclass overrides off."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, store):
-        self.optimizer, self.store, self.device = optimizer, store, store.device
+    def __init__(self, optimizer: torch.optim.Optimizer, store, read_ahead: ReadAhead):
+        self.optimizer, self.store, self.device, self.read_ahead = optimizer, store, store.device, read_ahead
         self.update_spec = optimizers.spec(optimizer)
         self._replaced = optimizer.step  # torch's (or an LR scheduler's wrapper of it): the device update runs in it
         self.zero_grad = optimizer.zero_grad  # torch's
@@ -130,6 +132,7 @@ class _DeviceStep:
             bound = self._bind(params, grads)
             bound.run(grads)  # (runs: it was bound from these parameters' shapes and dtypes)
         self._bound = bound
+        self.read_ahead.restart()
 
     def _bind(self, params: list, grads: list) -> BoundUpdate:
         """Bind the update of the parameters with gradients: their step counts and rows of numbers, the plan
