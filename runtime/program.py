@@ -16,13 +16,14 @@ works, before it waits (``_record_ahead``): the next run submits that command bu
 recording leaves the path from a call to the GPU. While a profiler is attached to the device
 (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
-Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
-fresh pool buffers and returned without a read-back, and ``run(..., device_inputs=...)`` binds such arrays as
-inputs without an upload. Inputs named in ``device_only_inputs`` are always bound that way: the program allocates
-no buffer of its own for them. ``run(..., into=...)`` writes resident outputs into arrays the caller hands back
-(a training step alternating between two sets of weights). Bind groups and whole command lists over those per-run
-buffers are cached by buffer, so a loop that alternates between the same buffers builds nothing after its first
-runs.
+Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into fresh
+pool buffers and returned without a read-back (those also named in ``saved_outputs``, a training forward's saved
+activations, into one set of buffers taken and given back as one: ``BufferSet``), and ``run(...,
+device_inputs=...)`` binds such arrays as inputs without an upload. Inputs named in ``device_only_inputs`` are
+always bound that way: the program allocates no buffer of its own for them. ``run(..., into=...)`` writes resident
+outputs into arrays the caller hands back (a training step alternating between two sets of weights). Bind groups and
+whole command lists over those per-run buffers are cached by buffer, so a loop that alternates between the same
+buffers builds nothing after its first runs.
 
 A plan over symbolic sizes (``Plan.symbols``: a dynamic graph's) is built at its bounds, and ``run(...,
 sizes=...)`` runs it at a call's sizes: their values go to the plan's sizes input, and the workgroup counts that
@@ -48,7 +49,7 @@ from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pip
 from .program_checks import (check_in_place, check_into, check_limits, check_run_inputs, from_device_bytes,
                              require_own_buffers, status_error, to_device_array)
 from .readback import ReadBackBuffers
-from .resident import DeviceArray, buffer_bytes
+from .resident import BufferSet, DeviceArray, buffer_bytes
 
 OWNED_ROLES = ("input", "output", "status")  # and the arena, the device's (``meganeura.runtime.arena``)
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
@@ -60,7 +61,8 @@ RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input a
 class Program:
     """A plan bound to a device; ``run`` replays it with no allocation."""
 
-    def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=(), label: str = ""):
+    def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=(), label: str = "",
+                 saved_outputs=()):
         plan.validate()
         self.device = device
         self.label = label or f"a plan of {len(plan.dispatches)} dispatches"  # names the runs in deferred errors
@@ -75,14 +77,13 @@ class Program:
         if self.symbolic is not None:
             self._run_sizes = run_sizes(plan, slots)
             self._run_names = [t.name for t in plan.inputs + plan.outputs]  # (``run_sizes``'s order)
-        plan = plan.at(plan.bounds)
-        self.plan = plan
+        self.plan = plan = plan.at(plan.bounds)
         self._fixed = RunTensors({t.name: t.shape for t in plan.inputs + plan.outputs})  # a plan without symbols'
         check_limits(device, plan)
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
-        self._take_roles(plan, resident_outputs, device_only_inputs)
+        self._take_roles(plan, resident_outputs, device_only_inputs, saved_outputs)
         input_specs = self._input_specs
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
         sizes_buffer = f"input:{SIZES_INPUT}" if self.symbolic is not None else None
@@ -123,10 +124,10 @@ class Program:
 
     # ---- construction
 
-    def _take_roles(self, plan: Plan, resident_outputs, device_only_inputs) -> None:
+    def _take_roles(self, plan: Plan, resident_outputs, device_only_inputs, saved_outputs) -> None:
         """Check and keep which outputs stay on the device (``_resident``), which are stored over an input
         (``_in_place``) and which inputs are bound from device arrays only (``_device_only``); each of those needs a
-        buffer of its own (``_alone``), swapped per run."""
+        buffer of its own (``_alone``), swapped per run; and which resident outputs are saved (``_take_saved``)."""
         stored = [t for t in plan.inputs + plan.params + plan.outputs if t.name not in plan.in_place]
         counts: dict[str, int] = {}
         for t in stored:
@@ -148,6 +149,20 @@ class Program:
         if uploaded:
             raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
         require_own_buffers([input_specs[n] for n in self._device_only], self._alone, "a device-only input")
+        self._take_saved(saved_outputs)
+
+    def _take_saved(self, saved_outputs) -> None:
+        """Keep which resident outputs a run writes into one set of pool buffers (``BufferSet``: one acquire and one
+        release per run, not one per output), as (names, buffer sizes, shapes, dtypes); the others are
+        ``_unsaved``. Only a plan without symbols (one shape per output)."""
+        saved = [t for name, t in self._resident.items() if name in set(saved_outputs)]
+        self._saved_set = None
+        if saved and self.symbolic is None:
+            self._saved_set = (tuple(t.name for t in saved),
+                               tuple(max(buffer_bytes(t.shape, t.dtype), t.nbytes) for t in saved),
+                               [tuple(t.shape) for t in saved], [t.dtype for t in saved])
+        names = set(self._saved_set[0]) if self._saved_set else set()
+        self._unsaved = {name: t for name, t in self._resident.items() if name not in names}
 
     def wait_pipelines(self) -> None:
         """Wait for the plan's pipelines, compiling since construction; raises a kernel's compile error. Binding
@@ -330,13 +345,16 @@ class Program:
         device_inputs, into = device_inputs or {}, into or {}
         run, inputs = self._plan_for(sizes, inputs)
         arrays = self._convert_inputs(inputs, device_inputs, run)
-        check_into(into, device_inputs, self._resident, run.shapes, self.device)
+        check_into(into, device_inputs, self._unsaved, run.shapes, self.device)
         if self._in_place:
             check_in_place(device_inputs, self._in_place)
         dev = self.device
         swaps = {self._input_specs[name].buffer: array.buffer for name, array in device_inputs.items()}
         kept = {name: into[name] if name in into else self._new_output(name, run.shapes[name], t)
-                for name, t in self._resident.items()}
+                for name, t in self._unsaved.items()}
+        if self._saved_set is not None:
+            names, sizes, shapes, dtypes = self._saved_set
+            kept.update(zip(names, BufferSet(dev.pool, sizes).arrays(shapes, dtypes)))
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
         self._upload(arrays, swaps)

@@ -32,6 +32,7 @@ class BufferPool:
     def __init__(self, device):
         self.device = device
         self._free: dict[int, dict[int, object]] = {}  # size -> {id(buffer): buffer}, in order of release
+        self._free_sets: dict[tuple, list[tuple]] = {}  # sizes -> sets of buffers of those sizes (``acquire_set``)
         self.live = 0  # buffers handed out and not yet released
 
     def acquire(self, nbytes: int, prefer=()):
@@ -57,18 +58,69 @@ class BufferPool:
             return
         self._free.setdefault(buffer.size, {})[id(buffer)] = buffer
 
+    def acquire_set(self, sizes: tuple[int, ...]) -> tuple:
+        """Buffers of ``sizes``, taken and given back as one (``release_set``): the set released last where one of
+        these sizes is free, else new buffers. A run's saved outputs take one set, not one acquire each."""
+        free = self._free_sets.get(sizes)
+        buffers = None
+        while buffers is None and free:
+            buffers = free.pop()
+            buffers = buffers if all(map(_alive, buffers)) else None
+        if buffers is None:
+            buffers = tuple(self.device.storage_buffer(n, "resident") for n in sizes)
+        self.live += len(buffers)
+        return buffers
+
+    def release_set(self, sizes: tuple[int, ...], buffers: tuple) -> None:
+        self.live -= len(buffers)
+        if self.device.lost or not all(map(_alive, buffers)):
+            return
+        self._free_sets.setdefault(sizes, []).append(buffers)
+
     def free_buffers(self) -> list:
         """The buffers waiting for reuse."""
-        return [b for buffers in self._free.values() for b in buffers.values()]
+        return ([b for buffers in self._free.values() for b in buffers.values()]
+                + [b for sets in self._free_sets.values() for buffers in sets for b in buffers])
 
     def pooled_bytes(self) -> int:
-        return sum(size * len(buffers) for size, buffers in self._free.items())
+        return (sum(size * len(buffers) for size, buffers in self._free.items())
+                + sum(sum(sizes) * len(sets) for sizes, sets in self._free_sets.items()))
 
     def clear(self) -> None:
         """Destroy the buffers waiting for reuse (buffers still handed out are not touched)."""
         for buffer in self.free_buffers():
             self.device.destroy_buffer(buffer)
         self._free.clear()
+        self._free_sets.clear()
+
+
+class BufferSet:
+    """Buffers taken from ``pool`` as one set (``BufferPool.acquire_set``), each an array's (``arrays``), the pool
+    interface of those arrays: the set goes back to the pool when the last of them is released or collected."""
+
+    __slots__ = ("device", "sizes", "buffers", "_pool")
+
+    def __init__(self, pool: BufferPool, sizes: tuple[int, ...]):
+        self.device, self.sizes, self._pool = pool.device, sizes, pool
+        self.buffers = pool.acquire_set(sizes)
+
+    def arrays(self, shapes, dtypes) -> list["DeviceArray"]:
+        """An array in each buffer, of the given shapes and logical dtypes (each holds the set)."""
+        arrays = []
+        for buffer, shape, dtype in zip(self.buffers, shapes, dtypes):
+            array = DeviceArray.__new__(DeviceArray)
+            array.device, array.shape, array.dtype, array._pool, array.buffer = self.device, shape, dtype, self, buffer
+            arrays.append(array)
+        return arrays
+
+    def release(self, buffer) -> None:
+        """(An array's buffer: the set goes back as one, when the last array lets go of it.)"""
+
+    def __del__(self):
+        try:
+            self._pool.release_set(self.sizes, self.buffers)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, a lost device
+            pass
 
 
 class DedicatedBuffers:

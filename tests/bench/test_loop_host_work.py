@@ -8,10 +8,15 @@ the tensor wrappers made in each phase of a step, counted as ``bench.host`` coun
   backward, the one per-parameter interception left there) and the loss function's op on the logits; before, each
   statistic (three per block, as many as its parameters) cost three more.
 
+- the forward's hand-off to the backward (``backend.packed``): the activations it saves, more at each depth, cross
+  autograd as one ``SavedPack`` per device partition, their arrays taken from the pool as one set: the forward makes
+  as many wrappers and pool acquires at both depths.
+
 What still grows with depth (issue 50, not shown here): those ``_is_view`` calls, the backward's gradient wrappers
-and AccumulateGrad's ``detach`` of each, and the forward's saved activations, one wrapper each.
+and AccumulateGrad's ``detach`` of each (and their pool acquires).
 """
 import cProfile
+import pstats
 
 import torch
 import torch.nn as nn
@@ -19,8 +24,10 @@ import torch.nn.functional as F
 
 import torch_meganeura
 from bench.host import call_counts
+from helpers.saved import saved_packs
 
 DEPTHS = (2, 4)
+POOL_ACQUIRES = ("acquire", "acquire_set")  # runtime/resident.py's BufferPool
 WARM_STEPS = 2  # the first compiles; the second binds the optimizer state's and statistics' second arrays
 
 
@@ -42,7 +49,10 @@ def _profiled(call):
         result = call()
     finally:
         profile.disable()
-    return result, call_counts(profile)
+    counts = call_counts(profile)
+    counts["pool_acquires"] = sum(s[1] for (path, _, name), s in pstats.Stats(profile).stats.items()
+                                  if name in POOL_ACQUIRES and path.endswith("resident.py"))
+    return result, counts
 
 
 def phase_counts(depth: int) -> dict[str, dict[str, int]]:
@@ -58,6 +68,7 @@ def phase_counts(depth: int) -> dict[str, dict[str, int]]:
         opt.step()
         opt.zero_grad()
     loss, forward = _profiled(lambda: F.cross_entropy(compiled(x), y))
+    forward["saved"] = sum(len(pack.values) for pack in saved_packs(loss))  # (values saved in packs)
     _, backward = _profiled(loss.backward)
     _, step = _profiled(opt.step)
     _, zero = _profiled(opt.zero_grad)
@@ -70,6 +81,12 @@ def test_optimizer_and_buffer_updates_make_no_per_layer_interception():
     counts = {depth: phase_counts(depth) for depth in DEPTHS}
     for depth, phases in counts.items():
         for phase in ("step", "zero_grad"):
-            assert phases[phase] == {"interceptions": 0, "wrappers": 0}, (depth, phase, phases[phase])
+            assert phases[phase] == {"interceptions": 0, "wrappers": 0, "pool_acquires": 0}, (depth, phase)
     for depth, phases in counts.items():  # (the one more: the loss function's op on the logits, a lazy output)
         assert phases["forward"]["interceptions"] <= phases["parameters"] + 1, (depth, phases["forward"])
+
+
+def test_the_forward_hands_its_saved_values_over_in_packs():
+    shallow, deep = (phase_counts(depth)["forward"] for depth in DEPTHS)
+    assert deep["saved"] > shallow["saved"] > 0, (shallow, deep)  # more saved at depth, all in packs
+    assert (deep["wrappers"], deep["pool_acquires"]) == (shallow["wrappers"], shallow["pool_acquires"]), (shallow, deep)

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 
 from helpers.compare import assert_grads_match, assert_same, meganeura_warnings
 from meganeura.runtime.device import get_device
+from meganeura.runtime.resident import DeviceArray
 from torch_meganeura.tensors.resident import ResidentTensor
+from torch_meganeura.tensors.saved_pack import SavedPack
+from torch_meganeura.tensors.params import tensor_from_host
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 
@@ -258,21 +261,28 @@ def test_saved_activations_of_a_dropped_graph_are_freed():
     assert pool.live == live
 
 
-def test_saved_tensors_are_resident_tensors():
+def test_saved_tensors_stay_on_the_device():
     torch._dynamo.reset()
     lin = nn.Linear(8, 8)
     compiled = torch.compile(lambda x: torch.tanh(lin(x)) * 2, backend="meganeura")
     x = torch.randn(3, 8)
     out = compiled(x)
-    saved = [t for t in out.grad_fn.saved_tensors if isinstance(t, ResidentTensor)]
-    # the linear layer's output (the min-cut partitioner recomputes tanh in the backward), and the input, which the
-    # forward uploaded and the backward's weight gradient reads: both on the device
-    assert len(saved) == 2, "one activation and the input should be saved on the device"
+    saved = out.grad_fn.saved_tensors
+    # the linear layer's output (the min-cut partitioner recomputes tanh in the backward), in its partition's pack of
+    # saved values; and the input, which the forward uploaded and the backward's weight gradient reads: both on the
+    # device
+    packs = [t for t in saved if isinstance(t, SavedPack)]
+    inputs = [t for t in saved if isinstance(t, ResidentTensor)]
+    assert len(packs) == 1 and len(inputs) == 1, "one activation and the input should be saved on the device"
+    (activation,) = packs[0].values
+    assert isinstance(activation, DeviceArray)
+    torch.testing.assert_close(tensor_from_host(activation.numpy()), lin(x).detach(), rtol=1e-5, atol=1e-6)
     # an op on a resident tensor outside a device partition downloads it first: the values are the real ones.
-    activation, saved_x = sorted((t * 1 for t in saved), key=lambda t: torch.equal(t, x))
-    assert type(activation) is torch.Tensor and type(saved_x) is torch.Tensor
-    torch.testing.assert_close(activation, lin(x).detach(), rtol=1e-5, atol=1e-6)
+    saved_x = inputs[0] * 1
+    assert type(saved_x) is torch.Tensor
     torch.testing.assert_close(saved_x, x, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="SavedPack"):  # a pack is no tensor to compute with
+        packs[0] * 1
 
 
 def test_no_grad_and_eval_compile_inference_graphs():

@@ -29,7 +29,7 @@ from meganeura.runtime.resident import DeviceArray
 from meganeura.kernels.sizes import Guards
 
 from ..lower.fx_lowering import LoweredGraph, lower_graph
-from ..tensors.params import host_form
+from ..tensors.params import host_form, tensor_from_host
 from ..tensors.device_tensor import kept_array
 from ..tensors.resident import ResidentTensor
 from ..lower.symbolic import DynamicSizes, NotModelled
@@ -104,23 +104,24 @@ def _in_place_request(lowered: LoweredGraph, in_place: dict[int, int]) -> dict[i
     return request
 
 
-def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=()) -> Program:
-    """``graph``'s plan on ``device``; the kernels compile on background threads meanwhile (``Program``)."""
+def program_for(graph: DeviceGraph, device, resident_outputs=(), device_only_inputs=(), saved_outputs=()) -> Program:
+    """``graph``'s plan on ``device``; the kernels compile on background threads meanwhile (``Program``).
+    ``saved_outputs``: resident outputs that a run writes into one set of buffers (a training forward's saved
+    activations, which live and die together)."""
     return Program(device, graph.plan, resident_outputs=list(resident_outputs),
-                   device_only_inputs=list(device_only_inputs))
+                   device_only_inputs=list(device_only_inputs), saved_outputs=list(saved_outputs))
 
 
 def feed(lowered: LoweredGraph, args, device, inputs=None) -> tuple[dict, dict]:
     """(host inputs, device inputs) by plan input name for one call with placeholder values ``args`` (of the plan
     inputs ``inputs``, (argument index, name) pairs; all of ``lowered``'s where None): a
     ``DeviceArray`` or a ``ResidentTensor`` on ``device`` is bound as it is (a resident tensor's host copy goes up
-    first where eager code wrote it), anything else goes up in device layout
-    (a resident tensor of another device is downloaded first). The seed of the random ops is added where the plan
-    has them."""
+    first where eager code wrote it), anything else goes up in device layout (a resident tensor or device array of
+    another device is downloaded first). The seed of the random ops is added where the plan has them."""
     host, on_device = {}, {}
     for i, name in lowered.inputs if inputs is None else inputs:
         value = args[i]
-        if isinstance(value, DeviceArray):
+        if isinstance(value, DeviceArray) and value.device is device:
             on_device[name] = value
         elif isinstance(value, ResidentTensor) and value.array.device is device:
             on_device[name] = value.device_array()
@@ -128,6 +129,7 @@ def feed(lowered: LoweredGraph, args, device, inputs=None) -> tuple[dict, dict]:
             on_device[name] = kept
         else:  # the program checks the dtype, shape and int32 range, and converts to device layout
             value = value.materialize() if isinstance(value, ResidentTensor) else value
+            value = tensor_from_host(value.numpy()) if isinstance(value, DeviceArray) else value
             with torch._C.DisableTorchFunctionSubclass():  # (a graph's input is not eager code reading it)
                 host[name] = host_form(value.as_subclass(torch.Tensor))
     if lowered.rng_seed:

@@ -31,6 +31,7 @@ from ..lower.registry import TORCH_TO_LOGICAL
 from ..tensors.resident import TORCH_DTYPE, ResidentTensor
 from ..lower.partition import fallback_ops, partition
 from .saved_values import partition_joint
+from .packed import Handoff
 
 log = logging.getLogger("torch_meganeura")
 
@@ -253,8 +254,9 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     meta = None if backward else _fw_metadata()
     param_indices = set(getattr(meta, "static_input_indices", None) or [])
     copies = _take_input_copies(gm)
+    handoff = Handoff(gm, mode)  # (its names, taken before partitioning)
     fallbacks = _warn_about_fallbacks(gm, context)
-    fused, names = partition(gm, 0 if backward else getattr(meta, "num_forward_returns", None))
+    fused, partitions = partition(gm, 0 if backward else getattr(meta, "num_forward_returns", None))
     stepped = set(getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", ())) if meta is not None else set()
     copied = _put_back_input_copies(fused, copies, stepped)
     saved = _saved_for_backward(fused) if mode == "forward" else set()  # stay on the device for the backward
@@ -268,7 +270,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
         _mark_updated(placeholders, set(mutated.values()), graph_inputs)
     index_of = {n: i for i, n in enumerate(placeholders)}
     for node in fused.graph.nodes:
-        if node.op == "call_module" and node.target in names:
+        if node.op == "call_module" and node.target in partitions:
             updates = _updates_in_place(node, mutated)  # (a buffer updated in place is bound as a device input)
             sub_params = {j for j, a in enumerate(node.args)
                           if index_of.get(a) in param_indices and j not in updates.values()}
@@ -276,10 +278,13 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 getattr(fused, node.target), sub_params, context, _resident_outputs(node, saved),
                 fast=not backward and context.options.precision == "fast",
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
-                lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward"))
-    context.record({"kind": "graph", "mode": mode, "partitions": len(names), "fallback_ops": fallbacks})
+                lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward",
+                pack_saved=handoff.packing))
+    unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0))
+    context.record({"kind": "graph", "mode": mode, "partitions": len(partitions), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
-    shared = _shared_inputs(fused, saved - set(mutated.values()), param_indices, names) if mode == "forward" else []
+    shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)
+              if mode == "forward" else [])
 
     def run(args):
         if watched:
@@ -287,6 +292,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
         for i in shared:  # uploaded once, for the forward's partitions and the backward's
             if type(args[i]) is torch.Tensor:  # (a resident or kept tensor is bound as it is)
                 args[i] = ResidentTensor(upload_array(context.device(), args[i]))
+        if unpack:
+            unpack(args)
         result = fused(*args)
         args.clear()
         return result

@@ -10,7 +10,8 @@ call.
 
 Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any graph) are bound from the
 ``ParamStore``. Outputs at the positions in ``resident_outputs`` (activations saved for the backward) stay on
-the device as ``ResidentTensor``s, and ResidentTensor arguments are bound without an upload. A backward's
+the device, as ``ResidentTensor``s or, in a training forward, one ``SavedPack`` of their arrays (``backend.packed``),
+and ResidentTensor and ``DeviceArray`` arguments are bound without an upload. A backward's
 gradients of parameters that an optimizer keeps on the device (``device_optimizer``) stay there too.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, kept_arr
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
 from ..tensors.read_ahead import ReadAhead
-from ..tensors.resident import ResidentTensor
+from ..tensors.resident import TORCH_DTYPE, ResidentTensor
+from ..tensors.saved_pack import SavedPack
 from ..lower.symbolic import DynamicSizes
 from ..lower.tuning import tuning_enabled
 
@@ -60,6 +62,7 @@ class PlanRecord:
 
 
 _VERSION = operator.attrgetter("_version")
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _STORAGE = torch.Tensor.data_ptr
 
 
@@ -162,6 +165,8 @@ def arg_kind(a) -> str | None:
     cls = type(a)
     if cls is torch.nn.Parameter:
         return "param"
+    if cls is DeviceArray:  # a saved activation, unpacked (``SavedPack``)
+        return "resident"
     if cls is torch.Tensor:
         return "param" if getattr(a, "_is_param", False) else "tensor"  # (what Parameter's isinstance accepts too)
     if isinstance(a, ResidentTensor) or cls is DeviceTensor and a._meganeura_kept.array is not None:
@@ -175,6 +180,8 @@ def arg_kind(a) -> str | None:
 
 def signature_item(a):
     """What selects a plan about one argument: a tensor's shape, dtype and kind, or a non-tensor's value."""
+    if type(a) is DeviceArray:  # (as the ResidentTensor of it: the same plan binds either)
+        return torch.Size(a.shape), TORCH_DTYPE[a.dtype], "resident"
     kind = arg_kind(a)
     return a if kind is None else (a.shape, a.dtype, kind)
 
@@ -200,12 +207,16 @@ class DevicePartition(torch.nn.Module):
 
     def __init__(self, gm: fx.GraphModule, param_indices: set[int], context, resident_outputs=frozenset(),
                  fast: bool = False, kept_gradients=frozenset(), kept=None, lazy_outputs=frozenset(),
-                 mutated=None, lazy_from_first: bool = False):
+                 mutated=None, lazy_from_first: bool = False, pack_saved: bool = False):
         super().__init__()
         self.fast = fast  # precision "fast" in a forward graph: matmuls may form products in f16
         self.gm = gm
         self.param_indices = set(param_indices)
         self.resident_outputs = frozenset(resident_outputs)
+        # A training forward's saved activations cross autograd as one ``SavedPack`` at all their positions, which
+        # the backward unpacks (``backend.packed``): here their positions, in the pack's order
+        self.packed_positions = sorted(self.resident_outputs) if pack_saved else []
+        self.pack_origin = object()  # what its packs carry (``SavedPack.origin``)
         # A backward's outputs that are gradients of parameters: resident too while ``kept.kept`` says that the
         # forward's parameters are kept on the device (``device_optimizer``)
         self.kept_gradients, self._kept = frozenset(kept_gradients), kept
@@ -243,7 +254,7 @@ class DevicePartition(torch.nn.Module):
         if entry is None or entry.variant != variant or not entry.replays(args, sizes):
             entry = self._entry_for(args, variant)
             if entry is None:
-                return self.gm(*[a.materialize() if isinstance(a, ResidentTensor) else a for a in args])
+                return self.gm(*map(_eager_value, args))
         self._read = frozenset()  # (what eager code reads of this call's outputs; a call that raises resets nothing)
         try:
             return self._run(entry, args, sizes, read)
@@ -312,8 +323,8 @@ class DevicePartition(torch.nn.Module):
         graph = SHARED_GRAPHS.find(shared, device, values)
         new = graph is None
         if new:
-            graph = compile_device_graph(self.gm, list(args), params, device, tune=tune, f16_products=f16,
-                                         dynamic=self.dynamic, in_place=self.mutated)
+            graph = compile_device_graph(self.gm, [_as_tensor(a) for a in args], params, device, tune=tune,
+                                         f16_products=f16, dynamic=self.dynamic, in_place=self.mutated)
             SHARED_GRAPHS.add(shared, graph)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
         updated = self._updates(lowered)
@@ -321,7 +332,9 @@ class DevicePartition(torch.nn.Module):
                     if kind == "plan" and (k in self._resident_positions(lowered, variant) or k in updated.values())}
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
-        program = program_for(graph, device, resident, on_device)
+        packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``)
+                  if kind == "plan" and k in self.packed_positions and k not in updated.values()}
+        program = program_for(graph, device, resident, on_device, packed)
         entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
@@ -413,7 +426,7 @@ class DevicePartition(torch.nn.Module):
         entry.read_ahead.restart()
         adopted = {k: adopt(args[i], results[out], on_device[name], (entry.read_ahead, position))
                    for position, (i, k, name, out, _) in enumerate(entry.update_inputs)}
-        outs, made = [], {}
+        outs, made, packed = [], {}, self.packed_positions
         for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]
             if how == ADOPTED:
@@ -423,13 +436,15 @@ class DevicePartition(torch.nn.Module):
             elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
                 outs.append(tensor_from_host(value))
             elif how == SAVED:
-                outs.append(ResidentTensor(value))
+                outs.append(value if k in packed else ResidentTensor(value))
             elif how == LAZY:  # one tensor for positions that return the same value
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
                 outs.append(tensor_from_host(value.numpy()))
             if tracked:
                 outs[-1] = self._track(outs[-1], k, how)
+        if packed:
+            _pack(outs, packed, self.pack_origin)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
     def _track(self, t: torch.Tensor, position: int, how: str) -> DeviceTensor:
@@ -528,4 +543,31 @@ def _param_array(t: torch.Tensor, store: ParamStore, name: str) -> DeviceArray:
 
 
 def _array_of(value) -> DeviceArray:
+    if type(value) is DeviceArray:
+        return value
     return value.array if isinstance(value, ResidentTensor) else value._meganeura_kept.array
+
+
+def _pack(outs: list, positions: list[int], origin: object) -> None:
+    """The values at ``positions`` of a run's outputs (what a training forward saves) as one ``SavedPack`` at each;
+    each a ``ResidentTensor`` of its own where saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``:
+    they get every saved value as a tensor, ``save_on_cpu`` downloads them)."""
+    if _top_saved_tensors_hooks(True) is not None:
+        for k in positions:
+            outs[k] = _as_tensor(outs[k])
+        return
+    pack = SavedPack([outs[k] for k in positions], origin)
+    for k in positions:
+        outs[k] = pack
+
+
+def _as_tensor(value):
+    """An argument as a tensor: a ``DeviceArray`` (an unpacked saved activation) as a ``ResidentTensor`` of it."""
+    return ResidentTensor(value) if type(value) is DeviceArray else value
+
+
+def _eager_value(value):
+    """An argument as eager PyTorch takes it (a partition that falls back): device values downloaded."""
+    if type(value) is DeviceArray:
+        return tensor_from_host(value.numpy())
+    return value.materialize() if isinstance(value, ResidentTensor) else value
