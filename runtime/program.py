@@ -38,6 +38,7 @@ from functools import partial
 
 import numpy as np
 
+from meganeura.kernels.sizes import is_size
 
 from .device import Device
 from .errors import InputError, KernelStatusError, MeganeuraError
@@ -55,6 +56,10 @@ BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes g
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
 RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input alternates between two buffers
+# Outputs kept on the device, of this many bytes in all (step counters: HF's static cache's ``cumulative_length``,
+# which HF's masks read on the host before every decode step), may be copied into the staging buffer of a run that
+# waits anyway (``run``'s ``read_along``): the host's later read of one then needs no download and no second wait
+READ_ALONG_BYTES = 64
 
 
 class Program:
@@ -82,6 +87,7 @@ class Program:
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
+        self._outputs = {t.name: t for t in plan.outputs}
         self._take_roles(plan, resident_outputs, device_only_inputs)
         input_specs = self._input_specs
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
@@ -108,6 +114,7 @@ class Program:
         self._pipelines: dict[str, object] = {}
         self._writes = self._plan_writes()
         self._plan_readback()
+        self.read_along: dict[str, np.ndarray] = {}  # the last run's (``run``); empty if it did not wait
         self._read_back = ReadBackBuffers(device, self._staging_size, "staging")
         self._bind_groups: dict[tuple[Binding, ...], object] = {}
         self._commands: list[tuple] = []
@@ -196,7 +203,29 @@ class Program:
                 self._status_offsets.append((b.name, cursor, b.size))
                 self._readback.append((b.name, 0, cursor, b.size))
                 cursor += b.size
-        self._staging_size = max(cursor, 4)
+        self._read_size = max(cursor, 4)  # what a run reads back, but the outputs read along
+        self.readable_along = self._plan_read_along()
+        self._along_slots: dict[str, int] = {}  # staging offset of each output read along so far (``_along_slot``)
+        self._along_end = self._read_size
+        self._staging_size = self._read_size + min(READ_ALONG_BYTES, sum(self.readable_along.values()))
+
+    def _plan_read_along(self) -> dict[str, int]:
+        """Output name -> bytes of the outputs kept on the device (resident, or stored in place) that a run that waits
+        anyway may read back too (``READ_ALONG_BYTES``): each in whole words, as buffer copies go, and of a size no
+        symbol changes."""
+        symbolic = {t.name for t in self.symbolic.outputs if any(map(is_size, t.shape))} if self.symbolic else set()
+        return {t.name: t.nbytes for t in self.plan.outputs
+                if (t.name in self._resident or t.name in self._in_place) and t.name not in symbolic
+                and 0 < t.nbytes <= READ_ALONG_BYTES and t.nbytes % 4 == 0}
+
+    def _along_slot(self, name: str) -> int | None:
+        """The staging offset of ``name``, an output read along: given at its first read, after the read-back and
+        the outputs read along before it, while ``READ_ALONG_BYTES`` has room (else None: not read along)."""
+        offset = self._along_slots.get(name)
+        if offset is None and self._along_end + self.readable_along[name] <= self._staging_size:
+            offset = self._along_slots[name] = self._along_end
+            self._along_end += self.readable_along[name]
+        return offset
 
     def _output_room(self, t: TensorSpec) -> int:
         """The most bytes output ``t`` holds in any run: its size at the plan's bounds, or for a plan over symbolic
@@ -304,22 +333,23 @@ class Program:
     # ---- running
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
-            into: dict[str, DeviceArray] | None = None, sizes=()) -> dict:
+            into: dict[str, DeviceArray] | None = None, sizes=(), read_along=()) -> dict:
         """``_run``; a plan with an arena runs alone on the device (its arena is the device's)."""
         if self._arena is None:
-            return self._run(inputs, device_inputs, into, sizes)
+            return self._run(inputs, device_inputs, into, sizes, read_along)
         with self._arena.running():
-            return self._run(inputs, device_inputs, into, sizes)
+            return self._run(inputs, device_inputs, into, sizes, read_along)
 
     def _run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None,
-             into: dict[str, DeviceArray] | None, sizes) -> dict:
+             into: dict[str, DeviceArray] | None, sizes, read_along) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
         gives for its name (overwritten), else a new one; an output stored in place (``Plan.in_place``) is the
         device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
         from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU.
-        A plan over symbolic sizes takes its symbols' values as ``sizes``."""
+        A plan over symbolic sizes takes its symbols' values as ``sizes``. ``read_along``: outputs kept on the device
+        (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute)."""
         began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")
@@ -355,13 +385,19 @@ class Program:
                 encoder = self._record(encoder, commands, profiler)
             for source, src_offset, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
+            along = [(name, self._along_slot(name)) for name in read_along] if waits else []
+            along = [(name, offset) for name, offset in along if offset is not None]
+            for name, offset in along:
+                encoder.copy_buffer_to_buffer(kept[name].buffer, 0, staging, offset, self.readable_along[name])
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
         if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
-        data = self._finish(staging, waits, profiler)
+        data = self._finish(staging, waits, profiler, self._along_end if along else self._read_size)
+        self.read_along = {name: from_device_bytes(run.spec(self._outputs[name]), data, offset).copy()
+                           for name, offset in along}
         return {t.name: kept[t.name] if t.name in kept
                 else from_device_bytes(run.spec(t), data, self._output_offsets.get(t.name, 0))
                 for t in self.plan.outputs}
@@ -379,15 +415,15 @@ class Program:
                     block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
                 self.device.write(self._owned[name], offset, block, name)
 
-    def _finish(self, staging, waits: bool, profiler):
+    def _finish(self, staging, waits: bool, profiler, size: int):
         """After the submit: wait and read back (host outputs, a profile, ``MEGANEURA_SYNC``), raising a status the
         run set; or leave the run in flight, its status copied into ``staging`` (if it has one) for the next wait.
-        Returns the read-back bytes (none for a run in flight)."""
+        Returns the read-back bytes, the first ``size`` of ``staging`` (none for a run in flight)."""
         if not waits:
             if staging is not None:
                 self.device.in_flight.add(f"run {self.runs} of {self.label}", partial(self._read_status, staging))
             return b""
-        data = self._read_back.read(staging)
+        data = self._read_back.read(staging, size)
         if profiler is not None:
             profiler.collect(self.plan.dispatches)
         error = self._status_error(data)
@@ -509,7 +545,7 @@ class Program:
 
     def _read_status(self, staging) -> KernelStatusError | None:
         """The status error left by a run that was not waited for (its status words copied into ``staging``)."""
-        data = self._read_back.read(staging)
+        data = self._read_back.read(staging, self._read_size)
         try:
             return self._status_error(data)
         finally:
