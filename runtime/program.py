@@ -221,6 +221,8 @@ class Program:
     def _along_slot(self, name: str) -> int | None:
         """The staging offset of ``name``, an output read along: given at its first read, after the read-back and
         the outputs read along before it, while ``READ_ALONG_BYTES`` has room (else None: not read along)."""
+        if name not in self.readable_along:
+            raise InputError(f"{name!r} cannot be read along: the outputs that can are {sorted(self.readable_along)}")
         offset = self._along_slots.get(name)
         if offset is None and self._along_end + self.readable_along[name] <= self._staging_size:
             offset = self._along_slots[name] = self._along_end

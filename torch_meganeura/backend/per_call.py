@@ -80,7 +80,7 @@ class _BoundPlan:
     _generation: int = 0
     _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
     returns: dict = field(default_factory=dict)  # positions read before a call -> how outputs return (``_returns``)
-    along: set = field(default_factory=set)  # the updates read back along with each run that waits (``_read_along``)
+    along: set = field(default_factory=set)  # the updates read back along with each run that waits (``read_along``)
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
