@@ -87,7 +87,6 @@ class Program:
         self._released = False
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._specs = {b.name: b for b in plan.buffers}
-        self._outputs = {t.name: t for t in plan.outputs}
         self._take_roles(plan, resident_outputs, device_only_inputs)
         input_specs = self._input_specs
         per_run = {t.buffer for t in self._resident.values()} | {input_specs[n].buffer for n in self._device_only}
@@ -114,7 +113,6 @@ class Program:
         self._pipelines: dict[str, object] = {}
         self._writes = self._plan_writes()
         self._plan_readback()
-        self.read_along: dict[str, np.ndarray] = {}  # the last run's (``run``); empty if it did not wait
         self._read_back = ReadBackBuffers(device, self._staging_size, "staging")
         self._bind_groups: dict[tuple[Binding, ...], object] = {}
         self._commands: list[tuple] = []
@@ -204,6 +202,8 @@ class Program:
                 self._readback.append((b.name, 0, cursor, b.size))
                 cursor += b.size
         self._read_size = max(cursor, 4)  # what a run reads back, but the outputs read along
+        self._outputs = {t.name: t for t in self.plan.outputs}
+        self.read_along: dict[str, np.ndarray] = {}  # the last run's (``run``); empty if it did not wait
         self.readable_along = self._plan_read_along()
         self._along_slots: dict[str, int] = {}  # staging offset of each output read along so far (``_along_slot``)
         self._along_end = self._read_size
@@ -387,10 +387,7 @@ class Program:
                 encoder = self._record(encoder, commands, profiler)
             for source, src_offset, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
-            along = [(name, self._along_slot(name)) for name in read_along] if waits else []
-            along = [(name, offset) for name, offset in along if offset is not None]
-            for name, offset in along:
-                encoder.copy_buffer_to_buffer(kept[name].buffer, 0, staging, offset, self.readable_along[name])
+            along = self._copy_along(encoder, staging, kept, read_along) if waits else []
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
         if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
@@ -416,6 +413,15 @@ class Program:
                 for spec, at in parts:
                     block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
                 self.device.write(self._owned[name], offset, block, name)
+
+    def _copy_along(self, encoder, staging, kept: dict, read_along) -> list[tuple[str, int]]:
+        """Record the copies of the outputs ``read_along`` into their staging slots (those that have one); returns
+        (name, staging offset) of each."""
+        along = [(name, self._along_slot(name)) for name in read_along]
+        along = [(name, offset) for name, offset in along if offset is not None]
+        for name, offset in along:
+            encoder.copy_buffer_to_buffer(kept[name].buffer, 0, staging, offset, self.readable_along[name])
+        return along
 
     def _finish(self, staging, waits: bool, profiler, size: int):
         """After the submit: wait and read back (host outputs, a profile, ``MEGANEURA_SYNC``), raising a status the
