@@ -1,19 +1,21 @@
 """A plan instantiated on a device: buffers, pipelines and bind groups built once, then replayed by ``run``.
 
-``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output and status
-buffers (the arena is the device's, shared by its programs: ``meganeura.runtime.arena``), starts compiling every
-kernel on background threads (``Device.compile_ahead``) and prepares the read-back. Param buffers come from outside
+``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output and status buffers
+(the arena is the device's, shared by its programs: ``meganeura.runtime.arena``), starts compiling every kernel on
+background threads (``Device.compile_ahead``) and prepares the read-back. Param buffers come from outside
 (``bind_params`` or ``upload_params``), uploaded while the kernels compile; binding the last of them waits for the
 kernels (``wait_pipelines``) and raises a compile error there. ``run`` then uploads the inputs, records the dispatches
 into compute passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the
 mapped memory (``meganeura.runtime.readback``), not copies. A run with no host outputs (every output resident or stored
 in place) returns once it is submitted, and its status is read at the device's next wait
-(``meganeura.runtime.in_flight``). A plan of more than a few dozen dispatches is submitted in parts
-(``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts doubling
-up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A run of a
-plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers, then records the next run's dispatches while the GPU
-works, before it waits (``_record_ahead``): the next run submits that command buffer with its copies in one submit, so
-recording leaves the path from a call to the GPU. While a profiler is attached to the device
+(``meganeura.runtime.in_flight``). A run that waits anyway can bring back, in the same staging buffer, a few bytes of
+outputs kept on the device (``run``'s ``read_along``: a step counter that the host reads before the next run), which
+would otherwise take a download and a wait of their own. A plan of more than a few dozen dispatches is submitted in
+parts (``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts
+doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A
+run of a plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers, then records the next run's dispatches while
+the GPU works, before it waits (``_record_ahead``): the next run submits that command buffer with its copies in one
+submit, so recording leaves the path from a call to the GPU. While a profiler is attached to the device
 (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into
