@@ -1,19 +1,21 @@
 """A plan instantiated on a device: buffers, pipelines and bind groups built once, then replayed by ``run``.
 
-``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output and status
-buffers (the arena is the device's, shared by its programs: ``meganeura.runtime.arena``), starts compiling every
-kernel on background threads (``Device.compile_ahead``) and prepares the read-back. Param buffers come from outside
+``Program(device, plan)`` checks the plan against the device's limits, allocates the input, output and status buffers
+(the arena is the device's, shared by its programs: ``meganeura.runtime.arena``), starts compiling every kernel on
+background threads (``Device.compile_ahead``) and prepares the read-back. Param buffers come from outside
 (``bind_params`` or ``upload_params``), uploaded while the kernels compile; binding the last of them waits for the
 kernels (``wait_pipelines``) and raises a compile error there. ``run`` then uploads the inputs, records the dispatches
 into compute passes, copies outputs and status into one staging buffer and maps it: the numpy outputs are views of the
 mapped memory (``meganeura.runtime.readback``), not copies. A run with no host outputs (every output resident or stored
 in place) returns once it is submitted, and its status is read at the device's next wait
-(``meganeura.runtime.in_flight``). A plan of more than a few dozen dispatches is submitted in parts
-(``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts doubling
-up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A run of a
-plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers, then records the next run's dispatches while the GPU
-works, before it waits (``_record_ahead``): the next run submits that command buffer with its copies in one submit, so
-recording leaves the path from a call to the GPU. While a profiler is attached to the device
+(``meganeura.runtime.in_flight``). A run that waits anyway can bring back, in the same staging buffer, a few bytes of
+outputs kept on the device (``run``'s ``read_along``: a step counter that the host reads before the next run), which
+would otherwise take a download and a wait of their own. A plan of more than a few dozen dispatches is submitted in
+parts (``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts
+doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A
+run of a plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers, then records the next run's dispatches while
+the GPU works, before it waits (``_record_ahead``): the next run submits that command buffer with its copies in one
+submit, so recording leaves the path from a call to the GPU. While a profiler is attached to the device
 (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into fresh
@@ -39,6 +41,7 @@ from functools import partial
 
 import numpy as np
 
+from meganeura.kernels.sizes import is_size
 
 from .device import Device
 from .errors import InputError, KernelStatusError, MeganeuraError
@@ -56,6 +59,10 @@ BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes g
 SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
 SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
 RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input alternates between two buffers
+# Outputs kept on the device, of this many bytes in all (step counters: HF's static cache's ``cumulative_length``,
+# which HF's masks read on the host before every decode step), may be copied into the staging buffer of a run that
+# waits anyway (``run``'s ``read_along``): the host's later read of one then needs no download and no second wait
+READ_ALONG_BYTES = 64
 
 
 class Program:
@@ -211,7 +218,33 @@ class Program:
                 self._status_offsets.append((b.name, cursor, b.size))
                 self._readback.append((b.name, 0, cursor, b.size))
                 cursor += b.size
-        self._staging_size = max(cursor, 4)
+        self._read_size = max(cursor, 4)  # what a run reads back, but the outputs read along
+        self._outputs = {t.name: t for t in self.plan.outputs}
+        self.read_along: dict[str, np.ndarray] = {}  # the last run's (``run``); empty if it did not wait
+        self.readable_along = self._plan_read_along()
+        self._along_slots: dict[str, int] = {}  # staging offset of each output read along so far (``_along_slot``)
+        self._along_end = self._read_size
+        self._staging_size = self._read_size + min(READ_ALONG_BYTES, sum(self.readable_along.values()))
+
+    def _plan_read_along(self) -> dict[str, int]:
+        """Output name -> bytes of the outputs kept on the device (resident, or stored in place) that a run that waits
+        anyway may read back too (``READ_ALONG_BYTES``): each in whole words, as buffer copies go, and of a size no
+        symbol changes."""
+        symbolic = {t.name for t in self.symbolic.outputs if any(map(is_size, t.shape))} if self.symbolic else set()
+        return {t.name: t.nbytes for t in self.plan.outputs
+                if (t.name in self._resident or t.name in self._in_place) and t.name not in symbolic
+                and 0 < t.nbytes <= READ_ALONG_BYTES and t.nbytes % 4 == 0}
+
+    def _along_slot(self, name: str) -> int | None:
+        """The staging offset of ``name``, an output read along: given at its first read, after the read-back and
+        the outputs read along before it, while ``READ_ALONG_BYTES`` has room (else None: not read along)."""
+        if name not in self.readable_along:
+            raise InputError(f"{name!r} cannot be read along: the outputs that can are {sorted(self.readable_along)}")
+        offset = self._along_slots.get(name)
+        if offset is None and self._along_end + self.readable_along[name] <= self._staging_size:
+            offset = self._along_slots[name] = self._along_end
+            self._along_end += self.readable_along[name]
+        return offset
 
     def _output_room(self, t: TensorSpec) -> int:
         """The most bytes output ``t`` holds in any run: its size at the plan's bounds, or for a plan over symbolic
@@ -319,22 +352,23 @@ class Program:
     # ---- running
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
-            into: dict[str, DeviceArray] | None = None, sizes=()) -> dict:
+            into: dict[str, DeviceArray] | None = None, sizes=(), read_along=()) -> dict:
         """``_run``; a plan with an arena runs alone on the device (its arena is the device's)."""
         if self._arena is None:
-            return self._run(inputs, device_inputs, into, sizes)
+            return self._run(inputs, device_inputs, into, sizes, read_along)
         with self._arena.running():
-            return self._run(inputs, device_inputs, into, sizes)
+            return self._run(inputs, device_inputs, into, sizes, read_along)
 
     def _run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None,
-             into: dict[str, DeviceArray] | None, sizes) -> dict:
+             into: dict[str, DeviceArray] | None, sizes, read_along) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
         gives for its name (overwritten), else a new one; an output stored in place (``Plan.in_place``) is the
         device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
         from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU.
-        A plan over symbolic sizes takes its symbols' values as ``sizes``."""
+        A plan over symbolic sizes takes its symbols' values as ``sizes``. ``read_along``: outputs kept on the device
+        (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute)."""
         began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")
@@ -350,11 +384,7 @@ class Program:
             check_in_place(device_inputs, self._in_place)
         dev = self.device
         swaps = {self._input_specs[name].buffer: array.buffer for name, array in device_inputs.items()}
-        kept = {name: into[name] if name in into else self._new_output(name, run.shapes[name], t)
-                for name, t in self._unsaved.items()}
-        if self._saved_set is not None:
-            names, sizes, shapes, dtypes = self._saved_set
-            kept.update(zip(names, BufferSet(dev.pool, sizes).arrays(shapes, dtypes)))
+        kept = self._resident_outputs(into, run)
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
         self._upload(arrays, swaps)
@@ -373,16 +403,29 @@ class Program:
                 encoder = self._record(encoder, commands, profiler)
             for source, src_offset, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
+            along = self._copy_along(encoder, staging, kept, read_along) if waits else []
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
         if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
-        data = self._finish(staging, waits, profiler)
+        data = self._finish(staging, waits, profiler, self._along_end if along else self._read_size)
+        self.read_along = {name: from_device_bytes(run.spec(self._outputs[name]), data, offset).copy()
+                           for name, offset in along}
         return {t.name: kept[t.name] if t.name in kept
                 else from_device_bytes(run.spec(t), data, self._output_offsets.get(t.name, 0))
                 for t in self.plan.outputs}
+
+    def _resident_outputs(self, into: dict[str, DeviceArray], run) -> dict[str, DeviceArray]:
+        """The arrays a run writes its resident outputs into: ``into``'s where given, else new ones; the saved
+        outputs' from one set of pool buffers (``BufferSet``)."""
+        kept = {name: into[name] if name in into else self._new_output(name, run.shapes[name], t)
+                for name, t in self._unsaved.items()}
+        if self._saved_set is not None:
+            names, sizes, shapes, dtypes = self._saved_set
+            kept.update(zip(names, BufferSet(self.device.pool, sizes).arrays(shapes, dtypes)))
+        return kept
 
     def _upload(self, arrays: dict[str, np.ndarray], swaps: dict) -> None:
         """Write the host inputs into the program's input buffers (not those a device input replaces this run)."""
@@ -397,15 +440,24 @@ class Program:
                     block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
                 self.device.write(self._owned[name], offset, block, name)
 
-    def _finish(self, staging, waits: bool, profiler):
+    def _copy_along(self, encoder, staging, kept: dict, read_along) -> list[tuple[str, int]]:
+        """Record the copies of the outputs ``read_along`` into their staging slots (those that have one); returns
+        (name, staging offset) of each."""
+        along = [(name, self._along_slot(name)) for name in read_along]
+        along = [(name, offset) for name, offset in along if offset is not None]
+        for name, offset in along:
+            encoder.copy_buffer_to_buffer(kept[name].buffer, 0, staging, offset, self.readable_along[name])
+        return along
+
+    def _finish(self, staging, waits: bool, profiler, size: int):
         """After the submit: wait and read back (host outputs, a profile, ``MEGANEURA_SYNC``), raising a status the
         run set; or leave the run in flight, its status copied into ``staging`` (if it has one) for the next wait.
-        Returns the read-back bytes (none for a run in flight)."""
+        Returns the read-back bytes, the first ``size`` of ``staging`` (none for a run in flight)."""
         if not waits:
             if staging is not None:
                 self.device.in_flight.add(f"run {self.runs} of {self.label}", partial(self._read_status, staging))
             return b""
-        data = self._read_back.read(staging)
+        data = self._read_back.read(staging, size)
         if profiler is not None:
             profiler.collect(self.plan.dispatches)
         error = self._status_error(data)
@@ -527,7 +579,7 @@ class Program:
 
     def _read_status(self, staging) -> KernelStatusError | None:
         """The status error left by a run that was not waited for (its status words copied into ``staging``)."""
-        data = self._read_back.read(staging)
+        data = self._read_back.read(staging, self._read_size)
         try:
             return self._status_error(data)
         finally:

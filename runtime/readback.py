@@ -28,11 +28,12 @@ class ReadBackBuffers:
         """An unmapped buffer for the next run's copies."""
         return self._free.pop() if self._free else self.device.staging_buffer(self.size, self.label)
 
-    def read(self, buffer) -> np.ndarray | memoryview:
-        """Wait for the run that copied into ``buffer`` (from ``take``) and return its bytes, mapped."""
+    def read(self, buffer, size: int | None = None) -> np.ndarray | memoryview:
+        """Wait for the run that copied into ``buffer`` (from ``take``) and return its bytes (its first ``size``),
+        mapped."""
         self.held += 1
         try:
-            return self.device.read_mapped(buffer, self.size, self._give_back)
+            return self.device.read_mapped(buffer, self.size if size is None else size, self._give_back)
         except BaseException:
             self.held -= 1
             raise

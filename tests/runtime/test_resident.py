@@ -143,3 +143,33 @@ def test_outputs_written_into_given_arrays_alternate_without_new_bind_groups():
     with pytest.raises(InputError, match="not resident outputs"):
         program.run({}, device_inputs={"x": current}, into={"y": spare})
     np.testing.assert_allclose(current.numpy(), want, rtol=1e-5, atol=1e-6)  # refused runs changed nothing
+
+
+def test_a_small_resident_output_is_read_back_along_with_a_run_that_waits():
+    """``run(read_along=...)``: a resident output of a few bytes (a step counter) comes back in the staging buffer of
+    a run that reads a host output anyway, with no wait of its own; a run that waits for nothing reads none."""
+    b = GraphBuilder()
+    x = b.input("x", (2,), "float32")
+    h = b.input("h", (64,), "float32")
+    b.output(b.map(lambda v: E.add(v, E.const(1.0, E.F32)), x, dtype="float32"))  # out0: the counter, kept
+    b.output(b.map(lambda v: E.mul(v, E.const(3.0, E.F32)), h, dtype="float32"))  # out1: read back
+    dev = get_device()
+    plan, _ = compile_graph(b.graph, dev.limits)
+    program = Program(dev, plan, resident_outputs=["out0"])
+    assert program.readable_along == {"out0": 8}
+    counter, values = np.array([1.0, 5.0], np.float32), RNG.standard_normal(64, dtype=np.float32)
+    before = dev.counters.snapshot()
+    plain = program.run({"x": counter, "h": values})
+    middle = dev.counters.snapshot()
+    along = program.run({"x": counter, "h": values}, read_along=["out0"])
+    after = dev.counters.snapshot()
+    np.testing.assert_allclose(program.read_along["out0"], counter + 1)
+    np.testing.assert_allclose(along["out0"].numpy(), counter + 1)
+    np.testing.assert_allclose(along["out1"], values * 3, rtol=1e-6)
+    assert after["waits"] - middle["waits"] == middle["waits"] - before["waits"]  # (the numpy() above came after)
+    assert (after["bytes_downloaded"] - middle["bytes_downloaded"]) - (
+        middle["bytes_downloaded"] - before["bytes_downloaded"]) == 8
+    assert isinstance(plain["out0"], DeviceArray)
+    kept_only = affine_program(1.0, 1.0, 2, resident=["out0"])
+    kept_only.run({"x": counter}, read_along=["out0"])
+    assert kept_only.read_along == {}  # (nothing read back: the run did not wait)

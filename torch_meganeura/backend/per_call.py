@@ -31,8 +31,8 @@ from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, kept_array, lazy_output, read_back_output,
-                                     read_now, spare_array)
+from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, fill_host, kept_array, lazy_output,
+                                     read_back_output, read_now, spare_array, watch_downloads)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
 from ..tensors.read_ahead import ReadAhead
@@ -85,6 +85,7 @@ class _BoundPlan:
     _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
     returns: dict = field(default_factory=dict)  # positions read before a call -> how outputs return (``_returns``)
     read_ahead: ReadAhead | None = None  # the updated arguments, as eager code reads them (``read_ahead``)
+    along: set = field(default_factory=set)  # the updates read back along with each run that waits (``read_along``)
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
@@ -102,6 +103,32 @@ class _BoundPlan:
         # checked through the abstract key at every call; not the arguments updated in place, which a replay requires
         # to be the objects of the last call (``replays``), checked then
         self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims and i not in self.updated]
+        # the updates small enough to read back along with a run that waits anyway (``Program.readable_along``)
+        self.readable_updates = [(i, out) for i, _, _, out, _ in self.update_inputs
+                                 if out in self.program.readable_along]
+        self._downloaded = {out: self._on_download(out) for _, out in self.readable_updates}
+
+    def _on_download(self, out: str):
+        """What eager code's download of the update ``out`` calls: from the next run on, it is read back along with
+        each run that waits (a step counter that HF's masks read on the host before every decode step)."""
+        ref = weakref.ref(self)
+
+        def downloaded() -> None:
+            entry = ref()
+            if entry is not None:
+                entry.along.add(out)
+
+        return downloaded
+
+    def read_along(self, args) -> None:
+        """After a run: give the updates read back along with it their values on the host (``fill_host``); have the
+        others report a download (``watch_downloads``)."""
+        values = self.program.read_along
+        for i, out in self.readable_updates:
+            if out in values:
+                fill_host(args[i], values[out])
+            else:
+                watch_downloads(args[i], self._downloaded[out])
 
     def _params(self, args) -> list:
         return [args[i] for i in self._param_positions]
@@ -420,12 +447,13 @@ class DevicePartition(torch.nn.Module):
             spare = spare_array(args[i], device) if alternating is not None else None
             if spare is not None:
                 into[alternating] = spare
-        results = program.run(host, on_device, into, sizes=sizes)
+        results = program.run(host, on_device, into, sizes=sizes, read_along=entry.along)
         if entry.read_ahead is None:
             entry.read_ahead = ReadAhead([args[i] for i, *_ in entry.update_inputs])
         entry.read_ahead.restart()
         adopted = {k: adopt(args[i], results[out], on_device[name], (entry.read_ahead, position))
                    for position, (i, k, name, out, _) in enumerate(entry.update_inputs)}
+        entry.read_along(args)
         outs, made, packed = [], {}, self.packed_positions
         for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
             value = item if kind == "const" else results[item]

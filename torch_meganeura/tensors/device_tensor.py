@@ -70,15 +70,18 @@ class Kept:
     was last current (a later one: the host wrote it); ``on_read``, called at the first download; ``self_copy``,
     while aot_autograd may still copy the tensor into itself (``adopt``): one version step that writes nothing;
     ``spare``, the array a graph's update replaced, where the next update is written (``adopt``); ``read_ahead``,
-    the group whose download it joins at ``position`` (``read_ahead.ReadAhead``), if any."""
+    the group whose download it joins at ``position`` (``read_ahead.ReadAhead``), if any; ``on_download``, called at
+    each download (``watch_downloads``)."""
 
-    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy", "spare", "read_ahead", "position")
+    __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy", "spare", "read_ahead", "position",
+                 "on_download")
 
     def __init__(self, store=None, array: DeviceArray | None = None, stale: bool = False, version: int = 0,
                  on_read=None, self_copy: bool = False, spare: DeviceArray | None = None,
                  read_ahead: ReadAhead | None = None, position: int = 0):
         self.store, self.array, self.stale, self.version, self.on_read = store, array, stale, version, on_read
         self.self_copy, self.spare, self.read_ahead, self.position = self_copy, spare, read_ahead, position
+        self.on_download = None
 
     def device_array(self, t: torch.Tensor) -> DeviceArray:
         return self.array if self.array is not None else self.store.kept(t)
@@ -282,6 +285,22 @@ def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None,
     return t
 
 
+def fill_host(t: DeviceTensor, values) -> None:
+    """Give ``t``, adopted (its values on the device), those values on the host too: read back along with a run
+    that waited anyway (``Program.read_along``), so that eager code's read of it downloads nothing. Through
+    ``.data``: the version stays, so nothing uploads it back."""
+    with torch._C.DisableTorchFunctionSubclass(), _disable_current_modes():
+        t.data.copy_(tensor_from_host(values).reshape(t.shape))
+    t._meganeura_kept.stale = False
+
+
+def watch_downloads(t: DeviceTensor, callback) -> None:
+    """Have ``callback()`` called whenever eager code's read of ``t`` (adopted) downloads its device values."""
+    kept = t._meganeura_kept
+    if kept.on_download is not callback:
+        kept.on_download = callback
+
+
 def mark_updated(t: torch.Tensor) -> None:
     """``t`` as the ``DeviceTensor`` that a graph's update will make of it (``adopt``), its values still on the
     host (``backend``: before dynamo's guards are built)."""
@@ -372,6 +391,8 @@ def _download(tensors: list) -> None:
         with _disable_current_modes():
             t.data.copy_(host)
         kept.stale = False
+        if kept.on_download is not None:
+            kept.on_download()
         if kept.on_read is not None and type(t) is not DeviceTensor:  # (an output is released by the caller)
             kept.on_read()
 
