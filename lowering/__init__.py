@@ -24,7 +24,8 @@ to linear reads, i32 simplification), ``bindings`` (each kernel within the adapt
 ``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``,
 ``sibling_updates``, ``epilogues``, ``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs
 written over an input's buffer), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a fused
-graph to a ``Plan``: memory plan, WGSL, dispatches), ``plan_cache`` (compiled plans kept on disk across processes).
+graph to a ``Plan``: memory plan, WGSL, dispatches) with ``node_kernels`` (each node's kernels, by archetype),
+``plan_cache`` (compiled plans kept on disk across processes).
 """
 from __future__ import annotations
 

@@ -581,7 +581,7 @@ def test_many_sibling_matmuls_fetch_their_weights_in_a_loop(m, k):
     """Five products of one input (LOOPED_FETCH_BLOCKS or more) merge into one kernel that fetches the weights in a
     loop, one call of their loader's chain; every output as numpy's. ``on_kernel`` hears of each kernel once, with
     the binding count of its dispatches."""
-    from meganeura.lowering.schedule import LOOPED_FETCH_BLOCKS
+    from meganeura.lowering.node_kernels import LOOPED_FETCH_BLOCKS
 
     widths = (50, 3, 130, 64, 20)
     assert len(widths) >= LOOPED_FETCH_BLOCKS

@@ -1,4 +1,4 @@
-"""Half precision operands read in groups (``lowering/schedule.py``'s ``_gemv_wide`` and ``_quad_rows``): a gemv of
+"""Half precision operands read in groups (``lowering/node_kernels.py``'s ``_gemv_wide`` and ``_quad_rows``): a gemv of
 bfloat16 or float16 weights reads 8 of them per vec4<u32> load, the tiled matmul's quad staging and attention 4 per
 vec2<u32> load, widened in registers. Where a row's elements along K are no whole groups (K not a multiple of the
 group, a row offset that is not one) the kernels read element by element, as before. Every case runs through the
