@@ -34,7 +34,6 @@ and the next run recorded ahead, stay the same whatever the sizes.
 """
 from __future__ import annotations
 
-import operator
 import time
 from collections import deque
 from functools import partial
@@ -45,10 +44,10 @@ from meganeura.kernels.sizes import is_size
 
 from .device import Device
 from .errors import InputError, KernelStatusError, MeganeuraError
-from .native import Indirect, command_encoder, compute_pass, finish, record_dispatches
+from .native import Indirect, command_encoder
 from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
-from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pipeline_jobs, run_sizes,
-                           submission_parts)
+from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pipeline_jobs, run_sizes)
+from .program_recording import Recording
 from .program_checks import (check_in_place, check_into, check_limits, check_run_inputs, from_device_bytes,
                              require_own_buffers, status_error, to_device_array)
 from .readback import ReadBackBuffers
@@ -56,8 +55,6 @@ from .resident import BufferSet, DeviceArray, buffer_bytes
 
 OWNED_ROLES = ("input", "output", "status")  # and the arena, the device's (``meganeura.runtime.arena``)
 BATCH_BYTES = 1 << 16  # inputs of one buffer spanning at most this many bytes go up in a single write
-SWAPPED_GROUPS_PER_DISPATCH = 8  # bound on cached bind groups over per-run buffers, per dispatch
-SWAPPED_COMMAND_LISTS = 4  # command lists kept for the most recent sets of per-run buffers
 RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input alternates between two buffers
 # Outputs kept on the device, of this many bytes in all (step counters: HF's static cache's ``cumulative_length``,
 # which HF's masks read on the host before every decode step), may be copied into the staging buffer of a run that
@@ -65,7 +62,7 @@ RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input a
 READ_ALONG_BYTES = 64
 
 
-class Program:
+class Program(Recording):
     """A plan bound to a device; ``run`` replays it with no allocation."""
 
     def __init__(self, device: Device, plan: Plan, resident_outputs=(), device_only_inputs=(), label: str = "",
@@ -482,44 +479,6 @@ class Program:
             self._sized = (sizes, RunTensors(dict(zip(self._run_names, shapes))))
         return self._sized[1], {**inputs, SIZES_INPUT: np.asarray(sizes, np.int32)}
 
-    def _record(self, encoder, commands, profiler):
-        """Record the status clears and ``commands`` into ``encoder``: in parts, each but the last submitted as soon
-        as it is recorded, or timestamped one by one for ``profiler``. Returns the encoder holding the rest."""
-        dev = self.device
-        self._clear_status(encoder)
-        if profiler is not None:
-            self._record_profiled(encoder, commands, profiler)
-            return encoder
-        for start, end in submission_parts(len(commands)):
-            if start:
-                dev.submit(encoder, "plan part")
-                encoder = command_encoder(dev.wgpu_device)
-            compute_pass(encoder, commands[start:end], self._sizes_group)
-        return encoder
-
-    def _record_ahead(self):
-        """The next run's status clears and dispatches, recorded into one command buffer now, while the GPU works on
-        this run: the next run submits it before its own copies, over the same buffers (a rebind drops it)."""
-        encoder = command_encoder(self.device.wgpu_device)
-        self._clear_status(encoder)
-        compute_pass(encoder, self._commands, self._sizes_group)
-        return finish(encoder)
-
-    def _clear_status(self, encoder) -> None:
-        for name, _, _ in self._status_offsets:
-            encoder.clear_buffer(self._owned[name])
-
-    def _record_profiled(self, encoder, commands, profiler) -> None:
-        """Each dispatch in a compute pass of its own, its beginning and end timestamped."""
-        profiler.prepare(len(commands))
-        for i, command in enumerate(commands):
-            compute = encoder.begin_compute_pass(timestamp_writes=profiler.timestamp_writes(i))
-            if self._sizes_group is not None:
-                compute.set_bind_group(1, self._sizes_group)
-            record_dispatches(compute, [command])
-            compute.end()
-        profiler.resolve(encoder, len(commands))
-
     def _new_output(self, name: str, shape: tuple, spec: TensorSpec) -> DeviceArray:
         """A resident output's array, in a buffer of its size at the plan's bounds (``spec``'s): the one this output
         had one or two runs before where the pool has it back, so that a run's buffers repeat and its bind groups
@@ -537,36 +496,6 @@ class Program:
         array = DeviceArray.in_pool(self.device.pool, shape, spec.dtype, nbytes, buffers)
         buffers.append(array.buffer)
         return array
-
-    def _with_swaps(self, swaps: dict):
-        """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""
-        if not swaps:
-            return self._commands
-        key = tuple(map(id, swaps.values()))
-        cached = self._swapped_commands.get(key)
-        if cached is not None and all(map(operator.is_, cached[1], swaps.values())):
-            return cached[0]
-        commands = self._build_swapped(swaps)
-        if len(self._swapped_commands) >= SWAPPED_COMMAND_LISTS:
-            self._swapped_commands.pop(next(iter(self._swapped_commands)))
-        self._swapped_commands[key] = (commands, list(swaps.values()))  # the buffers keep their ids unique
-        return commands
-
-    def _build_swapped(self, swaps: dict) -> list:
-        commands = []
-        for i, (pipeline, group, workgroups) in enumerate(self._commands):
-            names = [n for n in self._swap_names[i] if n in swaps]
-            if names:
-                key = (i, *(id(swaps[n]) for n in names))
-                entry = self._swapped_groups.get(key)
-                if entry is None:
-                    if len(self._swapped_groups) > SWAPPED_GROUPS_PER_DISPATCH * len(self._commands):
-                        self._swapped_groups.clear()
-                    bufs = [swaps[n] for n in names]  # kept alive with the group, so their ids stay unique
-                    entry = self._swapped_groups[key] = (self._group(self.plan.dispatches[i], swaps), bufs)
-                group = entry[0]
-            commands.append((pipeline, group, workgroups))
-        return commands
 
     def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict,
                         run: RunTensors) -> dict[str, np.ndarray]:
