@@ -3,7 +3,7 @@ records and moves bytes like a GPU, computes nothing): what a token costs the ho
 depth. A tiny Llama at two depths, with the default cache and the static cache; per token (the difference between
 two generate lengths, so that the prefill cancels out): the bytes up and down, the waits, our tensor overrides
 entered (interceptions) and the tensor wrappers made, counted, not timed (``bench.host``'s counts); and the argument
-signatures built (``per_call.signature``), which a step that replays the entry the last step ran builds none of."""
+signatures built (``signatures.signature``), which a step that replays the entry the last step ran builds none of."""
 import cProfile
 import pstats
 
@@ -75,9 +75,9 @@ def _per_token(depth: int, cache: str, device) -> dict:
 
 
 def _signatures(profile: cProfile.Profile) -> int:
-    """Calls of ``per_call.signature``: the signature of every argument of a partition, built to select its entry."""
+    """Calls of ``signatures.signature``: the signature of every argument of a partition, built to select its entry."""
     return sum(s[1] for (path, _, name), s in pstats.Stats(profile).stats.items()
-               if name == "signature" and path.endswith("per_call.py"))
+               if name == "signature" and path.endswith("signatures.py"))
 
 
 _MEASURED: dict[str, tuple[dict, dict]] = {}  # cache -> the per-token counts at each depth (measured once)

@@ -21,7 +21,8 @@ from torch._functorch._aot_autograd.schemas import OutputType
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
-from .per_call import SHARED_GRAPHS, DevicePartition
+from .per_call import DevicePartition
+from .signatures import SHARED_GRAPHS
 from ..lower.decompositions import aot_decomposition_table
 from ..tensors.device_tensor import DeviceParameter, mark_updated
 from .device_graph import unsupported_listing

@@ -9,7 +9,7 @@ compiled function unpacks each pack before its graph runs (``Unpacker``): every 
 ``DeviceArray`` where only device partitions read it (they bind it as it is), a ``ResidentTensor`` of it where eager
 code does. A partition that ran in eager PyTorch returned real tensors, which stay as they are.
 
-Not packed: graphs over symbolic sizes (their partitions compare each argument's sizes, ``per_call._fits``), and
+Not packed: graphs over symbolic sizes (their partitions compare each argument's sizes, ``signatures.fits``), and
 what a forward saves that is not a partition's output (its inputs, the parameters).
 """
 from __future__ import annotations
