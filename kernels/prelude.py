@@ -150,21 +150,11 @@ def wide_loader(name: str, coords: tuple[str, ...], fast: str, axis: str, blocks
     next one's first index."""
     args = [x for x in coords if x != fast]
     lines = [f"fn {name}({''.join(f'{x}: u32, ' for x in args)}c: u32) -> {GROUP_TYPE[width]} {{"]
-    blocked = axis in args and len(blocks) > 1
-    lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
-    for k, (start, binding, row, kind) in enumerate(blocks):
-        last = k == len(blocks) - 1
-        indent = "  " if last else "    "
-        if not last:
-            lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
-        if blocked:
-            lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {start}i;" if start else ";"))
+    for (_, binding, row, kind), indent, _ in _per_block(lines, args, axis, blocks):
         em = wgsl.Emitter([f"{x}_" for x in coords], indent=indent)
         first = em.value(row)
         lines += em.lines
         lines.append(f"{indent}return {wide_group(binding, first, 'c', kind, width)};")
-        if not last:
-            lines.append("  }")
     return "\n".join(lines + ["}"])
 
 
@@ -179,15 +169,7 @@ def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tup
     loader = blocks[0][2] is None
     head = ", ".join(f"{x}: u32" for x in args) + ("" if loader else "".join(f", {a}: f32" for a in accs))
     lines = [f"fn {name}({head})" + (" -> f32" if loader else "") + " {"]
-    blocked = axis in args and len(blocks) > 1
-    lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
-    for k, (start, e, store, dtype) in enumerate(blocks):
-        last = k == len(blocks) - 1
-        indent = "  " if last else "    "
-        if not last:
-            lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
-        if blocked:
-            lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {start}i;" if start else ";"))
+    for (_, e, store, dtype), indent, last in _per_block(lines, args, axis, blocks):
         em = wgsl.Emitter([f"{x}_" for x in args], list(accs), indent=indent)
         value = em.value(e)
         lines += em.lines
@@ -195,9 +177,26 @@ def block_function(name: str, args: tuple[str, ...], axis: str, blocks: list[tup
             lines.append(f"{indent}return {value};")
         else:
             lines.append(indent + store.format(wgsl.store(value, dtype)) + ("" if last else " return;"))
+    return "\n".join(lines + ["}"])
+
+
+def _per_block(lines: list[str], args, axis: str, blocks: list[tuple]):
+    """The frame ``block_function`` and ``wide_loader`` share, appended to ``lines``: each u32 argument as i32
+    ``<arg>_`` (with more than one block, ``<axis>_`` per block, from the block's first index), and each block but
+    the last under ``if (<axis> < next block's first index)``. Yields (block, indent, last) while the caller appends
+    the block's body."""
+    blocked = axis in args and len(blocks) > 1
+    lines += [f"  let {x}_ = i32({x});" for x in args if not (blocked and x == axis)]
+    for k, block in enumerate(blocks):
+        last = k == len(blocks) - 1
+        indent = "  " if last else "    "
+        if not last:
+            lines.append(f"  if ({axis} < {blocks[k + 1][0]}u) {{")
+        if blocked:
+            lines.append(f"{indent}let {axis}_ = i32({axis})" + (f" - {block[0]}i;" if block[0] else ";"))
+        yield block, indent, last
         if not last:
             lines.append("  }")
-    return "\n".join(lines + ["}"])
 
 
 def _with_helpers(body: str) -> str:

@@ -32,7 +32,7 @@ from ..lower.registry import TORCH_TO_LOGICAL
 from ..tensors.resident import TORCH_DTYPE, ResidentTensor
 from ..lower.partition import fallback_ops, partition
 from .saved_values import partition_joint
-from .packed import Handoff
+from .packed import Handoff, of_this_graph
 
 log = logging.getLogger("torch_meganeura")
 
@@ -387,12 +387,7 @@ class KeptGradients:
 
     @staticmethod
     def of_this_graph(create: bool) -> "KeptGradients | None":
-        ctx = torch._guards.TracingContext.try_get()
-        if ctx is None:
-            return None
-        if create:
-            ctx.meganeura_kept_gradients = KeptGradients()
-        return getattr(ctx, "meganeura_kept_gradients", None)
+        return of_this_graph("meganeura_kept_gradients", KeptGradients, create)
 
 
 def meganeura_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):

@@ -34,12 +34,19 @@ class SavedPacks:
 
     @staticmethod
     def of_this_graph(create: bool) -> "SavedPacks | None":
-        ctx = torch._guards.TracingContext.try_get()
-        if ctx is None:
-            return None
-        if create:
-            ctx.meganeura_saved_packs = SavedPacks()
-        return getattr(ctx, "meganeura_saved_packs", None)
+        return of_this_graph("meganeura_saved_packs", SavedPacks, create)
+
+
+def of_this_graph(attribute: str, make, create: bool):
+    """What a graph's forward compiler leaves for its backward's compiler (of the same graph) in the tracing
+    context they share, under ``attribute``: a new ``make()`` there where ``create``; None outside a tracing
+    context."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is None:
+        return None
+    if create:
+        setattr(ctx, attribute, make())
+    return getattr(ctx, attribute, None)
 
 
 def packs_saved(gm: fx.GraphModule) -> bool:
