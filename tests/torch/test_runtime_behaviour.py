@@ -164,7 +164,7 @@ def test_profile_times_each_dispatch_of_a_compiled_model(tmp_path):
 DEVICE_LOSS = """
 import warnings, torch, torch.nn as nn
 import torch_meganeura
-from meganeura.runtime import native, program as program_module
+from meganeura.runtime import native, program_recording as program_module
 from meganeura.runtime.device import get_device
 from meganeura.runtime.errors import DeviceLostError
 torch.manual_seed(0)
