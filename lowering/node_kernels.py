@@ -102,7 +102,7 @@ def _pointwise_quads(node: Pointwise, slots: Slots, outputs: list, limits: dict)
 def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
     n_phases = len(node.phases)
     phases = [(op, e) for (op, _), e in zip(node.phases, slots.exprs[:n_phases])]
-    results = [(r.per_element, e, slots.name(s), v.compute_dtype)
+    results = [(r.per_element, e, slots.name(s), v.compute_dtype, slots.storage[s])
                for r, e, s, v in zip(node.results, slots.exprs[n_phases:], slots.out_slots, node.outs)]
     split, partial = (scratch[0], slots.name(slots.bound.index(scratch[1]))) if scratch is not None else (1, None)
     decl, bound = list(slots.decl), list(slots.bound)

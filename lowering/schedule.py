@@ -110,7 +110,7 @@ def _narrowed_outputs(graph: Graph) -> tuple[Graph, dict[str, str]]:
     result from the arena."""
     producers = graph.producers()
     in_place = {graph.outputs[i].id for i in graph.in_place}
-    why = {v.id: pair_refusal(producers[v.id], v.id in in_place) for v in graph.outputs
+    why = {v.id: pair_refusal(producers[v.id], v.id, v.id in in_place) for v in graph.outputs
            if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Input))}
     narrow = {vid for vid, reason in why.items() if reason is not None}
     if not narrow:
@@ -127,18 +127,26 @@ def _narrowed_outputs(graph: Graph) -> tuple[Graph, dict[str, str]]:
     return Graph(nodes, outputs, graph.status_messages, graph.in_place), reasons
 
 
-def pair_refusal(node: Node, in_place: bool) -> str | None:
-    """Why ``node``'s kernel cannot store its half precision output itself, or None: a matmul kernel stores its
-    outputs by pairs of neighbouring columns (``node_kernels.stores_pairs``) where each output's column count is
-    even (with several outputs side by side along columns, every block's: no pair straddles a row or a block), its
-    outputs compute in f32, and the output is not stored over an input (only a pointwise writer may be:
-    ``in_place``)."""
-    if not isinstance(node, Matmul):
-        return f"a {type(node).__name__.lower()} kernel stores f32 only"
+def pair_refusal(node: Node, vid: int, in_place: bool) -> str | None:
+    """Why ``node``'s kernel cannot store its half precision output ``vid`` itself, or None. A matmul kernel stores
+    its outputs by pairs of neighbouring columns (``node_kernels.stores_pairs``) where each output's column count is
+    even (with several outputs side by side along columns, every block's: no pair straddles a row or a block); a
+    row program its element results by pairs of neighbouring elements where the reduced axes end with the domain's
+    last, of an even length (``reduce_kernels.pairs_fit``), not its row results (one per row, neighbouring rows'
+    stored by other threads). Attention kernels store f32 only. Either way the outputs compute in f32, and the output
+    is not stored over an input (only a pointwise writer may be: ``in_place``)."""
+    if not isinstance(node, (Matmul, Reduce)):
+        return f"an {type(node).__name__.lower()} kernel stores f32 only"
     if in_place:
         return "stored over an input, which only a pointwise kernel may do"
     if any(v.compute_dtype != E.F32 for v in node.outs):
         return "an output computed in another type than f32"
+    if isinstance(node, Reduce):
+        if not node.results[[v.id for v in node.outs].index(vid)].per_element:
+            return "a row result of a reduction: neighbouring rows' results are stored by other threads"
+        if not reduce_kernels.pairs_fit(node.domain, node.axes):
+            return "a reduction whose last reduced axis is not the last, or of an odd or symbolic length"
+        return None
     widths = node.sizes if node.block_axis == "j" else [node.n]
     if any(is_size(w) or w % 2 for w in widths):
         return "an odd or symbolic column count: a pair of columns would straddle two rows"
@@ -386,7 +394,8 @@ def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
-    if (not isinstance(node, Pointwise) and any(stored.get(v.id) in HALF_STORAGE for v in node.outs)
-            and pair_refusal(node, False) is not None):
-        raise TypeError(f"{type(node).__name__} node stores half precision: {pair_refusal(node, False)}")
+    if not isinstance(node, Pointwise):
+        refused = [pair_refusal(node, v.id, False) for v in node.outs if stored.get(v.id) in HALF_STORAGE]
+        if any(refused):
+            raise TypeError(f"{type(node).__name__} node stores half precision: {next(filter(None, refused))}")
     return generate(node, slots, limits, scratch, variant)

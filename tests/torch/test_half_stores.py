@@ -1,13 +1,15 @@
-"""Half precision outputs stored by the matmul kernels themselves (``kernels.prelude.pair_store_function``): the gemv
-(one row), the tiled kernel and split K's pass summing the slices store bfloat16 and float16 by pairs of
-neighbouring columns, each u32 word written by one thread, with no narrowing copy ("narrow") after them. Where the
-column count is odd the narrowing copy stays, with its reason in the plan's stats.
+"""Half precision outputs stored by the matmul and reduction kernels themselves: the gemv (one row), the tiled kernel
+and split K's pass summing the slices store bfloat16 and float16 by pairs of neighbouring columns
+(``kernels.prelude.pair_store_function``), a row program its element results (a norm's, a softmax's) by pairs of
+neighbouring elements of its rows (``kernels.reduce``), each u32 word written by one thread, with no narrowing copy
+("narrow") after them. Where the column count or the row length is odd, the reduced axis not the last, or the
+output a row result, the narrowing copy stays, with its reason in the plan's stats.
 
 Tolerances: operands of small integers make every f32 sum exact in any order, so each value is the float64 result
 rounded once to the dtype (to nearest even): compared bit for bit with that, and with torch on the CPU where torch
 rounds once too (a plain or biased F.linear; with a fused residual, eager rounds the projection before adding, and
 the backend keeps it in f32 until the store). Operands of random normals are judged against float64 within eager's
-own error in the dtype."""
+own error in the dtype; a reduction's outputs at most 1 ulp of the dtype from torch's on the CPU."""
 from __future__ import annotations
 
 import warnings
@@ -183,3 +185,55 @@ def test_an_output_stored_over_an_input_keeps_the_narrowing_copy():
     out = Program(device, plan, device_only_inputs=["p"]).run(bits, device_inputs={"p": array})["out0"]
     assert out is array
     np.testing.assert_array_equal(bfloat16_values(array.numpy()), want.float().numpy())
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Units in the last place of the dtype between two half precision tensors of finite values: the distance of
+    their bit patterns, ordered as the values are (-0 and +0 alike)."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -32768 - bits, bits)
+    return (ordered(got) - ordered(want)).abs()
+
+
+def _norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def _softmax(x):
+    return torch.softmax(x, -1)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("fn, shape, labels", [
+    (_norm, (6, 40), ["layer_norm"]), (_softmax, (6, 40), ["softmax"]), (_softmax, (30, 8), ["softmax"]),
+    (_softmax, (2, 8192), ["softmax", "softmax (merge of slices)"]),
+], ids=["layer-norm", "softmax", "softmax-serial", "softmax-split"])
+def test_a_reduction_stores_its_element_results_in_half_precision(dtype, fn, shape, labels, plans):
+    """A norm and a softmax over rows of 40 (a workgroup a row), of 8 (a thread a row) and of 8192 (cut into slices,
+    merged by a second pass that stores): no narrowing copy; each value within 1 ulp of torch's, the whole within
+    eager's error of float64."""
+    torch.manual_seed(shape[-1])
+    args = [torch.randn(shape).to(dtype)] + ([torch.randn(shape[-1]).to(dtype)] * 2 if fn is _norm else [])
+    got = _compiled(fn, *args)
+    want = fn(*args)
+    assert int(_ulps(got, want).max()) <= 1
+    assert_within_eager_error(got, want, fn(*(a.double() for a in args)), floor=1e-6)
+    assert _labels(plans) == labels
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("fn, shape, reason", [
+    (lambda x: torch.softmax(x, 0), (6, 40), "not the last"), (_softmax, (6, 41), "odd"),
+    (lambda x: x.sum(-1), (6, 40), "a row result"),
+], ids=["first-axis", "odd-row", "row-sum"])
+def test_a_reduction_keeps_the_narrowing_copy_where_pairs_do_not_fit(dtype, fn, shape, reason, plans):
+    """A softmax over the first axis (a pair's elements in different rows), over rows of 41 (a row's last element
+    shares its word with the next row's first), and a row sum (neighbouring rows' results come from other threads):
+    the copy stays, with its reason."""
+    torch.manual_seed(1)
+    x = torch.randn(shape).to(dtype)
+    got = _compiled(fn, x)
+    assert int(_ulps(got, fn(x)).max()) <= 1
+    assert _labels(plans)[1:] == [NARROW]
+    assert reason in plans[0].stats["narrowed_outputs"]["out0"]
