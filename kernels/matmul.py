@@ -46,6 +46,11 @@ Two kernel families, chosen by shape:
   memory latency each. Over columns with K contiguous, a half precision matrix whose rows are whole groups of 8
   along K is read by groups instead (``gemv_width``): one vec4<u32> load per 8 elements, widened in registers.
 
+Half precision outputs (two to a u32 word) are stored by pairs of neighbouring columns (``pairs``): the tiled kernel's
+register blocks hold groups of 4 adjacent columns, the gemv's even outputs take their neighbour's sum from
+workgroup memory, and split K's second pass adds up a pair per thread; each word is written by one thread, after
+the epilogue of both columns, so no narrowing pass follows the matmul.
+
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
 and the kernel recovers the linear workgroup index. No atomics: results are deterministic.
 
@@ -296,7 +301,7 @@ def _split_reduce_pairs(prelude: str, *, batch, m, n, split: int, partial: str,
     """``split_reduce_kernel`` by pairs of neighbouring columns (n even): each thread adds up elements e and e + 1
     of the slices, each in the slices' order, and stores both through ``store_c2``."""
     total = batch * m * n
-    grid = fold_grid(ceil_div(total // 2, THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
+    grid = fold_grid(ceil_div(total, 2 * THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
     sizes = "".join(wgsl.size_constant(name, value) for name, value in (("OUTPUTS", total), ("M", m), ("N", n)))
     kernel = f"""
 // ---- matmul: sum of {split} K slices, by pairs of columns

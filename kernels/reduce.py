@@ -23,6 +23,8 @@ Where the reduced elements of a row are whole vec4s along its last axis, the cal
 (``quads``): a phase that makes them walks its row a quad of 4 elements at a time, each such read one vec4 load
 through a second binding of the same value typed as vec4s, QUAD_UNROLL quads loaded before they are combined (a row
 of 4096 over 256 threads: all of a thread's 16 elements in 4 loads at once, against 2 rounds of 8).
+Element results stored in half precision (two to a u32 word) are computed and stored by pairs of neighbouring
+elements, where the rows end on the domain's last axis, of an even length (``pairs_fit``): each word from one thread.
 """
 from __future__ import annotations
 
