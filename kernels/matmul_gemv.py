@@ -51,6 +51,9 @@ def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool, per_lane
     while lanes > 32 and outputs * lanes > GEMV_MAX_THREADS:
         lanes //= 2
     columns = min(threads // lanes, _pow2_ceil(outputs))  # (few outputs: the spare threads join the lanes)
+    if pairs and columns % 2:  # (lanes of half the threads at most leave two: a pair's outputs in one workgroup)
+        raise ValueError(f"matmul_kernel: a gemv storing pairs needs an even count of outputs a workgroup, "
+                         f"got {columns} of {outputs}")
     return GemvPlan(columns, threads // columns, out_fastest)
 
 

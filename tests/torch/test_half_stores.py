@@ -237,3 +237,33 @@ def test_a_reduction_keeps_the_narrowing_copy_where_pairs_do_not_fit(dtype, fn, 
     assert int(_ulps(got, fn(x)).max()) <= 1
     assert _labels(plans)[1:] == [NARROW]
     assert reason in plans[0].stats["narrowed_outputs"]["out0"]
+
+
+@pytest.mark.parametrize("k_contiguous", [True, False], ids=["k-contiguous", "n-contiguous"])
+def test_a_gemv_of_64_threads_keeps_an_even_count_of_outputs_per_workgroup(k_contiguous):
+    """An adapter of 64 invocations per workgroup: a gemv over K of 2048 would give one output all 64 threads as lanes
+    (and leave a pair's two outputs to two workgroups); storing pairs, it keeps two outputs a workgroup, read by
+    groups of 8 along K or by elements along N. Values exact
+    (operands of small integers) against float64 rounded once to bfloat16."""
+    from meganeura.lowering import compile_graph
+    from meganeura.lowering.builder import GraphBuilder
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.dtypes import bfloat16_bits, bfloat16_values
+    from meganeura.runtime.program import Program
+
+    b = GraphBuilder()
+    a = b.input("a", (1, 2048), "bfloat16")
+    w = b.input("w", (40, 2048), "bfloat16") if k_contiguous else b.input("w", (2048, 40), "bfloat16")
+    b.output(b.matmul(a, b.permute(w, (1, 0)) if k_contiguous else w, "bfloat16"))
+    device = get_device()
+    limits = dict(device.limits, **{"max-compute-invocations-per-workgroup": 64, "max-compute-workgroup-size-x": 64})
+    plan, _ = compile_graph(b.graph, limits)
+    assert [d.label for d in plan.dispatches] == ["matmul 1x40x2048"]
+    assert "2 outputs x 32 K lanes" in plan.kernels[plan.dispatches[0].kernel]
+    values = {"a": _integers((1, 2048), torch.bfloat16), "w": _integers((40, 2048), torch.bfloat16)}
+    if not k_contiguous:
+        values["w"] = values["w"].T.contiguous()
+    weights = values["w"].double().T if k_contiguous else values["w"].double()
+    want = (values["a"].double() @ weights).to(torch.bfloat16)
+    got = Program(device, plan).run({name: bfloat16_bits(v.float().numpy()) for name, v in values.items()})["out0"]
+    np.testing.assert_array_equal(bfloat16_values(got), want.float().numpy())
