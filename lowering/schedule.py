@@ -106,8 +106,8 @@ def symbol_count() -> int:
 def _narrowed_outputs(graph: Graph) -> tuple[Graph, dict[str, str]]:
     """(``graph`` where each half precision output that a kernel cannot store itself (``pair_refusal``) is copied
     out by a pointwise node of its own, {output name: why} of those). The pointwise kernel stores half precision two
-    elements to a thread (one u32 word), and a matmul kernel by pairs of columns; the copy reads the producer's f32
-    result from the arena."""
+    elements to a thread (one u32 word), a matmul kernel by pairs of columns and a row program its element results
+    by pairs of elements; the copy reads the producer's f32 result from the arena."""
     producers = graph.producers()
     in_place = {graph.outputs[i].id for i in graph.in_place}
     why = {v.id: pair_refusal(producers[v.id], v.id, v.id in in_place) for v in graph.outputs
