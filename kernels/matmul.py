@@ -571,7 +571,7 @@ def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Che
 {cases}
             default: {{}}
         }}
-        for (var j = 0u; j < 4u; j += {2 if pairs else 1}u) {{
+        for (var j = 0u; j < 4u; {"j += 2u" if pairs else "j++"}) {{
             {guarded}
         }}
     }}"""
