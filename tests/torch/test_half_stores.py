@@ -267,3 +267,19 @@ def test_a_gemv_of_64_threads_keeps_an_even_count_of_outputs_per_workgroup(k_con
     want = (values["a"].double() @ weights).to(torch.bfloat16)
     got = Program(device, plan).run({name: bfloat16_bits(v.float().numpy()) for name, v in values.items()})["out0"]
     np.testing.assert_array_equal(bfloat16_values(got), want.float().numpy())
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "f16"])
+def test_a_half_weight_gradient_is_stored_by_its_matmul(dtype, plans):
+    """Training a half precision projection: the backward's weight gradient (48 x 64 over a batch of 256, its K cut
+    into slices) is stored in the dtype by the slices' sum, with no narrowing copy; the gradient, exact in f32 (small
+    integers), is float64's rounded once."""
+    torch.manual_seed(3)
+    x, g = _integers((256, 64), dtype), _integers((256, 48), torch.float32)
+    w = _integers((48, 64), dtype).requires_grad_()
+    torch._dynamo.reset()
+    torch.compile(lambda x, w: (F.linear(x, w).float() * g).sum(), backend="meganeura")(x, w).backward()
+    assert w.grad.dtype == dtype and torch.equal(w.grad, (g.double().T @ x.double()).to(dtype))
+    backward = plans[-1]
+    labels = [d.label for d in backward.dispatches]
+    assert NARROW not in labels and any(label.endswith(SUM_OF_SLICES) for label in labels), labels
