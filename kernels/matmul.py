@@ -46,6 +46,11 @@ Two kernel families, chosen by shape:
   memory latency each. Over columns with K contiguous, a half precision matrix whose rows are whole groups of 8
   along K is read by groups instead (``gemv_width``): one vec4<u32> load per 8 elements, widened in registers.
 
+Half precision outputs (two to a u32 word) are stored by pairs of neighbouring columns (``pairs``): the tiled kernel's
+register blocks hold groups of 4 adjacent columns, the gemv's even outputs take their neighbour's sum from
+workgroup memory, and split K's second pass adds up a pair per thread; each word is written by one thread, after
+the epilogue of both columns, so no narrowing pass follows the matmul.
+
 When the workgroup count exceeds the per-dimension limit, the grid is folded into 2-D / 3-D
 and the kernel recovers the linear workgroup index. No atomics: results are deterministic.
 
@@ -194,7 +199,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                   split: int = 1, partial: str | None = None, f16: bool = False,
                   looped: str = "", double: bool = False, quads: bool = False, patches: bool = False,
                   vector_loads: str = "", products: int = 0, row_phases: int = 0,
-                  gemv_width: int = 0) -> tuple[str, tuple[int, int, int]]:
+                  gemv_width: int = 0, pairs: bool = False) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
     over b < batch, i < m, j < n, p < k.
 
@@ -222,7 +227,11 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     ``gemv_width`` > 0 (the gemv over columns with K contiguous, K a multiple of it): the prelude defines
     ``load_a<w>(b, i, c)``, ``load_b<w>(b, j, c)`` and ``load_b<k>_<w>(b, j, c)`` in place of ``load_b`` and the
     further products' loaders, each returning group c of w elements along K (``kernels.prelude.gemv_wide_loaders``),
-    and the gemv reads by groups."""
+    and the gemv reads by groups.
+    ``pairs``: the prelude defines ``store_c2(b, i, j, acc, acc1, ...)`` in place of ``store_c``, storing the outputs
+    at columns j and j + 1 (j even; each acc a vec2 of their sums), and the kernel calls it once per such pair, from
+    one thread: a half precision output stores the two as one u32 word (``kernels.prelude.pair_store_function``).
+    It needs an even ``n`` and, unsplit, the kernel over columns (m == 1) or the tiled one."""
     if (products or row_phases) and (m != 1 or tile is not None or split > 1):
         raise ValueError("matmul_kernel: further products and a row prologue need the gemv kernel over columns "
                          "(m == 1)")
@@ -232,13 +241,15 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         raise ValueError(f"matmul_kernel: need batch, m, n >= 1 and k >= 0, got {batch=} {m=} {n=} {k=}")
     if a_fast not in ("p", "i") or b_fast not in ("p", "j"):
         raise ValueError(f"matmul_kernel: a_fast must be 'p' or 'i' and b_fast 'p' or 'j', got {a_fast=} {b_fast=}")
+    if pairs and (is_size(n) or n % 2):
+        raise ValueError(f"matmul_kernel: pairs of columns need an even column count, got {n=}")
     if tile is None and not is_tiled(m, n):
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
-                            row_phases=row_phases, width=gemv_width)
+                            row_phases=row_phases, width=gemv_width, pairs=pairs)
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
                          block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
-                         quads=quads, patches=patches, vector_loads=vector_loads)
+                         quads=quads, patches=patches, vector_loads=vector_loads, pairs=pairs)
 
 
 def split_k(batch, m, n, k, limits: dict) -> int:
@@ -261,11 +272,13 @@ def split_k(batch, m, n, k, limits: dict) -> int:
     return split
 
 
-def split_reduce_kernel(prelude: str, *, batch, m, n, split: int, partial: str,
-                        limits: dict) -> tuple[str, tuple[int, int, int]]:
+def split_reduce_kernel(prelude: str, *, batch, m, n, split: int, partial: str, limits: dict,
+                        pairs: bool = False) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) that sums the ``split`` slices of ``partial`` and calls store_c once per
-    output element."""
+    output element; with ``pairs`` (``matmul_kernel``'s), store_c2 once per pair of columns, a thread per pair."""
     total = batch * m * n
+    if pairs:
+        return _split_reduce_pairs(prelude, batch=batch, m=m, n=n, split=split, partial=partial, limits=limits)
     grid = fold_grid(ceil_div(total, THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
     sizes = "".join(wgsl.size_constant(name, value) for name, value in (("OUTPUTS", total), ("M", m), ("N", n)))
     kernel = f"""
@@ -278,6 +291,30 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var acc = 0.0;
     for (var s = 0u; s < {split}u; s++) {{ acc += {partial}[s * OUTPUTS + e]; }}
     store_c(e / (M * N), (e / N) % M, e % N, acc);
+}}
+"""
+    return prelude + kernel, grid
+
+
+def _split_reduce_pairs(prelude: str, *, batch, m, n, split: int, partial: str,
+                        limits: dict) -> tuple[str, tuple[int, int, int]]:
+    """``split_reduce_kernel`` by pairs of neighbouring columns (n even): each thread adds up elements e and e + 1
+    of the slices, each in the slices' order, and stores both through ``store_c2``."""
+    total = batch * m * n
+    grid = fold_grid(ceil_div(total, 2 * THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
+    sizes = "".join(wgsl.size_constant(name, value) for name, value in (("OUTPUTS", total), ("M", m), ("N", n)))
+    kernel = f"""
+// ---- matmul: sum of {split} K slices, by pairs of columns
+{sizes}{wgsl.grid_constants(grid)}
+@compute @workgroup_size({THREADS_WANTED})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+    let e = 2u * ((wg.x + wg.y * GRID_X + wg.z * GRID_XY) * {THREADS_WANTED}u + lid);
+    if (e >= OUTPUTS) {{ return; }}
+    var acc = vec2<f32>();
+    for (var s = 0u; s < {split}u; s++) {{
+        acc += vec2<f32>({partial}[s * OUTPUTS + e], {partial}[s * OUTPUTS + e + 1u]);
+    }}
+    store_c2(e / (M * N), (e / N) % M, e % N, acc);
 }}
 """
     return prelude + kernel, grid
@@ -345,7 +382,7 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
                   partial: str | None, f16: bool, looped: str, double: bool, quads: bool,
-                  patches: bool, vector_loads: str) -> tuple[str, tuple[int, int, int]]:
+                  patches: bool, vector_loads: str, pairs: bool) -> tuple[str, tuple[int, int, int]]:
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
                               block, double, quads, patches)
     element = "f16" if f16 else "f32"
@@ -368,7 +405,7 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     if split > 1:
         epilogue = _partial_stores(slots, tm, tn, checks, partial)
     else:
-        epilogue = _store_loop(slots, tm, tn, checks)
+        epilogue = _store_loop(slots, tm, tn, checks, pairs)
 
     live = LINEAR_WORKGROUP if checks.live else "    let wg_linear = wg.x + wg.y * GRID_X + wg.z * GRID_XY;\n"
     header = _header(batch, m, n, k, grid, total, TILES_N=tiles_n, TILES_PER_BATCH=tiles_m * tiles_n,
@@ -513,16 +550,18 @@ def _partial_stores(slots: list[tuple[int, int, int]], tm: int, tn: int, checks:
     return "\n".join(stores)
 
 
-def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Checks) -> str:
+def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Checks, pairs: bool = False) -> str:
     """The tiled kernel's stores: a loop over the thread's accumulators (a switch picks one, with its row and first
     column), then over its 4 columns, so that ``store_c`` is written once. Written out per component, its 64 copies
     in an 8x8 block with a normalisation and residual epilogue made the H200 driver's compile of ResNet-50's
-    convolution take 1.3-1.5 s; so, 0.37 s."""
+    convolution take 1.3-1.5 s; so, 0.37 s. With ``pairs``, the 4 columns go as 2 pairs to ``store_c2`` (a pair's
+    first column is even: the column count is even, so the pair is in range wherever its first column is)."""
     cases = "\n".join(f"            case {s}u: {{ v = acc_{g}_{i}_{h}; row = row0 + 4u * (ty + {tm * g}u) + {i}u; "
                       f"col = col0 + 4u * (tx + {tn * h}u); }}" for s, (g, i, h) in enumerate(slots))
     conds = (["live"] if checks.live else []) + (["row < M"] if checks.rows else []) + (
         ["col + j < N"] if checks.cols else [])
-    store = "store_c(batch_index, row, col + j, v[j]);"
+    store = ("store_c2(batch_index, row, col + j, vec2<f32>(v[j], v[j + 1u]));" if pairs
+             else "store_c(batch_index, row, col + j, v[j]);")
     guarded = f"if ({' && '.join(conds)}) {{ {store} }}" if conds else store
     return f"""    for (var s = 0u; s < {len(slots)}u; s++) {{
         var v = vec4<f32>();
@@ -532,7 +571,7 @@ def _store_loop(slots: list[tuple[int, int, int]], tm: int, tn: int, checks: Che
 {cases}
             default: {{}}
         }}
-        for (var j = 0u; j < 4u; j++) {{
+        for (var j = 0u; j < 4u; {"j += 2u" if pairs else "j++"}) {{
             {guarded}
         }}
     }}"""

@@ -38,18 +38,22 @@ class GemvPlan:
 # ---------------------------------------------------------------- gemv
 
 
-def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool, per_lane: int | None = None) -> GemvPlan:
+def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool, per_lane: int | None = None,
+                      pairs: bool = False) -> GemvPlan:
     """The plan of a gemv of ``outputs`` dot products over ``k`` terms (elements, or groups of them read at once, about
-    ``per_lane`` to a lane)."""
+    ``per_lane`` to a lane); with ``pairs`` (``outputs`` even), an even number of outputs per workgroup."""
     if per_lane is None:
         per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
     k = SYMBOLIC_CHOICE["k"] if is_size(k) else k  # (a symbolic K counts as a long one)
-    lanes = max(4, min(GEMV_MAX_LANES, threads, _pow2_floor(k // per_lane)))
+    lanes = max(4, min(GEMV_MAX_LANES, threads // (2 if pairs else 1), _pow2_floor(k // per_lane)))
     if is_size(outputs):  # symbolic: one plan for every count
         return GemvPlan(threads // lanes, lanes, out_fastest)
     while lanes > 32 and outputs * lanes > GEMV_MAX_THREADS:
         lanes //= 2
     columns = min(threads // lanes, _pow2_ceil(outputs))  # (few outputs: the spare threads join the lanes)
+    if pairs and columns % 2:  # (lanes of half the threads at most leave two: a pair's outputs in one workgroup)
+        raise ValueError(f"matmul_kernel: a gemv storing pairs needs an even count of outputs a workgroup, "
+                         f"got {columns} of {outputs}")
     return GemvPlan(columns, threads // columns, out_fastest)
 
 
@@ -154,18 +158,33 @@ def _row_prologue(phases: int, threads: int) -> str:
     return "".join(parts)
 
 
+def _gemv_store(by_column: bool, shared: list[str], next_output: int) -> tuple[str, str]:
+    """(which threads store, their store) of a gemv whose sums are in the workgroup arrays ``shared`` at each
+    output's lane 0: each such thread its output; with ``next_output`` (pairs of columns: how many threads on the
+    next output's lane 0 is), each even output's, with the next one's sums."""
+    if next_output:
+        sums = ", ".join(f"vec2<f32>({name}[lid], {name}[lid + {next_output}u])" for name in shared)
+        return "lane == 0u && out_local % 2u == 0u", f"store_c2(batch_index, 0u, out_index, {sums});"
+    if by_column:
+        return "lane == 0u", f"store_c(batch_index, 0u, out_index, {', '.join(f'{name}[lid]' for name in shared)});"
+    return "lane == 0u", "store_c(batch_index, out_index, 0u, partial[lid]);"
+
+
 def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
                  contiguous_k: bool, products: int = 0, row_phases: int = 0,
-                 width: int = 0) -> tuple[str, tuple[int, int, int]]:
+                 width: int = 0, pairs: bool = False) -> tuple[str, tuple[int, int, int]]:
     # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
     # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
     # width > 0: over columns with K contiguous, by groups of width elements (``matmul_kernel``'s ``gemv_width``).
+    # pairs: over columns, the thread of each even output stores it with the next one (``matmul_kernel``'s ``pairs``).
     by_column = m == 1
     outputs = n if by_column else m
     if width and (not by_column or not contiguous_k or is_size(k) or k % width):
         raise ValueError("matmul_kernel: a gemv by groups needs m == 1, K contiguous and a multiple of the group")
-    plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE) if width else
-            _choose_gemv_plan(outputs, k, threads, out_fastest=not contiguous_k))
+    if pairs and not by_column:
+        raise ValueError("matmul_kernel: a gemv stores pairs of columns only over columns (m == 1)")
+    plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE, pairs) if width else
+            _choose_gemv_plan(outputs, k, threads, not contiguous_k, pairs=pairs))
     accs = _accumulators(1 + products)
     if threads * 4 * len(accs) > limits["max-compute-workgroup-storage-size"]:
         raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")
@@ -174,17 +193,13 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     shared = ["partial"] + [f"partial{j}" for j in range(1, len(accs))]
     operands = _gemv_operands(by_column, width, len(accs))
-    if by_column:
-        sums = ", ".join(f"{name}[lid]" for name in shared)
-        store = f"store_c(batch_index, 0u, out_index, {sums});"
-    else:
-        store = "store_c(batch_index, out_index, 0u, partial[lid]);"
     if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
         decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
-        partner_step = plan.columns
+        partner_step, next_output = plan.columns, 1
     else:                 # neighbouring threads read neighbouring p (the matrix is contiguous along K)
         decode = f"let lane = lid % {plan.lanes}u;\n    let out_local = lid / {plan.lanes}u;"
-        partner_step = 1
+        partner_step, next_output = 1, plan.lanes
+    stores, store = _gemv_store(by_column, shared, next_output if pairs else 0)
     declared = "".join(f"var<workgroup> {name}: array<f32, {threads}>;\n" for name in shared)
     declared += "".join(f"var<private> row_stat{j}: f32;\n" for j in range(row_phases))
     kept = "\n    ".join(f"{name}[lid] = {acc};" for name, acc in zip(shared, accs))
@@ -192,7 +207,7 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
 
     kernel = f"""
 // ---- matmul: gemv over {"columns" if by_column else "rows"}, {plan.columns} outputs x {plan.lanes} K lanes\
-{f", groups of {width}" if width else ""}
+{f", groups of {width}" if width else ""}{", stored by pairs" if pairs else ""}
 {_header(batch, m, n, k, grid, total, OUTPUTS=outputs, BLOCKS=blocks, **({"GROUPS": k // width} if width else {}))}\
 {declared}
 @compute @workgroup_size({threads})
@@ -210,7 +225,7 @@ fn main({ENTRY}) {{
         if (lane < span) {{ {added} }}
         workgroupBarrier();
     }}
-    if (has_output && lane == 0u) {{ {store} }}
+    if (has_output && {stores}) {{ {store} }}
 }}
 """
     return prelude + kernel, grid

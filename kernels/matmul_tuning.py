@@ -58,6 +58,7 @@ class MatmulProblem:
     looped: str = ""  # matmul_kernel's ``looped``: an operand fetched in a loop
     vector_loads: str = ""  # matmul_kernel's ``vector_loads`` (quad-staged variants): operands read as vec4s
     aliases: tuple[int, ...] = ()  # bytes of the bindings after ``partial`` (vec4 bindings of those operands)
+    pairs: bool = False  # matmul_kernel's ``pairs``: the prelude stores pairs of columns (``store_c2``)
 
     def key(self) -> str:
         digest = hashlib.sha256(self.prelude.encode()).hexdigest()[:12]
@@ -99,9 +100,10 @@ def variants(p: MatmulProblem, limits: dict, max_binding: int) -> tuple[list[Mat
                                      tile=c.tile, block=c.block, split=c.split,
                                      partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped,
                                      double=c.double, quads=c.quads, patches=c.patches,
-                                     vector_loads=p.vector_loads)])
+                                     vector_loads=p.vector_loads, pairs=p.pairs)])
         if c.split > 1:
-            passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial, limits=limits))
+            passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial, limits=limits,
+                                                  pairs=p.pairs))
     return choices, passes
 
 

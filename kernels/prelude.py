@@ -77,18 +77,21 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
 
 def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],
                    products: list = (), row_phases: list = (), quads: list = (),
-                   gemv_wide: GemvWide | None = None) -> str:
+                   gemv_wide: GemvWide | None = None, pairs: bool = False) -> str:
     """Bindings, ``load_a``, ``load_b`` and ``store_c`` of a matmul whose outputs lie side by side along ``axis``
     (``i`` or ``j``). ``a_blocks`` and ``b_blocks`` hold (first index along ``axis``, operand expression) per block
     (one block for the operand the outputs share); ``stores`` (first index along ``axis``, epilogue expression of
-    ``acc``, output name, rows, columns, dtype) per output. ``store_c`` and a blocked loader pick the block by ``i``
-    or ``j`` and index within it. ``products``: further B operands (``load_b1``, ...), whose sums ``store_c`` takes
-    as ``acc1``, ...; ``row_phases``: the row prologue's terms (``row_phase0``, ...), whose sums ``load_a`` and the
-    later terms read as ``row_stat0``, ... (``kernels.matmul``'s gemv declares and fills them); ``quads``: (operand,
-    its other axis, vec4 binding, index of the row's first element in that binding, storage kind) per operand read
-    in vec4s (``matmul_quad_loader``); ``gemv_wide``: the gemv's wide loaders, which take the place of ``load_b`` and
-    the further products' loaders (``gemv_wide_loaders``)."""
+    ``acc``, output name, rows, columns, dtype, storage kind) per output. ``store_c`` and a blocked loader pick the
+    block by ``i`` or ``j`` and index within it. ``products``: further B operands (``load_b1``, ...), whose sums
+    ``store_c`` takes as ``acc1``, ...; ``row_phases``: the row prologue's terms (``row_phase0``, ...), whose sums
+    ``load_a`` and the later terms read as ``row_stat0``, ... (``kernels.matmul``'s gemv declares and fills them);
+    ``quads``: (operand, its other axis, vec4 binding, index of the row's first element in that binding, storage
+    kind) per operand read in vec4s (``matmul_quad_loader``); ``gemv_wide``: the gemv's wide loaders, which take the
+    place of ``load_b`` and the further products' loaders (``gemv_wide_loaders``); ``pairs``: ``store_c2``
+    (``pair_store_function``) in place of ``store_c``, for a kernel that stores pairs of neighbouring columns
+    (``kernels.matmul``'s ``pairs``)."""
     stats = [f"row_stat{k}" for k in range(len(row_phases))]
+    accs = ["acc"] + [f"acc{k}" for k in range(1, 1 + len(products))]
     parts = [wgsl.binding_decls(decl),
              block_function("load_a", ("b", "i", "p"), axis, [(s, e, None, None) for s, e in a_blocks], stats),
              block_function("load_b", ("b", "p", "j"), axis, [(s, e, None, None) for s, e in b_blocks]),
@@ -96,14 +99,47 @@ def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[
                for k, e in enumerate(products, 1)),
              *(block_function(f"row_phase{k}", ("b", "i", "p"), axis, [(0, e, None, None)], stats[:k])
                for k, e in enumerate(row_phases)),
-             block_function("store_c", ("b", "i", "j"), axis,
-                            [(s, e, f"{out}[(b_ * {wgsl.size_i32(m)} + i_) * {wgsl.size_i32(n)} + j_] = {{}};", dtype)
-                             for s, e, out, m, n, dtype in stores],
-                            ["acc"] + [f"acc{k}" for k in range(1, 1 + len(products))]),
+             (pair_store_function(axis, stores, accs) if pairs else
+              block_function("store_c", ("b", "i", "j"), axis,
+                             [(s, e, f"{out}[(b_ * {wgsl.size_i32(m)} + i_) * {wgsl.size_i32(n)} + j_] = {{}};", dtype)
+                              for s, e, out, m, n, dtype, _ in stores], accs)),
              *(matmul_quad_loader(*quad) for quad in quads)]
     if gemv_wide is not None:
         parts[2:3 + len(products)] = gemv_wide_loaders(axis, gemv_wide)
     return _with_helpers("\n".join(parts))
+
+
+def pair_store_function(axis: str, stores: list[tuple], accs: list[str]) -> str:
+    """``store_c2(b, i, j, acc, acc1, ...)``: the outputs at columns j and j + 1 (j even) of row i, each ``acc`` a
+    vec2 of the two columns' sums: each epilogue evaluated per column (``epilogue_c<k>``), then stored; a half
+    precision output's two elements as the one u32 word they share (``mg_pack_<kind>``: rounded to nearest even, as
+    the pointwise kernel stores them), so that no other thread writes that word. ``stores`` as ``matmul_prelude``
+    takes them, every output's columns and (along "j") every block's first column even: a pair never straddles a row
+    or a block."""
+    args = ("b", "i", "j")
+    parts = [_epilogue_function(f"epilogue_c{k}", e, accs) for k, (_, e, *_) in enumerate(stores)]
+    head = ", ".join(f"{x}: u32" for x in args) + "".join(f", {a}: vec2<f32>" for a in accs)
+    lines = [f"fn store_c2({head}) {{"]
+    for k, ((_, _, out, m, n, dtype, storage), indent, last) in enumerate(_per_block(lines, args, axis, stores)):
+        lo, hi = (f"epilogue_c{k}(b_, i_, j_{step}, {', '.join(f'{a}[{lane}]' for a in accs)})"
+                  for lane, step in enumerate(("", " + 1i")))
+        at = f"(b_ * {wgsl.size_i32(m)} + i_) * {wgsl.size_i32(n)} + j_"
+        lines += [f"{indent}let lo = {wgsl.store(lo, dtype)};", f"{indent}let hi = {wgsl.store(hi, dtype)};"]
+        if storage in wgsl.HALF_STORAGE:
+            lines.append(f"{indent}{out}[({at}) / 2i] = mg_pack_{storage}(lo, hi);")
+        else:
+            lines += [f"{indent}{out}[{at}] = lo;", f"{indent}{out}[{at} + 1i] = hi;"]
+        if not last:
+            lines.append(f"{indent}return;")
+    return "\n".join(parts + lines + ["}"])
+
+
+def _epilogue_function(name: str, e, accs: list[str]) -> str:
+    """``name(b_, i_, j_, acc, acc1, ...) -> f32``: epilogue ``e`` at i32 coordinates (within its block)."""
+    head = ", ".join(f"{x}_: i32" for x in "bij") + "".join(f", {a}: f32" for a in accs)
+    em = wgsl.Emitter(["b_", "i_", "j_"], accs)
+    value = em.value(e)
+    return "\n".join([f"fn {name}({head}) -> f32 {{", *em.lines, f"  return {value};", "}"])
 
 
 def matmul_quad_loader(operand: str, other: str, binding: str, row, kind: str = "f32") -> str:

@@ -23,6 +23,8 @@ Where the reduced elements of a row are whole vec4s along its last axis, the cal
 (``quads``): a phase that makes them walks its row a quad of 4 elements at a time, each such read one vec4 load
 through a second binding of the same value typed as vec4s, QUAD_UNROLL quads loaded before they are combined (a row
 of 4096 over 256 threads: all of a thread's 16 elements in 4 loads at once, against 2 rounds of 8).
+Element results stored in half precision (two to a u32 word) are computed and stored by pairs of neighbouring
+elements, where the rows end on the domain's last axis, of an even length (``pairs_fit``): each word from one thread.
 """
 from __future__ import annotations
 
@@ -103,6 +105,12 @@ def partial_floats(domain, axes, phases, splits: int) -> int:
     return len(phases) * splits * product([domain[d] for d in range(len(domain)) if d not in axes])
 
 
+def pairs_fit(domain, axes) -> bool:
+    """Whether a row program's element results can be stored by pairs of neighbouring elements: the reduced axes end
+    with the domain's last, of a concrete even length (so a pair never straddles two rows, and starts a word)."""
+    return bool(axes) and axes[-1] == len(domain) - 1 and not is_size(domain[-1]) and domain[-1] % 2 == 0
+
+
 def quad_rows(domain, axes) -> bool:
     """Whether a row program may read quads (``reduce_kernel``'s ``quads``): concrete reduced sizes, the last
     reduced axis whole vec4s, and rows long enough for a workgroup of threads. (Slices of a row cut into slices are
@@ -118,7 +126,10 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     """(WGSL, workgroups) of each dispatch of a row program: one, or two where ``split`` (see ``reduce_splits``)
     cuts the rows into slices whose partial results go to the scratch array ``partial``.
 
-    ``phases``: list of (op, expr); ``results``: list of (per_element, expr, out_name, out_dtype).
+    ``phases``: list of (op, expr); ``results``: list of (per_element, expr, out_name, out_dtype, storage kind).
+    Where an element result is stored in half precision (two to a u32 word), a thread computes the element results
+    of neighbouring pairs of elements and stores each pair at once (``_pair_results``): the reduced axes must end
+    with the domain's last, of an even length (``pairs_fit``).
     Coordinates in expressions are domain dimensions; ``acc(i)`` is phase i's result for the row.
     ``quads`` (where ``quad_rows`` allows it) maps read nodes along the last reduced axis to (the name of a vec4
     binding of their value, among ``bindings``; the vec4 index of the row's first element): see the module docstring.
@@ -134,6 +145,12 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     chunk = ceil_div(length, split)
     if quads:
         chunk = ceil_div(chunk, 4) * 4  # (slices of whole quads)
+    pairs = any(per_element and storage in wgsl.HALF_STORAGE for per_element, *_, storage in results)
+    if pairs:
+        if not pairs_fit(domain, axes):
+            raise ValueError(f"reduce_kernel: half precision element results need an even last axis reduced last, "
+                             f"got {domain} over {axes}")
+        chunk = ceil_div(chunk, 2) * 2  # (slices of whole pairs)
     wg = SERIAL_WORKGROUP if serial else workgroup_size(chunk, limits["max-compute-invocations-per-workgroup"])
     names = [f"o{d}" if d in outer_dims else f"r{d}" for d in range(len(domain))]
     acc_names = [f"acc{i}" for i in range(len(phases))]
@@ -250,18 +267,46 @@ def _results(results, names, acc_names, domain, axes, red_shape, wg) -> list[str
     elem_results = [r for r in results if r[0]]
     if row_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
-        stores = [f"    {name}[row] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in row_results]
+        stores = [f"    {name}[row] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt, _ in row_results]
         lines += ["  if ((lid == 0u || SERIAL) && slice == 0u) {"] + em.lines + stores + ["  }"]
+    strides = _strides(domain)
+    flat = " + ".join([f"{names[d]} * {wgsl.size_i32(strides[d])}" for d in range(len(domain))] or ["0i"])
+    if any(storage in wgsl.HALF_STORAGE for *_, storage in elem_results):
+        return lines + _pair_results(elem_results, names, acc_names, axes, red_shape, wg, flat)
     if elem_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
-        stores = [f"    {name}[flat] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt in elem_results]
-        strides = _strides(domain)
-        flat = " + ".join([f"{names[d]} * {wgsl.size_i32(strides[d])}" for d in range(len(domain))] or ["0i"])
+        stores = [f"    {name}[flat] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt, _ in elem_results]
         first, step = ("lo", "1i") if wg == 1 else ("lo + i32(lid)", f"{wg}i")
         lines += [f"  for (var j: i32 = {first}; j < hi; j = j + {step}) {{"]
         lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="    ")
         lines += [f"    let flat: i32 = {flat};"] + em.lines + stores + ["  }"]
     return lines
+
+
+def _pair_results(elem_results, names, acc_names, axes, red_shape, wg, flat: str) -> list[str]:
+    """Element results by pairs of neighbouring elements (``pairs_fit``): each thread takes pairs (jp, jp + 1) of
+    its span, evaluates every result at both (each in a block of its own), then stores them: a half precision result
+    as the one u32 word the pair shares (``mg_pack_<kind>``, rounded to nearest even), so no other thread writes
+    that word; an f32 one element by element."""
+    first, step = ("lo", "2i") if wg == 1 else ("lo + 2i * i32(lid)", f"{2 * wg}i")
+    values = [[f"e{k}_{lane}" for lane in range(2)] for k in range(len(elem_results))]
+    lines = [f"  for (var jp: i32 = {first}; jp < hi; jp = jp + {step}) {{", "    var flat_pair = 0i;"]
+    lines += [f"    var {v}: {wgsl.VALUE_TYPE[dt]};" for (_, _, _, dt, _), vs in zip(elem_results, values) for v in vs]
+    for lane in range(2):
+        em = wgsl.Emitter(names, acc_names, indent="      ")
+        lines += ["    {", f"      let j = jp + {lane}i;"]
+        lines += wgsl.unravel_lines("j", [names[d] for d in axes], red_shape, indent="      ")
+        computed = [em.value(e) for _, e, *_ in elem_results]
+        lines += [f"      let flat: i32 = {flat};"] + em.lines
+        lines += [f"      {vs[lane]} = {value};" for value, vs in zip(computed, values)]
+        lines += (["      flat_pair = flat;"] if lane == 0 else []) + ["    }"]
+    for (_, _, name, dt, storage), (lo, hi) in zip(elem_results, values):
+        if storage in wgsl.HALF_STORAGE:
+            lines.append(f"    {name}[flat_pair / 2i] = mg_pack_{storage}({lo}, {hi});")
+        else:
+            lines += [f"    {name}[flat_pair] = {wgsl.store(lo, dt)};",
+                      f"    {name}[flat_pair + 1i] = {wgsl.store(hi, dt)};"]
+    return lines + ["  }"]
 
 
 def _reads_acc(e) -> bool:

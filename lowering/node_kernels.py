@@ -102,7 +102,7 @@ def _pointwise_quads(node: Pointwise, slots: Slots, outputs: list, limits: dict)
 def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
     n_phases = len(node.phases)
     phases = [(op, e) for (op, _), e in zip(node.phases, slots.exprs[:n_phases])]
-    results = [(r.per_element, e, slots.name(s), v.compute_dtype)
+    results = [(r.per_element, e, slots.name(s), v.compute_dtype, slots.storage[s])
                for r, e, s, v in zip(node.results, slots.exprs[n_phases:], slots.out_slots, node.outs)]
     split, partial = (scratch[0], slots.name(slots.bound.index(scratch[1]))) if scratch is not None else (1, None)
     decl, bound = list(slots.decl), list(slots.bound)
@@ -145,8 +145,10 @@ def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound
 
 def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
                     variant: matmul_kernels.MatmulChoice) -> list[tuple]:
-    """The matmul pass; cut into slices of K, the slices' pass and the pass summing them."""
+    """The matmul pass; cut into slices of K, the slices' pass and the pass summing them. A half precision output is
+    stored by pairs of columns (``stores_pairs``)."""
     a_fast, b_fast = fast_axes(slots.exprs)
+    pairs = stores_pairs(slots)
     decl, bound = list(slots.decl), list(slots.bound)
     tiled = matmul_kernels.is_tiled(node.rows, node.columns)
     quads = matmul_quads(node, slots, decl, bound, limits) if variant.quads and tiled else []
@@ -157,13 +159,19 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
                  f16=variant.f16, looped=looped_operand(node), double=variant.double, quads=variant.quads,
                  patches=variant.patches, vector_loads="".join(quad[0] for quad in quads),
                  products=len(node.products), row_phases=len(node.row_phases),
-                 gemv_width=wide.width if wide is not None else 0)
+                 gemv_width=wide.width if wide is not None else 0, pairs=pairs)
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
     return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), bound),
-            (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial, limits=limits),
-             bound)]
+            (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial, limits=limits,
+                                                 pairs=pairs), bound)]
+
+
+def stores_pairs(slots: Slots) -> bool:
+    """Whether a matmul kernel stores its outputs by pairs of columns (``kernels.matmul``'s ``pairs``): where one of
+    them is stored in half precision, two to a u32 word (``schedule.pair_refusal`` says where it may be)."""
+    return any(slots.storage[s] in HALF_STORAGE for s in slots.out_slots)
 
 
 def matmul_quads(node: Matmul, slots: Slots, decl: list, bound: list, limits: dict) -> list[tuple]:
@@ -293,6 +301,6 @@ def matmul_prelude_of(node: Matmul, slots: Slots, decl: list | None = None, quad
     stores = []
     for s, e, slot, size, v in zip(starts, epilogues, slots.out_slots, node.sizes, node.outs):
         m, n = (size, node.n) if axis == "i" else (node.m, size)
-        stores.append((s, e, slots.name(slot), m, n, v.compute_dtype))
+        stores.append((s, e, slots.name(slot), m, n, v.compute_dtype, slots.storage[slot]))
     return matmul_prelude(slots.decl if decl is None else decl, axis, a_blocks, b_blocks, stores, products, row_phases,
-                          quads, gemv_wide)
+                          quads, gemv_wide, stores_pairs(slots))

@@ -25,7 +25,7 @@ from .indexing import linear_index, simplify
 from .in_place import StoredOver, arena_aliases, in_place_outputs
 from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value, last_reads
 from .node_kernels import (KERNELS, Slots, attention_shape, fast_axes, looped_operand, matmul_prelude_of,
-                           matmul_quads)
+                           matmul_quads, stores_pairs)
 from .planner import Interval, place
 
 ROUNDED_TO = {"round_bf16": "bf16", "round_f16": "f16"}  # a rounding op -> the storage it rounds to
@@ -52,7 +52,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     generator's own rule decides.
     f16 products are allowed where ``limits`` set ``F16_PRODUCTS`` (precision "fast"). ``on_kernel(wgsl, bindings,
     key)`` is told of each kernel as soon as it is generated (a device can start compiling it while the rest are)."""
-    graph = _narrowed_outputs(graph)
+    graph, narrowed = _narrowed_outputs(graph)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     values = {v.id: v for n in graph.nodes for v in n.outs}
     over, refused = in_place_outputs(graph, kernels)
@@ -83,6 +83,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     plan_stats = dict(stats or {})
     plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
                       dispatches=len(dispatches), kernels=len(sources), arena_aliases=len(aliases))
+    if narrowed:
+        plan_stats.update(narrowed_outputs=narrowed)
     if graph.in_place:
         saved = sum(tensor_bytes(target.out, stored) for target in over.values())
         plan_stats.update(in_place_outputs=len(over), in_place_bytes=saved,
@@ -101,15 +103,18 @@ def symbol_count() -> int:
     return len(guards.hints) if guards is not None else 0
 
 
-def _narrowed_outputs(graph: Graph) -> Graph:
-    """``graph`` where each half precision output that a non-pointwise node computes is copied out by a pointwise
-    node of its own: only the pointwise kernel stores half precision (two elements to a thread, one u32 word), and
-    the copy reads the producer's f32 result from the arena."""
+def _narrowed_outputs(graph: Graph) -> tuple[Graph, dict[str, str]]:
+    """(``graph`` where each half precision output that a kernel cannot store itself (``pair_refusal``) is copied
+    out by a pointwise node of its own, {output name: why} of those). The pointwise kernel stores half precision two
+    elements to a thread (one u32 word), a matmul kernel by pairs of columns and a row program its element results
+    by pairs of elements; the copy reads the producer's f32 result from the arena."""
     producers = graph.producers()
-    narrow = {v.id for v in graph.outputs
-              if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Input))}
+    in_place = {graph.outputs[i].id for i in graph.in_place}
+    why = {v.id: pair_refusal(producers[v.id], v.id, v.id in in_place) for v in graph.outputs
+           if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Input))}
+    narrow = {vid for vid, reason in why.items() if reason is not None}
     if not narrow:
-        return graph
+        return graph, {}
     next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
     copies: dict[int, Value] = {}
     for vid in sorted(narrow):
@@ -118,7 +123,34 @@ def _narrowed_outputs(graph: Graph) -> Graph:
     nodes = graph.nodes + [Pointwise([copies[vid]], E.load(vid, tuple(E.coord(d) for d in range(len(c.shape))), E.F32),
                                      "narrow") for vid, c in copies.items()]
     outputs = [copies.get(v.id, v) for v in graph.outputs]
-    return Graph(nodes, outputs, graph.status_messages, graph.in_place)
+    reasons = {f"out{i}": why[v.id] for i, v in enumerate(graph.outputs) if v.id in narrow}
+    return Graph(nodes, outputs, graph.status_messages, graph.in_place), reasons
+
+
+def pair_refusal(node: Node, vid: int, in_place: bool) -> str | None:
+    """Why ``node``'s kernel cannot store its half precision output ``vid`` itself, or None. A matmul kernel stores
+    its outputs by pairs of neighbouring columns (``node_kernels.stores_pairs``) where each output's column count is
+    even (with several outputs side by side along columns, every block's: no pair straddles a row or a block); a
+    row program its element results by pairs of neighbouring elements where the reduced axes end with the domain's
+    last, of an even length (``reduce_kernels.pairs_fit``), not its row results (one per row, neighbouring rows'
+    stored by other threads). Attention kernels store f32 only. Either way the outputs compute in f32, and the output
+    is not stored over an input (only a pointwise writer may be: ``in_place``)."""
+    if not isinstance(node, (Matmul, Reduce)):
+        return f"an {type(node).__name__.lower()} kernel stores f32 only"
+    if in_place:
+        return "stored over an input, which only a pointwise kernel may do"
+    if any(v.compute_dtype != E.F32 for v in node.outs):
+        return "an output computed in another type than f32"
+    if isinstance(node, Reduce):
+        if not node.results[[v.id for v in node.outs].index(vid)].per_element:
+            return "a row result of a reduction: neighbouring rows' results are stored by other threads"
+        if not reduce_kernels.pairs_fit(node.domain, node.axes):
+            return "a reduction whose last reduced axis is not the last, or of an odd or symbolic length"
+        return None
+    widths = node.sizes if node.block_axis == "j" else [node.n]
+    if any(is_size(w) or w % 2 for w in widths):
+        return "an odd or symbolic column count: a pair of columns would straddle two rows"
+    return None
 
 
 def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec], list, list, list, dict]:
@@ -262,7 +294,8 @@ def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool, limits:
     return MatmulProblem(node.batch, node.rows, node.columns, node.k, a_fast, b_fast, f16,
                          matmul_prelude_of(node, slots, decl, quads), tuple(map(size, slots.bound[:-1])),
                          slots.name(len(slots.bound) - 1), looped_operand(node),
-                         "".join(quad[0] for quad in quads), tuple(map(size, bound[len(slots.bound):])))
+                         "".join(quad[0] for quad in quads), tuple(map(size, bound[len(slots.bound):])),
+                         stores_pairs(slots))
 
 
 def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr:
@@ -361,6 +394,8 @@ def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
-    if not isinstance(node, Pointwise) and any(stored.get(v.id) in HALF_STORAGE for v in node.outs):
-        raise TypeError(f"{type(node).__name__} node stores half precision (only pointwise kernels do)")
+    if not isinstance(node, Pointwise):
+        refused = [pair_refusal(node, v.id, False) for v in node.outs if stored.get(v.id) in HALF_STORAGE]
+        if any(refused):
+            raise TypeError(f"{type(node).__name__} node stores half precision: {next(filter(None, refused))}")
     return generate(node, slots, limits, scratch, variant)
