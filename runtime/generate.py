@@ -7,8 +7,8 @@ that both bind: a decode step uploads a few numbers (the tokens, their position,
 token ids. Greedy (``temperature=0``) and temperature sampling choose on the device, and a decode step takes the
 step before's token ids on the device too, so the host submits a few steps ahead of reading their tokens
 (``meganeura.runtime.run_ahead``; ``run_ahead = 1``, or ``MEGANEURA_SYNC=1``, reads each step before the next);
-``top_k`` / ``top_p`` read the last column's scores back and sample on the host, a step at a time. ``seed`` makes sampling repeat (the device's random numbers are
-keyed by it too).
+``top_k`` / ``top_p`` read the last column's scores back and sample on the host, a step at a time. ``seed`` makes
+sampling repeat (the device's random numbers are keyed by it too).
 
 A prompt runs through prefill in chunks of the bundle's ``prefill_tokens``; the last chunk is the last
 ``prefill_tokens`` tokens of the prompt (its earlier ones are written again with the same keys and values), or, for a
