@@ -3,8 +3,8 @@
 ``lm = load(path)`` (``model.load`` recognises a generation bundle), then ``lm.generate(prompt_ids,
 max_new_tokens)`` returns the prompt and the new ids as one int64 array; ``lm.stream(...)`` yields the new ids one
 by one. The weights go up once, shared by the prefill and decode programs, and the KV cache lives in device arrays
-that both bind: a decode step uploads a few numbers (the tokens, their position, the sampler's) and reads back the
-token ids. Greedy (``temperature=0``) and temperature sampling choose on the device, and a decode step takes the
+that both bind: a decode step uploads a few numbers (the tokens' position, the sampler's) and reads back the token
+ids. Greedy (``temperature=0``) and temperature sampling choose on the device, and a decode step takes the
 step before's token ids on the device too, so the host submits a few steps ahead of reading their tokens
 (``meganeura.runtime.run_ahead``; ``run_ahead = 1``, or ``MEGANEURA_SYNC=1``, reads each step before the next);
 ``top_k`` / ``top_p`` read the last column's scores back and sample on the host, a step at a time. ``seed`` makes
@@ -36,8 +36,8 @@ import numpy as np
 from .device import Device
 from .errors import InputError
 from .lm_bundle import PADDING_INPUT, LMBundle, cache_name
-from .program import Program
 from .in_flight import LaterRead
+from .program import Program
 from .requirements import check_requirements
 from .resident import DedicatedBuffers, DeviceArray
 from .run_ahead import RUN_AHEAD, RunAhead
@@ -258,10 +258,10 @@ class LanguageModel:
             feed[phase.prompt_start] = prompt_starts
         if phase.rng_input:
             feed[phase.rng_input] = self._rng.integers(_INT32.min, _INT32.max, size=2, dtype=np.int32, endpoint=True)
-        cache = {phase.inputs[n]: self._cache[n] for n in self._cache_names}
+        device_inputs = {phase.inputs[n]: self._cache[n] for n in self._cache_names}
         if on_device:
-            cache[phase.inputs["input_ids"]] = ids
-        results = phase.program.run(feed, device_inputs=cache, read_later=phase.read_later)
+            device_inputs[phase.inputs["input_ids"]] = ids
+        results = phase.program.run(feed, device_inputs=device_inputs, read_later=phase.read_later)
         for n in self._cache_names:  # an output stored over its input is that array; another is the new one
             new = results[phase.outputs[n]]
             if new is not self._cache[n]:

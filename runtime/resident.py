@@ -202,7 +202,8 @@ class DeviceArray:
     def reshaped(self, shape: tuple[int, ...]) -> "DeviceArray":
         """This array's buffer under another ``shape`` of as many elements (a token per row, [batch], bound as the
         next step's ids, [batch, 1]): a view that holds this array, so that the buffer goes back to its pool once
-        both are gone; releasing the view lets go of this array, not of the buffer."""
+        both are gone; releasing the view lets go of this array, not of the buffer (releasing this array gives the
+        buffer back under its views: let them go first)."""
         shape = tuple(shape)
         if prod(shape) != prod(self.shape):
             raise ValueError(f"cannot view {self.dtype}{list(self.shape)} as shape {list(shape)}")
