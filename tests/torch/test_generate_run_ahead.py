@@ -154,4 +154,6 @@ def test_meganeura_sync_reads_each_step_before_the_next(bundles, monkeypatch):
     _, lm, _ = bundles
     assert lm.run_ahead == RUN_AHEAD
     monkeypatch.setattr(get_device().in_flight, "sync", True)
-    assert load(lm.path).run_ahead == SYNC
+    synchronous = load(lm.path)
+    assert synchronous.run_ahead == SYNC
+    synchronous.release()
