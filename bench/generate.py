@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"rows to run, comma-separated, of {', '.join(ROWS)} (the batched bundle's row: --batch)")
     p.add_argument("--half-bundle", action="store_true",
                    help="also a batch-1 bundle exported from the model in bfloat16 (a float32 --dtype)")
+    p.add_argument("--bundle-synchronous", action="store_true",
+                   help="also the batch-1 bundle reading each decode step's tokens before submitting the next "
+                        "(run_ahead = 1, as before run-ahead decoding), on the same loaded bundle")
     p.add_argument("--compare-tokens", type=int,
                    help="compare the first this many tokens with eager's (default: all; eager's reference on the "
                         "CPU is slow for long runs)")
@@ -161,36 +164,46 @@ def _backend_rows(model, prompt, new: int, caches=CACHES) -> list[dict]:
     return rows
 
 
-def _bundle_row(model, prompts: list, new: int, max_cache_len: int, adapter) -> dict:
+def _bundle_row(model, prompts: list, new: int, max_cache_len: int, adapter, synchronous: bool = False) -> list:
     """The generation bundle's row: batch 1 for one prompt, else a bundle of ``batch_size=len(prompts)`` generating
-    for them together (tokens/s: the aggregate over the prompts; ``tokens``: a list per prompt)."""
+    for them together (tokens/s: the aggregate over the prompts; ``tokens``: a list per prompt). ``synchronous``:
+    also the same bundle reading each decode step's tokens before it submits the next (``run_ahead = 1``)."""
     import torch_meganeura
     from meganeura.runtime import load
 
-    batch = len(prompts)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lm"
         start = time.perf_counter()
-        torch_meganeura.export_lm(model, path, max_cache_len=max_cache_len, batch_size=batch, adapter=adapter)
+        torch_meganeura.export_lm(model, path, max_cache_len=max_cache_len, batch_size=len(prompts), adapter=adapter)
         exported = time.perf_counter()
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         lm = load(path, adapter=adapter)
         loaded = time.perf_counter()
-        ids = [p[0].numpy() for p in prompts]
-        request = ids if batch > 1 else ids[0]
-        lm.generate(request, 4)  # warm: pipelines and bind groups over both cache arrays
-        out = lm.generate(request, new, eos_token_id=[])  # every prompt makes ``new`` tokens
-        stats = lm.stats
-        length = max(len(i) for i in ids)
-        by_context = {str(length + i + 1): batch / t for i, t in enumerate(stats.decode_steps)}
-        row = {"competitor": "meganeura-bundle", "cache": "static", "batch": batch, "export_seconds": exported - start,
-               "bundle_bytes": size, "load_seconds": loaded - exported, "seconds": stats.prefill_seconds
-               + stats.decode_seconds, "tokens_per_second": stats.new_tokens / (stats.prefill_seconds
-               + stats.decode_seconds), "prefill_tokens_per_second": stats.prefill_tokens_per_second,
-               "decode_tokens_per_second": stats.decode_tokens_per_second, "decode_by_context": by_context,
-               "tokens": [o.tolist() for o in out] if batch > 1 else out.tolist(), "adapter": lm.device.describe()}
+        rows = [{"competitor": "meganeura-bundle", "export_seconds": exported - start, "bundle_bytes": size,
+                 "load_seconds": loaded - exported, **_bundle_timing(lm, prompts, new)}]
+        if synchronous:
+            lm.run_ahead = 1
+            rows.append({"competitor": "meganeura-bundle-synchronous", **_bundle_timing(lm, prompts, new)})
         lm.release()
-    return row
+    return rows
+
+
+def _bundle_timing(lm, prompts: list, new: int) -> dict:
+    """A loaded bundle's timed ``generate`` of ``new`` tokens for ``prompts`` (warmed first): tokens/s, and the
+    tokens."""
+    batch = len(prompts)
+    ids = [p[0].numpy() for p in prompts]
+    request = ids if batch > 1 else ids[0]
+    lm.generate(request, 4)  # warm: pipelines and bind groups over both cache arrays
+    out = lm.generate(request, new, eos_token_id=[])  # every prompt makes ``new`` tokens
+    stats = lm.stats
+    length = max(len(i) for i in ids)
+    by_context = {str(length + i + 1): batch / t for i, t in enumerate(stats.decode_steps)}
+    return {"cache": "static", "batch": batch, "seconds": stats.prefill_seconds + stats.decode_seconds,
+            "tokens_per_second": stats.new_tokens / (stats.prefill_seconds + stats.decode_seconds),
+            "prefill_tokens_per_second": stats.prefill_tokens_per_second,
+            "decode_tokens_per_second": stats.decode_tokens_per_second, "decode_by_context": by_context,
+            "tokens": [o.tolist() for o in out] if batch > 1 else out.tolist(), "adapter": lm.device.describe()}
 
 
 def _prompts(vocab: int, prompt_tokens: int, batch: int) -> list:
@@ -227,6 +240,9 @@ def markdown(result: dict) -> str:
     if "bfloat16_speedup" in result:
         lines += ["", f"The bundle exported in bfloat16: {result['bfloat16_speedup']:.2f}x the float32 bundle's "
                   "tokens/s."]
+    if "run_ahead_speedup" in result:
+        lines += ["", f"The bundle's decode steps run ahead of the reads of their tokens: "
+                  f"{result['run_ahead_speedup']:.2f}x its tokens/s reading each step before the next."]
     by_context = [r for r in result["rows"] if r.get("decode_by_context")]
     if by_context:
         lines += ["", "Decode tokens/s by context length (medians of the steps in each band; the plot beside this "
@@ -303,11 +319,12 @@ def main(argv=None) -> int:
     for row in rows:
         row["batch"] = 1
     if "bundle" in wanted:
-        rows.append(_bundle_row(model, [prompt], new, args.max_cache_len, args.adapter))
+        rows += _bundle_row(model, [prompt], new, args.max_cache_len, args.adapter, args.bundle_synchronous)
         if half is not None:
-            rows.append({**_bundle_row(half, [prompt], new, args.max_cache_len, args.adapter), "dtype": "bfloat16"})
+            rows += [{**row, "dtype": "bfloat16"} for row in _bundle_row(half, [prompt], new, args.max_cache_len,
+                                                                           args.adapter)]
         if args.batch > 1:
-            rows.append(_bundle_row(model, prompts, new, args.max_cache_len, args.adapter))
+            rows += _bundle_row(model, prompts, new, args.max_cache_len, args.adapter)
     for row in rows:
         want = half_reference if row.get("dtype") == "bfloat16" else alone if row["batch"] > 1 else alone[0]
         batched, compared = row["batch"] > 1, len(want[0] if row["batch"] > 1 else want) - prompt.shape[1]
@@ -355,7 +372,8 @@ def _agreeing(tokens: list, want: list, prompt_tokens: int, batched: bool) -> in
 
 
 def _ratios(rows: list, batch: int) -> dict:
-    """The batched bundle's aggregate tokens/s over batch 1's, and the bf16 bundle's over the f32 one's."""
+    """The batched bundle's aggregate tokens/s over batch 1's, the bf16 bundle's over the f32 one's, and batch 1's
+    run ahead over its synchronous (``--bundle-synchronous``)."""
     bundles = {(r["batch"], r["dtype"]): r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle"}
     ratios = {}
     one = bundles.get((1, "float32"), bundles.get((1, "bfloat16")))
@@ -364,6 +382,9 @@ def _ratios(rows: list, batch: int) -> dict:
         ratios["batch"], ratios["batch_speedup"] = batch, bundles[batch, dtype] / one
     if (1, "float32") in bundles and (1, "bfloat16") in bundles:
         ratios["bfloat16_speedup"] = bundles[1, "bfloat16"] / bundles[1, "float32"]
+    synchronous = [r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle-synchronous"]
+    if synchronous and one:
+        ratios["run_ahead_speedup"] = one / synchronous[0]
     return ratios
 
 

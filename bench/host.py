@@ -144,8 +144,9 @@ def _counts_per_token(generate, short: int, long: int) -> dict:
 def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
     """Host us per decode token of SmolLM2's config (greedy, a 16-token prompt): HF ``generate`` through the
     backend with its default cache (``hf-generate``) and with the static cache (``hf-generate-static``, HF's own
-    compile of it off), and the torch-free generation bundle (``export_lm``), each with its counts per token
-    (``_counts_per_token``). The null device computes
+    compile of it off), and the torch-free generation bundle (``export_lm``): its decode steps run ahead of the reads
+    of their tokens (``bundle``, ``meganeura.runtime.run_ahead``) and read one by one (``bundle-synchronous``,
+    ``run_ahead = 1``); each with its counts per token (``_counts_per_token``). The null device computes
     nothing: every token is 0, which HF is kept from stopping at (``min_new_tokens``) and the bundle too."""
     import tempfile
 
@@ -173,8 +174,10 @@ def measure_decode(smoke: bool, short: int = 8, long: int = 40) -> list[dict]:
         lm = load(f"{folder}/lm")
         ids = prompt[0].numpy()
         bundle = lambda n: lm.generate(ids, n, eos_token_id=-1)  # noqa: E731
-        rows.append({"workload": "smollm2", "way": "bundle", **_per_token(bundle, short, long),
-                     **_counts_per_token(bundle, short, long)})
+        for way, ahead in (("bundle", lm.run_ahead), ("bundle-synchronous", 1)):
+            lm.run_ahead = ahead
+            rows.append({"workload": "smollm2", "way": way, **_per_token(bundle, short, long),
+                         **_counts_per_token(bundle, short, long)})
     return rows
 
 

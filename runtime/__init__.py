@@ -12,8 +12,9 @@ intermediates' buffer, one per device), ``readback`` (the staging buffers whose 
 (arrays kept on the device and their buffer pool), ``bundle`` (the deploy bundle format), ``manifest`` (the
 manifest and file reader both bundle kinds share), ``requirements`` (what a plan needs of an adapter), ``model``
 (``load``: a bundle as a callable), ``lm_bundle`` and ``generate`` (a language model's generation bundle and its
-``LanguageModel``), ``cli`` and ``__main__`` (the ``meganeura`` command), ``timing`` and ``matmul_tuner`` (kernel
-variants timed on the device), ``errors``, ``counters``.
+``LanguageModel``) with ``run_ahead`` (decode steps submitted ahead of the reads of their tokens), ``cli`` and
+``__main__`` (the ``meganeura`` command), ``timing`` and ``matmul_tuner`` (kernel variants timed on the device),
+``errors``, ``counters``.
 ``Device``, ``get_device``, ``list_adapters``, ``Program``, ``load``, ``Model`` and ``LanguageModel`` are
 importable from here; they load on first use so that importing ``meganeura.runtime.plan`` stays free of wgpu.
 """

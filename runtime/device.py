@@ -461,8 +461,10 @@ class Device:
         self.read_staging(self._fence_staging, 4)
 
     def _waited(self) -> None:
-        """After a wait for the queue: count it, and read the runs in flight (the queue has passed them)."""
-        self._submitted_since_wait = False
+        """After a wait for the queue: count it, and read the runs in flight (the queue has passed them). A read of
+        the runs in flight through one of them (``InFlight.read_through``) waited for that one only."""
+        if not self.in_flight.reading_through:
+            self._submitted_since_wait = False
         if not self.in_flight.settling:
             self.counters.waits += 1
             self.in_flight.settle()

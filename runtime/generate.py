@@ -3,10 +3,12 @@
 ``lm = load(path)`` (``model.load`` recognises a generation bundle), then ``lm.generate(prompt_ids,
 max_new_tokens)`` returns the prompt and the new ids as one int64 array; ``lm.stream(...)`` yields the new ids one
 by one. The weights go up once, shared by the prefill and decode programs, and the KV cache lives in device arrays
-that both bind: a decode step uploads a few numbers (the tokens, their position, the sampler's) and reads back the
-token ids. Greedy (``temperature=0``) and temperature sampling choose on the device; ``top_k`` / ``top_p`` read the
-last column's scores back and sample on the host. ``seed`` makes sampling repeat (the device's random numbers are
-keyed by it too).
+that both bind: a decode step uploads a few numbers (the tokens' position, the sampler's) and reads back the token
+ids. Greedy (``temperature=0``) and temperature sampling choose on the device, and a decode step takes the
+step before's token ids on the device too, so the host submits a few steps ahead of reading their tokens
+(``meganeura.runtime.run_ahead``; ``run_ahead = 1``, or ``MEGANEURA_SYNC=1``, reads each step before the next);
+``top_k`` / ``top_p`` read the last column's scores back and sample on the host, a step at a time. ``seed`` makes
+sampling repeat (the device's random numbers are keyed by it too).
 
 A prompt runs through prefill in chunks of the bundle's ``prefill_tokens``; the last chunk is the last
 ``prefill_tokens`` tokens of the prompt (its earlier ones are written again with the same keys and values), or, for a
@@ -25,6 +27,7 @@ rows whose outputs are dropped.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -33,9 +36,11 @@ import numpy as np
 from .device import Device
 from .errors import InputError
 from .lm_bundle import PADDING_INPUT, LMBundle, cache_name
+from .in_flight import LaterRead
 from .program import Program
 from .requirements import check_requirements
 from .resident import DedicatedBuffers, DeviceArray
+from .run_ahead import RUN_AHEAD, RunAhead
 
 _INT32 = np.iinfo(np.int32)
 FILLER_TOKEN = 0  # the id of left padding and of the one-token rows that fill a batch: masked out or dropped
@@ -43,8 +48,12 @@ FILLER_TOKEN = 0  # the id of left padding and of the one-token rows that fill a
 
 @dataclass
 class GenerationStats:
-    """Times of the last ``generate`` / ``stream``: prefill (the prompts) and decode (each step after the first),
-    in seconds; token counts over every prompt of a batch (its filler rows and ended rows not counted)."""
+    """Times of the last ``generate`` / ``stream``, in seconds: prefill (the prompts, until their first tokens are on
+    the host) and decode (the host's time in the steps after the first: submitting them and waiting for their
+    tokens, not the caller's between tokens); token counts over every prompt of a batch (its filler rows and ended
+    rows not counted). ``decode_steps`` has an entry per decode step whose tokens were taken: with steps run ahead
+    (``run_ahead``), the seconds of the call that read its tokens, shared evenly with the steps read together, so
+    the entries sum to ``decode_seconds``; steps submitted past the last token taken have none."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -71,8 +80,11 @@ class _Phase:
         self.outputs = {e["name"]: e["plan_name"] for e in manifest["outputs"]}
         self.rng_input = manifest["rng_input"]
         cache_inputs = [self.inputs[n] for n in cache_names]
-        resident = [self.outputs["scores"]] + [self.outputs[n] for n in cache_names]
+        self.token = self.outputs["token"]
+        resident = [self.token, self.outputs["scores"]] + [self.outputs[n] for n in cache_names]
         self.program = Program(device, bundle.plan, resident_outputs=resident, device_only_inputs=cache_inputs)
+        # the token ids come back in the run's staging buffer (at most READ_ALONG_BYTES: 16 rows), else downloaded
+        self.read_later = (self.token,) if self.token in self.program.readable_along else ()
         source = {e["plan_name"]: e["source"] for e in manifest["params"]}
         self.program.bind_params({t.buffer: weight_buffers[source[t.name]] for t in bundle.plan.params})
         self.length = next(e["shape"][1] for e in manifest["inputs"] if e["name"] == "input_ids")
@@ -106,6 +118,8 @@ class LanguageModel:
                        for name, e in zip(self._cache_names, bundle.cache)}
         self.stats = GenerationStats()
         self._rng = np.random.default_rng()
+        # decode steps submitted and unread (``run_ahead``); 1: each step's tokens are read before the next goes
+        self.run_ahead = 1 if device.in_flight.sync else RUN_AHEAD
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, eos_token_id=None):
@@ -158,7 +172,7 @@ class LanguageModel:
         tokens = self._prefill(rows, sampler)
         self.stats.prefill_seconds = time.perf_counter() - start
         live = [True] * len(prompts)
-        position = rows.length
+        steps = self._decode_steps(tokens, max_new_tokens - 1, sampler, rows)
         for n in range(max_new_tokens):
             step = [int(t) if alive else None for t, alive in zip(tokens, live)]
             self.stats.new_tokens += sum(live)
@@ -166,12 +180,28 @@ class LanguageModel:
             live = [alive and token not in stops for token, alive in zip(step, live)]
             if not any(live) or n + 1 == max_new_tokens:
                 return
-            began = time.perf_counter()
-            tokens = self._run("decode", tokens[:, None], position, 0, sampler, rows.starts)
-            self.stats.decode_steps.append(time.perf_counter() - began)
-            self.stats.decode_seconds += self.stats.decode_steps[-1]
+            tokens, seconds = steps.next()
+            self.stats.decode_steps.append(seconds)
+            self.stats.decode_seconds += seconds
             self.stats.decode_tokens += sum(live)
-            position += 1
+
+    def _decode_steps(self, first: np.ndarray, steps: int, sampler: "_Sampler", rows: "_LeftPadded"):
+        """The tokens of up to ``steps`` decode steps after the prefill's ``first``, by ``next()``: submitted ahead
+        (``run_ahead``) where the device chooses them and reads them back along, else one step at a time."""
+        phase, positions = self._phases["decode"], itertools.count(rows.length)
+
+        def read_each(ids):  # a host sampler's step, or a batch too wide to read back along
+            tokens = self._run("decode", _as_ids(ids), next(positions), 0, sampler, rows.starts)
+            return tokens, LaterRead.done({phase.token: tokens})
+
+        def submit(ids):
+            results = self._submit("decode", _as_ids(ids), next(positions), 0, sampler, rows.starts)
+            results[phase.outputs["scores"]].release()
+            return results[phase.token], phase.program.later
+
+        if sampler.on_host or not phase.read_later:
+            return RunAhead(read_each, first, steps, phase.token, ahead=1)
+        return RunAhead(submit, first, steps, phase.token, self.run_ahead)
 
     def _check_length(self, prompt: int, max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -185,8 +215,8 @@ class LanguageModel:
         """Run the prompts through prefill in chunks; return each row's first new token."""
         chunk, ids = self._phases["prefill"].length, rows.ids
         start = 0
-        while start + chunk < rows.length:
-            self._run("prefill", ids[:, start:start + chunk], start, chunk - 1, sampler, rows.starts)
+        while start + chunk < rows.length:  # (its tokens are not read)
+            self._submit("prefill", ids[:, start:start + chunk], start, chunk - 1, sampler, rows.starts)
             start += chunk
         if rows.length >= chunk:
             return self._run("prefill", ids[:, -chunk:], rows.length - chunk, chunk - 1, sampler, rows.starts)
@@ -196,12 +226,31 @@ class LanguageModel:
 
     def _run(self, phase_name: str, ids: np.ndarray, start: int, last: int, sampler: "_Sampler",
              prompt_starts: np.ndarray) -> np.ndarray:
-        """One run of a phase at cache positions ``start``...; returns the token each row chose (or the host
-        sampler's)."""
+        """One run of a phase at cache positions ``start``... (``_submit``); returns the token each row chose (or
+        the host sampler's), read back now."""
+        phase = self._phases[phase_name]
+        results = self._submit(phase_name, ids, start, last, sampler, prompt_starts)
+        scores, token = results[phase.outputs["scores"]], results[phase.token]
+        if sampler.on_host:
+            tokens = np.array([sampler.sample(row, self._rng) for row in scores.numpy().reshape(len(ids), -1)])
+        elif phase.read_later:
+            tokens = phase.program.later.values()[phase.token].reshape(-1).astype(np.int64)
+        else:
+            tokens = token.numpy().reshape(-1).astype(np.int64)
+        scores.release()
+        token.release()
+        return tokens
+
+    def _submit(self, phase_name: str, ids, start: int, last: int, sampler: "_Sampler",
+                prompt_starts: np.ndarray) -> dict:
+        """Submit one run of a phase at cache positions ``start``... over ``ids`` [batch, length] (host ids, or a
+        device array: a decode step's, the token output of the step before); returns its outputs (the token ids and
+        scores as device arrays), the cache's updated in ``_cache``."""
         phase = self._phases[phase_name]
         length = ids.shape[1]
-        feed = {phase.inputs["input_ids"]: ids.astype(np.int64),
-                phase.inputs["cache_position"]: np.arange(start, start + length, dtype=np.int64),
+        on_device = isinstance(ids, DeviceArray)
+        feed = {} if on_device else {phase.inputs["input_ids"]: ids.astype(np.int64)}
+        feed |= {phase.inputs["cache_position"]: np.arange(start, start + length, dtype=np.int64),
                 phase.inputs["last"]: np.array([last], dtype=np.int64),
                 phase.inputs["temperature"]: np.array([sampler.device_temperature], dtype=np.float32),
                 phase.inputs["sampling"]: np.array([sampler.device_sampling], dtype=np.float32)}
@@ -209,20 +258,16 @@ class LanguageModel:
             feed[phase.prompt_start] = prompt_starts
         if phase.rng_input:
             feed[phase.rng_input] = self._rng.integers(_INT32.min, _INT32.max, size=2, dtype=np.int32, endpoint=True)
-        cache = {phase.inputs[n]: self._cache[n] for n in self._cache_names}
-        results = phase.program.run(feed, device_inputs=cache)
+        device_inputs = {phase.inputs[n]: self._cache[n] for n in self._cache_names}
+        if on_device:
+            device_inputs[phase.inputs["input_ids"]] = ids
+        results = phase.program.run(feed, device_inputs=device_inputs, read_later=phase.read_later)
         for n in self._cache_names:  # an output stored over its input is that array; another is the new one
             new = results[phase.outputs[n]]
             if new is not self._cache[n]:
                 self._cache[n].release()
                 self._cache[n] = new
-        scores = results[phase.outputs["scores"]]
-        if sampler.on_host:
-            tokens = np.array([sampler.sample(row, self._rng) for row in scores.numpy().reshape(len(ids), -1)])
-        else:
-            tokens = np.asarray(results[phase.outputs["token"]]).reshape(-1).astype(np.int64)
-        scores.release()
-        return tokens
+        return results
 
     def release(self) -> None:
         """Free the device memory of this model; it cannot generate afterwards."""
@@ -249,6 +294,11 @@ class _LeftPadded:
         self.starts = self.length - np.asarray(lengths, dtype=np.int64)
         for row, prompt in enumerate(prompts):
             self.ids[row, self.starts[row]:] = prompt
+
+
+def _as_ids(tokens):
+    """A step's tokens [batch] (host or device) as the next step's ids [batch, 1]."""
+    return tokens.reshaped((tokens.shape[0], 1)) if isinstance(tokens, DeviceArray) else tokens[:, None]
 
 
 def _is_batch(prompt_ids) -> bool:

@@ -10,12 +10,14 @@ mapped memory (``meganeura.runtime.readback``), not copies. A run with no host o
 in place) returns once it is submitted, and its status is read at the device's next wait
 (``meganeura.runtime.in_flight``). A run that waits anyway can bring back, in the same staging buffer, a few bytes of
 outputs kept on the device (``run``'s ``read_along``: a step counter that the host reads before the next run), which
-would otherwise take a download and a wait of their own. A plan of more than a few dozen dispatches is submitted in
-parts (``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts
-doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A
-run of a plan of ``AHEAD_MIN_DISPATCHES`` or more, without per-run buffers, then records the next run's dispatches while
-the GPU works, before it waits (``_record_ahead``): the next run submits that command buffer with its copies in one
-submit, so recording leaves the path from a call to the GPU. While a profiler is attached to the device
+would otherwise take a download and a wait of their own; ``read_later`` copies such outputs into the staging buffer
+of a run that does not wait, for the host to read a few runs later (``LaterRead``: a decode step's token ids). A
+plan of more than a few dozen dispatches is submitted in parts (``submission_parts``): a short first part, so that
+the GPU starts while the host records the rest, then parts doubling up to ``SUBMIT_EVERY`` dispatches; the queue
+keeps their order, and the host waits once, at the read-back. A run of a plan of ``AHEAD_MIN_DISPATCHES`` or more,
+without per-run buffers, then records the next run's dispatches while the GPU works, before it waits
+(``_record_ahead``): the next run submits that command buffer with its copies in one submit, so recording leaves the
+path from a call to the GPU. While a profiler is attached to the device
 (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into fresh
@@ -50,6 +52,7 @@ from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pip
 from .program_recording import Recording
 from .program_checks import (check_in_place, check_into, check_limits, check_run_inputs, from_device_bytes,
                              require_own_buffers, status_error, to_device_array)
+from .in_flight import LaterRead
 from .readback import ReadBackBuffers
 from .resident import BufferSet, DeviceArray, buffer_bytes
 
@@ -218,6 +221,7 @@ class Program(Recording):
         self._read_size = max(cursor, 4)  # what a run reads back, but the outputs read along
         self._outputs = {t.name: t for t in self.plan.outputs}
         self.read_along: dict[str, np.ndarray] = {}  # the last run's (``run``); empty if it did not wait
+        self.later: LaterRead | None = None  # the last run's outputs ``read_later`` (``run``)
         self.readable_along = self._plan_read_along()
         self._along_slots: dict[str, int] = {}  # staging offset of each output read along so far (``_along_slot``)
         self._along_end = self._read_size
@@ -349,15 +353,15 @@ class Program(Recording):
     # ---- running
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
-            into: dict[str, DeviceArray] | None = None, sizes=(), read_along=()) -> dict:
+            into: dict[str, DeviceArray] | None = None, sizes=(), read_along=(), read_later=()) -> dict:
         """``_run``; a plan with an arena runs alone on the device (its arena is the device's)."""
         if self._arena is None:
-            return self._run(inputs, device_inputs, into, sizes, read_along)
+            return self._run(inputs, device_inputs, into, sizes, read_along, read_later)
         with self._arena.running():
-            return self._run(inputs, device_inputs, into, sizes, read_along)
+            return self._run(inputs, device_inputs, into, sizes, read_along, read_later)
 
     def _run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None,
-             into: dict[str, DeviceArray] | None, sizes, read_along) -> dict:
+             into: dict[str, DeviceArray] | None, sizes, read_along, read_later) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
@@ -365,7 +369,9 @@ class Program(Recording):
         device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
         from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU.
         A plan over symbolic sizes takes its symbols' values as ``sizes``. ``read_along``: outputs kept on the device
-        (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute)."""
+        (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute).
+        ``read_later``: such outputs that the run copies into its staging buffer whether it waits or not, read when
+        the host asks ``later`` (the attribute, a ``LaterRead``): a run in flight is then waited for only then."""
         began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")
@@ -392,7 +398,7 @@ class Program(Recording):
             ahead = None  # recorded over the program's own buffers, without timestamps
         # A run with no host outputs returns once submitted; its status is read at the next wait (``in_flight``)
         waits = bool(self._output_offsets) or profiler is not None or dev.in_flight.sync
-        copies = self._copies if waits or self._status_offsets else []
+        copies = self._copies if waits or self._status_offsets or read_later else []
         with dev.checked("recording the plan"):
             staging = self._read_back.take() if copies else None
             encoder = command_encoder(dev.wgpu_device)
@@ -400,16 +406,15 @@ class Program(Recording):
                 encoder = self._record(encoder, commands, profiler)
             for source, src_offset, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, staging, dst_offset, size)
-            along = self._copy_along(encoder, staging, kept, read_along) if waits else []
+            along = self._copy_along(encoder, staging, kept, (*read_along, *read_later) if waits else read_later,
+                                     read_later)
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
         if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
-        data = self._finish(staging, waits, profiler, self._along_end if along else self._read_size)
-        self.read_along = {name: from_device_bytes(run.spec(self._outputs[name]), data, offset).copy()
-                           for name, offset in along}
+        data, self.read_along, self.later = self._finish(staging, waits, profiler, run, along, bool(read_later))
         return {t.name: kept[t.name] if t.name in kept
                 else from_device_bytes(run.spec(t), data, self._output_offsets.get(t.name, 0))
                 for t in self.plan.outputs}
@@ -437,30 +442,44 @@ class Program(Recording):
                     block[at : at + spec.nbytes] = arrays[spec.name].reshape(-1).view(np.uint8)
                 self.device.write(self._owned[name], offset, block, name)
 
-    def _copy_along(self, encoder, staging, kept: dict, read_along) -> list[tuple[str, int]]:
-        """Record the copies of the outputs ``read_along`` into their staging slots (those that have one); returns
-        (name, staging offset) of each."""
-        along = [(name, self._along_slot(name)) for name in read_along]
+    def _copy_along(self, encoder, staging, kept: dict, read_along, required=()) -> list[tuple[str, int]]:
+        """Record the copies of the outputs ``read_along`` into their staging slots (those that have one; each of
+        ``required`` must); returns (name, staging offset) of each."""
+        along = [(name, self._along_slot(name)) for name in dict.fromkeys(read_along)]
+        missing = [name for name, offset in along if offset is None and name in required]
+        if missing:
+            raise InputError(f"no room to read {missing} later: {READ_ALONG_BYTES} bytes of outputs at most, taken "
+                             f"by {sorted(self._along_slots)}")
         along = [(name, offset) for name, offset in along if offset is not None]
         for name, offset in along:
             encoder.copy_buffer_to_buffer(kept[name].buffer, 0, staging, offset, self.readable_along[name])
         return along
 
-    def _finish(self, staging, waits: bool, profiler, size: int):
+    def _finish(self, staging, waits: bool, profiler, run: RunTensors, along: list, later: bool) -> tuple:
         """After the submit: wait and read back (host outputs, a profile, ``MEGANEURA_SYNC``), raising a status the
-        run set; or leave the run in flight, its status copied into ``staging`` (if it has one) for the next wait.
-        Returns the read-back bytes, the first ``size`` of ``staging`` (none for a run in flight)."""
+        run set; or leave the run in flight, its status (and the outputs ``along``) copied into ``staging`` (if it
+        has one) for the next wait or the host's read. Returns the read-back bytes (none for a run in flight), the
+        outputs read along (none for a run in flight) and, if ``later``, the ``LaterRead`` of those outputs."""
+        size = self._along_end if along else self._read_size
         if not waits:
+            reader = LaterRead(self.device.in_flight, partial(self._read_later, staging, size, run, along)) \
+                if later else None
             if staging is not None:
-                self.device.in_flight.add(f"run {self.runs} of {self.label}", partial(self._read_status, staging))
-            return b""
+                self.device.in_flight.add(f"run {self.runs} of {self.label}",
+                                          reader or partial(self._read_status, staging))
+            return b"", {}, reader
         data = self._read_back.read(staging, size)
         if profiler is not None:
             profiler.collect(self.plan.dispatches)
         error = self._status_error(data)
         if error is not None:
             raise error
-        return data
+        values = self._along_values(data, run, along)
+        return data, values, LaterRead.done(values) if later else None
+
+    def _along_values(self, data, run: RunTensors, along: list) -> dict[str, np.ndarray]:
+        """The outputs copied into a staging buffer at (name, offset) of ``along``, from its bytes ``data``."""
+        return {name: from_device_bytes(run.spec(self._outputs[name]), data, offset).copy() for name, offset in along}
 
     def _plan_for(self, sizes, inputs: dict) -> tuple[RunTensors, dict]:
         """The shapes of the inputs and outputs at this run's ``sizes`` (a plan without symbols: its own), and
@@ -505,6 +524,14 @@ class Program(Recording):
 
     def _status_error(self, data) -> KernelStatusError | None:
         return status_error(data, self._status_offsets, self.plan.status_messages)
+
+    def _read_later(self, staging, size: int, run: RunTensors, along: list) -> tuple:
+        """The status error left by a run in flight and its outputs ``along`` (``LaterRead``)."""
+        data = self._read_back.read(staging, size)
+        try:
+            return self._status_error(data), self._along_values(data, run, along)
+        finally:
+            del data  # the last view of the mapping: the staging buffer goes back
 
     def _read_status(self, staging) -> KernelStatusError | None:
         """The status error left by a run that was not waited for (its status words copied into ``staging``)."""

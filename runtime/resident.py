@@ -137,6 +137,19 @@ class DedicatedBuffers:
         self.device.destroy_buffer(buffer)
 
 
+class _ViewOf:
+    """The pool interface of a view (``DeviceArray.reshaped``): it holds the array viewed, whose buffer it shares;
+    the view's release drops that hold and gives back nothing."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: "DeviceArray"):
+        self.base = base
+
+    def release(self, buffer) -> None:
+        self.base = None
+
+
 class DeviceArray:
     """A contiguous tensor of logical ``dtype`` held in a buffer from ``pool`` (the device's ``BufferPool``, or
     ``DedicatedBuffers``)."""
@@ -185,6 +198,21 @@ class DeviceArray:
     @property
     def nbytes(self) -> int:
         return buffer_bytes(self.shape, self.dtype)
+
+    def reshaped(self, shape: tuple[int, ...]) -> "DeviceArray":
+        """This array's buffer under another ``shape`` of as many elements (a token per row, [batch], bound as the
+        next step's ids, [batch, 1]): a view that holds this array, so that the buffer goes back to its pool once
+        both are gone; releasing the view lets go of this array, not of the buffer (releasing this array gives the
+        buffer back under its views: let them go first)."""
+        shape = tuple(shape)
+        if prod(shape) != prod(self.shape):
+            raise ValueError(f"cannot view {self.dtype}{list(self.shape)} as shape {list(shape)}")
+        if self.buffer is None:
+            raise ValueError("this device array was released")
+        view = DeviceArray.__new__(DeviceArray)
+        view.device, view.shape, view.dtype, view.buffer = self.device, shape, self.dtype, self.buffer
+        view._pool = _ViewOf(self)
+        return view
 
     def numpy(self) -> np.ndarray:
         """Download the contents as a numpy array in the dtype's host form (int64 from int32, bool from u32,

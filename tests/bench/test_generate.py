@@ -25,17 +25,21 @@ def test_generate_benchmark_smoke(tmp_path):
 
 
 def test_generate_benchmark_other_model_half_bundle_and_prefix_comparison(tmp_path):
-    """Llama-3.2-1B's proportions at smoke scale, the bundle rows only (``--rows``), its float32 bundle and one
-    exported in bfloat16 beside it (each compared with eager in its dtype), tokens compared over a prefix; the plot is
-    written."""
+    """Llama-3.2-1B's proportions at smoke scale, the bundle rows only (``--rows``), its float32 bundle (also reading
+    each decode step before the next: ``--bundle-synchronous``) and one exported in bfloat16 beside it (each compared
+    with eager in its dtype), tokens compared over a prefix; the plot is written."""
     out = tmp_path / "generate"
     assert generate.main(["--out", str(out), "--smoke", "--model", "llama-3.2-1b", "--rows", "bundle", "--half-bundle",
-                          "--new-tokens", "10", "--max-cache-len", "32", "--batch", "1", "--compare-tokens", "6"]) == 0
+                          "--bundle-synchronous", "--new-tokens", "10", "--max-cache-len", "32", "--batch", "1",
+                          "--compare-tokens", "6"]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {(r["competitor"], r["dtype"]): r for r in result["rows"]}
-    assert set(rows) == {("meganeura-bundle", "float32"), ("meganeura-bundle", "bfloat16")}
+    assert set(rows) == {("meganeura-bundle", "float32"), ("meganeura-bundle", "bfloat16"),
+                         ("meganeura-bundle-synchronous", "float32")}
     assert all(r["equal"] and r["agreeing_tokens"] == 6 for r in rows.values()), rows
     assert result["bfloat16_speedup"] == (rows["meganeura-bundle", "bfloat16"]["tokens_per_second"]
                                           / rows["meganeura-bundle", "float32"]["tokens_per_second"])
+    assert result["run_ahead_speedup"] == (rows["meganeura-bundle", "float32"]["tokens_per_second"]
+                                           / rows["meganeura-bundle-synchronous", "float32"]["tokens_per_second"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| meganeura-bundle static batch 1 bfloat16 |" in out.with_suffix(".md").read_text()

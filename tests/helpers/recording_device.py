@@ -313,7 +313,8 @@ class RecordingDevice:
         assert buffer.kind == "staging" and size <= buffer.size, f"read of {size} bytes from {buffer!r}"
         self.counters.bytes_downloaded += size
         data = np.frombuffer(bytes(buffer.data[:size]), np.uint8).copy()
-        self._submitted_since_wait = False
+        if not self.in_flight.reading_through:  # (a read through one run in flight waited for that one only)
+            self._submitted_since_wait = False
         if not self.in_flight.settling:  # a wait: the runs in flight are read (``Device._waited``)
             self.counters.waits += 1
             self.in_flight.settle()

@@ -212,6 +212,30 @@ def test_a_status_set_by_a_run_in_flight_raises_at_the_next_wait_naming_it():
     device.synchronize()
 
 
+def test_a_status_set_by_a_run_in_flight_raises_at_a_later_read_through_it():
+    """Runs whose small outputs are read later (``read_later``): reading the third of four reads the first three,
+    raises the index out of range that the second met, naming it, and leaves the fourth in flight; the values of the
+    runs read are there, the failed run's with its clamped index's 0."""
+    device = get_device()
+    device.synchronize()
+    program = Program(device, gather_plan(1, n=4), resident_outputs=["out"], label="the gather plan")
+    table = RNG.standard_normal(8, dtype=np.float32)
+    idx = RNG.integers(0, 8, 4)
+    bad = idx.copy()
+    bad[1] = 8
+    laters = []
+    for run_idx in (idx, bad, idx, idx):
+        program.run({"table": table, "idx": run_idx}, read_later=["out"])
+        laters.append(program.later)
+    with pytest.raises(KernelStatusError, match=r"index out of range in embedding \(set by run 2 of the gather plan"):
+        laters[2].values()
+    assert len(device.in_flight) == 1
+    for k in (0, 2):
+        np.testing.assert_array_equal(laters[k].values()["out"], table[idx])
+    assert laters[1].values()["out"][1] == 0
+    np.testing.assert_array_equal(laters[3].values()["out"], table[idx])
+
+
 def test_empty_tensors():
     n = 8
     plan = add_plan(n)

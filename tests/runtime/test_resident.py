@@ -173,3 +173,55 @@ def test_a_small_resident_output_is_read_back_along_with_a_run_that_waits():
     kept_only = affine_program(1.0, 1.0, 2, resident=["out0"])
     kept_only.run({"x": counter}, read_along=["out0"])
     assert kept_only.read_along == {}  # (nothing read back: the run did not wait)
+
+
+def test_a_reshaped_view_binds_as_an_input_of_another_shape_and_holds_its_buffer():
+    """``DeviceArray.reshaped``: a [6] output bound as a [2, 3] input (a step's tokens as the next step's ids); the
+    buffer goes back to the pool when both the array and its view are gone, not before; a view of another element
+    count is refused."""
+    first = affine_program(2.0, 1.0, 6, resident=["out0"])
+    b = GraphBuilder()
+    x = b.input("x", (2, 3), "float32")
+    b.output(b.map(lambda v: E.mul(v, E.const(3.0, E.F32)), x, dtype="float32"))
+    dev = get_device()
+    second = Program(dev, compile_graph(b.graph, dev.limits)[0])
+    values = RNG.standard_normal(6, dtype=np.float32)
+    kept = first.run({"x": values})["out0"]
+    view = kept.reshaped((2, 3))
+    assert view.shape == (2, 3) and view.buffer is kept.buffer and view.dtype == kept.dtype
+    with pytest.raises(ValueError, match=r"cannot view float32\[6\] as shape \[4\]"):
+        kept.reshaped((4,))
+    live = dev.pool.live
+    del kept
+    gc.collect()
+    assert dev.pool.live == live  # the view holds the buffer
+    np.testing.assert_allclose(second.run({}, device_inputs={"x": view})["out0"], (values * 2 + 1).reshape(2, 3) * 3,
+                               rtol=1e-5, atol=1e-6)
+    del view
+    gc.collect()
+    assert dev.pool.live == live - 1
+
+
+def test_a_small_resident_output_is_read_later_from_a_run_in_flight(monkeypatch):
+    """``run(read_later=...)``: runs that wait for nothing carry a resident output of a few bytes in their staging
+    buffers; reading the second of three (``LaterRead.values``) waits once and reads the first with it, the third
+    stays in flight until its own read. Under ``MEGANEURA_SYNC`` the run waits and its values are read at once."""
+    program = affine_program(2.0, 1.0, 2, resident=["out0"])
+    dev = get_device()
+    dev.synchronize()
+    inputs = [RNG.standard_normal(2, dtype=np.float32) for _ in range(3)]
+    waits = dev.counters.waits
+    laters = []
+    for x in inputs:
+        program.run({"x": x}, read_later=["out0"])
+        laters.append(program.later)
+    assert dev.counters.waits == waits and len(dev.in_flight) == 3
+    np.testing.assert_allclose(laters[1].values()["out0"], inputs[1] * 2 + 1, rtol=1e-6)
+    np.testing.assert_allclose(laters[0].values()["out0"], inputs[0] * 2 + 1, rtol=1e-6)
+    assert dev.counters.waits == waits + 1 and len(dev.in_flight) == 1
+    np.testing.assert_allclose(laters[2].values()["out0"], inputs[2] * 2 + 1, rtol=1e-6)
+    assert dev.counters.waits == waits + 2 and not dev.in_flight
+    monkeypatch.setattr(dev.in_flight, "sync", True)
+    program.run({"x": inputs[0]}, read_later=["out0"])
+    assert not dev.in_flight and dev.counters.waits == waits + 3
+    np.testing.assert_allclose(program.later.values()["out0"], inputs[0] * 2 + 1, rtol=1e-6)
