@@ -310,49 +310,93 @@ def main(argv=None) -> int:
     checked = min(new, args.compare_tokens or new)
     half = copy.deepcopy(model).to(torch.bfloat16) if args.half_bundle and args.dtype == "float32" else None
     with torch.no_grad():
-        alone = _references(model, prompts if "bundle" in wanted and args.batch > 1 else [prompt], checked)
-        half_reference = _references(half, [prompt], checked)[0] if half is not None else None
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        caches = [c for c in args.caches.split(",") if c]
-        rows = _eager_rows(model, prompt, new, device, caches if "eager" in wanted else [], "hf-compiled" in wanted)
-        rows += _backend_rows(model, prompt, new, caches) if "backend" in wanted else []
-    for row in rows:
-        row["batch"] = 1
-    if "bundle" in wanted:
-        rows += _bundle_row(model, [prompt], new, args.max_cache_len, args.adapter, args.bundle_synchronous)
+        references = {args.dtype: _references(model, prompts if "bundle" in wanted and args.batch > 1 else [prompt],
+                                              checked)}
         if half is not None:
-            rows += [{**row, "dtype": "bfloat16"} for row in _bundle_row(half, [prompt], new, args.max_cache_len,
-                                                                           args.adapter)]
-        if args.batch > 1:
-            rows += _bundle_row(model, prompts, new, args.max_cache_len, args.adapter)
-    for row in rows:
-        want = half_reference if row.get("dtype") == "bfloat16" else alone if row["batch"] > 1 else alone[0]
-        batched, compared = row["batch"] > 1, len(want[0] if row["batch"] > 1 else want) - prompt.shape[1]
-        row["agreeing_tokens"] = _agreeing(row.pop("tokens"), want, prompt.shape[1], batched)
-        row["equal"] = row["agreeing_tokens"] == compared
-        row.setdefault("dtype", args.dtype)
-        print(f"{row['competitor']:18s} {row['cache']:8s} batch {row['batch']} {row['dtype']:8s} "
-              f"{row['tokens_per_second']:9.1f} tokens/s  "
-              f"{'tokens equal eager' if row['equal'] else 'TOKENS DIFFER after %d' % row['agreeing_tokens']}",
-              flush=True)
-    adapter = next((r["adapter"] for r in rows if "adapter" in r), "")
-    machine = f"{torch.cuda.get_device_name()} (CUDA)" + (f" beside {adapter}" if adapter else "") if device == "cuda" \
-        else adapter or "CPU"
+            references["bfloat16"] = _references(half, [prompt], checked)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     description = f"{name} (HF Llama, random weights, {args.dtype})" + (", smoke scale" if args.smoke else "")
-    result = {"description": description, "machine": machine, "torch": torch.__version__, "model": args.model,
+    result = {"description": description, "machine": device, "torch": torch.__version__, "model": args.model,
               "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "new_tokens": new,
-              "compared_tokens": checked, "smoke": args.smoke, "rows": rows}
-    result.update(_ratios(rows, args.batch))
+              "compared_tokens": checked, "smoke": args.smoke, "rows": []}
+    report = _Report(Path(args.out), result, references, prompt.shape[1], args.batch)
+    for group in _row_groups(args, model, half, prompts, new, device, wanted):
+        report.add(group())  # written after each group: a run cut short keeps the rows it finished
     for key, value in result.items():
         if key.endswith("_speedup"):
             print(f"{key}: {value:.2f}x", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot_by_context(result, out.with_suffix(".png"))
-    print(f"wrote {out}.json, {out}.md and {out}.png", flush=True)
+    report.write(plot=True)
+    print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png", flush=True)
     return 0
+
+
+def _row_groups(args, model, half, prompts: list, new: int, device: str, wanted: set) -> list:
+    """The rows to run, as callables each returning a list of rows, in the order they run."""
+    import torch
+
+    prompt, caches = prompts[0], [c for c in args.caches.split(",") if c]
+
+    def batch_one(rows: list) -> list:
+        return [{**row, "batch": 1} for row in rows]
+
+    def no_grad(run):
+        def wrapped():
+            with torch.no_grad():
+                return run()
+        return wrapped
+
+    groups = [no_grad(lambda: batch_one(_eager_rows(model, prompt, new, device, caches if "eager" in wanted else [],
+                                                    "hf-compiled" in wanted)))]
+    if "backend" in wanted:
+        groups.append(no_grad(lambda: batch_one(_backend_rows(model, prompt, new, caches))))
+    if "bundle" in wanted:
+        groups.append(lambda: _bundle_row(model, [prompt], new, args.max_cache_len, args.adapter,
+                                          args.bundle_synchronous))
+        if half is not None:
+            groups.append(lambda: [{**row, "dtype": "bfloat16"}
+                                   for row in _bundle_row(half, [prompt], new, args.max_cache_len, args.adapter)])
+        if args.batch > 1:
+            groups.append(lambda: _bundle_row(model, prompts, new, args.max_cache_len, args.adapter))
+    return groups
+
+
+class _Report:
+    """The result being built: each row checked against eager's tokens as it comes, the files written again after
+    each group of rows."""
+
+    def __init__(self, out: Path, result: dict, references: dict, prompt_tokens: int, batch: int):
+        self.out, self.result, self.references = out, result, references
+        self.prompt_tokens, self.batch = prompt_tokens, batch
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, rows: list) -> None:
+        for row in rows:
+            row.setdefault("dtype", self.result["dtype"])
+            want = self.references[row["dtype"]]
+            want = want if row["batch"] > 1 else want[0]
+            batched, compared = row["batch"] > 1, len(want[0] if row["batch"] > 1 else want) - self.prompt_tokens
+            row["agreeing_tokens"] = _agreeing(row.pop("tokens"), want, self.prompt_tokens, batched)
+            row["equal"] = row["agreeing_tokens"] == compared
+            print(f"{row['competitor']:18s} {row['cache']:8s} batch {row['batch']} {row['dtype']:8s} "
+                  f"{row['tokens_per_second']:9.1f} tokens/s  "
+                  f"{'tokens equal eager' if row['equal'] else 'TOKENS DIFFER after %d' % row['agreeing_tokens']}",
+                  flush=True)
+            self.result["rows"].append(row)
+        self.write()
+
+    def write(self, plot: bool = False) -> None:
+        import torch
+
+        rows, result = self.result["rows"], self.result
+        adapter = next((r["adapter"] for r in rows if "adapter" in r), "")
+        cuda = torch.cuda.is_available()
+        result["machine"] = (f"{torch.cuda.get_device_name()} (CUDA)" + (f" beside {adapter}" if adapter else "")
+                             if cuda else adapter or "CPU")
+        result.update(_ratios(rows, self.batch))
+        self.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        self.out.with_suffix(".md").write_text(markdown(result))
+        if plot:
+            plot_by_context(result, self.out.with_suffix(".png"))
 
 
 def _references(model, prompts: list, new: int) -> list:
@@ -377,9 +421,9 @@ def _ratios(rows: list, batch: int) -> dict:
     bundles = {(r["batch"], r["dtype"]): r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle"}
     ratios = {}
     one = bundles.get((1, "float32"), bundles.get((1, "bfloat16")))
-    if batch > 1 and one:
-        dtype = next(d for b, d in bundles if b == batch)
-        ratios["batch"], ratios["batch_speedup"] = batch, bundles[batch, dtype] / one
+    batched = [d for b, d in bundles if b == batch]
+    if batch > 1 and one and batched:  # (not yet while the rows come: ``_Report`` writes after each group)
+        ratios["batch"], ratios["batch_speedup"] = batch, bundles[batch, batched[0]] / one
     if (1, "float32") in bundles and (1, "bfloat16") in bundles:
         ratios["bfloat16_speedup"] = bundles[1, "bfloat16"] / bundles[1, "float32"]
     synchronous = [r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle-synchronous"]

@@ -2,6 +2,8 @@
 them, and the batched bundle's, each prompt's with that prompt alone), and the report is written."""
 import json
 
+import pytest
+
 from bench import generate
 
 
@@ -43,3 +45,19 @@ def test_generate_benchmark_other_model_half_bundle_and_prefix_comparison(tmp_pa
                                            / rows["meganeura-bundle-synchronous", "float32"]["tokens_per_second"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| meganeura-bundle static batch 1 bfloat16 |" in out.with_suffix(".md").read_text()
+
+
+def test_generate_benchmark_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """A run cut short (here: the bundle's row failing) has written the rows before it, checked against eager."""
+    out = tmp_path / "generate"
+
+    def cut_short(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "_bundle_row", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        generate.main(["--out", str(out), "--smoke", "--new-tokens", "6", "--max-cache-len", "32", "--batch", "1",
+                       "--caches", "static", "--rows", "eager,bundle"])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["competitor"], r["cache"], r["equal"]) for r in rows] == [("torch-cpu-eager", "static", True)]
+    assert "| torch-cpu-eager | static | 1 |" in out.with_suffix(".md").read_text()
