@@ -419,8 +419,8 @@ class DevicePartition(torch.nn.Module):
                 outs.append(value)
             elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
                 outs.append(tensor_from_host(value))
-            elif how == SAVED:
-                outs.append(value if k in packed else ResidentTensor(value))
+            elif how == SAVED:  # (packed, or a kept gradient, which the backward parks: ``parked_grads``)
+                outs.append(value if k in packed or k in self.kept_gradients else ResidentTensor(value))
             elif how == LAZY:  # one tensor for positions that return the same value
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device
