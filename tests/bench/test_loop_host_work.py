@@ -12,8 +12,12 @@ the tensor wrappers made in each phase of a step, counted as ``bench.host`` coun
   autograd as one ``SavedPack`` per device partition, their arrays taken from the pool as one set: the forward makes
   as many wrappers and pool acquires at both depths.
 
-What still grows with depth (issue 50, not shown here): those ``_is_view`` calls, the backward's gradient wrappers
-and AccumulateGrad's ``detach`` of each (and their pool acquires).
+- the backward's gradients of the kept parameters, more at each depth, are parked on the parameters
+  (``backend.parked_grads``), their arrays taken from the pool as one set: the backward makes no wrapper and
+  intercepts nothing at both depths, and as many pool acquires (before: a wrapper per gradient, another for
+  AccumulateGrad's ``detach`` of each, and a pool acquire each).
+
+What still grows with depth (issue 50, not shown here): those ``_is_view`` calls.
 """
 import cProfile
 import pstats
@@ -90,3 +94,12 @@ def test_the_forward_hands_its_saved_values_over_in_packs():
     shallow, deep = (phase_counts(depth)["forward"] for depth in DEPTHS)
     assert deep["saved"] > shallow["saved"] > 0, (shallow, deep)  # more saved at depth, all in packs
     assert (deep["wrappers"], deep["pool_acquires"]) == (shallow["wrappers"], shallow["pool_acquires"]), (shallow, deep)
+
+
+def test_the_backward_parks_the_gradients_with_no_per_layer_work():
+    counts = {depth: phase_counts(depth) for depth in DEPTHS}
+    shallow, deep = (counts[depth]["backward"] for depth in DEPTHS)
+    assert counts[DEPTHS[1]]["parameters"] > counts[DEPTHS[0]]["parameters"]
+    assert (deep["interceptions"], deep["wrappers"]) == (0, 0), deep
+    assert (shallow["interceptions"], shallow["wrappers"]) == (0, 0), shallow
+    assert deep["pool_acquires"] == shallow["pool_acquires"], (shallow, deep)

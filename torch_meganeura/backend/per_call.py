@@ -315,8 +315,9 @@ class DevicePartition(torch.nn.Module):
                     if kind == "plan" and (k in self._resident_positions(lowered, variant) or k in updated.values())}
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
-        packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``)
-                  if kind == "plan" and k in self.packed_positions and k not in updated.values()}
+        together = set(self.packed_positions) | (self.kept_gradients if variant[0] else set())
+        packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``, and kept
+                  if kind == "plan" and k in together and k not in updated.values()}  # gradients, at zero_grad)
         program = program_for(graph, device, resident, on_device, packed)
         entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
