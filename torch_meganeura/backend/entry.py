@@ -282,7 +282,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
                 lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward",
                 pack_saved=handoff.packing))
-    unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0))
+    unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0), param_indices)
+    pack_inputs = handoff.inputs
     context.record({"kind": "graph", "mode": mode, "partitions": len(partitions), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
     if watched and kept is not None:
@@ -302,6 +303,8 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
             unpack(args)
         result = fused(*args)
         args.clear()
+        if pack_inputs is not None:
+            return pack_inputs(result)
         return parking(result, kept.params) if parking is not None else result
 
     run._boxed_call = True

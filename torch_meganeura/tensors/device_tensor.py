@@ -135,7 +135,7 @@ def _torch_function(cls, func, types_, args=(), kwargs=None):
     kwargs = kwargs or {}
     if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, _before_eager not entered
         if func in _GRAD_ACCESS:  # (a gradient the backward parked: ``.grad`` gets it, a write replaces it)
-            unpark_grad(args[0], keep=func == _GRAD_ACCESS[0])
+            unpark_grad(args[0], keep=func == _GRAD_GET)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func is torch.Tensor.copy_ and len(args) == 2 and _same_values(args[0], args[1]):
@@ -154,7 +154,8 @@ def _torch_function(cls, func, types_, args=(), kwargs=None):
 
 # ``.grad``'s getter, setter and deleter, as torch gives them to ``__torch_function__`` (each a new method-wrapper
 # that compares equal: found with ``==``)
-_GRAD_ACCESS = (torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__, torch._C.TensorBase.grad.__delete__)
+_GRAD_GET = torch._C.TensorBase.grad.__get__
+_GRAD_ACCESS = frozenset({_GRAD_GET, torch._C.TensorBase.grad.__set__, torch._C.TensorBase.grad.__delete__})
 
 
 def unpark_grad(p: torch.Tensor, keep: bool = True) -> None:
