@@ -104,3 +104,24 @@ def test_backward_of_some_inputs_and_hooks_see_the_gradient():
     torch.testing.assert_close(second.bias.grad, expected["2.bias"], rtol=RTOL, atol=ATOL)
     assert len(seen) == 1
     torch.testing.assert_close(seen[0], expected["2.bias"], rtol=RTOL, atol=ATOL)
+
+
+def test_an_eager_term_on_a_parameter_adds_to_its_parked_gradient():
+    """An L2 term computed in eager code on a kept parameter: autograd stores that term's gradient while the compiled
+    backward parks the rest; ``.grad`` and the step see their sum."""
+    model, ref, opt, compiled, x, y = _setup()
+    weight, ref_weight = model[0].weight, ref[0].weight
+    (F.cross_entropy(compiled(x), y) + (weight * weight).sum()).backward()
+    (F.cross_entropy(ref(x), y) + (ref_weight * ref_weight).sum()).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    opt.zero_grad()
+    ref.zero_grad()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for module, optimizer, w in ((compiled, opt, weight), (ref, ref_opt, ref_weight)):  # the step reads the sum
+        (F.cross_entropy(module(x), y) + (w * w).sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().clone(), q.detach(), rtol=1e-3, atol=1e-4)

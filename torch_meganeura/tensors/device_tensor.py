@@ -160,14 +160,17 @@ _GRAD_ACCESS = frozenset({_GRAD_GET, torch._C.TensorBase.grad.__set__, torch._C.
 
 def unpark_grad(p: torch.Tensor, keep: bool = True) -> None:
     """Give ``p``'s parked gradient (``Kept.grad``) to ``p.grad`` as a ``ResidentTensor`` (``keep``), or drop it (a
-    write of ``.grad`` replaces it)."""
+    write of ``.grad`` replaces it). Where autograd stored a gradient too since it was parked (from an eager op on
+    the parameter in the same backward: the engine sums a parameter's gradients before storing them), ``.grad``
+    gets their sum."""
     kept = getattr(p, "_meganeura_kept", None)
     if kept is None or kept.grad is None:
         return
     array, kept.grad = kept.grad, None
     if keep:
         with torch._C.DisableTorchFunctionSubclass():
-            p.grad = ResidentTensor(array)
+            parked, stored = ResidentTensor(array), p.grad
+            p.grad = parked if stored is None else stored + parked
 
 
 def _view_of_itself(t: torch.Tensor) -> torch.Tensor:

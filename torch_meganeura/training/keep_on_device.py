@@ -102,14 +102,18 @@ def _kept_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True):
 
 
 def current_grads(params: list) -> list:
-    """The gradient of each of ``params``: ``.grad``, else a kept parameter's parked one (a ``DeviceArray``)."""
+    """The gradient of each of ``params``: a kept parameter's parked one (a ``DeviceArray``) where ``.grad`` is None,
+    else ``.grad`` (with the parked one added, ``unpark_grad``)."""
     with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
         grads = [p.grad for p in params]
-    for k, grad in enumerate(grads):
-        if grad is None:
-            kept = getattr(params[k], "_meganeura_kept", None)
-            if kept is not None:
-                grads[k] = kept.grad
+        for k, p in enumerate(params):
+            kept = getattr(p, "_meganeura_kept", None)
+            if kept is not None and kept.grad is not None:
+                if grads[k] is None:
+                    grads[k] = kept.grad
+                else:
+                    unpark_grad(p)
+                    grads[k] = p.grad
     return grads
 
 
