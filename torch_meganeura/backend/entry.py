@@ -283,14 +283,12 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward",
                 pack_saved=handoff.packing))
     unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0), param_indices)
-    pack_inputs = handoff.inputs
+    # what the call's outputs go through: a forward's saved parameters packed, a backward's kept gradients parked
+    finish = handoff.inputs or (GradientParking(_gradient_positions(), kept) if gradients else None)
     context.record({"kind": "graph", "mode": mode, "partitions": len(partitions), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
-    if watched and kept is not None:
-        kept.static = watched
     shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)
               if mode == "forward" else [])
-    parking = GradientParking(_gradient_positions(), kept.static) if gradients else None
 
     def run(args):
         if watched:
@@ -303,9 +301,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
             unpack(args)
         result = fused(*args)
         args.clear()
-        if pack_inputs is not None:
-            return pack_inputs(result)
-        return parking(result, kept.params) if parking is not None else result
+        return finish(result) if finish is not None else result
 
     run._boxed_call = True
     return run
@@ -394,12 +390,11 @@ def _warn_about_fallbacks(gm: fx.GraphModule, context: BackendContext) -> dict[s
 class KeptGradients:
     """Whether the last call of a training graph's forward had every parameter kept on the device by an optimizer
     (``device_optimizer``): its backward then parks their gradients on them (``parked_grads``) or returns them as
-    ResidentTensors. ``static``: the forward's static input positions; ``params``: the last call's tensors there
-    (while ``kept``). The forward's compiler makes one per graph and leaves it in the tracing context, where the
-    backward's compiler (of the same graph) finds it."""
+    ResidentTensors. ``params``: the last call's static inputs, in order (while ``kept``). The forward's compiler
+    makes one per graph and leaves it in the tracing context, where the backward's compiler (of the same graph)
+    finds it."""
 
     kept: bool = False
-    static: list = field(default_factory=list)
     params: list = field(default_factory=list)
 
     @staticmethod

@@ -30,16 +30,15 @@ _executes = torch._C._will_engine_execute_node
 
 
 class GradientParking:
-    """Parks a backward's gradients of kept parameters (module docstring). ``slots``: (backward output position, index
-    among the forward's static inputs that ``KeptGradients.params`` holds) of each gradient of a static input."""
+    """Parks a backward's gradients of kept parameters (module docstring). ``static``: the backward's output positions
+    that are gradients of the forward's static inputs, in order (those ``kept.params`` holds: ``KeptGradients``)."""
 
-    def __init__(self, gradient_positions, static_inputs: list[int]):
-        index = {i: k for k, i in enumerate(static_inputs)}
-        self.slots = sorted((i, index[i]) for i in gradient_positions if i in index)
+    def __init__(self, static: list[int], kept):
+        self.slots, self.kept = list(zip(static, range(len(static)))), kept
 
-    def __call__(self, result, params: list) -> list:
+    def __call__(self, result) -> list:
         """``result`` (the backward's outputs) with each kept gradient parked (None) or as a ``ResidentTensor``."""
-        result = list(result)
+        result, params = list(result), self.kept.params
         slots = [(i, params[k]) for i, k in self.slots if type(result[i]) is DeviceArray]
         if not slots:
             return result
