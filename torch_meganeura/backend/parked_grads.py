@@ -14,11 +14,13 @@ stored it:
 - Only where autograd would store it as it is: the engine runs this parameter's accumulator in this backward
   (``.backward()``, or ``backward(inputs=...)`` naming it; not ``torch.autograd.grad``, which captures gradients),
   the parameter has no gradient yet (nothing to add to: a second backward accumulates as before, the parked one
-  given to ``.grad`` first) and no hook on its gradient.
+  given to ``.grad`` first), no hook on its gradient, and no process group (DDP) is set up. A gradient autograd
+  stores besides in the same backward (an eager term on the parameter) is added to the parked one when it is read.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from meganeura.runtime.resident import DeviceArray
@@ -55,7 +57,10 @@ class GradientParking:
 
 def _parkable(params: list) -> list[bool]:
     """Whether each of ``params`` may have its gradient parked (module docstring): its accumulator runs in this
-    backward and stores the gradient as it is."""
+    backward and stores the gradient as it is. None in a process group (DDP's reducer hooks each accumulator and
+    reads the gradient it stored)."""
+    if dist.is_available() and dist.is_initialized():
+        return [False] * len(params)
     try:
         runs = list(map(_executes, map(_accumulator, params)))
     except RuntimeError:  # (``torch.autograd.grad`` over a parameter: gradients are captured, not stored)

@@ -91,8 +91,7 @@ class _BoundPlan:
         self._param_positions = [i for i, _ in self.lowered.params]
         params = set(self._param_positions) | set(self.updated)
         dims = dict(self.dynamic.dynamic) if self.dynamic is not None else {}
-        free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
-        self._free_positions, self._free_items = [i for i, _ in free], [item for _, item in free]  # (``replays``)
+        self._free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
         outputs, in_place = self.lowered.outputs, self.graph.plan.in_place if self.graph is not None else {}
         # the updates written into an array of their own: the argument's spare one (``device_tensor.adopt``)
         self.alternating = {i: outputs[k][1] for i, k in self.updated.items() if outputs[k][1] not in in_place}
@@ -156,7 +155,7 @@ class _BoundPlan:
         if len(args) != len(self.key) or tuple(id(args[i]) for i in self.updated) != self._updated_ids:
             return False
         with torch._C.DisableTorchFunctionSubclass():  # (kept tensors' metadata: their override needs none of it)
-            if list(map(signature_item, map(args.__getitem__, self._free_positions))) != self._free_items:
+            if not all(signature_item(args[i]) == item for i, item in self._free):
                 return False
             if not self._serves(args, sizes):
                 return False

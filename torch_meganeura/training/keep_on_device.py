@@ -11,8 +11,9 @@
 
 What a step then moves between host and device is the batch and what eager code reads (the loss), not the weights:
 
-- The backend's backward graphs return the gradients of kept parameters as ``ResidentTensor``s (``resident``):
-  ``.grad`` holds a tensor whose data stay on the device until eager code reads it (``backend.KeptGradients``).
+- The backend's backward graphs park the gradients of kept parameters on them (``backend.parked_grads``): ``.grad``
+  reads each as a ``ResidentTensor`` (``resident``), whose data stay on the device until eager code reads them; the
+  step reads the parked arrays, and ``zero_grad`` drops them, without a wrapper.
 - ``opt.step()`` runs one device plan that updates every parameter with a gradient, and its optimizer state, in
   place (torch.optim SGD, Adam and AdamW, traced from ``optimizers``, as ``compile_train_step``'s update). It runs as
   the closure of the optimizer's own ``step`` (``optimizers.as_optimizer_step``): LR schedulers, step hooks and the
