@@ -10,7 +10,7 @@ import functools
 import logging
 import operator
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from ..tensors.resident import TORCH_DTYPE, ResidentTensor
 from ..lower.partition import fallback_ops, partition
 from .saved_values import partition_joint
 from .packed import Handoff, of_this_graph
+from .parked_grads import GradientParking
 
 log = logging.getLogger("torch_meganeura")
 
@@ -281,7 +282,9 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
                 kept_gradients=_resident_outputs(node, gradients), kept=kept,
                 lazy_outputs=_resident_outputs(node, returned), mutated=updates, lazy_from_first=mode == "forward",
                 pack_saved=handoff.packing))
-    unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0))
+    unpack = handoff.finish(fused, partitions, getattr(meta, "num_forward_returns", 0), param_indices)
+    # what the call's outputs go through: a forward's saved parameters packed, a backward's kept gradients parked
+    finish = handoff.inputs or (GradientParking(_gradient_positions(), kept) if gradients else None)
     context.record({"kind": "graph", "mode": mode, "partitions": len(partitions), "fallback_ops": fallbacks})
     watched = sorted(param_indices) if mode == "forward" else []
     shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)
@@ -290,6 +293,7 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     def run(args):
         if watched:
             kept.kept = _all_kept(args, watched)
+            kept.params = [args[i] for i in watched] if kept.kept else []
         for i in shared:  # uploaded once, for the forward's partitions and the backward's
             if type(args[i]) is torch.Tensor:  # (a resident or kept tensor is bound as it is)
                 args[i] = ResidentTensor(upload_array(context.device(), args[i]))
@@ -297,10 +301,16 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
             unpack(args)
         result = fused(*args)
         args.clear()
-        return result
+        return finish(result) if finish is not None else result
 
     run._boxed_call = True
     return run
+
+
+def _gradient_positions() -> list[int]:
+    """A backward's output positions that are gradients of the forward's static inputs (``_parameter_gradients``)."""
+    meta = _fw_metadata()
+    return sorted(getattr(meta, "static_input_indices", None) or ()) if meta is not None else []
 
 
 def _shared_inputs(gm: fx.GraphModule, saved: set[fx.Node], static: set[int], partitions) -> list[int]:
@@ -379,11 +389,13 @@ def _warn_about_fallbacks(gm: fx.GraphModule, context: BackendContext) -> dict[s
 @dataclass
 class KeptGradients:
     """Whether the last call of a training graph's forward had every parameter kept on the device by an optimizer
-    (``device_optimizer``): its backward then returns their gradients as ResidentTensors. The forward's compiler
+    (``device_optimizer``): its backward then parks their gradients on them (``parked_grads``) or returns them as
+    ResidentTensors. ``params``: the last call's static inputs, in order (while ``kept``). The forward's compiler
     makes one per graph and leaves it in the tracing context, where the backward's compiler (of the same graph)
     finds it."""
 
     kept: bool = False
+    params: list = field(default_factory=list)
 
     @staticmethod
     def of_this_graph(create: bool) -> "KeptGradients | None":

@@ -9,8 +9,13 @@ compiled function unpacks each pack before its graph runs (``Unpacker``): every 
 ``DeviceArray`` where only device partitions read it (they bind it as it is), a ``ResidentTensor`` of it where eager
 code does. A partition that ran in eager PyTorch returned real tensors, which stay as they are.
 
-Not packed: graphs over symbolic sizes (their partitions compare each argument's sizes, ``signatures.fits``), and
-what a forward saves that is not a partition's output (its inputs, the parameters).
+The parameters a forward saves as they are (its static inputs: the weights its backward multiplies by) cross the
+same way, as one more ``SavedPack`` of the tensors themselves (``InputPacker``): aot_autograd's ``_is_view`` of each
+kept parameter met its Python override (``DeviceParameter``), once per parameter per forward. The backward gets the
+same tensors back; autograd then does not check their versions, as it does not for the partitions' values.
+
+Not packed: graphs over symbolic sizes (their partitions compare each argument's sizes, ``signatures.fits``), what
+a forward saves where saved-tensor hooks are set (they get each value), and its other inputs.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import torch.fx as fx
 from ..tensors.resident import ResidentTensor
 from ..tensors.saved_pack import SavedPack
 from ..lower.symbolic import DynamicSizes
+
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 @dataclass
@@ -87,6 +94,33 @@ def placeholder_names(gm: fx.GraphModule) -> list[str]:
     return [node.name for node in gm.graph.find_nodes(op="placeholder")]
 
 
+def saved_inputs(fused: fx.GraphModule, first_saved: int, static: set[int]) -> list[int]:
+    """The positions of ``fused``'s outputs from ``first_saved`` that are its static inputs (parameters) as they
+    are."""
+    index_of = {n: i for i, n in enumerate(fused.graph.find_nodes(op="placeholder"))}
+    output = fused.graph.find_nodes(op="output")[0]
+    values = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    return [j for j in range(first_saved, len(values)) if index_of.get(values[j]) in static
+            and isinstance(values[j].meta.get("val"), torch.Tensor)]
+
+
+class InputPacker:
+    """Puts the parameters a forward saves (its outputs at ``positions``) into one ``SavedPack`` (module docstring),
+    but where saved-tensor hooks are set."""
+
+    def __init__(self, positions: list[int]):
+        self.positions, self.origin = positions, object()
+
+    def __call__(self, result):
+        if _top_saved_tensors_hooks(True) is not None:
+            return result
+        outs = list(result)
+        pack = SavedPack([outs[j] for j in self.positions], self.origin)
+        for j in self.positions:
+            outs[j] = pack
+        return outs if isinstance(result, list) else tuple(outs)
+
+
 class Unpacker:
     """Puts a backward's saved values back at their argument positions before its graph runs (the module docstring):
     per partition pack, the position of one of its values (to find the pack), and (position, index, eager) of each."""
@@ -127,15 +161,29 @@ class Handoff:
         self.packing = mode == "forward" and self.packs is not None and packs_saved(gm)
         backward = mode == "backward" and self.packs is not None
         self.names = output_names(gm) if self.packing else placeholder_names(gm) if backward else []
+        self.inputs: InputPacker | None = None  # a forward's, of the parameters it saves (``finish``)
 
-    def finish(self, fused: fx.GraphModule, partitions, first_saved: int) -> Unpacker | None:
+    def finish(self, fused: fx.GraphModule, partitions, first_saved: int, static: set[int]) -> Unpacker | None:
         """After ``fused``'s ``partitions`` became device partitions: a forward's saved values (its outputs from
-        ``first_saved``) recorded, a backward's unpacking made."""
+        ``first_saved``) recorded, and its ``inputs`` packer of the ``static`` inputs it saves made; a backward's
+        unpacking made."""
         if self.packing:
             packed = {n: (p.pack_origin, p.packed_positions) for n in partitions
                       if (p := getattr(fused, n)).packed_positions}
             record_packs(fused, self.names, first_saved, packed, self.packs)
+            self._pack_inputs(fused, first_saved, static)
         if self.mode != "backward" or self.packs is None:
             return None
         unpack = Unpacker(fused, self.packs, set(partitions), self.names)
         return unpack if unpack else None
+
+    def _pack_inputs(self, fused: fx.GraphModule, first_saved: int, static: set[int]) -> None:
+        """Make the forward's ``inputs`` packer of the static inputs it saves, and record where each is."""
+        positions = [j for j in saved_inputs(fused, first_saved, static) if self.names[j]]
+        if not positions:
+            return
+        self.inputs = InputPacker(positions)
+        output = fused.graph.find_nodes(op="output")[0]
+        for k, j in enumerate(positions):
+            value = output.args[0][j].meta["val"]
+            self.packs.where[self.names[j]] = (self.inputs.origin, k, tuple(value.shape), value.dtype)

@@ -315,8 +315,9 @@ class DevicePartition(torch.nn.Module):
                     if kind == "plan" and (k in self._resident_positions(lowered, variant) or k in updated.values())}
         on_device = [name for i, name in lowered.inputs  # (saved activations, kept tensors): no buffer of ours
                      if i in updated or arg_kind(args[i]) == "resident" and _array_of(args[i]).device is device]
-        packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``)
-                  if kind == "plan" and k in self.packed_positions and k not in updated.values()}
+        together = set(self.packed_positions) | (self.kept_gradients if variant[0] else set())
+        packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``, and kept
+                  if kind == "plan" and k in together and k not in updated.values()}  # gradients, at zero_grad)
         program = program_for(graph, device, resident, on_device, packed)
         entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
@@ -419,8 +420,8 @@ class DevicePartition(torch.nn.Module):
                 outs.append(value)
             elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
                 outs.append(tensor_from_host(value))
-            elif how == SAVED:
-                outs.append(value if k in packed else ResidentTensor(value))
+            elif how == SAVED:  # (packed, or a kept gradient, which the backward parks: ``parked_grads``)
+                outs.append(value if k in packed or k in self.kept_gradients else ResidentTensor(value))
             elif how == LAZY:  # one tensor for positions that return the same value
                 outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
             else:  # read at a position that shares its value with one kept on the device

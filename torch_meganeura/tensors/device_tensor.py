@@ -25,6 +25,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import _disable_current_modes
 
 from meganeura.runtime.dtypes import host_words
@@ -33,7 +34,7 @@ from meganeura.runtime.resident import DeviceArray, download_arrays
 from .params import host_form, tensor_from_host
 from .read_ahead import ReadAhead
 from ..lower.registry import logical_dtype
-from .resident import TORCH_DTYPE
+from .resident import TORCH_DTYPE, ResidentTensor
 
 _DATA_ATTRIBUTES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})  # properties that return the data
 _OVERWRITES = frozenset({torch.Tensor.zero_, torch.Tensor.fill_})  # methods that write every element of self
@@ -71,17 +72,19 @@ class Kept:
     while aot_autograd may still copy the tensor into itself (``adopt``): one version step that writes nothing;
     ``spare``, the array a graph's update replaced, where the next update is written (``adopt``); ``read_ahead``,
     the group whose download it joins at ``position`` (``read_ahead.ReadAhead``), if any; ``on_download``, called at
-    each download (``watch_downloads``)."""
+    each download (``watch_downloads``). A kept parameter's ``grad``: its gradient parked by the backward, a device
+    array that ``.grad`` stands for until eager code reads it (``backend.parked_grads``); ``accumulator``, its
+    autograd gradient accumulator, kept (the node the engine would run for it)."""
 
     __slots__ = ("store", "array", "stale", "version", "on_read", "self_copy", "spare", "read_ahead", "position",
-                 "on_download")
+                 "on_download", "grad", "accumulator")
 
     def __init__(self, store=None, array: DeviceArray | None = None, stale: bool = False, version: int = 0,
                  on_read=None, self_copy: bool = False, spare: DeviceArray | None = None,
                  read_ahead: ReadAhead | None = None, position: int = 0):
         self.store, self.array, self.stale, self.version, self.on_read = store, array, stale, version, on_read
         self.self_copy, self.spare, self.read_ahead, self.position = self_copy, spare, read_ahead, position
-        self.on_download = None
+        self.on_download = self.grad = self.accumulator = None
 
     def device_array(self, t: torch.Tensor) -> DeviceArray:
         return self.array if self.array is not None else self.store.kept(t)
@@ -131,6 +134,8 @@ class _EagerOverride:
 def _torch_function(cls, func, types_, args=(), kwargs=None):
     kwargs = kwargs or {}
     if _passes_through(func):  # metadata (shape, dtype, .grad): nothing to download, _before_eager not entered
+        if func in _GRAD_ACCESS:  # (a gradient the backward parked: ``.grad`` gets it, a write replaces it)
+            unpark_grad(args[0], keep=func == _GRAD_GET)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func is torch.Tensor.copy_ and len(args) == 2 and _same_values(args[0], args[1]):
@@ -145,6 +150,27 @@ def _torch_function(cls, func, types_, args=(), kwargs=None):
     _before_eager(func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+# ``.grad``'s getter, setter and deleter, as torch gives them to ``__torch_function__`` (each a new method-wrapper
+# that compares equal: found with ``==``)
+_GRAD_GET = torch._C.TensorBase.grad.__get__
+_GRAD_ACCESS = frozenset({_GRAD_GET, torch._C.TensorBase.grad.__set__, torch._C.TensorBase.grad.__delete__})
+
+
+def unpark_grad(p: torch.Tensor, keep: bool = True) -> None:
+    """Give ``p``'s parked gradient (``Kept.grad``) to ``p.grad`` as a ``ResidentTensor`` (``keep``), or drop it (a
+    write of ``.grad`` replaces it). Where autograd stored a gradient too since it was parked (from an eager op on
+    the parameter in the same backward: the engine sums a parameter's gradients before storing them), ``.grad``
+    gets their sum."""
+    kept = getattr(p, "_meganeura_kept", None)
+    if kept is None or kept.grad is None:
+        return
+    array, kept.grad = kept.grad, None
+    if keep:
+        with torch._C.DisableTorchFunctionSubclass():
+            parked, stored = ResidentTensor(array), p.grad
+            p.grad = parked if stored is None else stored + parked
 
 
 def _view_of_itself(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +204,10 @@ def _backward(tensors, *args, **kwargs):
             tensors = [t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t for t in tensors]
     if "gradient" in kwargs:  # (Tensor.backward's name of it)
         kwargs["grad_tensors"] = kwargs.pop("gradient")
+    inputs = kwargs.get("inputs")
+    if inputs is not None:  # kept parameters as their gradient edges: as inputs they would meet the override again
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+        kwargs["inputs"] = [get_gradient_edge(t) if type(t) is DeviceParameter else t for t in inputs]
     torch.autograd.backward(tensors, *args, **kwargs)
 
 

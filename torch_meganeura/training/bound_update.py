@@ -26,8 +26,10 @@ from itertools import chain, compress
 
 import torch
 
+from meganeura.runtime.resident import DeviceArray
+
 from ..lower.registry import logical_dtype
-from ..tensors.params import upload_array
+from ..tensors.params import tensor_from_host, upload_array
 from ..tensors.resident import ResidentTensor, device_arrays, written_on_device
 from .optimizers import OptimizerSpec, hyperparameter_rows
 from .roles import Role
@@ -165,10 +167,22 @@ class BoundUpdate:
 
 
 def _grad_arrays(grads: list, device) -> list:
-    """Each gradient's device array: a resident tensor's own (its host copy uploaded first where eager code wrote
-    it), else an upload of its values (a gradient on the host, or a resident tensor of another device)."""
+    """Each gradient's device array: a parked gradient's (``backend.parked_grads``), a resident tensor's own (its
+    host copy uploaded first where eager code wrote it), else an upload of its values (a gradient on the host, or a
+    resident tensor of another device)."""
+    if all(type(grad) is DeviceArray and grad.device is device for grad in grads):
+        return grads
     if all(type(grad) is ResidentTensor for grad in grads) and all(grad.array.device is device for grad in grads):
         return device_arrays(grads)
-    return [device_arrays([grad])[0] if isinstance(grad, ResidentTensor) and grad.array.device is device
-            else upload_array(device, grad.detach()) for grad in grads]
+    return [_grad_array(grad, device) for grad in grads]
+
+
+def _grad_array(grad, device):
+    if type(grad) is DeviceArray and grad.device is device:
+        return grad
+    if type(grad) is DeviceArray:
+        return upload_array(device, tensor_from_host(grad.numpy()))  # (another device's)
+    if isinstance(grad, ResidentTensor) and grad.array.device is device:
+        return device_arrays([grad])[0]
+    return upload_array(device, grad.detach())
 

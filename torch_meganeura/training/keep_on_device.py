@@ -11,8 +11,9 @@
 
 What a step then moves between host and device is the batch and what eager code reads (the loss), not the weights:
 
-- The backend's backward graphs return the gradients of kept parameters as ``ResidentTensor``s (``resident``):
-  ``.grad`` holds a tensor whose data stay on the device until eager code reads it (``backend.KeptGradients``).
+- The backend's backward graphs park the gradients of kept parameters on them (``backend.parked_grads``): ``.grad``
+  reads each as a ``ResidentTensor`` (``resident``), whose data stay on the device until eager code reads them; the
+  step reads the parked arrays, and ``zero_grad`` drops them, without a wrapper.
 - ``opt.step()`` runs one device plan that updates every parameter with a gradient, and its optimizer state, in
   place (torch.optim SGD, Adam and AdamW, traced from ``optimizers``, as ``compile_train_step``'s update). It runs as
   the closure of the optimizer's own ``step`` (``optimizers.as_optimizer_step``): LR schedulers, step hooks and the
@@ -44,7 +45,7 @@ from meganeura.runtime.device import get_device
 
 from . import optimizers
 from ..backend.entry import param_store
-from ..tensors.device_tensor import DeviceParameter, Kept, sync
+from ..tensors.device_tensor import DeviceParameter, Kept, sync, unpark_grad
 from ..tensors.params import upload_array
 from ..tensors.read_ahead import ReadAhead
 from ..tensors.resident import ResidentTensor
@@ -89,10 +90,32 @@ def _kept_step(optimizer: torch.optim.Optimizer, closure=None):
 
 
 def _kept_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True):
-    """``zero_grad`` of an optimizer kept on the device: torch's, with subclass overrides off (it reads and writes
-    ``.grad`` only), where each parameter's reads and writes would meet its override (``DeviceParameter``)."""
+    """``zero_grad`` of an optimizer kept on the device: the parked gradients dropped (``backend.parked_grads``; to
+    be zeroed, given to ``.grad`` first), then torch's, with subclass overrides off (it reads and writes ``.grad``
+    only), where each parameter's reads and writes would meet its override (``DeviceParameter``)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            kept = getattr(p, "_meganeura_kept", None)
+            if kept is not None and kept.grad is not None:
+                unpark_grad(p, keep=not set_to_none)
     with torch._C.DisableTorchFunctionSubclass():
         return optimizer._meganeura_step.zero_grad(set_to_none)
+
+
+def current_grads(params: list) -> list:
+    """The gradient of each of ``params``: a kept parameter's parked one (a ``DeviceArray``) where ``.grad`` is None,
+    else ``.grad`` (with the parked one added, ``unpark_grad``)."""
+    with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
+        grads = [p.grad for p in params]
+        for k, p in enumerate(params):
+            kept = getattr(p, "_meganeura_kept", None)
+            if kept is not None and kept.grad is not None:
+                if grads[k] is None:
+                    grads[k] = kept.grad
+                else:
+                    unpark_grad(p)
+                    grads[k] = p.grad
+    return grads
 
 
 class _DeviceStep:
@@ -124,7 +147,7 @@ class _DeviceStep:
     def _update(self) -> None:
         """Run the update: the last step's binding where it holds (``bound_update``), else a new one."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params]
+        grads = current_grads(params)
         bound, self._bound = self._bound, None  # (a run that raises leaves no binding behind)
         if bound is None or not bound.holds(params, grads) or not bound.run(grads):
             if all(g is None for g in grads):

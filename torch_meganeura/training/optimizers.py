@@ -196,13 +196,19 @@ def _hide_gradients(optimizer: torch.optim.Optimizer):
     with torch._C.DisableTorchFunctionSubclass():  # (metadata only)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
-        for p in params:
+        links = [getattr(p, "_meganeura_kept", None) for p in params]
+        parked = [None if kept is None else kept.grad for kept in links]  # (``backend.parked_grads``)
+        for p, kept in zip(params, links):
             p.grad = None
+            if kept is not None:
+                kept.grad = None
 
     def give_back() -> None:
         with torch._C.DisableTorchFunctionSubclass():
-            for p, grad in zip(params, grads):
+            for p, grad, kept, array in zip(params, grads, links, parked):
                 p.grad = grad
+                if kept is not None:
+                    kept.grad = array
 
     return give_back
 

@@ -1,0 +1,77 @@
+"""Gradients of kept parameters parked on the parameter instead of crossing autograd (issue 50).
+
+A training backward whose forward ran with every parameter kept on the device (``KeptGradients``) gets each kept
+parameter's gradient from its device partition as a ``DeviceArray``. Handed to autograd, each became a
+``ResidentTensor`` wrapper, a Python ``__torch_dispatch__`` call for AccumulateGrad's ``detach`` (another wrapper),
+and the engine's accumulation work: per parameter, at every step. Instead the compiled backward returns None for it
+(autograd accumulates nothing) and parks the array on the parameter (``Kept.grad``), where the engine would have
+stored it:
+
+- ``p.grad`` then stands for it: the parameter's override (``device_tensor``) gives it to ``.grad`` as a
+  ``ResidentTensor`` at the first read (``unpark_grad``), and a write of ``.grad`` replaces it. Eager code sees the
+  gradient autograd would have stored; the kept optimizer's step and ``zero_grad`` read and drop the arrays
+  without a wrapper (``keep_on_device``).
+- Only where autograd would store it as it is: the engine runs this parameter's accumulator in this backward
+  (``.backward()``, or ``backward(inputs=...)`` naming it; not ``torch.autograd.grad``, which captures gradients),
+  the parameter has no gradient yet (nothing to add to: a second backward accumulates as before, the parked one
+  given to ``.grad`` first), no hook on its gradient, and no process group (DDP) is set up. A gradient autograd
+  stores besides in the same backward (an eager term on the parameter) is added to the parked one when it is read.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
+
+from meganeura.runtime.resident import DeviceArray
+
+from ..tensors.device_tensor import unpark_grad
+from ..tensors.resident import ResidentTensor
+
+_executes = torch._C._will_engine_execute_node
+
+
+class GradientParking:
+    """Parks a backward's gradients of kept parameters (module docstring). ``static``: the backward's output positions
+    that are gradients of the forward's static inputs, in order (those ``kept.params`` holds: ``KeptGradients``)."""
+
+    def __init__(self, static: list[int], kept):
+        self.slots, self.kept = list(zip(static, range(len(static)))), kept
+
+    def __call__(self, result) -> list:
+        """``result`` (the backward's outputs) with each kept gradient parked (None) or as a ``ResidentTensor``."""
+        result, params = list(result), self.kept.params
+        slots = [(i, params[k]) for i, k in self.slots if type(result[i]) is DeviceArray]
+        if not slots:
+            return result
+        with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
+            parks = _parkable([p for _, p in slots])
+            for (i, p), park in zip(slots, parks):
+                if park:
+                    p._meganeura_kept.grad, result[i] = result[i], None
+                else:
+                    unpark_grad(p)  # (a second backward: autograd adds to the first's gradient)
+                    result[i] = ResidentTensor(result[i])
+        return result
+
+
+def _parkable(params: list) -> list[bool]:
+    """Whether each of ``params`` may have its gradient parked (module docstring): its accumulator runs in this
+    backward and stores the gradient as it is. None in a process group (DDP's reducer hooks each accumulator and
+    reads the gradient it stored)."""
+    if dist.is_available() and dist.is_initialized():
+        return [False] * len(params)
+    try:
+        runs = list(map(_executes, map(_accumulator, params)))
+    except RuntimeError:  # (``torch.autograd.grad`` over a parameter: gradients are captured, not stored)
+        return [False] * len(params)
+    return [run and p.grad is None and p._meganeura_kept.grad is None and p._backward_hooks is None
+            and p._post_accumulate_grad_hooks is None for p, run in zip(params, runs)]
+
+
+def _accumulator(p: torch.Tensor):
+    """``p``'s gradient accumulator, kept on its link (autograd keeps it only while something holds it)."""
+    kept = p._meganeura_kept
+    if kept.accumulator is None:
+        kept.accumulator = get_gradient_edge(p).node
+    return kept.accumulator
