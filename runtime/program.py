@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -60,7 +60,7 @@ RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input a
 # which HF's masks read on the host before every decode step), may be copied into the staging buffer of a run that
 # waits anyway (``run``'s ``read_along``): the host's later read of one then needs no download and no second wait
 READ_ALONG_BYTES = 64
-OUTPUT_SHAPES_KEPT = 64  # output shapes whose bytes a program remembers (``_shape_bytes``): those of recent runs
+OUTPUT_SHAPES_KEPT = 64  # output shapes whose bytes are remembered (``_shape_bytes``): those of recent runs
 
 
 class Program(Recording):
@@ -121,7 +121,6 @@ class Program(Recording):
         self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
         # each resident output's latest buffers, its room and, in a plan without symbols, its buffers' size
         self._recent_outputs: dict[str, tuple[deque, int, int | None]] = {}  # (``_new_output``)
-        self._output_bytes: dict[tuple, int] = {}  # (``_shape_bytes``)
         self._ready = False  # True once every param buffer is bound and the commands are built
         if self._arena is not None:
             self._use_current_arena()
@@ -494,21 +493,10 @@ class Program(Recording):
             recent = self._recent_outputs[name] = (deque(maxlen=RECENT_OUTPUT_BUFFERS), room, fixed)
         buffers, room, nbytes = recent
         if nbytes is None:
-            nbytes = max(self._shape_bytes(shape, spec.dtype), room)
+            nbytes = max(_shape_bytes(shape, spec.dtype), room)
         array = DeviceArray.in_pool(self.device.pool, shape, spec.dtype, nbytes, buffers)
         buffers.append(array.buffer)
         return array
-
-    def _shape_bytes(self, shape: tuple, dtype: str) -> int:
-        """``buffer_bytes(shape, dtype)``, computed once per shape and dtype of a run's outputs: a decode step's
-        outputs over symbolic sizes (each layer's KV cache) share one shape, one longer at each step."""
-        key = (shape, dtype)
-        found = self._output_bytes.get(key)
-        if found is None:
-            if len(self._output_bytes) >= OUTPUT_SHAPES_KEPT:
-                self._output_bytes.clear()
-            found = self._output_bytes[key] = buffer_bytes(shape, dtype)
-        return found
 
     def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict,
                         run: RunTensors) -> dict[str, np.ndarray]:
@@ -558,3 +546,10 @@ class Program(Recording):
         if self._arena is not None:
             self._arena.release(self)
         self._ready = False
+
+
+@lru_cache(maxsize=OUTPUT_SHAPES_KEPT)
+def _shape_bytes(shape: tuple, dtype: str) -> int:
+    """``buffer_bytes(shape, dtype)``, computed once per shape and dtype of recent runs' outputs: a decode step's
+    outputs over symbolic sizes (each layer's KV cache) share one shape, one longer at each step."""
+    return buffer_bytes(shape, dtype)
