@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import statistics
@@ -41,6 +42,11 @@ INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function") 
 # with other processes, the threads of a parallel op wait for each other to be scheduled, which made those ops
 # 30-80x slower (5-10 ms each, measured on 2 shared cores) and the host time per token mostly that wait
 HOST_THREADS = 1
+# Untimed generate calls of each length before the timed ones. HF's static cache is as long as the prompt and the new
+# tokens: the second length makes dynamo trace the forward again with that length symbolic, and the third call (the
+# first length again) may compile a plan of its own; timing it (the second call of a length) counted that compile in
+# the tokens between the lengths (58 ms a token instead of 5.7, measured).
+WARM_ROUNDS = 2
 
 
 def call_counts(profile: cProfile.Profile) -> dict[str, int]:
@@ -111,15 +117,20 @@ def measure_inference(name: str, mode: str, calls: int, smoke: bool) -> dict:
 
 
 def _per_token(generate, short: int, long: int) -> dict:
-    """Host microseconds per decode token: ``generate(n)`` timed at two lengths (each warmed at its own length), the
-    difference over the tokens between them, so that the prompt's prefill cancels out. Both the wall time
+    """Host microseconds per decode token: ``generate(n)`` timed at two lengths (each warmed at its own length,
+    ``WARM_ROUNDS``), the difference over the tokens between them, so that the prompt's prefill cancels out; each
+    timed call after a full garbage collection (one of this process's, about 0.5 s, would otherwise land in one of
+    them now and then, and add 16 ms to each of the 32 tokens between). Both the wall time
     (``per_token_us``) and the process's CPU time (``per_token_cpu_us``): on a machine shared with other work, the
     wall time counts the time the process waited for a core, the CPU time only what it ran."""
     wall, cpu = {}, {}
-    for n in (short, long, short, long):
+    for n in (short, long) * WARM_ROUNDS:  # untimed
+        generate(n)
+    for n in (short, long):
+        gc.collect()
         start, start_cpu = time.perf_counter(), time.process_time()
         generate(n)
-        wall[n], cpu[n] = time.perf_counter() - start, time.process_time() - start_cpu  # the second call: warm
+        wall[n], cpu[n] = time.perf_counter() - start, time.process_time() - start_cpu
     per = (long - short) / 1e6
     return {"per_token_us": (wall[long] - wall[short]) / per, "per_token_cpu_us": (cpu[long] - cpu[short]) / per}
 

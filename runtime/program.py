@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -63,6 +63,7 @@ RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input a
 # which HF's masks read on the host before every decode step), may be copied into the staging buffer of a run that
 # waits anyway (``run``'s ``read_along``): the host's later read of one then needs no download and no second wait
 READ_ALONG_BYTES = 64
+OUTPUT_SHAPES_KEPT = 64  # output shapes whose bytes are remembered (``_shape_bytes``): those of recent runs
 
 
 class Program(Recording):
@@ -511,7 +512,7 @@ class Program(Recording):
             recent = self._recent_outputs[name] = (deque(maxlen=RECENT_OUTPUT_BUFFERS), room, fixed)
         buffers, room, nbytes = recent
         if nbytes is None:
-            nbytes = max(buffer_bytes(shape, spec.dtype), room)
+            nbytes = max(_shape_bytes(shape, spec.dtype), room)
         array = DeviceArray.in_pool(self.device.pool, shape, spec.dtype, nbytes, buffers)
         buffers.append(array.buffer)
         return array
@@ -572,3 +573,10 @@ class Program(Recording):
         if self._arena is not None:
             self._arena.release(self)
         self._ready = False
+
+
+@lru_cache(maxsize=OUTPUT_SHAPES_KEPT)
+def _shape_bytes(shape: tuple, dtype: str) -> int:
+    """``buffer_bytes(shape, dtype)``, computed once per shape and dtype of recent runs' outputs: a decode step's
+    outputs over symbolic sizes (each layer's KV cache) share one shape, one longer at each step."""
+    return buffer_bytes(shape, dtype)

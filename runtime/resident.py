@@ -41,7 +41,7 @@ class BufferPool:
         buffer = None
         for p in prefer if free else ():
             buffer = free.pop(id(p), None)
-            if buffer is not None and _alive(buffer):
+            if buffer is not None and getattr(buffer, "_internal", True) is not None:  # (``_alive``, inlined)
                 break
             buffer = None
         while buffer is None and free:

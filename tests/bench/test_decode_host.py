@@ -3,9 +3,11 @@ records and moves bytes like a GPU, computes nothing): what a token costs the ho
 depth. A tiny Llama at two depths, with the default cache and the static cache; per token (the difference between
 two generate lengths, so that the prefill cancels out): the bytes up and down, the waits, our tensor overrides
 entered (interceptions) and the tensor wrappers made, counted, not timed (``bench.host``'s counts); and the argument
-signatures built (``signatures.signature``), which a step that replays the entry the last step ran builds none of."""
+signatures built (``signatures.signature``), which a step that replays the entry the last step ran builds none of;
+and the calls of this project's Python functions (``OUR_CALLS_PER_LAYER``)."""
 import cProfile
 import pstats
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,15 @@ MOVED = ("bytes_uploaded", "bytes_downloaded", "waits")
 # ``cumulative_length`` on the host before each step, which the step before updated on the device: it comes back
 # along with that step's logits (``Program.read_along``), where it took a download and a second wait of its own
 STATIC_CACHE_WAITS = 1
+# Calls of this project's functions (the backend's, the runtime's; not the null device's) per decode token, per layer
+# added: what a token's host work grows by with depth. Measured before and after the per-argument work went
+# (``_note_returned`` over the static inputs' positions, one graph call for all the inputs aot_autograd updates
+# rather than two per input, a static cache's update bound without ``bound_array``'s calls, the outputs' bytes
+# computed once per shape, a lazy KV output not tracked once it comes back): default cache 67.5 -> 47.5, static
+# cache 34.5 -> 22.5. What is left per layer: the KV cache's arrays themselves (a new output, a lazy tensor, a bind,
+# a size check each; dynamo's size read of each, which enters our override), and the static cache's update of each.
+OUR_CALLS_PER_LAYER = {"dynamic": 48, "static": 23}
+ROOT = Path(__file__).resolve().parents[2]  # the repository: our code's files are under it
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +73,17 @@ def _per_token(depth: int, cache: str, device) -> dict:
                            do_sample=False, **extra)
 
     counts = {}
-    for n in (SHORT, LONG, SHORT, LONG):  # the second call of each length: compiled, warm
+    # the third call of each length: warm (with the static cache, whose length is the prompt's and the new tokens',
+    # the second length makes dynamo trace the forward again, over a symbolic length, and the first length's second
+    # call then compiles a plan of that graph)
+    for n in (SHORT, LONG) * 3:
         before = device.counters.snapshot()
         profile = cProfile.Profile()
         profile.enable()
         generate(n)
         profile.disable()
         after = device.counters.snapshot()
-        counts[n] = {**call_counts(profile), "signatures": _signatures(profile),
+        counts[n] = {**call_counts(profile), "signatures": _signatures(profile), "our_calls": _our_calls(profile),
                      **{key: after[key] - before[key] for key in MOVED}}
     return {key: (counts[LONG][key] - counts[SHORT][key]) / (LONG - SHORT) for key in counts[LONG]}
 
@@ -78,6 +92,13 @@ def _signatures(profile: cProfile.Profile) -> int:
     """Calls of ``signatures.signature``: the signature of every argument of a partition, built to select its entry."""
     return sum(s[1] for (path, _, name), s in pstats.Stats(profile).stats.items()
                if name == "signature" and path.endswith("signatures.py"))
+
+
+def _our_calls(profile: cProfile.Profile) -> int:
+    """Calls of functions of this repository's code, not its tests' (the null device) nor installed packages'."""
+    ours = {f"{ROOT}/{folder}/" for folder in ("torch_meganeura", "runtime", "lowering", "kernels")}
+    return sum(s[1] for (path, _, _), s in pstats.Stats(profile).stats.items()
+               if any(path.startswith(folder) for folder in ours))
 
 
 _MEASURED: dict[str, tuple[dict, dict]] = {}  # cache -> the per-token counts at each depth (measured once)
@@ -117,3 +138,12 @@ def test_a_decode_tokens_interceptions_and_uploads_do_not_grow_with_depth(null_d
     shallow, deep = _at_depths("dynamic", null_device)
     keys = ("interceptions", "bytes_uploaded")
     assert {k: shallow[k] for k in keys} == {k: deep[k] for k in keys}, (shallow, deep)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_decode_tokens_calls_of_our_code_grow_little_with_depth(null_device, cache):
+    """Our functions called per decode token, per layer added (``OUR_CALLS_PER_LAYER``): at most what is left after
+    the per-argument work went, so that it cannot silently grow back."""
+    shallow, deep = _at_depths(cache, null_device)
+    per_layer = (deep["our_calls"] - shallow["our_calls"]) / (DEPTHS[1] - DEPTHS[0])
+    assert 0 < per_layer <= OUR_CALLS_PER_LAYER[cache], (shallow, deep)

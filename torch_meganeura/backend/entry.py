@@ -181,48 +181,50 @@ def _take_input_copies(gm: fx.GraphModule) -> list[tuple[int, int]]:
 
 
 def _put_back_input_copies(gm: fx.GraphModule, copies: list[tuple[int, int]], stepped: set[int]) -> dict:
-    """The writes ``_take_input_copies`` took out, back in ``gm`` (partitioned) as calls of ``store_input`` at the
-    end; and, first, ``input_version_stepped`` of those inputs whose version aot_autograd steps before each call
-    (``stepped``: its ``mutated_graph_handled_indices_seen_by_autograd``). Returns each value's node -> the
-    placeholder it updates, as ``_mutated_inputs`` does."""
+    """The writes ``_take_input_copies`` took out, back in ``gm`` (partitioned) as one call of ``store_inputs`` at the
+    end; and, first, one of ``inputs_version_stepped`` over those inputs whose version aot_autograd steps before each
+    call (``stepped``: its ``mutated_graph_handled_indices_seen_by_autograd``). One call each for all the inputs, not
+    one per input: a static KV cache has three updated inputs per layer, and every decode step ran both. Returns each
+    value's node -> the placeholder it updates, as ``_mutated_inputs`` does."""
     if not copies:
         return {}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = list(output.args[0])
     output.args = (type(output.args[0])(values[:copies[0][1]]),)
-    updates = {}
-    with gm.graph.inserting_after(placeholders[-1]):
-        for index, _ in reversed(copies):
-            if index in stepped:
-                gm.graph.call_function(input_version_stepped, (placeholders[index],))
+    stepped_inputs = tuple(placeholders[index] for index, _ in copies if index in stepped)
+    if stepped_inputs:
+        with gm.graph.inserting_after(placeholders[-1]):
+            gm.graph.call_function(inputs_version_stepped, stepped_inputs)
     with gm.graph.inserting_before(output):
-        for index, position in copies:
-            gm.graph.call_function(store_input, (placeholders[index], values[position]))
-            updates[values[position]] = placeholders[index]
+        gm.graph.call_function(store_inputs, (tuple(placeholders[index] for index, _ in copies),
+                                              tuple(values[position] for _, position in copies)))
     gm.recompile()
-    return updates
+    return {values[position]: placeholders[index] for index, position in copies}
 
 
-def input_version_stepped(t: torch.Tensor) -> None:
-    """aot_autograd stepped ``t``'s version before calling the graph that updates it (an update kept in the graph),
-    writing nothing: a ``DeviceTensor``'s device values are still current (``device_tensor.bound_array``)."""
-    kept = getattr(t, "_meganeura_kept", None)
-    if kept is not None:
-        kept.version += 1
-
-
-def store_input(t: torch.Tensor, value: torch.Tensor) -> None:
-    """A graph's write of its new ``value`` of input ``t`` (``_take_input_copies``): nothing where a device partition
-    kept the update in ``t`` itself (``device_tensor.adopt``; no version step follows: aot_autograd made it before
-    the call, ``input_version_stepped``), else an eager copy (a partition that fell back, a process that shares
-    buffers: ``_buffers_shared``)."""
-    if value is t:
+def inputs_version_stepped(*inputs: torch.Tensor) -> None:
+    """aot_autograd stepped the version of each of ``inputs`` before calling the graph that updates them (updates
+    kept in the graph), writing nothing: a ``DeviceTensor``'s device values are still current
+    (``device_tensor.bound_array``)."""
+    for t in inputs:
         kept = getattr(t, "_meganeura_kept", None)
         if kept is not None:
-            kept.self_copy = False
-    else:
-        t.copy_(value)
+            kept.version += 1
+
+
+def store_inputs(inputs: tuple, values: tuple) -> None:
+    """A graph's writes of its new ``values`` of ``inputs`` (``_take_input_copies``): nothing where a device partition
+    kept the update in the input itself (``device_tensor.adopt``; no version step follows: aot_autograd made it
+    before the call, ``inputs_version_stepped``), else an eager copy (a partition that fell back, a process that
+    shares buffers: ``_buffers_shared``)."""
+    for t, value in zip(inputs, values):
+        if value is t:
+            kept = getattr(t, "_meganeura_kept", None)
+            if kept is not None:
+                kept.self_copy = False
+        else:
+            t.copy_(value)
 
 
 def _updates_in_place(node: fx.Node, mutated: dict[fx.Node, fx.Node]) -> dict[int, int]:

@@ -83,7 +83,7 @@ class _BoundPlan:
     _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
     _generation: int = 0
     _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
-    returns: dict = field(default_factory=dict)  # positions read before a call -> how outputs return (``_returns``)
+    returns: dict = field(default_factory=dict)  # (positions read, come back) -> how outputs return (``_returns``)
     read_ahead: ReadAhead | None = None  # the updated arguments, as eager code reads them (``read_ahead``)
     along: set = field(default_factory=set)  # the updates read back along with each run that waits (``read_along``)
 
@@ -226,10 +226,11 @@ class DevicePartition(torch.nn.Module):
         self._code = gm.code  # with the signature, what selects a compiled graph (``SharedGraphs``)
         self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
         self._readers: dict[int, object] = {}  # by output position (``_reader``)
+        self._unfixed: dict[int, list[int]] = {}  # by argument count (``_unfixed_positions``)
 
     def forward(self, *args):
         entry = self._last
-        _note_returned(args)
+        _note_returned(args, self._unfixed_positions(len(args)))
         read = self._read
         lazy = self.lazy_outputs if self.lazy_from_first else self.lazy_outputs - read
         variant = (self._keeps_gradients(), lazy)
@@ -244,6 +245,15 @@ class DevicePartition(torch.nn.Module):
         except BaseException:
             self._read |= read
             raise
+
+    def _unfixed_positions(self, count: int) -> list[int]:
+        """The argument positions that are not the graph's parameters and buffers (its static inputs): where an
+        output of a call may come back (``_note_returned``). Classified once per argument count, not per call: a
+        decode step's graph takes every parameter (272 in SmolLM2-135M) at every call."""
+        found = self._unfixed.get(count)
+        if found is None:
+            found = self._unfixed[count] = [i for i in range(count) if i not in self.param_indices]
+        return found
 
     def _signature(self, args) -> tuple:
         """``signature(args)``, an argument updated in place seen as the tensor it was before its first update (a
@@ -378,9 +388,11 @@ class DevicePartition(torch.nn.Module):
     def _returns(self, entry: _BoundPlan, read: frozenset) -> tuple:
         """How each output of ``entry``'s runs returns, by position: ``ADOPTED`` (an argument updated in place),
         ``CONST``, ``SAVED`` (a ``ResidentTensor``), ``LAZY`` (a ``DeviceTensor`` until eager code reads it) or
-        ``READ`` (read back), each with whether it is an inference graph's user output (``_track``). Decided once per
-        entry and set of positions ``read``, not per call."""
-        returns = entry.returns.get(read)
+        ``READ`` (read back), each with whether it is an inference graph's user output to track (``_track``). Decided
+        once per entry, set of positions ``read`` and set of positions that came back (``_returned``), not per
+        call."""
+        key = (read, self._returned)
+        returns = entry.returns.get(key)
         if returns is not None:
             return returns
         keep, _ = entry.variant
@@ -390,8 +402,10 @@ class DevicePartition(torch.nn.Module):
         for k, (kind, _) in enumerate(entry.lowered.outputs):
             how = (ADOPTED if k in entry.updated.values() else CONST if kind == "const" else SAVED if k in saved
                    else LAZY if k in lazy else READ)
-            returns.append((how, k in self.lazy_outputs and not self.lazy_from_first))
-        returns = entry.returns[read] = tuple(returns)
+            # (a lazy output at a position that comes back, a KV cache, is left as it is made: ``_track``)
+            tracked = k in self.lazy_outputs and not self.lazy_from_first and not (how == LAZY and k in self._returned)
+            returns.append((how, tracked))
+        returns = entry.returns[key] = tuple(returns)
         return returns
 
     def _run(self, entry: _BoundPlan, args, sizes: tuple, read: frozenset):
@@ -471,9 +485,11 @@ def _may_come_back(t: DeviceTensor, partition: DevicePartition, position: int) -
             torch._dynamo.maybe_mark_dynamic(t, dims)
 
 
-def _note_returned(args) -> None:
-    """Tell the partitions whose read-back outputs are among ``args`` that those positions come back as inputs."""
-    for a in args:
+def _note_returned(args, positions: list[int]) -> None:
+    """Tell the partitions whose read-back outputs are among ``args`` (at ``positions``: not the static inputs) that
+    those positions come back as inputs."""
+    for i in positions:
+        a = args[i]
         source = getattr(a, "_meganeura_returned", None) if type(a) in (torch.Tensor, DeviceTensor) else None
         if source is not None:
             partition, position = source[0](), source[1]

@@ -353,7 +353,14 @@ def spare_array(t: torch.Tensor, device) -> DeviceArray | None:
 
 def device_input(t: torch.Tensor, device) -> DeviceArray:
     """The device array a graph updates ``t`` in (``adopt``): its own where it is a ``DeviceTensor`` of ``device``,
-    else a new one holding its values."""
+    else a new one holding its values. The array of a ``DeviceTensor`` that nothing wrote since its last update is
+    taken here without ``bound_array``'s checks and calls (a static KV cache's three updates per layer, per decode
+    step)."""
+    kept = t.__dict__.get("_meganeura_kept") if type(t) is DeviceTensor else None
+    if kept is not None and not kept.self_copy and kept.array is not None and kept.array.device is device:
+        with torch._C.DisableTorchFunctionSubclass():
+            if t._version == kept.version:
+                return kept.array
     found = kept_array(t, device)
     if found is not None:
         return found
