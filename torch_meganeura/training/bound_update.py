@@ -22,7 +22,7 @@ gradient accumulated or clipped by eager code, uploaded).
 from __future__ import annotations
 
 import operator
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 
 import torch
 
@@ -34,7 +34,11 @@ from ..tensors.resident import ResidentTensor, device_arrays, written_on_device
 from .optimizers import OptimizerSpec, hyperparameter_rows
 from .roles import Role
 
-_same = operator.is_
+_same, _not_none = operator.is_, operator.is_not  # (``_not_none(x, None)``)
+_step_of = operator.methodcaller("get", "step")
+_version, _data_ptr = operator.attrgetter("_version"), torch.Tensor.data_ptr
+_shape, _dtype, _device = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
+_array = operator.attrgetter("array")
 
 
 class StepCounts:
@@ -52,7 +56,7 @@ class StepCounts:
 
     def holds(self, states: list[dict]) -> bool:
         """Whether each of ``states`` still holds its view, and nothing but ``advance`` wrote them."""
-        return self.base._version == self.version and all(map(_same, [s.get("step") for s in states], self.views))
+        return self.base._version == self.version and all(map(_same, map(_step_of, states), self.views))
 
     def advance(self) -> None:
         self.base.add_(1)
@@ -84,6 +88,8 @@ class BoundUpdate:
         self.state_tensors = [state[slot] for slot in slots for state in states]  # slot by slot
         self.pairs, self.counts, self.first_counts = pairs, None, counts
         self.param_arrays: list | None = None  # the last run's (a new copy is checked against the plan's shapes)
+        self.stamps: tuple | None = None  # the updated parameters' ``_stamps`` when ``param_arrays`` was taken
+        self.generation = -1  # the store's generation after the last run took its results in
         self.param_specs = [(tuple(p.shape), logical_dtype(p.dtype)) for p in self.updated]
         self._name(roles)
 
@@ -107,22 +113,26 @@ class BoundUpdate:
         optimizer, state_map = self.optimizer, self.optimizer.state
         return (self.pairs is not None and len(params) == len(self.params) and all(map(_same, params, self.params))
                 and [len(group["params"]) for group in optimizer.param_groups] == self.sizes
-                and [g is not None for g in grads] == self.with_grad
+                and list(map(_not_none, grads, repeat(None))) == self.with_grad
                 and state_map is self.state_map and len(state_map) == len(self.state_keys)
                 and all(map(_same, state_map, self.state_keys))
                 and all(map(_same, state_map.values(), self.state_values))
-                and all(map(_same, [state.get(slot) for slot in self.slots for state in self.states],
-                            self.state_tensors))
+                and all(map(_same, chain.from_iterable(map(operator.methodcaller("get", slot), self.states)
+                                                       for slot in self.slots), self.state_tensors))
                 and (self.counts is None or self.counts.holds(self.states)))
 
     def run(self, grads: list) -> bool:
         """Run the update with ``grads`` (those of ``params``), take its results in and count it. False, having run
         nothing, where a parameter's device copy is no longer of the shape or dtype the plan was compiled for."""
-        param_arrays = self.store.arrays(self.updated)
-        if self.param_arrays is None or not all(map(_same, param_arrays, self.param_arrays)):  # (a copy replaced)
-            if [(a.shape, a.dtype) for a in param_arrays] != self.param_specs:
-                return False
-            self.param_arrays = param_arrays
+        stamps = _stamps(self.updated)
+        if stamps == self.stamps and self.generation == self.store.generation:
+            param_arrays = self.param_arrays  # (what ``store.arrays`` would give: nothing written or replaced since)
+        else:
+            param_arrays = self.store.arrays(self.updated)
+            if self.param_arrays is None or not all(map(_same, param_arrays, self.param_arrays)):  # (one replaced)
+                if [(a.shape, a.dtype) for a in param_arrays] != self.param_specs:
+                    return False
+            self.param_arrays, self.stamps = param_arrays, stamps
         if self.active is not None:
             grads = [grads[i] for i in self.active]
         state_arrays = device_arrays(self.state_tensors)
@@ -130,6 +140,7 @@ class BoundUpdate:
         hyper = hyperparameter_rows(self.optimizer, self.pairs)
         results = self.plan.run_named(dict(zip(self.input_names, compress(arrays, self.read))), {self.hyper: hyper})
         self._take(results, param_arrays, state_arrays)
+        self.generation = self.store.generation
         self._count()
         return True
 
@@ -140,6 +151,7 @@ class BoundUpdate:
             array = results[name]
             if array is not param_arrays[k]:
                 self.store.replace(self.updated[k], array)
+                param_arrays[k] = array
         for kept in self.kept:
             kept.stale = True
         tensors, n = self.state_tensors, len(self.states)
@@ -170,11 +182,18 @@ def _grad_arrays(grads: list, device) -> list:
     """Each gradient's device array: a parked gradient's (``backend.parked_grads``), a resident tensor's own (its
     host copy uploaded first where eager code wrote it), else an upload of its values (a gradient on the host, or a
     resident tensor of another device)."""
-    if all(type(grad) is DeviceArray and grad.device is device for grad in grads):
+    if all(map(_same, map(type, grads), repeat(DeviceArray))) and all(map(_same, map(_device, grads), repeat(device))):
         return grads
-    if all(type(grad) is ResidentTensor for grad in grads) and all(grad.array.device is device for grad in grads):
+    if (all(map(_same, map(type, grads), repeat(ResidentTensor)))
+            and all(map(_same, map(_device, map(_array, grads)), repeat(device)))):
         return device_arrays(grads)
     return [_grad_array(grad, device) for grad in grads]
+
+
+def _stamps(params: list) -> tuple:
+    """What ``ParamStore.arrays`` checks of each of ``params`` (version, storage, shape, dtype), read in C loops."""
+    return (list(map(_version, params)), list(map(_data_ptr, params)), list(map(_shape, params)),
+            list(map(_dtype, params)))
 
 
 def _grad_array(grad, device):
