@@ -18,6 +18,12 @@ What eager code may change in place without that is read at every step, as befor
 version, storage, shape and dtype: ``ParamStore.arrays``; a shape or dtype of its own binds again), a gradient or a
 state tensor whose host copy was written (``ResidentTensor``'s twin, uploaded first), a gradient on the host (a
 gradient accumulated or clipped by eager code, uploaded).
+
+These checks, and the taking in of the run's results, read every parameter, gradient and state tensor in loops
+run by C (``map`` of ``operator`` getters and ``is``), not in a Python loop or call per tensor: a replayed step's
+Python calls do not grow with the number of parameters (``tests/bench/test_loop_host_work.py``). The parameters'
+device copies are those of the last run while each parameter has the version, storage, shape and dtype it had then
+and the store handed out no other array (``ParamStore.generation``); else ``ParamStore.arrays`` reads them.
 """
 from __future__ import annotations
 
@@ -102,9 +108,11 @@ class BoundUpdate:
         self.read = [role in inputs for role in order]
         self.input_names = [inputs[role] for role in compress(order, self.read)]
         outputs = self.plan.output_names
-        self.param_outputs = [(k, outputs[param]) for k, (param, _, _) in enumerate(roles) if param in outputs]
+        self.param_outputs = _positions_and_names(
+            [(k, outputs[param]) for k, (param, _, _) in enumerate(roles) if param in outputs])
         state_roles = [states[s][1] for s in range(len(self.slots)) for _, _, states in roles]
-        self.state_outputs = [(i, outputs[role]) for i, role in enumerate(state_roles) if role in outputs]
+        self.state_outputs = _positions_and_names(
+            [(i, outputs[role]) for i, role in enumerate(state_roles) if role in outputs])
         self.hyper = Role.hyper()
 
     def holds(self, params: list, grads: list) -> bool:
@@ -147,21 +155,17 @@ class BoundUpdate:
     def _take(self, results: dict, param_arrays: list, state_arrays: list) -> None:
         """Take the run's results in: an output stored over its input's array needs nothing but the host copies
         marked stale; another becomes the store's copy of the parameter, or the state tensor (here too)."""
-        for k, name in self.param_outputs:
-            array = results[name]
-            if array is not param_arrays[k]:
-                self.store.replace(self.updated[k], array)
-                param_arrays[k] = array
+        for k, array in _moved(results, self.param_outputs, param_arrays):
+            self.store.replace(self.updated[k], array)
+            param_arrays[k] = array
         for kept in self.kept:
             kept.stale = True
         tensors, n = self.state_tensors, len(self.states)
-        for i, name in self.state_outputs:
-            array = results[name]
-            if array is not state_arrays[i]:
-                slot, k = divmod(i, n)
-                self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
-        written_on_device(tensors if len(self.state_outputs) == len(tensors) else
-                          [tensors[i] for i, _ in self.state_outputs])
+        for i, array in _moved(results, self.state_outputs, state_arrays):
+            slot, k = divmod(i, n)
+            self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
+        written = self.state_outputs[0]
+        written_on_device(tensors if len(written) == len(tensors) else list(map(tensors.__getitem__, written)))
 
     def _count(self) -> None:
         """Count the update: Adam's step counts, and the rows' counts of the next update; an SGD update's next
@@ -188,6 +192,22 @@ def _grad_arrays(grads: list, device) -> list:
             and all(map(_same, map(_device, map(_array, grads)), repeat(device)))):
         return device_arrays(grads)
     return [_grad_array(grad, device) for grad in grads]
+
+
+def _positions_and_names(outputs: list[tuple[int, str]]) -> tuple[list[int], list[str]]:
+    """(input positions, output names) of ``outputs`` ((input position, output name) each), as ``_moved`` reads
+    them."""
+    return [k for k, _ in outputs], [name for _, name in outputs]
+
+
+def _moved(results: dict, outputs: tuple[list[int], list[str]], inputs: list) -> list[tuple[int, DeviceArray]]:
+    """(position, array) of each output (``_positions_and_names``) that the run did not store over its input's
+    array in ``inputs``: nearly always none, found so in C loops."""
+    positions, names = outputs
+    arrays = list(map(results.__getitem__, names))
+    if all(map(_same, arrays, map(inputs.__getitem__, positions))):
+        return []
+    return [(k, array) for k, array in zip(positions, arrays) if array is not inputs[k]]
 
 
 def _stamps(params: list) -> tuple:

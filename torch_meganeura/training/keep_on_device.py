@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import operator
 import types
-from itertools import repeat
+from itertools import chain, repeat
 
 import torch
 from torch import nn
@@ -154,7 +154,7 @@ class _DeviceStep:
 
     def _update(self) -> None:
         """Run the update: the last step's binding where it holds (``bound_update``), else a new one."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = list(chain.from_iterable(group["params"] for group in self.optimizer.param_groups))
         grads = current_grads(params)
         bound, self._bound = self._bound, None  # (a run that raises leaves no binding behind)
         if bound is None or not bound.holds(params, grads) or not bound.run(grads):
