@@ -212,8 +212,9 @@ def _moved(results: dict, outputs: tuple[list[int], list[str]], inputs: list) ->
 
 def _stamps(params: list) -> tuple:
     """What ``ParamStore.arrays`` checks of each of ``params`` (version, storage, shape, dtype), read in C loops."""
-    return (list(map(_version, params)), list(map(_data_ptr, params)), list(map(_shape, params)),
-            list(map(_dtype, params)))
+    with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters: no download)
+        return (list(map(_version, params)), list(map(_data_ptr, params)), list(map(_shape, params)),
+                list(map(_dtype, params)))
 
 
 def _grad_array(grad, device):
