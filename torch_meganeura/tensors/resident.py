@@ -40,12 +40,33 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 class _Value:
     """What the wrappers of one device value share: the array, the host twin once downloaded, and whether the twin
-    is newer than the array (written in place) or may be written behind our back (a view of it escaped)."""
+    is newer than the array (written in place) or may be written behind our back (a view of it escaped);
+    ``watched``: a host copy made, written or exposed is counted (``watch``)."""
 
-    __slots__ = ("array", "twin", "twin_newer", "exposed")
+    __slots__ = ("array", "twin", "twin_newer", "exposed", "watched")
 
     def __init__(self, array: DeviceArray):
-        self.array, self.twin, self.twin_newer, self.exposed = array, None, False, False
+        self.array, self.twin, self.twin_newer, self.exposed, self.watched = array, None, False, False, False
+
+
+_watched_touches = [0]  # host copies of watched values made, written or exposed (``watched_touches``)
+
+
+def watch(tensors) -> None:
+    """Count, from now on, each host copy of ``tensors``' values made, written or exposed (``watched_touches``)."""
+    for t in tensors:
+        t._value.watched = True
+
+
+def watched_touches() -> int:
+    """A count that changes whenever a watched value gets a host copy, or its host copy is written or exposed:
+    while it stays, watched values found with no host copy (``written_on_device``) have none."""
+    return _watched_touches[0]
+
+
+def _touched(value: _Value) -> None:
+    if value.watched:
+        _watched_touches[0] += 1
 
 
 class ResidentTensor(torch.Tensor):
@@ -76,6 +97,7 @@ class ResidentTensor(torch.Tensor):
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         for r in written:
             r._value.twin_newer = True
+            _touched(r._value)
         return _rewrapped(func, args, kwargs, out, written)
 
     def materialize(self) -> torch.Tensor:
@@ -83,6 +105,7 @@ class ResidentTensor(torch.Tensor):
         value = self._value
         if value.twin is None:
             value.twin = tensor_from_host(value.array.numpy())
+            _touched(value)
         return value.twin
 
     def device_array(self) -> DeviceArray:
@@ -185,4 +208,5 @@ def _rewrapped(func, args, kwargs, out, written: list[ResidentTensor]):
                 for v in tree_flatten(value)[0]:
                     if isinstance(v, ResidentTensor):
                         v._value.exposed = True
+                        _touched(v._value)
     return outputs

@@ -36,7 +36,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from ..lower.registry import logical_dtype
 from ..tensors.params import tensor_from_host, upload_array
-from ..tensors.resident import ResidentTensor, device_arrays, written_on_device
+from ..tensors.resident import ResidentTensor, device_arrays, watch, watched_touches, written_on_device
 from .optimizers import OptimizerSpec, hyperparameter_rows
 from .roles import Role
 
@@ -96,6 +96,9 @@ class BoundUpdate:
         self.param_arrays: list | None = None  # the last run's (a new copy is checked against the plan's shapes)
         self.stamps: tuple | None = None  # the updated parameters' ``_stamps`` when ``param_arrays`` was taken
         self.generation = -1  # the store's generation after the last run took its results in
+        watch(self.state_tensors)
+        self.state_arrays: list | None = None  # the last run's, all left with no host copy, at ``clean_at``
+        self.clean_at: int | None = None  # ``watched_touches()`` then (None: some state tensor not written)
         self.param_specs = [(tuple(p.shape), logical_dtype(p.dtype)) for p in self.updated]
         self._name(roles)
 
@@ -143,18 +146,20 @@ class BoundUpdate:
             self.param_arrays, self.stamps = param_arrays, stamps
         if self.active is not None:
             grads = [grads[i] for i in self.active]
-        state_arrays = device_arrays(self.state_tensors)
+        clean = self.clean_at == watched_touches()
+        state_arrays = self.state_arrays if clean else device_arrays(self.state_tensors)
         arrays = chain(param_arrays, _grad_arrays(grads, self.device), state_arrays)
         hyper = hyperparameter_rows(self.optimizer, self.pairs)
         results = self.plan.run_named(dict(zip(self.input_names, compress(arrays, self.read))), {self.hyper: hyper})
-        self._take(results, param_arrays, state_arrays)
+        self._take(results, param_arrays, state_arrays, clean)
         self.generation = self.store.generation
         self._count()
         return True
 
-    def _take(self, results: dict, param_arrays: list, state_arrays: list) -> None:
+    def _take(self, results: dict, param_arrays: list, state_arrays: list, clean: bool) -> None:
         """Take the run's results in: an output stored over its input's array needs nothing but the host copies
-        marked stale; another becomes the store's copy of the parameter, or the state tensor (here too)."""
+        marked stale (none to mark where the state tensors were ``clean``: no host copy since the last run); another
+        becomes the store's copy of the parameter, or the state tensor (here too)."""
         for k, array in _moved(results, self.param_outputs, param_arrays):
             self.store.replace(self.updated[k], array)
             param_arrays[k] = array
@@ -164,8 +169,13 @@ class BoundUpdate:
         for i, array in _moved(results, self.state_outputs, state_arrays):
             slot, k = divmod(i, n)
             self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
+            watch([tensors[i]])
+            state_arrays[i] = array
         written = self.state_outputs[0]
-        written_on_device(tensors if len(written) == len(tensors) else list(map(tensors.__getitem__, written)))
+        if not clean:
+            written_on_device(tensors if len(written) == len(tensors) else list(map(tensors.__getitem__, written)))
+        every = len(written) == len(tensors)  # (then none has a host copy now)
+        self.state_arrays, self.clean_at = (state_arrays, watched_touches()) if every else (None, None)
 
     def _count(self) -> None:
         """Count the update: Adam's step counts, and the rows' counts of the next update; an SGD update's next
