@@ -23,7 +23,8 @@ These checks, and the taking in of the run's results, read every parameter, grad
 run by C (``map`` of ``operator`` getters and ``is``), not in a Python loop or call per tensor: a replayed step's
 Python calls do not grow with the number of parameters (``tests/bench/test_loop_host_work.py``). The parameters'
 device copies are those of the last run while each parameter has the version, storage, shape and dtype it had then
-and the store handed out no other array (``ParamStore.generation``); else ``ParamStore.arrays`` reads them.
+and the store handed out no other array (``ParamStore.generation``); else ``ParamStore.arrays`` reads them. The
+state tensors' arrays are those of the last run while none of them got a host copy since (``resident.watch``).
 """
 from __future__ import annotations
 
