@@ -30,6 +30,7 @@ from helpers.saved import saved_packs
 
 DEPTHS = (2, 4)
 POOL_ACQUIRES = ("acquire", "acquire_set")  # runtime/resident.py's BufferPool
+STEP_FOLDERS = ("torch_meganeura/training/", "torch_meganeura/tensors/")  # the kept step's own code
 WARM_STEPS = 2  # the first compiles; the second binds the optimizer state's and statistics' second arrays
 
 
@@ -101,3 +102,37 @@ def test_the_backward_parks_the_gradients_with_no_per_layer_work():
     assert (deep["interceptions"], deep["wrappers"]) == (0, 0), deep
     assert (shallow["interceptions"], shallow["wrappers"]) == (0, 0), shallow
     assert deep["pool_acquires"] == shallow["pool_acquires"], (shallow, deep)
+
+
+def _calls_in(profile: cProfile.Profile, folders: tuple[str, ...]) -> int:
+    """Calls of code under ``folders``, and calls (of Python functions and builtins alike) made from it, in a
+    profiled call."""
+    return sum(counts[1] for (path, _, _), (_, _, _, _, callers) in pstats.Stats(profile).stats.items()
+               for (caller, _, _), counts in callers.items()
+               if any(folder in path or folder in caller for folder in folders))
+
+
+def step_calls(depth: int) -> int:
+    """Calls made by the kept optimizer's own code (``training``, ``tensors``) in one warm ``opt.step()``, outside
+    its plan run, at ``depth`` blocks."""
+    torch.manual_seed(0)
+    model = ConvBlocks(depth).train()
+    opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="meganeura")
+    x, y = torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,))
+    for _ in range(WARM_STEPS + 1):
+        opt.zero_grad()
+        F.cross_entropy(compiled(x), y).backward()
+        profile = cProfile.Profile()
+        profile.enable()
+        opt.step()
+        profile.disable()
+    return _calls_in(profile, STEP_FOLDERS)
+
+
+def test_a_kept_optimizer_step_makes_no_per_parameter_call():
+    """A replayed ``opt.step()`` checks and binds its parameters, gradients and state tensors in loops run by C
+    (``map``), not a Python call or loop iteration per tensor: as many calls at both depths."""
+    shallow, deep = (step_calls(depth) for depth in DEPTHS)
+    assert shallow == deep, (shallow, deep)

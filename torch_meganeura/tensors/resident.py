@@ -16,6 +16,8 @@ the twin: ``torch.save`` writes an ordinary tensor.
 from __future__ import annotations
 
 import logging
+import operator
+from itertools import repeat
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -38,12 +40,33 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 class _Value:
     """What the wrappers of one device value share: the array, the host twin once downloaded, and whether the twin
-    is newer than the array (written in place) or may be written behind our back (a view of it escaped)."""
+    is newer than the array (written in place) or may be written behind our back (a view of it escaped);
+    ``watched``: a host copy made, written or exposed is counted (``watch``)."""
 
-    __slots__ = ("array", "twin", "twin_newer", "exposed")
+    __slots__ = ("array", "twin", "twin_newer", "exposed", "watched")
 
     def __init__(self, array: DeviceArray):
-        self.array, self.twin, self.twin_newer, self.exposed = array, None, False, False
+        self.array, self.twin, self.twin_newer, self.exposed, self.watched = array, None, False, False, False
+
+
+_watched_touches = [0]  # host copies of watched values made, written or exposed (``watched_touches``)
+
+
+def watch(tensors) -> None:
+    """Count, from now on, each host copy of ``tensors``' values made, written or exposed (``watched_touches``)."""
+    for t in tensors:
+        t._value.watched = True
+
+
+def watched_touches() -> int:
+    """A count that changes whenever a watched value gets a host copy, or its host copy is written or exposed:
+    while it stays, watched values found with no host copy (``written_on_device``) have none."""
+    return _watched_touches[0]
+
+
+def _touched(value: _Value) -> None:
+    if value.watched:
+        _watched_touches[0] += 1
 
 
 class ResidentTensor(torch.Tensor):
@@ -74,6 +97,7 @@ class ResidentTensor(torch.Tensor):
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         for r in written:
             r._value.twin_newer = True
+            _touched(r._value)
         return _rewrapped(func, args, kwargs, out, written)
 
     def materialize(self) -> torch.Tensor:
@@ -81,6 +105,7 @@ class ResidentTensor(torch.Tensor):
         value = self._value
         if value.twin is None:
             value.twin = tensor_from_host(value.array.numpy())
+            _touched(value)
         return value.twin
 
     def device_array(self) -> DeviceArray:
@@ -125,9 +150,15 @@ def _sharing(tensor: ResidentTensor) -> ResidentTensor:
     return t
 
 
-def device_arrays(tensors) -> list[DeviceArray]:
-    """``device_array()`` of each of ``tensors`` (resident tensors), in one loop: a kept optimizer binds hundreds
-    at every step, nearly all with no host copy written."""
+_twin, _twin_newer = operator.attrgetter("_value.twin"), operator.attrgetter("_value.twin_newer")
+_exposed, _value_array = operator.attrgetter("_value.exposed"), operator.attrgetter("_value.array")
+
+
+def device_arrays(tensors: list) -> list[DeviceArray]:
+    """``device_array()`` of each of ``tensors`` (resident tensors): a kept optimizer binds hundreds at every step,
+    nearly all with no host copy written, found so in C loops (``map``)."""
+    if not any(map(_twin_newer, tensors)) and not any(map(_exposed, tensors)):
+        return list(map(_value_array, tensors))
     arrays = []
     for t in tensors:
         value = t._value
@@ -135,8 +166,11 @@ def device_arrays(tensors) -> list[DeviceArray]:
     return arrays
 
 
-def written_on_device(tensors) -> None:
-    """``written_on_device()`` of each of ``tensors`` (resident tensors) that has a host copy to drop, in one loop."""
+def written_on_device(tensors: list) -> None:
+    """``written_on_device()`` of each of ``tensors`` (resident tensors) that has a host copy to drop (nearly none,
+    found so in C loops)."""
+    if not any(map(operator.is_not, map(_twin, tensors), repeat(None))) and not any(map(_exposed, tensors)):
+        return
     for t in tensors:
         value = t._value
         if value.twin is not None or value.exposed:
@@ -174,4 +208,5 @@ def _rewrapped(func, args, kwargs, out, written: list[ResidentTensor]):
                 for v in tree_flatten(value)[0]:
                     if isinstance(v, ResidentTensor):
                         v._value.exposed = True
+                        _touched(v._value)
     return outputs

@@ -18,11 +18,18 @@ What eager code may change in place without that is read at every step, as befor
 version, storage, shape and dtype: ``ParamStore.arrays``; a shape or dtype of its own binds again), a gradient or a
 state tensor whose host copy was written (``ResidentTensor``'s twin, uploaded first), a gradient on the host (a
 gradient accumulated or clipped by eager code, uploaded).
+
+These checks, and the taking in of the run's results, read every parameter, gradient and state tensor in loops
+run by C (``map`` of ``operator`` getters and ``is``), not in a Python loop or call per tensor: a replayed step's
+Python calls do not grow with the number of parameters (``tests/bench/test_loop_host_work.py``). The parameters'
+device copies are those of the last run while each parameter has the version, storage, shape and dtype it had then
+and the store handed out no other array (``ParamStore.generation``); else ``ParamStore.arrays`` reads them. The
+state tensors' arrays are those of the last run while none of them got a host copy since (``resident.watch``).
 """
 from __future__ import annotations
 
 import operator
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 
 import torch
 
@@ -30,11 +37,15 @@ from meganeura.runtime.resident import DeviceArray
 
 from ..lower.registry import logical_dtype
 from ..tensors.params import tensor_from_host, upload_array
-from ..tensors.resident import ResidentTensor, device_arrays, written_on_device
+from ..tensors.resident import ResidentTensor, device_arrays, watch, watched_touches, written_on_device
 from .optimizers import OptimizerSpec, hyperparameter_rows
 from .roles import Role
 
-_same = operator.is_
+_same, _not_none = operator.is_, operator.is_not  # (``_not_none(x, None)``)
+_step_of = operator.methodcaller("get", "step")
+_version, _data_ptr = operator.attrgetter("_version"), torch.Tensor.data_ptr
+_shape, _dtype, _device = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
+_array = operator.attrgetter("array")
 
 
 class StepCounts:
@@ -52,7 +63,7 @@ class StepCounts:
 
     def holds(self, states: list[dict]) -> bool:
         """Whether each of ``states`` still holds its view, and nothing but ``advance`` wrote them."""
-        return self.base._version == self.version and all(map(_same, [s.get("step") for s in states], self.views))
+        return self.base._version == self.version and all(map(_same, map(_step_of, states), self.views))
 
     def advance(self) -> None:
         self.base.add_(1)
@@ -84,6 +95,11 @@ class BoundUpdate:
         self.state_tensors = [state[slot] for slot in slots for state in states]  # slot by slot
         self.pairs, self.counts, self.first_counts = pairs, None, counts
         self.param_arrays: list | None = None  # the last run's (a new copy is checked against the plan's shapes)
+        self.stamps: tuple | None = None  # the updated parameters' ``_stamps`` when ``param_arrays`` was taken
+        self.generation = -1  # the store's generation after the last run took its results in
+        watch(self.state_tensors)
+        self.state_arrays: list | None = None  # the last run's, all left with no host copy, at ``clean_at``
+        self.clean_at: int | None = None  # ``watched_touches()`` then (None: some state tensor not written)
         self.param_specs = [(tuple(p.shape), logical_dtype(p.dtype)) for p in self.updated]
         self._name(roles)
 
@@ -96,9 +112,11 @@ class BoundUpdate:
         self.read = [role in inputs for role in order]
         self.input_names = [inputs[role] for role in compress(order, self.read)]
         outputs = self.plan.output_names
-        self.param_outputs = [(k, outputs[param]) for k, (param, _, _) in enumerate(roles) if param in outputs]
+        self.param_outputs = _positions_and_names(
+            [(k, outputs[param]) for k, (param, _, _) in enumerate(roles) if param in outputs])
         state_roles = [states[s][1] for s in range(len(self.slots)) for _, _, states in roles]
-        self.state_outputs = [(i, outputs[role]) for i, role in enumerate(state_roles) if role in outputs]
+        self.state_outputs = _positions_and_names(
+            [(i, outputs[role]) for i, role in enumerate(state_roles) if role in outputs])
         self.hyper = Role.hyper()
 
     def holds(self, params: list, grads: list) -> bool:
@@ -107,49 +125,58 @@ class BoundUpdate:
         optimizer, state_map = self.optimizer, self.optimizer.state
         return (self.pairs is not None and len(params) == len(self.params) and all(map(_same, params, self.params))
                 and [len(group["params"]) for group in optimizer.param_groups] == self.sizes
-                and [g is not None for g in grads] == self.with_grad
+                and list(map(_not_none, grads, repeat(None))) == self.with_grad
                 and state_map is self.state_map and len(state_map) == len(self.state_keys)
                 and all(map(_same, state_map, self.state_keys))
                 and all(map(_same, state_map.values(), self.state_values))
-                and all(map(_same, [state.get(slot) for slot in self.slots for state in self.states],
-                            self.state_tensors))
+                and all(map(_same, chain.from_iterable(map(operator.methodcaller("get", slot), self.states)
+                                                       for slot in self.slots), self.state_tensors))
                 and (self.counts is None or self.counts.holds(self.states)))
 
     def run(self, grads: list) -> bool:
         """Run the update with ``grads`` (those of ``params``), take its results in and count it. False, having run
         nothing, where a parameter's device copy is no longer of the shape or dtype the plan was compiled for."""
-        param_arrays = self.store.arrays(self.updated)
-        if self.param_arrays is None or not all(map(_same, param_arrays, self.param_arrays)):  # (a copy replaced)
-            if [(a.shape, a.dtype) for a in param_arrays] != self.param_specs:
-                return False
-            self.param_arrays = param_arrays
+        stamps = _stamps(self.updated)
+        if stamps == self.stamps and self.generation == self.store.generation:
+            param_arrays = self.param_arrays  # (what ``store.arrays`` would give: nothing written or replaced since)
+        else:
+            param_arrays = self.store.arrays(self.updated)
+            if self.param_arrays is None or not all(map(_same, param_arrays, self.param_arrays)):  # (one replaced)
+                if [(a.shape, a.dtype) for a in param_arrays] != self.param_specs:
+                    return False
+            self.param_arrays, self.stamps = param_arrays, stamps
         if self.active is not None:
             grads = [grads[i] for i in self.active]
-        state_arrays = device_arrays(self.state_tensors)
+        clean = self.clean_at == watched_touches()
+        state_arrays = self.state_arrays if clean else device_arrays(self.state_tensors)
         arrays = chain(param_arrays, _grad_arrays(grads, self.device), state_arrays)
         hyper = hyperparameter_rows(self.optimizer, self.pairs)
         results = self.plan.run_named(dict(zip(self.input_names, compress(arrays, self.read))), {self.hyper: hyper})
-        self._take(results, param_arrays, state_arrays)
+        self._take(results, param_arrays, state_arrays, clean)
+        self.generation = self.store.generation
         self._count()
         return True
 
-    def _take(self, results: dict, param_arrays: list, state_arrays: list) -> None:
+    def _take(self, results: dict, param_arrays: list, state_arrays: list, clean: bool) -> None:
         """Take the run's results in: an output stored over its input's array needs nothing but the host copies
-        marked stale; another becomes the store's copy of the parameter, or the state tensor (here too)."""
-        for k, name in self.param_outputs:
-            array = results[name]
-            if array is not param_arrays[k]:
-                self.store.replace(self.updated[k], array)
+        marked stale (none to mark where the state tensors were ``clean``: no host copy since the last run); another
+        becomes the store's copy of the parameter, or the state tensor (here too)."""
+        for k, array in _moved(results, self.param_outputs, param_arrays):
+            self.store.replace(self.updated[k], array)
+            param_arrays[k] = array
         for kept in self.kept:
             kept.stale = True
         tensors, n = self.state_tensors, len(self.states)
-        for i, name in self.state_outputs:
-            array = results[name]
-            if array is not state_arrays[i]:
-                slot, k = divmod(i, n)
-                self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
-        written_on_device(tensors if len(self.state_outputs) == len(tensors) else
-                          [tensors[i] for i, _ in self.state_outputs])
+        for i, array in _moved(results, self.state_outputs, state_arrays):
+            slot, k = divmod(i, n)
+            self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
+            watch([tensors[i]])
+            state_arrays[i] = array
+        written = self.state_outputs[0]
+        if not clean:
+            written_on_device(tensors if len(written) == len(tensors) else list(map(tensors.__getitem__, written)))
+        every = len(written) == len(tensors)  # (then none has a host copy now)
+        self.state_arrays, self.clean_at = (state_arrays, watched_touches()) if every else (None, None)
 
     def _count(self) -> None:
         """Count the update: Adam's step counts, and the rows' counts of the next update; an SGD update's next
@@ -170,11 +197,35 @@ def _grad_arrays(grads: list, device) -> list:
     """Each gradient's device array: a parked gradient's (``backend.parked_grads``), a resident tensor's own (its
     host copy uploaded first where eager code wrote it), else an upload of its values (a gradient on the host, or a
     resident tensor of another device)."""
-    if all(type(grad) is DeviceArray and grad.device is device for grad in grads):
+    if all(map(_same, map(type, grads), repeat(DeviceArray))) and all(map(_same, map(_device, grads), repeat(device))):
         return grads
-    if all(type(grad) is ResidentTensor for grad in grads) and all(grad.array.device is device for grad in grads):
+    if (all(map(_same, map(type, grads), repeat(ResidentTensor)))
+            and all(map(_same, map(_device, map(_array, grads)), repeat(device)))):
         return device_arrays(grads)
     return [_grad_array(grad, device) for grad in grads]
+
+
+def _positions_and_names(outputs: list[tuple[int, str]]) -> tuple[list[int], list[str]]:
+    """(input positions, output names) of ``outputs`` ((input position, output name) each), as ``_moved`` reads
+    them."""
+    return [k for k, _ in outputs], [name for _, name in outputs]
+
+
+def _moved(results: dict, outputs: tuple[list[int], list[str]], inputs: list) -> list[tuple[int, DeviceArray]]:
+    """(position, array) of each output (``_positions_and_names``) that the run did not store over its input's
+    array in ``inputs``: nearly always none, found so in C loops."""
+    positions, names = outputs
+    arrays = list(map(results.__getitem__, names))
+    if all(map(_same, arrays, map(inputs.__getitem__, positions))):
+        return []
+    return [(k, array) for k, array in zip(positions, arrays) if array is not inputs[k]]
+
+
+def _stamps(params: list) -> tuple:
+    """What ``ParamStore.arrays`` checks of each of ``params`` (version, storage, shape, dtype), read in C loops."""
+    with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters: no download)
+        return (list(map(_version, params)), list(map(_data_ptr, params)), list(map(_shape, params)),
+                list(map(_dtype, params)))
 
 
 def _grad_array(grad, device):

@@ -36,7 +36,9 @@ gradients and its scaled ones are uploaded by the step, correct but with that tr
 """
 from __future__ import annotations
 
+import operator
 import types
+from itertools import chain, repeat
 
 import torch
 from torch import nn
@@ -54,6 +56,7 @@ from .role_program import RoleProgram
 from .roles import Kind, Role
 from .trace import trace_update
 
+_grad_of, _parked_grad_of = operator.attrgetter("grad"), operator.attrgetter("_meganeura_kept.grad")
 
 
 def sync_parameters(optimizer: torch.optim.Optimizer) -> None:
@@ -106,7 +109,12 @@ def current_grads(params: list) -> list:
     """The gradient of each of ``params``: a kept parameter's parked one (a ``DeviceArray``) where ``.grad`` is None,
     else ``.grad`` (with the parked one added, ``unpark_grad``)."""
     with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
-        grads = [p.grad for p in params]
+        grads = list(map(_grad_of, params))
+        if not any(map(operator.is_not, grads, repeat(None))):  # (the ordinary loop: all parked, read in C loops)
+            try:
+                return list(map(_parked_grad_of, params))
+            except AttributeError:  # (a parameter not kept)
+                pass
         for k, p in enumerate(params):
             kept = getattr(p, "_meganeura_kept", None)
             if kept is not None and kept.grad is not None:
@@ -146,7 +154,7 @@ class _DeviceStep:
 
     def _update(self) -> None:
         """Run the update: the last step's binding where it holds (``bound_update``), else a new one."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = list(chain.from_iterable(group["params"] for group in self.optimizer.param_groups))
         grads = current_grads(params)
         bound, self._bound = self._bound, None  # (a run that raises leaves no binding behind)
         if bound is None or not bound.holds(params, grads) or not bound.run(grads):
