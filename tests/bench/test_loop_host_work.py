@@ -18,6 +18,7 @@ the tensor wrappers made in each phase of a step, counted as ``bench.host`` coun
   AccumulateGrad's ``detach`` of each, and a pool acquire each).
 """
 import cProfile
+import functools
 import pstats
 
 import torch
@@ -58,19 +59,27 @@ def _profiled(call):
     return result, counts
 
 
-def phase_counts(depth: int) -> dict[str, dict[str, int]]:
-    """{phase: {"interceptions": n, "wrappers": n}} of one warm step of the loop at ``depth`` blocks."""
+def _kept_loop(depth: int):
+    """The loop's model at ``depth`` blocks, its kept AdamW and a function computing the loss of one batch through
+    the compiled model."""
     torch.manual_seed(0)
     model = ConvBlocks(depth).train()
     opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="meganeura")
     x, y = torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,))
+    return model, opt, lambda: F.cross_entropy(compiled(x), y)
+
+
+@functools.cache  # (each test reads the counts of both depths: compiled once for all of them)
+def phase_counts(depth: int) -> dict[str, dict[str, int]]:
+    """{phase: {"interceptions": n, "wrappers": n}} of one warm step of the loop at ``depth`` blocks."""
+    model, opt, loss_of = _kept_loop(depth)
     for _ in range(WARM_STEPS):
-        F.cross_entropy(compiled(x), y).backward()
+        loss_of().backward()
         opt.step()
         opt.zero_grad()
-    loss, forward = _profiled(lambda: F.cross_entropy(compiled(x), y))
+    loss, forward = _profiled(loss_of)
     forward["saved"] = sum(len(pack.values) for pack in saved_packs(loss))  # (values saved in packs)
     _, backward = _profiled(loss.backward)
     _, step = _profiled(opt.step)
@@ -115,15 +124,10 @@ def _calls_in(profile: cProfile.Profile, folders: tuple[str, ...]) -> int:
 def step_calls(depth: int) -> int:
     """Calls made by the kept optimizer's own code (``training``, ``tensors``) in one warm ``opt.step()``, outside
     its plan run, at ``depth`` blocks."""
-    torch.manual_seed(0)
-    model = ConvBlocks(depth).train()
-    opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="meganeura")
-    x, y = torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,))
+    _, opt, loss_of = _kept_loop(depth)
     for _ in range(WARM_STEPS + 1):
         opt.zero_grad()
-        F.cross_entropy(compiled(x), y).backward()
+        loss_of().backward()
         profile = cProfile.Profile()
         profile.enable()
         opt.step()

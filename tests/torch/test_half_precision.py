@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers.compare import assert_within_eager_error, device_counters, meganeura_warnings
+from helpers.compiled_plans import record_compiled_plans
 
 HALVES = [torch.bfloat16, torch.float16]
 SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99, 65520.0, 6e-8, 3e-8, 2.98e-8,
@@ -286,17 +287,7 @@ def test_weight_norm_backward_gets_float32_norms(dtype):
 
 def test_half_storage_needs_no_shader_f16(monkeypatch):
     """The kernels of a half precision graph declare no f16 type: they run on adapters without ``shader-f16``."""
-    from torch_meganeura.backend import device_graph
-
-    plans = []
-    original = device_graph.compile_plan
-
-    def spy(*args, **kwargs):
-        compiled = original(*args, **kwargs)
-        plans.append(compiled[0])
-        return compiled
-
-    monkeypatch.setattr(device_graph, "compile_plan", spy)
+    plans = record_compiled_plans(monkeypatch)
     x, w = torch.randn(4, 8).to(torch.float16), torch.randn(8, 8).to(torch.float16)
     got = _compiled_run(lambda x, w: torch.nn.functional.silu(x @ w).sum(0), x, w)
     assert got.dtype == torch.float16 and plans

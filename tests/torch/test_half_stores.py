@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.compare import assert_within_eager_error, meganeura_warnings
+from helpers.compiled_plans import record_compiled_plans
 
 HALVES = [torch.bfloat16, torch.float16]
 NARROW = "narrow"  # the label of the narrowing copy (lowering/schedule.py)
@@ -29,18 +30,7 @@ SUM_OF_SLICES = "(sum of slices)"  # the label suffix of split K's second pass
 @pytest.fixture
 def plans(monkeypatch):
     """The plans compiled while the test runs."""
-    from torch_meganeura.backend import device_graph
-
-    found = []
-    original = device_graph.compile_plan
-
-    def spy(*args, **kwargs):
-        compiled = original(*args, **kwargs)
-        found.append(compiled[0])
-        return compiled
-
-    monkeypatch.setattr(device_graph, "compile_plan", spy)
-    return found
+    return record_compiled_plans(monkeypatch)
 
 
 def _compiled(fn, *args):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.compare import assert_within_eager_error, meganeura_warnings
+from helpers.compiled_plans import record_compiled_plans
 
 HALVES = [torch.bfloat16, torch.float16]
 GROUPED_GEMV = "groups of 8"  # the gemv kernel's comment line when it reads by groups (kernels/matmul_gemv.py)
@@ -22,18 +23,7 @@ GROUPED_GEMV = "groups of 8"  # the gemv kernel's comment line when it reads by 
 @pytest.fixture
 def sources(monkeypatch):
     """The WGSL of every kernel of the plans compiled while the test runs."""
-    from torch_meganeura.backend import device_graph
-
-    found = []
-    original = device_graph.compile_plan
-
-    def spy(*args, **kwargs):
-        compiled = original(*args, **kwargs)
-        found.extend(compiled[0].kernels.values())
-        return compiled
-
-    monkeypatch.setattr(device_graph, "compile_plan", spy)
-    return found
+    return record_compiled_plans(monkeypatch, lambda plan: plan.kernels.values())
 
 
 def _run_against_float64(fn, *args, exact_fn=None):
