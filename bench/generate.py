@@ -20,7 +20,8 @@ tokens/s the aggregate over every prompt, and the ratio of that to the batch-1 b
 compared with eager's default ``generate`` on the CPU in the model's dtype (the bfloat16 bundle's with eager's in
 bfloat16; the batched row's, each prompt's with that prompt alone; ``--compare-tokens``: the first so many new
 tokens): a row whose tokens differ is marked. Writes ``OUT.json``, the markdown table ``OUT.md`` (with decode tokens/s
-by bands of context length) and ``OUT.png`` (decode tokens/s against context length).
+by bands of context length) and ``OUT.png`` (decode tokens/s against context length); the JSON and the table after
+each group of rows as well, so that a run cut short keeps the rows it finished.
 """
 from __future__ import annotations
 
