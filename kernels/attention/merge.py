@@ -4,7 +4,7 @@ pass's outputs."""
 from __future__ import annotations
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB
+from .common import MASKED, PROB, forward_outputs
 from .plans import AttentionShape, partial_layout
 
 MERGE_THREADS = 256  # threads per workgroup of the merge, one output element each
@@ -41,7 +41,7 @@ def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str)
     """WGSL: output element e rescaled from every slice to the overall max, and (one thread a row) the row's
     log-sum-exp."""
     rows, width = partial_layout(s, "forward")
-    out, lse = outs
+    out, lse = forward_outputs(outs)
     return f"""  let row = e / {s.dv}u;
   let c = e % {s.dv}u;
   var m = MASKED;
@@ -54,8 +54,8 @@ def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str)
     l = l + w * {partial}[at + {s.dv + 1}u];
     o = o + w * {partial}[at + c];
   }}
-  {out}[e] = select(o / l, 0.0, l == 0.0);
-  if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}"""
+  {out}[e] = select(o / l, 0.0, l == 0.0);""" + ("" if lse is None else f"""
+  if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}""")
 
 
 def _gradient_body(s: AttentionShape, kind: str, outs: list[str], splits: int, partial: str) -> str:

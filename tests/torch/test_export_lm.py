@@ -20,14 +20,16 @@ from meganeura.runtime.cli import main as cli
 from meganeura.runtime.lm_bundle import read_lm_bundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
-# A Llama layer's decode dispatches (portable limits: 8 storage bindings; lowering/row_prologues.py and
-# paired_matmuls.py): the query, key and value projection (+ RMS norm), the query's rotary embedding, the key and
-# value cache writes, attention, the output projection (+ residual), gate and up (+ RMS norm, SiLU, product) and
-# down (+ residual). Before decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own).
-LLAMA_DECODE_DISPATCHES_PER_LAYER = 8
-# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the rotary
-# embedding of the query goes into attention as a prologue, and the two cache writes share a kernel
-# (lowering/sibling_updates.py). Before decode fusion: 10.
+# A Llama layer's decode dispatches (portable limits: 8 storage bindings; lowering/row_prologues.py,
+# paired_matmuls.py and sibling_updates.py): the query, key and value projection (+ RMS norm), the key and value
+# cache writes in one kernel (+ the key's rotary embedding), attention (+ the query's rotary embedding as a prologue,
+# in the binding its unread log-sum-exp leaves), the output projection (+ residual), gate and up (+ RMS norm, SiLU,
+# product) and down (+ residual); a longer cache adds the merge of attention's slices. Before decode fusion: 11 (the
+# two RMS norms and the up projection had dispatches of their own), then 8 (the rotary embedding of the query and
+# each cache write apart).
+LLAMA_DECODE_DISPATCHES_PER_LAYER = 6
+# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the same
+# kernels. Before decode fusion: 10.
 LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE = 6
 WIDE_BINDINGS = 16  # an adapter with at least this many storage bindings per stage holds those kernels
 CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
