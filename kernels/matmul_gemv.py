@@ -196,6 +196,17 @@ def _gemv_store(by_column: bool, shared: list[str], next_output: int) -> tuple[s
     return "lane == 0u", "store_c(batch_index, out_index, 0u, partial[lid]);"
 
 
+def _check_gemv(by_column: bool, k, limits: dict, contiguous_k: bool, products: int, width: int, pairs: bool,
+                staged: bool) -> None:
+    """Refuse a gemv request whose options its form cannot take (``_gemv_kernel``'s arguments)."""
+    if width and (not by_column or not contiguous_k or is_size(k) or k % width):
+        raise ValueError("matmul_kernel: a gemv by groups needs m == 1, K contiguous and a multiple of the group")
+    if pairs and not by_column:
+        raise ValueError("matmul_kernel: a gemv stores pairs of columns only over columns (m == 1)")
+    if staged and not (by_column and gemv_stage_fits(k, products, limits)):
+        raise ValueError("matmul_kernel: a staged row needs the gemv over columns and a K that fits the storage")
+
+
 def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
                  contiguous_k: bool, products: int = 0, row_phases: int = 0,
                  width: int = 0, pairs: bool = False, staged: bool = False) -> tuple[str, tuple[int, int, int]]:
@@ -206,12 +217,7 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     # staged: over columns, A's row computed once per workgroup into ``row_a`` (``matmul_kernel``'s ``staged``).
     by_column = m == 1
     outputs = n if by_column else m
-    if width and (not by_column or not contiguous_k or is_size(k) or k % width):
-        raise ValueError("matmul_kernel: a gemv by groups needs m == 1, K contiguous and a multiple of the group")
-    if pairs and not by_column:
-        raise ValueError("matmul_kernel: a gemv stores pairs of columns only over columns (m == 1)")
-    if staged and not (by_column and gemv_stage_fits(k, products, limits)):
-        raise ValueError("matmul_kernel: a staged row needs the gemv over columns and a K that fits the storage")
+    _check_gemv(by_column, k, limits, contiguous_k, products, width, pairs, staged)
     plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE, pairs) if width else
             _choose_gemv_plan(outputs, k, threads, not contiguous_k, pairs=pairs))
     accs = _accumulators(1 + products)

@@ -13,8 +13,8 @@ paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the matri
 row_prologues.py) -> fuse_sibling_updates (pointwise updates of one shape stored over inputs, a layer's key and value
 cache writes, in one kernel: sibling_updates.py) -> separate_checks (the data checks from the first in-place update on
 run first, in kernels of their own) -> hoist_writers (in-place updates moved up to just after their last dependency:
-in_place.py) -> schedule (memory plan + WGSL + dispatches; a decode attention's slices merged by the projection that reads them:
-slice_merges.py).
+in_place.py) -> schedule (memory plan + WGSL + dispatches; a decode attention's slices merged by the projection
+that reads them: slice_merges.py).
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
 symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).
