@@ -199,7 +199,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                   split: int = 1, partial: str | None = None, f16: bool = False,
                   looped: str = "", double: bool = False, quads: bool = False, patches: bool = False,
                   vector_loads: str = "", products: int = 0, row_phases: int = 0,
-                  gemv_width: int = 0, pairs: bool = False) -> tuple[str, tuple[int, int, int]]:
+                  gemv_width: int = 0, pairs: bool = False, staged: bool = False) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
     over b < batch, i < m, j < n, p < k.
 
@@ -231,10 +231,12 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     ``pairs``: the prelude defines ``store_c2(b, i, j, acc, acc1, ...)`` in place of ``store_c``, storing the outputs
     at columns j and j + 1 (j even; each acc a vec2 of their sums), and the kernel calls it once per such pair, from
     one thread: a half precision output stores the two as one u32 word (``kernels.prelude.pair_store_function``).
-    It needs an even ``n`` and, unsplit, the kernel over columns (m == 1) or the tiled one."""
-    if (products or row_phases) and (m != 1 or tile is not None or split > 1):
-        raise ValueError("matmul_kernel: further products and a row prologue need the gemv kernel over columns "
-                         "(m == 1)")
+    It needs an even ``n`` and, unsplit, the kernel over columns (m == 1) or the tiled one.
+    ``staged``: the gemv over columns computes A's row once per workgroup into workgroup memory, where its lanes read
+    it (``kernels.matmul_gemv``'s ``staged``: for a costly ``load_a``; ``gemv_stage_fits`` says where it fits)."""
+    if (products or row_phases or staged) and (m != 1 or tile is not None or split > 1):
+        raise ValueError("matmul_kernel: further products, a row prologue and a staged row need the gemv kernel over "
+                         "columns (m == 1)")
     if split > 1 and (partial is None or m == 1 or n == 1):
         raise ValueError("matmul_kernel: a split K needs the tiled kernel (m, n > 1) and a partial-sum array")
     if min(batch, m, n) < 1 or k < 0:
@@ -246,7 +248,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     if tile is None and not is_tiled(m, n):
         return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
                             contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
-                            row_phases=row_phases, width=gemv_width, pairs=pairs)
+                            row_phases=row_phases, width=gemv_width, pairs=pairs, staged=staged)
     return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
                          block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
                          quads=quads, patches=patches, vector_loads=vector_loads, pairs=pairs)

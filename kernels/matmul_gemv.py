@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .matmul_common import ENTRY, LINEAR_WORKGROUP, SYMBOLIC_CHOICE, _header, _pow2_ceil, _pow2_floor, fold_grid
+from .matmul_common import (ENTRY, LINEAR_WORKGROUP, SYMBOLIC_CHOICE, _header, _pow2_ceil, _pow2_floor, _thread_count,
+                            fold_grid)
 from .sizes import ceil_div, is_size
 
 # gemv: lanes (threads splitting K for one output) are the power of two that gives each about GEMV_PER_LANE products
@@ -119,9 +120,34 @@ def _group_dot(x: str, y: str, width: int) -> str:
     return " + ".join(f"dot({x}[{q}], {y}[{q}])" for q in range(width // 4))
 
 
-def _gemv_operands(by_column: bool, width: int, matrices: int) -> tuple[str, ...]:
+def gemv_stage_fits(k, products: int, limits: dict) -> bool:
+    """Whether a gemv over columns with K ``k`` and ``products`` further products may stage A's row (``staged``): a
+    concrete K whose row fits the workgroup storage beside the reduction's arrays."""
+    threads = _thread_count(limits)
+    return (not is_size(k) and k > 0
+            and 4 * (k + threads * (1 + products)) <= limits.get("max-compute-workgroup-storage-size", 16384))
+
+
+def _stage_row(threads: int) -> str:
+    """WGSL: the workgroup computes A's row into ``row_a`` (every thread a share of K), before any lane reads it."""
+    return f"""    if (live) {{
+        for (var p = lid; p < K; p += {threads}u) {{ row_a[p] = load_a(batch_index, 0u, p); }}
+    }}
+    workgroupBarrier();
+"""
+
+
+def _gemv_operands(by_column: bool, width: int, matrices: int, staged: bool = False) -> tuple[str, ...]:
     """The loads of a gemv lane (formatted with ``p``: an element along K, or a group's number with ``width``): the
-    vector's, then each of the ``matrices``' (over rows: one)."""
+    vector's (from the staged row ``row_a`` where ``staged``), then each of the ``matrices``' (over rows: one)."""
+    if staged:
+        if width:
+            elements = [f"row_a[{width}u * ({{p}}) + {q}u]" for q in range(width)]
+            vector = ", ".join(f"vec4<f32>({', '.join(elements[q:q + 4])})" for q in range(0, width, 4))
+            vector = vector if width == 4 else f"array<vec4<f32>, {width // 4}>({vector})"
+        else:
+            vector = "row_a[{p}]"
+        return (vector, *_gemv_operands(by_column, width, matrices)[1:])
     if width:
         return (f"load_a{width}(batch_index, 0u, {{p}})", f"load_b{width}(batch_index, out_index, {{p}})",
                 *(f"load_b{j}_{width}(batch_index, out_index, {{p}})" for j in range(1, matrices)))
@@ -170,19 +196,28 @@ def _gemv_store(by_column: bool, shared: list[str], next_output: int) -> tuple[s
     return "lane == 0u", "store_c(batch_index, out_index, 0u, partial[lid]);"
 
 
-def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
-                 contiguous_k: bool, products: int = 0, row_phases: int = 0,
-                 width: int = 0, pairs: bool = False) -> tuple[str, tuple[int, int, int]]:
-    # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
-    # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
-    # width > 0: over columns with K contiguous, by groups of width elements (``matmul_kernel``'s ``gemv_width``).
-    # pairs: over columns, the thread of each even output stores it with the next one (``matmul_kernel``'s ``pairs``).
-    by_column = m == 1
-    outputs = n if by_column else m
+def _check_gemv(by_column: bool, k, limits: dict, contiguous_k: bool, products: int, width: int, pairs: bool,
+                staged: bool) -> None:
+    """Refuse a gemv request whose options its form cannot take (``_gemv_kernel``'s arguments)."""
     if width and (not by_column or not contiguous_k or is_size(k) or k % width):
         raise ValueError("matmul_kernel: a gemv by groups needs m == 1, K contiguous and a multiple of the group")
     if pairs and not by_column:
         raise ValueError("matmul_kernel: a gemv stores pairs of columns only over columns (m == 1)")
+    if staged and not (by_column and gemv_stage_fits(k, products, limits)):
+        raise ValueError("matmul_kernel: a staged row needs the gemv over columns and a K that fits the storage")
+
+
+def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: int, limits: dict,
+                 contiguous_k: bool, products: int = 0, row_phases: int = 0,
+                 width: int = 0, pairs: bool = False, staged: bool = False) -> tuple[str, tuple[int, int, int]]:
+    # m == 1: outputs are columns j, the vector is A's row, the matrix is B.
+    # n == 1: outputs are rows i, the vector is B's column, the matrix is A.
+    # width > 0: over columns with K contiguous, by groups of width elements (``matmul_kernel``'s ``gemv_width``).
+    # pairs: over columns, the thread of each even output stores it with the next one (``matmul_kernel``'s ``pairs``).
+    # staged: over columns, A's row computed once per workgroup into ``row_a`` (``matmul_kernel``'s ``staged``).
+    by_column = m == 1
+    outputs = n if by_column else m
+    _check_gemv(by_column, k, limits, contiguous_k, products, width, pairs, staged)
     plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE, pairs) if width else
             _choose_gemv_plan(outputs, k, threads, not contiguous_k, pairs=pairs))
     accs = _accumulators(1 + products)
@@ -192,7 +227,7 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     total = batch * blocks
     grid = fold_grid(total, limits["max-compute-workgroups-per-dimension"])
     shared = ["partial"] + [f"partial{j}" for j in range(1, len(accs))]
-    operands = _gemv_operands(by_column, width, len(accs))
+    operands = _gemv_operands(by_column, width, len(accs), staged)
     if plan.out_fastest:  # neighbouring threads read neighbouring outputs (the matrix is contiguous along them)
         decode = f"let out_local = lid % {plan.columns}u;\n    let lane = lid / {plan.columns}u;"
         partner_step, next_output = plan.columns, 1
@@ -202,6 +237,7 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     stores, store = _gemv_store(by_column, shared, next_output if pairs else 0)
     declared = "".join(f"var<workgroup> {name}: array<f32, {threads}>;\n" for name in shared)
     declared += "".join(f"var<private> row_stat{j}: f32;\n" for j in range(row_phases))
+    declared += f"var<workgroup> row_a: array<f32, {k}>;\n" if staged else ""
     kept = "\n    ".join(f"{name}[lid] = {acc};" for name, acc in zip(shared, accs))
     added = " ".join(f"{name}[lid] = {name}[lid] + {name}[lid + span * {partner_step}u];" for name in shared)
 
@@ -213,7 +249,7 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
 @compute @workgroup_size({threads})
 fn main({ENTRY}) {{
 {LINEAR_WORKGROUP}    let batch_index = wg_linear / BLOCKS;
-{_row_prologue(row_phases, threads)}    {decode}
+{_row_prologue(row_phases, threads)}{_stage_row(threads) if staged else ""}    {decode}
     let out_index = (wg_linear % BLOCKS) * {plan.columns}u + out_local;
     let has_output = live && out_index < OUTPUTS;
     {"".join(f"var {acc} = 0.0;" + chr(10) + "    " for acc in accs)}if (has_output) {{

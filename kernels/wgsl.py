@@ -154,6 +154,9 @@ class Emitter:
                 return f"mg_widen_{half[0]}({self.buffer_names(slot)}[{at} >> 1u], {at} & 1u)"
             ref = f"{self.buffer_names(slot)}[{self.value(index)}]"
             return f"({ref} != 0u)" if dt == "bool" else ref
+        if op == "call":  # a WGSL function the kernel defines beside its prelude (lowering.slice_merges)
+            name, *args = e.args
+            return f"{name}({', '.join(self.value(a) for a in args)})"
         if op == "check":
             value, cond, code = e.args
             c = self.value(cond)

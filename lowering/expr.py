@@ -117,6 +117,12 @@ def read(slot: int, index: Expr, dtype: str, storage: str = "") -> Expr:
     return Expr("read", (slot, index, storage) if storage else (slot, index), dtype)
 
 
+def call(function: str, *args: Expr, dtype: str = F32) -> Expr:
+    """A call of WGSL function ``function`` that the kernel defines beside its prelude, after planning (a read that
+    merges an attention pass's slices as it loads: ``slice_merges``)."""
+    return Expr("call", (function, *args), dtype)
+
+
 def uniform(key0: Expr, key1: Expr, stream: int, counter: Expr) -> Expr:
     """A uniform float in [0, 1): element ``counter`` of random stream ``stream`` under the i32 key (key0, key1).
 

@@ -11,7 +11,8 @@ candidate unless a rule refuses it, and every refusal is recorded with its reaso
     folds rotary embeddings (q * cos + rotate_half(q) * sin) into the attention loads;
   * a kernel may not exceed the device's storage-buffer bindings, ``MAX_EXPR_NODES`` nor ``MAX_EXPR_DEPTH``.
 Values that end up read by no kernel (and are not graph outputs) are dropped, as are unused results of
-multi-output reductions; other multi-output nodes are kept whole while any of their results is used.
+multi-output reductions and a forward attention's unread log-sum-exp (before inlining, so that a prologue may take
+its binding); other multi-output nodes are kept whole while any of their results is used.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def fuse(graph: Graph, max_bindings: int) -> FusionReport:
     producers = graph.producers()
     users = graph.users()
     outputs = {v.id for v in graph.outputs}
+    _drop_unread_lse(graph, users, outputs)
     candidates: dict[int, Pointwise] = {}
 
     for node in graph.nodes:
@@ -82,6 +84,17 @@ def fuse(graph: Graph, max_bindings: int) -> FusionReport:
     for producer, consumer, reason in report.refused:
         log.debug("kept %s apart from %s: %s", producer, consumer, reason)
     return report
+
+
+def _drop_unread_lse(graph: Graph, users: dict, outputs: set[int]) -> None:
+    """Forward attention passes whose log-sum-exp nothing reads (inference: only training saves it for the backward)
+    store their output alone: one storage binding fewer, which a portable plan's decode attention spends on the
+    query's rotary embedding as a prologue."""
+    for node in graph.nodes:
+        if isinstance(node, Attention) and node.kind == "forward" and len(node.outs) == 2:
+            lse = node.outs[1]
+            if lse.id not in outputs and not users.get(lse.id):
+                node.outs = node.outs[:1]
 
 
 def _inline_into(node: Node, candidates, producers, max_bindings, report) -> None:

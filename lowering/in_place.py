@@ -67,20 +67,29 @@ def in_place_outputs(graph: Graph, kernels: list[Node]) -> tuple[dict[int, Input
 def _refusal(v: Value, target: Input, producers: dict, step: dict, last_read: dict, last_check: int,
              positions: dict) -> str | None:
     """Why ``v`` cannot be stored over ``target``'s buffer, or None."""
+    if len(positions[v.id]) > 1:
+        return "the value is returned at several positions"
+    writer = producers[v.id]
+    reason = writer_refusal(v, target, writer)
+    if reason is not None:
+        return reason
+    if last_read.get(target.out.id, -1) > step[id(writer)]:
+        return "a later kernel reads the input"
+    if last_check >= step[id(writer)]:
+        return "a kernel from its own on checks data (a failed run must leave the input as it was)"
+    return None
+
+
+def writer_refusal(v: Value, target: Input, writer: Node) -> str | None:
+    """Why ``writer``'s output ``v`` cannot be stored over ``target``'s buffer whatever the kernels' order, or None:
+    the rules of the module docstring but those on the kernels before and after it."""
     old = target.out
     if target.role != "input":
         return "the input is a param buffer, which the plan does not rebind per run"
     if v.shape != old.shape or STORAGE[v.dtype] != STORAGE[old.dtype]:
         return f"{v.dtype}{list(v.shape)} is not stored as the input {old.dtype}{list(old.shape)} is"
-    if len(positions[v.id]) > 1:
-        return "the value is returned at several positions"
-    writer = producers[v.id]
     if not isinstance(writer, Pointwise):
         return f"its kernel is a {type(writer).__name__}, not pointwise"
-    if last_read.get(old.id, -1) > step[id(writer)]:
-        return "a later kernel reads the input"
-    if last_check >= step[id(writer)]:
-        return "a kernel from its own on checks data (a failed run must leave the input as it was)"
     bounds = dict(enumerate(writer.out.shape))
     here = simplify(linear_index([E.coord(d) for d in range(len(bounds))], writer.out.shape), bounds)
     for e in writer.exprs():

@@ -208,7 +208,8 @@ ATTENTION_OPERANDS = ("q", "k", "v", "bias", "dout", "lse", "delta")
 @dataclass
 class Attention(Node):
     """Scaled dot-product attention without a stored score matrix, one pass of ``kind``:
-    "forward" -> outs [out (batch, heads, lq, dv), lse (batch, heads, lq)]; "grad_q" -> [dq (batch, heads, lq,
+    "forward" -> outs [out (batch, heads, lq, dv), lse (batch, heads, lq)] (lse left out where nothing reads it:
+    ``fusion``); "grad_q" -> [dq (batch, heads, lq,
     d)]; "grad_kv" -> [dk (batch, kv_heads, lk, d), dv (batch, kv_heads, lk, dv)].
 
     Operands are expressions: q over (b, h, i, c), k and v over (b, h, j, c) with h the query head (grouped-query

@@ -43,6 +43,7 @@ class Slots(NamedTuple):
     out_slots: list  # the slot of each output value
     name: Callable[[int], str]  # slot -> WGSL name
     guarded: bool = False  # the node stores over an input in a plan that checks data: it stores only if no check failed
+    functions: str = ""  # WGSL functions that the expressions call (``slice_merges``: a vector merged from slices)
 
 
 def looped_operand(node: Matmul) -> str:
@@ -153,13 +154,13 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     tiled = matmul_kernels.is_tiled(node.rows, node.columns)
     quads = matmul_quads(node, slots, decl, bound, limits) if variant.quads and tiled else []
     wide = None if tiled else _gemv_wide(node, slots, decl, bound, limits)
-    prelude = matmul_prelude_of(node, slots, decl, quads, wide)
+    prelude = matmul_prelude_of(node, slots, decl, quads, wide) + slots.functions
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
                  f16=variant.f16, looped=looped_operand(node), double=variant.double, quads=variant.quads,
                  patches=variant.patches, vector_loads="".join(quad[0] for quad in quads),
                  products=len(node.products), row_phases=len(node.row_phases),
-                 gemv_width=wide.width if wide is not None else 0, pairs=pairs)
+                 gemv_width=wide.width if wide is not None else 0, pairs=pairs, staged=bool(slots.functions))
     if scratch is None:
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))

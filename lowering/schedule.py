@@ -27,6 +27,7 @@ from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value,
 from .node_kernels import (KERNELS, Slots, attention_shape, fast_axes, looped_operand, matmul_prelude_of,
                            matmul_quads, stores_pairs)
 from .planner import Interval, place
+from .slice_merges import ReaderMerge, SliceMerge, slice_merges
 
 ROUNDED_TO = {"round_bf16": "bf16", "round_f16": "f16"}  # a rounding op -> the storage it rounds to
 
@@ -60,7 +61,8 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
     variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls)
     aliases = arena_aliases(kernels, placement, values)
-    intervals, scratch = _arena_intervals(kernels, placement, limits, variants, aliases)
+    merges = slice_merges(kernels, placement, limits, variants, lambda n: _slices(n, limits, variants.get(id(n)))[0])
+    intervals, scratch = _arena_intervals(kernels, placement, limits, variants, aliases, merges)
     sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
     offsets, arena_size = place(intervals, limits.get("min-storage-buffer-offset-alignment", 256))
     if intervals:
@@ -79,10 +81,11 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     stored_over = StoredOver({target.out.id: graph.outputs[i].id for i, target in over.items()},
                              bool(graph.status_messages), aliases)
     sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel,
-                                           stored_over)
+                                           stored_over, merges)
     plan_stats = dict(stats or {})
     plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
-                      dispatches=len(dispatches), kernels=len(sources), arena_aliases=len(aliases))
+                      dispatches=len(dispatches), kernels=len(sources), arena_aliases=len(aliases),
+                      merged_by_readers=len(merges))
     if narrowed:
         plan_stats.update(narrowed_outputs=narrowed)
     if graph.in_place:
@@ -181,13 +184,13 @@ def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec]
     return buffers, inputs, params, outputs, placement
 
 
-def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variants: dict,
-                     aliases: dict[int, int]) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
+def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variants: dict, aliases: dict[int, int],
+                     merges: dict[int, SliceMerge]) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
     """The lifetimes the arena holds, and node id -> (slices, arena key of their partial results) of each node cut
     into slices. Each value without a buffer of its own lives from the step that writes it to its last read, and a
     value stored over an operand (``aliases``: operand id -> value id) extends the operand's range, keyed by the
     first of the chain; the partial results of a sliced node, keyed -1 - step (no value id collides), during its
-    step."""
+    step, or until its reader's where the reader merges them (``merges``)."""
     last_use = last_reads(kernels)
     first_of: dict[int, int] = {}
     for old, new in aliases.items():  # (in kernel order)
@@ -207,7 +210,8 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variant
         split, floats = _slices(node, limits, variants.get(id(node)))
         if split > 1:
             scratch[id(node)] = (split, -1 - step)
-            intervals.append(Interval(-1 - step, upper(4 * floats), step, step))
+            last = merges[id(node)].reader_step if id(node) in merges else step
+            intervals.append(Interval(-1 - step, upper(4 * floats), step, last))
     return intervals, scratch
 
 
@@ -221,9 +225,11 @@ def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict) -> 
 
 
 def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: dict, scratch: dict, variants: dict,
-                     binding_of: dict, on_kernel, stored_over: StoredOver) -> tuple[dict[str, str], list[Dispatch]]:
+                     binding_of: dict, on_kernel, stored_over: StoredOver,
+                     merges: dict[int, SliceMerge]) -> tuple[dict[str, str], list[Dispatch]]:
     """(WGSL by kernel key, dispatches in order) of the nodes that write anything; ``on_kernel`` hears of each new
-    kernel as it is generated. ``stored_over``: the outputs stored over inputs (``in_place``)."""
+    kernel as it is generated. ``stored_over``: the outputs stored over inputs (``in_place``); ``merges``: the sliced
+    attention passes whose reader merges their slices (their own merge pass left out)."""
     sources: dict[str, str] = {}
     dispatches = []
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
@@ -231,7 +237,12 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         if all(v.numel == 0 for v in node.outs):
             continue
         label = _label(node)
-        passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over)
+        merged = next((ReaderMerge.of(m, scratch[id(m.attention)]) for m in merges.values()
+                       if m.reader is node), None)
+        passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over,
+                         merged)
+        if id(node) in merges:
+            passes = passes[:1]
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
         for i, (source, groups, bound) in enumerate(passes):
             source = wgsl.with_size_inits(source, symbol_count())  # (a dynamic graph's: its sizes set as main starts)
@@ -298,17 +309,19 @@ def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool, limits:
                          stores_pairs(slots))
 
 
-def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of) -> E.Expr:
+def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: dict | None = None) -> E.Expr:
     """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index (widened
     from half precision where the value is ``stored`` so), a rounding of such a read to its own half precision left
     out: it is exact (a repeated KV head of a bf16 cache, rounded to bf16 as its copy, stays a plain read, which
-    attention then reads by groups)."""
+    attention then reads by groups). A value of ``calls`` (value id -> its read at a linear index) is read so."""
     bounds = dict(enumerate(domain))
 
     def rewrite(n: E.Expr):
         if n.op == "load":
             vid, coords = n.args
             index = simplify(linear_index(coords, values[vid].shape), bounds)
+            if calls and vid in calls:
+                return calls[vid](index)
             half = stored.get(vid) if stored.get(vid) in HALF_STORAGE else ""
             return E.read(slot_of(vid), index, n.dtype, half)
         if n.op in ROUNDED_TO and n.args[0].op == "read" and n.args[0].args[2:] == (ROUNDED_TO[n.op],):
@@ -336,12 +349,14 @@ def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | Non
 
 
 def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
-              stored_over: StoredOver | None = None) -> Slots:
+              stored_over: StoredOver | None = None, merged: ReaderMerge | None = None) -> Slots:
     """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
-    ``scratch_key`` (f32 partial results) comes last. The node reads an input that one of its outputs is stored over
-    (``in_place``), or an arena operand it stores over (``arena_aliases``), through the output's binding: one buffer
-    range is bound once (WebGPU forbids a writable binding that overlaps another in one dispatch); a node storing
-    over an input binds the status buffer too where ``stored_over.guarded``."""
+    ``scratch_key`` (f32 partial results) comes last. ``merged``: an attention output the node reads merged from the
+    slices' partial results (``slice_merges``), whose scratch it binds in the output's place. The node reads an
+    input that one of its outputs is stored over (``in_place``), or an arena operand it stores over
+    (``arena_aliases``), through the output's binding: one buffer range is bound once (WebGPU forbids a writable
+    binding that overlaps another in one dispatch); a node storing over an input binds the status buffer too where
+    ``stored_over.guarded``."""
     bound: list = []
     outs = {v.id for v in node.outs}
     stored_over = stored_over or StoredOver({}, False)
@@ -358,7 +373,8 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
     own = {v.id for v in node.outs} & {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
     if own:  # other threads may not have written it yet: a race on GPUs that a serial CPU driver hides
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
-    exprs = [_linearise(e, d, values, stored, slot_of) for e, d in zip(node.exprs(), node.domains())]
+    calls = {} if merged is None else {merged.vid: lambda index: merged.read(slot_of(merged.key), index)}
+    exprs = [_linearise(e, d, values, stored, slot_of, calls) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
     if checks(exprs) or guarded:
         slot_of("status")
@@ -370,14 +386,15 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
         slot_of(scratch_key)
     decl, storage = [], []
     for slot, vid in enumerate(bound):
-        plain = vid == "status" or (scratch_key is not None and vid == scratch_key)
+        plain = vid == "status" or (vid in (scratch_key, merged and merged.key) and vid is not None)
         kind = "" if plain else _storage(values[vid], stored)
         storage.append(kind)
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
         else:
             decl.append((slot, name(slot), wgsl.STORAGE_TYPE[kind] if kind else "f32"))
-    return Slots(bound, decl, storage, exprs, out_slots, name, guarded)
+    functions = "" if merged is None else merged.function(bound.index(merged.key), name)
+    return Slots(bound, decl, storage, exprs, out_slots, name, guarded, functions)
 
 
 def _storage(v: Value, stored: dict) -> str:
@@ -386,11 +403,13 @@ def _storage(v: Value, stored: dict) -> str:
 
 
 def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple[int, int] | None = None,
-            variant: matmul_kernels.MatmulChoice | None = None, stored_over: StoredOver | None = None) -> list[tuple]:
+            variant: matmul_kernels.MatmulChoice | None = None, stored_over: StoredOver | None = None,
+            merged: ReaderMerge | None = None) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut
     into slices (``scratch``: slices and the arena key of their partial results). A matmul node's kernel is
-    ``variant``. ``KERNELS`` holds the generator of each node type."""
-    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over)
+    ``variant``; ``merged``, an attention output it reads merged from slices. ``KERNELS`` holds the generator of each
+    node type."""
+    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over, merged)
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")

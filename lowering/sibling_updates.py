@@ -4,13 +4,19 @@ A decode step writes each layer's new key and new value into the layer's two cac
 pointwise nodes over the cache's shape that do not read each other. Merged, one kernel stores both (the later node
 computes the earlier one's expressions as further outputs, ``Pointwise.also``), one dispatch per layer fewer.
 Only updates stored over inputs are merged, so that ordinary pointwise kernels keep their plans; the merged kernel
-stays within the binding limit (``siblings``, which also moves what depends on the earlier node), so a portable
-plan's 8 bindings keep a layer's two cache writes apart.
+stays within the binding limit (``siblings``, which also moves what depends on the earlier node). An output stored
+over its input reads the input's old value through its own binding (``in_place``), so where nothing else reads that
+old value and the kernel may store over it whatever the kernels' order (``in_place.writer_refusal``), the two count
+as one binding, and the status buffer, which a writer binds where the plan checks data, counts always: a Llama
+layer's two cache writes, with the rotary embedding of the key (the updated position, the new key and value, cosine
+and sine, the two caches, status), fit a portable plan's 8.
 """
 from __future__ import annotations
 
+from . import expr as E
 from .fusion import FusionReport
-from .ir import Graph, Pointwise
+from .in_place import writer_refusal
+from .ir import Graph, Input, Node, Pointwise
 from .siblings import fuse_siblings
 
 
@@ -23,7 +29,30 @@ def fuse_sibling_updates(graph: Graph, max_bindings: int, report: FusionReport) 
             return None
         return node.out.shape, node.out.dtype
 
-    fuse_siblings(graph, max_bindings, report, key, _merge)
+    def bindings(earlier: Node, later: Node, loaded: set) -> int:
+        stored_over = _stored_over(graph, [earlier, later])
+        return len(loaded - stored_over) + len(earlier.outs) + len(later.outs) + 1
+
+    fuse_siblings(graph, max_bindings, report, key, _merge, bindings)
+
+
+def _stored_over(graph: Graph, writers: list[Node]) -> set[int]:
+    """Ids of the inputs that the merged kernel of ``writers`` reads through the bindings of outputs stored over them:
+    those it may store over whatever the order (``in_place.writer_refusal``) and that no other node reads."""
+    inputs = {n.name: n for n in graph.nodes if isinstance(n, Input)}
+    outs = {v.id: (v, w) for w in writers for v in w.outs}
+    readers: dict[int, int] = {}
+    for n in graph.nodes:
+        for vid in {ld.args[0] for e in n.exprs() for ld in E.loads_of(e)}:
+            readers[vid] = readers.get(vid, 0) + (not any(n is w for w in writers))
+    found = set()
+    for position, name in graph.in_place.items():
+        out = outs.get(graph.outputs[position].id)
+        target = inputs.get(name)
+        if (out is not None and target is not None and readers.get(target.out.id, 0) == 0
+                and writer_refusal(out[0], target, out[1]) is None):
+            found.add(target.out.id)
+    return found
 
 
 def _merge(earlier: Pointwise, later: Pointwise) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 from . import expr as E
 from .bindings import checks
 from .fusion import FusionReport, _name
-from .ir import Graph, Input, Node
+from .ir import Graph, Input, Node, Pointwise
 
 # Siblings are not merged where the merge would keep more than KEEP_ALIVE_BYTES of the first one's operands alive
 # across more than KEEP_ALIVE_ACROSS other kernels (in the arena, where the planner could not reuse them). Full-size
@@ -27,9 +27,13 @@ KEEP_ALIVE_BYTES = 2 << 20
 
 
 def fuse_siblings(graph: Graph, max_bindings: int, report: FusionReport, key_of: Callable[[Node], object],
-                  merge: Callable[[Node, Node], None]) -> None:
+                  merge: Callable[[Node, Node], None],
+                  bindings: Callable[[Node, Node, set], int] | None = None) -> None:
     """Merge each node into the next one with the same ``key_of``, where the rules allow; ``merge(earlier, later)``
-    makes ``later`` compute both."""
+    makes ``later`` compute both. ``bindings(earlier, later, loaded)`` counts the merged kernel's storage bindings
+    (``loaded``: the values the two read), by default each value read or written once, the status buffer where an
+    expression checks something and, but for a pointwise kernel (never cut into slices), one spare for partial
+    results (``bindings``)."""
     loads = {id(n): {ld.args[0] for e in n.exprs() for ld in E.loads_of(e)} for n in graph.nodes}
     refused: set[tuple[int, int]] = set()
     merged = True
@@ -43,7 +47,7 @@ def fuse_siblings(graph: Graph, max_bindings: int, report: FusionReport, key_of:
             earlier, latest[key] = latest.get(key), node
             if earlier is None or (id(earlier), id(node)) in refused:
                 continue
-            reason = _place(graph, earlier, node, loads, max_bindings)
+            reason = _place(graph, earlier, node, loads, max_bindings, bindings or merged_bindings)
             if reason is not None:
                 refused.add((id(earlier), id(node)))
                 report.refused.append((_name(earlier), _name(node), reason))
@@ -64,7 +68,14 @@ def _kept_alive(graph: Graph, end: int, read: set, loads) -> dict[int, int]:
             if v.id in read and v.id not in own and v.id not in read_from_end}
 
 
-def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings) -> str | None:
+def merged_bindings(earlier: Node, later: Node, loaded: set) -> int:
+    """``fuse_siblings``' default count of the merged kernel's storage bindings."""
+    status = checks([*earlier.exprs(), *later.exprs()])
+    spare = not isinstance(later, Pointwise)
+    return len(loaded) + len(earlier.outs) + len(later.outs) + spare + status
+
+
+def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings, bindings) -> str | None:
     """Remove ``earlier`` and move the nodes between the two that depend on it to after ``later``; None when done,
     else why the two cannot merge."""
     nodes = graph.nodes
@@ -82,8 +93,7 @@ def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings) -> str
     if across > KEEP_ALIVE_ACROSS and sum(kept.values()) > KEEP_ALIVE_BYTES:
         return (f"it would keep {sum(kept.values())} bytes that the first reads last in memory across {across} other "
                 "kernels")
-    status = checks([*earlier.exprs(), *later.exprs()])  # and one binding spare for partial results (.bindings)
-    if len(loads[id(earlier)] | loads[id(later)]) + len(earlier.outs) + len(later.outs) + 1 + status > max_bindings:
+    if bindings(earlier, later, loads[id(earlier)] | loads[id(later)]) > max_bindings:
         return f"more than {max_bindings} storage bindings"
     between = nodes[start + 1 : end]
     graph.nodes = (nodes[:start] + [n for n in between if id(n) not in dependent] + [later]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ..matmul import fold_grid
 from ..sizes import ceil_div
-from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
+from .common import (MASKED, PROB, block_entry, forward_outputs, slice_bounds, split_constants, u32_constants,
+                     vec4_loaders)
 from .plans import AttentionShape, BlockPlan
 
 # Forward: keys whose scores a thread computes together (independent dot products in flight). H200, Whisper: the
@@ -187,11 +188,12 @@ def _forward_tile(s: AttentionShape, stride: int) -> str:
 def _forward_stores(s: AttentionShape, outs: list[str], plan: BlockPlan, partial: str | None) -> str:
     """WGSL: the thread's row normalised into ``out`` with its log-sum-exp into ``lse``; or, keys cut into slices,
     unnormalised with the running max and sum into this slice's row of ``partial``."""
-    out, lse = outs
+    out, lse = forward_outputs(outs)
     dv4 = -(-s.dv // 4)
     if plan.splits > 1:
         return partial_stores(partial, [("o", dv4, s.dv)], tail=("m", "l"))
-    return "\n".join(
+    stores = "\n".join(
         f"    {{ let v = select(o{c} / l, vec4<f32>(), l == 0.0);\n"
         + "".join(f"      {out}[row * DV + {4 * c + t}u] = v[{t}];\n" for t in range(4) if 4 * c + t < s.dv)
-        + "    }" for c in range(dv4)) + f"\n    {lse}[row] = select(m + log(l), MASKED, l == 0.0);"
+        + "    }" for c in range(dv4))
+    return stores + (f"\n    {lse}[row] = select(m + log(l), MASKED, l == 0.0);" if lse is not None else "")

@@ -14,6 +14,12 @@ PROB = """fn prob(s: f32, lse: f32) -> f32 {
 }"""
 
 
+def forward_outputs(outs: list[str]) -> tuple[str, str | None]:
+    """(output array, log-sum-exp array or None) of a forward pass whose ``outs`` name [out, lse], or [out] alone
+    where nothing reads the log-sum-exp (a decode step's attention: one storage binding fewer)."""
+    return outs[0], (outs[1] if len(outs) > 1 else None)
+
+
 def entry(size: str = "T", index: str = "row", count: str = "ROWS") -> str:
     """The kernel's head: ``index``, the linear workgroup id (folded grids), and an exit for ids past ``count``."""
     return f"""@compute @workgroup_size({size})

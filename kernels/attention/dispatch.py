@@ -12,9 +12,10 @@ from .plans import AttentionShape, BlockPlan, ChunkedPlan, FlashPlan, block_plan
 def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
                      partial: str | None = None) -> list[tuple[str, tuple[int, int, int]]]:
     """WGSL and workgroup grid of each dispatch of pass ``kind`` ("forward", "grad_q" or "grad_kv"); ``outs``
-    names the output arrays: [out, lse] for forward, [dq] for grad_q, [dk, dv] for grad_kv. Where
-    ``attention_splits`` is above 1 and ``partial`` names the scratch array, there are two dispatches: the
-    slices, then their merge; with no ``partial`` (the scheduler had no storage binding left for it) one, unsliced."""
+    names the output arrays: [out, lse] for forward ([out] where nothing reads the log-sum-exp), [dq] for grad_q,
+    [dk, dv] for grad_kv. Where ``attention_splits`` is above 1 and ``partial`` names the scratch array, there are
+    two dispatches: the slices, then their merge; with no ``partial`` (the scheduler had no storage binding left for
+    it) one, unsliced."""
     plan = forward_plan(shape, limits) if kind == "forward" else block_plan(shape, kind, limits)
     if plan is None:  # (its sizes concrete: a dynamic graph's plan then holds for these alone)
         concrete_shape = replace(shape, batch=concrete(shape.batch), lq=concrete(shape.lq), lk=concrete(shape.lk))

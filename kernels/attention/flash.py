@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ..matmul import fold_grid
 from ..sizes import ceil_div
-from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
+from .common import (MASKED, PROB, block_entry, forward_outputs, slice_bounds, split_constants, u32_constants,
+                     vec4_loaders)
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, FlashPlan, flash_sizes
 
 # Score columns (vec4s) per iteration of the loop over the head size. H200, GPU us, 1, 2 and 4 columns and all
@@ -229,9 +230,9 @@ def softmax(s: AttentionShape, plan: FlashPlan) -> str:
 
 def stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: str | None, cols: range) -> str:
     """WGSL: each thread's 4 output rows (its vec4 columns of each), normalised into ``out`` with the row's
-    log-sum-exp into ``lse``; or, keys cut into slices, unnormalised with the running max and sum into this
-    slice's row of ``partial`` (the layout ``merge.merge_slices`` reads)."""
-    out, lse = outs
+    log-sum-exp into ``lse`` (where ``outs`` names it: ``forward_outputs``); or, keys cut into slices, unnormalised
+    with the running max and sum into this slice's row of ``partial`` (the layout ``merge.merge_slices`` reads)."""
+    out, lse = forward_outputs(outs)
     kg, dv4, groups = FLASH_KEY_GROUPS, -(-s.dv // 4), plan.rows // 4
     if plan.splits > 1:
         array, base = partial, f"(split * ROWS + bh * LQ + i) * {s.dv + 2}u"
@@ -248,6 +249,8 @@ def stores(s: AttentionShape, plan: FlashPlan, outs: list[str], partial: str | N
             return f" * select(1.0 / total[{r}], 0.0, total[{r}] == 0.0)"
 
         def tail(r):
+            if lse is None:
+                return ""
             return f"{lse}[bh * LQ + i] = select(m[{r}] + log(total[{r}]), MASKED, total[{r}] == 0.0);"
     rows = []
     for r in range(4):

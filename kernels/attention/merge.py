@@ -4,7 +4,7 @@ pass's outputs."""
 from __future__ import annotations
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB
+from .common import MASKED, PROB, forward_outputs
 from .plans import AttentionShape, partial_layout
 
 MERGE_THREADS = 256  # threads per workgroup of the merge, one output element each
@@ -40,11 +40,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str) -> str:
     """WGSL: output element e rescaled from every slice to the overall max, and (one thread a row) the row's
     log-sum-exp."""
-    rows, width = partial_layout(s, "forward")
-    out, lse = outs
+    out, lse = forward_outputs(outs)
     return f"""  let row = e / {s.dv}u;
   let c = e % {s.dv}u;
-  var m = MASKED;
+{_merged_sums(s, splits, partial)}
+  {out}[e] = select(o / l, 0.0, l == 0.0);""" + ("" if lse is None else f"""
+  if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}""")
+
+
+def _merged_sums(s: AttentionShape, splits: int, partial: str) -> str:
+    """WGSL: the overall max ``m`` of output row ``row``'s slices, and its sum ``l`` and column ``c``'s unnormalised
+    output ``o`` rescaled to it (with ``prob`` and ``MASKED`` in scope)."""
+    rows, width = partial_layout(s, "forward")
+    return f"""  var m = MASKED;
   for (var s = 0u; s < {splits}u; s++) {{ m = max(m, {partial}[(s * {rows}u + row) * {width}u + {s.dv}u]); }}
   var l = 0.0;
   var o = 0.0;
@@ -53,9 +61,25 @@ def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str)
     let w = prob({partial}[at + {s.dv}u], m);
     l = l + w * {partial}[at + {s.dv + 1}u];
     o = o + w * {partial}[at + c];
-  }}
-  {out}[e] = select(o / l, 0.0, l == 0.0);
-  if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}"""
+  }}"""
+
+
+def merged_function(name: str, s: AttentionShape, splits: int, partial: str) -> str:
+    """WGSL: ``name(e: i32) -> f32``, element e of a forward pass's output merged from the ``splits`` slices' partial
+    results in ``partial`` (what the merge dispatch stores there), for a kernel that reads the output as it merges
+    it (a matrix-vector product's row: ``lowering.slice_merges``); with the ``prob`` it calls, named apart."""
+    helper = f"{name}_prob"
+    sums = _merged_sums(s, splits, partial).replace("prob(", f"{helper}(").replace("MASKED", repr(MASKED))
+    return f"""fn {helper}(s: f32, lse: f32) -> f32 {{
+  return select(exp(s - lse), 0.0, s <= {MASKED!r} || lse <= {MASKED!r});
+}}
+fn {name}(e_: i32) -> f32 {{
+  let e = u32(e_);
+  let row = e / {s.dv}u;
+  let c = e % {s.dv}u;
+{sums}
+  return select(o / l, 0.0, l == 0.0);
+}}"""
 
 
 def _gradient_body(s: AttentionShape, kind: str, outs: list[str], splits: int, partial: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import textwrap
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB, entry
+from .common import MASKED, PROB, entry, forward_outputs
 from .plans import AttentionShape
 
 THREADS = 64  # threads per workgroup, and rows of the other sequence per tile
@@ -71,7 +71,7 @@ fn score_k(b: u32, h: u32, i: u32, j: u32) -> f32 {{
 
 
 def _forward(s: AttentionShape, outs: list[str]) -> str:
-    out, lse = outs
+    out, lse = forward_outputs(outs)
     return entry() + f"""  let b = row / (H * LQ);
   let h = (row / LQ) % H;
   let i = row % LQ;
@@ -109,7 +109,7 @@ def _forward(s: AttentionShape, outs: list[str]) -> str:
     workgroupBarrier();
   }}
 {_store_columns(out, "select(acc[r] / l, 0.0, l == 0.0)", "DV")}
-  if (tid == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}
+  {"" if lse is None else f"if (tid == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}"}
 }}
 """
 

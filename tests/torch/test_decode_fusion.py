@@ -1,7 +1,8 @@
-"""Decode-step fusion (lowering/row_prologues.py, lowering/paired_matmuls.py): one row through a pre-norm block's
-projections, exported as a bundle and run on the device, matches eager (against float64) in fewer dispatches: the
-norm's statistics are computed by the matrix-vector kernel that reads the normalised row, and a gated MLP's two
-products of that row by one kernel."""
+"""Decode-step fusion (lowering/row_prologues.py, lowering/paired_matmuls.py, lowering/slice_merges.py): one row
+through a pre-norm block's projections, exported as a bundle and run on the device, matches eager (against float64)
+in fewer dispatches: the norm's statistics are computed by the matrix-vector kernel that reads the normalised row, a
+gated MLP's two products of that row by one kernel, and the slices of one query row's attention over many keys are
+merged by the output projection that reads them."""
 from __future__ import annotations
 
 import numpy as np
@@ -89,4 +90,45 @@ def test_several_rows_keep_the_norm_apart(tmp_path):
     got = next(iter(bundle(x=x.numpy()).values()))
     with torch.no_grad():
         want = model.double()(x.double()).numpy()
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+class AttendAndProject(nn.Module):
+    """A decode step's attention half-block: one query row per head over a cache of keys and values, its heads side by
+    side through the output projection, plus the residual."""
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__()
+        self.o_proj = nn.Linear(heads * head_dim, WIDTH, bias=False)
+
+    def forward(self, x, q, k, v):
+        x, q, k, v = (t.to(self.o_proj.weight.dtype) for t in (x, q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return (x + self.o_proj(out.transpose(1, 2).reshape(1, 1, -1))).float()
+
+
+# The weights' dtypes: float32, and bfloat16 (the projection's half precision weights read by groups of 8). The bundle
+# computes in float32 between the bfloat16 inputs and weights, as float64 eager from the same rounded values does.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+HEADS, HEAD_DIM, KEYS = 4, 16, 256  # 8 tiles of 32 keys over 4 query rows: attention is cut into slices
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_attention_slices_are_merged_by_the_projection_that_reads_them(dtype, tmp_path):
+    """One query row per head over 256 keys: attention is cut into slices of the keys, and the output projection
+    merges them as it loads its row (lowering/slice_merges.py), two dispatches in all; the output matches float64
+    eager's from the same inputs and weights rounded to the model's dtype (rtol 1e-4, atol 1e-5)."""
+    dtype = DTYPES[dtype]
+    model = _randomized(AttendAndProject(HEADS, HEAD_DIM)).to(dtype)
+    torch.manual_seed(1)
+    inputs = {"x": torch.randn(1, 1, WIDTH), "q": torch.randn(1, HEADS, 1, HEAD_DIM),
+              "k": torch.randn(1, HEADS, KEYS, HEAD_DIM), "v": torch.randn(1, HEADS, KEYS, HEAD_DIM)}
+    torch_meganeura.export(model, inputs, tmp_path / "bundle")
+    bundle = load(tmp_path / "bundle")
+    plan = bundle.program.plan
+    assert [d.label for d in plan.dispatches] == ["attention", f"matmul 1x{WIDTH}x{HEADS * HEAD_DIM}"]
+    assert plan.stats["merged_by_readers"] == 1
+    got = next(iter(bundle(**{name: t.numpy() for name, t in inputs.items()}).values()))
+    with torch.no_grad():  # (the inputs rounded to the model's dtype first, as the model does)
+        want = model.double()(**{name: t.to(dtype).double() for name, t in inputs.items()}).numpy()
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

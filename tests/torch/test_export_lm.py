@@ -20,17 +20,23 @@ from meganeura.runtime.cli import main as cli
 from meganeura.runtime.lm_bundle import read_lm_bundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
-# A Llama layer's decode dispatches (portable limits: 8 storage bindings; lowering/row_prologues.py and
-# paired_matmuls.py): the query, key and value projection (+ RMS norm), the query's rotary embedding, the key and
-# value cache writes, attention, the output projection (+ residual), gate and up (+ RMS norm, SiLU, product) and
-# down (+ residual). Before decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own).
-LLAMA_DECODE_DISPATCHES_PER_LAYER = 8
-# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the rotary
-# embedding of the query goes into attention as a prologue, and the two cache writes share a kernel
-# (lowering/sibling_updates.py). Before decode fusion: 10.
+# A Llama layer's decode dispatches (portable limits: 8 storage bindings; lowering/row_prologues.py,
+# paired_matmuls.py and sibling_updates.py): the query, key and value projection (+ RMS norm), the key and value
+# cache writes in one kernel (+ the key's rotary embedding), attention (+ the query's rotary embedding as a prologue,
+# in the binding its unread log-sum-exp leaves), the output projection (+ residual), gate and up (+ RMS norm, SiLU,
+# product) and down (+ residual), with a cache long enough that attention is cut into slices of the keys
+# (``SLICED_CACHE``), whose merge the output projection does as it loads its row (lowering/slice_merges.py). Before
+# decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own), then 9 (the rotary
+# embedding of the query, each cache write and the merge of the slices apart).
+LLAMA_DECODE_DISPATCHES_PER_LAYER = 6
+# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the same
+# kernels. Before decode fusion: 10, then 7 (the merge of the slices apart).
 LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE = 6
 WIDE_BINDINGS = 16  # an adapter with at least this many storage bindings per stage holds those kernels
 CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
+# Positions enough that a decode step's attention is cut into slices of the keys (flash-decoding), merged by the output
+# projection as it loads its row (lowering/slice_merges.py): 4 tiles of 32 keys over 4 heads' single query rows.
+SLICED_CACHE = 128
 NEW = 64
 
 GENERATE = """
@@ -95,6 +101,26 @@ def test_a_bundle_for_the_adapters_own_limits_gives_eager_tokens(tmp_path):
     prompt = torch.randint(0, 128, (1, 8))
     got = load(tmp_path / "lm").generate(prompt[0].numpy(), NEW).tolist()
     assert got == model.generate(prompt, max_new_tokens=NEW, do_sample=False)[0].tolist()
+
+
+@pytest.mark.parametrize("portable", [True, False], ids=["portable", "adapter_limits"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "gpt2"])
+def test_attention_slices_merged_by_the_output_projection_give_eager_tokens(tmp_path, name, portable):
+    """With a cache long enough that each decode attention is cut into slices, each layer's output projection merges
+    them as it loads its row (no merge dispatch), and 24 greedy tokens after a 72-token prompt (the slices past it
+    empty) equal HF's."""
+    torch.manual_seed(0)
+    model = {"llama": _llama, "qwen2": tiny_qwen2, "gemma": tiny_gemma, "gpt2": _gpt2}[name]()
+    torch_meganeura.export_lm(model, tmp_path / "lm", max_cache_len=SLICED_CACHE, portable=portable)
+    plan = read_lm_bundle(tmp_path / "lm").phases["decode"].plan
+    labels = [d.label for d in plan.dispatches]
+    assert labels.count("attention") == plan.stats["merged_by_readers"] == 2, labels
+    assert not any("merge of slices" in label for label in labels), labels
+    prompt = torch.randint(0, 128, (1, 72))
+    lm = load(tmp_path / "lm")
+    got = lm.generate(prompt[0].numpy(), 24).tolist()
+    lm.release()
+    assert got == model.generate(prompt, max_new_tokens=24, do_sample=False)[0].tolist()
 
 
 def test_bad_requests_are_refused(exported):
@@ -260,7 +286,7 @@ def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, porta
     if not portable and get_device().limits["max-storage-buffers-per-shader-stage"] < WIDE_BINDINGS:
         pytest.skip(f"the adapter has fewer than {WIDE_BINDINGS} storage bindings per stage")
     torch.manual_seed(0)
-    torch_meganeura.export_lm(_llama(), tmp_path / "lm", max_cache_len=32, portable=portable)
+    torch_meganeura.export_lm(_llama(), tmp_path / "lm", max_cache_len=SLICED_CACHE, portable=portable)
     labels = [d.label for d in read_lm_bundle(tmp_path / "lm").phases["decode"].plan.dispatches]
     first, second = [i for i, label in enumerate(labels) if label == "attention"]
     want = LLAMA_DECODE_DISPATCHES_PER_LAYER if portable else LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE
