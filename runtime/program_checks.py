@@ -98,14 +98,14 @@ def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorS
 
 
 def check_run_keys(inputs: dict, device_inputs: dict, specs: dict[str, TensorSpec], device_only: frozenset,
-                   alone: set[str], given: int = 0, partial: bool = False) -> None:
+                   alone: set[str], kept=(), partial: bool = False) -> None:
     """``check_run_inputs``'s checks of the names: each input given once, the device-only ones and those given on the
-    device alone in a buffer. ``given``: inputs bound already, not among these (``program_inputs``); ``partial``:
-    not every input need be given."""
-    if (len(inputs) + len(device_inputs) + given != len(specs) and not partial
+    device alone in a buffer. ``kept``: the names of inputs bound already, none among these (``program_inputs``);
+    ``partial``: not every input need be given."""
+    if (len(inputs) + len(device_inputs) + len(kept) != len(specs) and not partial
             or not specs.keys() >= device_inputs.keys()
             or not specs.keys() >= inputs.keys() or inputs.keys() & device_inputs.keys()):  # (no set built)
-        named = set(inputs) | set(device_inputs)
+        named = set(inputs) | set(device_inputs) | set(kept)
         raise InputError(f"missing inputs {sorted(set(specs) - named)}, unexpected inputs "
                          f"{sorted(named - set(specs))}, given twice {sorted(set(inputs) & set(device_inputs))}; "
                          f"expected {sorted(specs)}")

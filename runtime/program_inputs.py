@@ -44,7 +44,7 @@ class DeviceInputs:
         kept = self.kept
         if kept and not (device_inputs.keys().isdisjoint(kept) and inputs.keys().isdisjoint(kept)):  # (given again)
             return self._bind_all(inputs, {**kept, **device_inputs}, shapes)
-        check_run_keys(inputs, device_inputs, self.specs, self.device_only, self.alone, given=len(kept))
+        check_run_keys(inputs, device_inputs, self.specs, self.device_only, self.alone, kept=kept)
         buffers = self._checked_buffers(device_inputs, shapes)
         ids = list(map(id, buffers))
         if self.in_place and (len(set(ids)) < len(ids) or not self._kept_ids.isdisjoint(ids)):  # (a shared buffer)
