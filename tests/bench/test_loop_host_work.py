@@ -124,17 +124,19 @@ def _calls_in(profile: cProfile.Profile, folders: tuple[str, ...]) -> int:
                if any(folder in path or folder in caller for folder in folders))
 
 
-def step_calls(depth: int) -> int:
-    """Calls made by the kept optimizer's own code (``training``, ``tensors``) in one warm ``opt.step()``, outside
-    its plan run, at ``depth`` blocks."""
+def step_calls(depth: int, phase: str = "step") -> int:
+    """Calls made by the kept optimizer's own code (``training``, ``tensors``) in one warm ``opt.step()`` (outside
+    its plan run), or ``opt.zero_grad()`` (``phase``), at ``depth`` blocks."""
     _, opt, loss_of = _kept_loop(depth)
     for _ in range(WARM_STEPS + 1):
         opt.zero_grad()
         loss_of().backward()
         profile = cProfile.Profile()
-        profile.enable()
-        opt.step()
-        profile.disable()
+        for call in (opt.step, opt.zero_grad):
+            if call.__name__ == f"_kept_{phase}":
+                profile.enable()
+            call()
+            profile.disable()
     return _calls_in(profile, STEP_FOLDERS)
 
 
@@ -180,3 +182,10 @@ def test_a_kept_optimizer_step_binds_only_the_gradients(monkeypatch):
         binding = step_binding(depth, monkeypatch)
         monkeypatch.undo()
         assert binding == {"arrays": binding["parameters"], "keeps": 0, "parameters": binding["parameters"]}, depth
+
+
+def test_zero_grad_of_the_loop_makes_no_per_parameter_call():
+    """``opt.zero_grad()`` after a step of the ordinary loop drops the parked gradients in loops run by C (before: a
+    Python call per parameter, then torch's ``zero_grad`` over parameters with no ``.grad``)."""
+    shallow, deep = (step_calls(depth, "zero_grad") for depth in DEPTHS)
+    assert shallow == deep, (shallow, deep)
