@@ -573,6 +573,7 @@ class Program(Recording):
         self._owned, self._bind_groups, self._commands, self._copies, self._ahead = {}, {}, [], [], None
         self._swapped_groups, self._swapped_commands = {}, {}
         self._uploaded_params = set()
+        self._device_inputs.keep({}, {})  # (lets go of the arrays kept bound)
         self._released = True
         if self._arena is not None:
             self._arena.release(self)
