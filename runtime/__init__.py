@@ -5,7 +5,8 @@ Modules: ``plan`` (the plan format), ``dtypes`` (logical dtypes, their device st
 (adapter choice, the process-wide device), ``program`` (a plan instantiated on a device) with
 ``program_recording`` (how its runs' commands are recorded), ``program_plan``
 (what a program reads off its plan once: submission parts, indirect slots, a run's sizes), ``program_checks`` (a plan
-against the device's limits, host arrays against their specs, the read-back's bytes taken apart), ``arena`` (the
+against the device's limits, host arrays against their specs, the read-back's bytes taken apart),
+``program_inputs`` (a run's device inputs checked and bound in loops run by C), ``arena`` (the
 intermediates' buffer, one per device), ``readback`` (the staging buffers whose mapped memory the outputs view),
 ``in_flight`` (runs submitted and not yet waited for: asynchronous execution, deferred status errors),
 ``native`` (the replay loop's direct wgpu-native calls), ``profiler`` (per-dispatch GPU timestamps), ``resident``

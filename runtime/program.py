@@ -50,8 +50,9 @@ from .native import Indirect, command_encoder
 from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
 from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pipeline_jobs, run_sizes)
 from .program_recording import Recording
-from .program_checks import (check_in_place, check_into, check_limits, check_run_inputs, from_device_bytes,
-                             require_own_buffers, status_error, to_device_array)
+from .program_checks import (check_into, check_limits, from_device_bytes, require_own_buffers, status_error,
+                             to_device_array)
+from .program_inputs import DeviceInputs
 from .in_flight import LaterRead
 from .readback import ReadBackBuffers
 from .resident import BufferSet, DeviceArray, buffer_bytes
@@ -157,6 +158,7 @@ class Program(Recording):
         if uploaded:
             raise InputError(f"inputs {uploaded} have outputs stored over them, so they must be device-only inputs")
         require_own_buffers([input_specs[n] for n in self._device_only], self._alone, "a device-only input")
+        self._device_inputs = DeviceInputs(input_specs, self._in_place, self._alone, self._device_only, self.device)
         self._take_saved(saved_outputs)
 
     def _take_saved(self, saved_outputs) -> None:
@@ -183,7 +185,7 @@ class Program(Recording):
         """Input uploads: (buffer name, offset, [(spec, offset in host block)], host block or None)."""
         by_buffer: dict[str, list[TensorSpec]] = {}
         for t in self.plan.inputs:
-            if t.nbytes:
+            if t.nbytes and t.name not in self._device_only:  # (those are bound, never uploaded)
                 by_buffer.setdefault(t.buffer, []).append(t)
         writes = []
         for name, specs in by_buffer.items():
@@ -351,6 +353,14 @@ class Program(Recording):
         self.bind_params(created)
         self._uploaded_params.update(created)
 
+    def keep_inputs(self, arrays: dict[str, DeviceArray]) -> None:
+        """Bind device inputs for every run from now on (``program_inputs.DeviceInputs.keep``): a run's
+        ``device_inputs`` then give the others. The caller keeps these arrays live and unreleased until it keeps
+        others. Not for a plan over symbolic sizes, whose shapes change from run to run."""
+        if self.symbolic is not None:
+            raise InputError("a plan over symbolic sizes takes its device inputs at every run")
+        self._device_inputs.keep(arrays, self._fixed.shapes)
+
     # ---- running
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
@@ -382,15 +392,13 @@ class Program(Recording):
             self._resolve()  # over the arena that replaced the one this program last bound
         device_inputs, into = device_inputs or {}, into or {}
         run, inputs = self._plan_for(sizes, inputs)
-        arrays = self._convert_inputs(inputs, device_inputs, run)
+        swaps, stored = self._device_inputs.bind(inputs, device_inputs, run.shapes)
+        arrays = {name: to_device_array(run.spec(self._input_specs[name]), value) for name, value in inputs.items()}
         check_into(into, device_inputs, self._unsaved, run.shapes, self.device)
-        if self._in_place:
-            check_in_place(device_inputs, self._in_place)
         dev = self.device
-        swaps = {self._input_specs[name].buffer: array.buffer for name, array in device_inputs.items()}
         kept = self._resident_outputs(into, run)
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
-        kept.update({out: device_inputs[name] for out, name in self._in_place.items()})
+        kept.update(stored)
         self._upload(arrays, swaps)
         commands = self._with_swaps(swaps)
         profiler = dev.profiler if commands else None
@@ -416,6 +424,8 @@ class Program(Recording):
                 self._ahead = self._record_ahead()
         self.host_seconds = time.perf_counter() - began
         data, self.read_along, self.later = self._finish(staging, waits, profiler, run, along, bool(read_later))
+        if len(kept) == len(self._outputs):  # (every output on the device: an optimizer update's, in place)
+            return dict(zip(self._outputs, map(kept.__getitem__, self._outputs)))
         return {t.name: kept[t.name] if t.name in kept
                 else from_device_bytes(run.spec(t), data, self._output_offsets.get(t.name, 0))
                 for t in self.plan.outputs}
@@ -517,12 +527,6 @@ class Program(Recording):
         buffers.append(array.buffer)
         return array
 
-    def _convert_inputs(self, inputs: dict[str, np.ndarray], device_inputs: dict,
-                        run: RunTensors) -> dict[str, np.ndarray]:
-        specs = self._input_specs
-        check_run_inputs(inputs, device_inputs, specs, run.shapes, self._device_only, self._alone, self.device)
-        return {name: to_device_array(run.spec(specs[name]), value) for name, value in inputs.items()}
-
     def _status_error(self, data) -> KernelStatusError | None:
         return status_error(data, self._status_offsets, self.plan.status_messages)
 
@@ -569,6 +573,7 @@ class Program(Recording):
         self._owned, self._bind_groups, self._commands, self._copies, self._ahead = {}, {}, [], [], None
         self._swapped_groups, self._swapped_commands = {}, {}
         self._uploaded_params = set()
+        self._device_inputs.keep({}, {})  # (lets go of the arrays kept bound)
         self._released = True
         if self._arena is not None:
             self._arena.release(self)

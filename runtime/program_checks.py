@@ -1,7 +1,8 @@
 """What a program checks before it builds or runs anything: a plan against its device's limits (``check_limits``),
-a run's arguments (``check_run_inputs``, ``check_into``, ``check_in_place``, ``require_own_buffers``) and each host
-array against its tensor's spec on the way up (``to_device_array``); and the read-back's bytes taken apart into host
-arrays (``from_device_bytes``) and status errors (``status_error``)."""
+a run's arguments (``check_run_inputs``, which is ``check_run_keys`` and ``check_device_arrays``; ``check_into``,
+``check_in_place``, ``require_own_buffers``) and each host array against its tensor's spec on the way up
+(``to_device_array``); and the read-back's bytes taken apart into host arrays (``from_device_bytes``) and status
+errors (``status_error``)."""
 from __future__ import annotations
 
 import operator
@@ -92,18 +93,33 @@ def check_run_inputs(inputs: dict, device_inputs: dict, specs: dict[str, TensorS
     """A run's host and device inputs against the plan's inputs ``specs``: each given once, the device-only ones on
     the device, each device array live on ``device``, of its spec's dtype and its shape in this run (``shapes``), in
     a buffer it may swap."""
-    if (len(inputs) + len(device_inputs) != len(specs) or not specs.keys() >= device_inputs.keys()
+    check_run_keys(inputs, device_inputs, specs, device_only, alone)
+    check_device_arrays(device_inputs, specs, shapes, device)
+
+
+def check_run_keys(inputs: dict, device_inputs: dict, specs: dict[str, TensorSpec], device_only: frozenset,
+                   alone: set[str], kept=(), partial: bool = False) -> None:
+    """``check_run_inputs``'s checks of the names: each input given once, the device-only ones and those given on the
+    device alone in a buffer. ``kept``: the names of inputs bound already, none among these (``program_inputs``);
+    ``partial``: not every input need be given."""
+    if (len(inputs) + len(device_inputs) + len(kept) != len(specs) and not partial
+            or not specs.keys() >= device_inputs.keys()
             or not specs.keys() >= inputs.keys() or inputs.keys() & device_inputs.keys()):  # (no set built)
-        given = set(inputs) | set(device_inputs)
-        raise InputError(f"missing inputs {sorted(set(specs) - given)}, unexpected inputs "
-                         f"{sorted(given - set(specs))}, given twice {sorted(set(inputs) & set(device_inputs))}; "
+        named = set(inputs) | set(device_inputs) | set(kept)
+        raise InputError(f"missing inputs {sorted(set(specs) - named)}, unexpected inputs "
+                         f"{sorted(named - set(specs))}, given twice {sorted(set(inputs) & set(device_inputs))}; "
                          f"expected {sorted(specs)}")
     host_only = sorted(device_only & set(inputs))
     if host_only:
         raise InputError(f"inputs {host_only} are device-only in this program: pass them as device_inputs")
     if not alone.issuperset(device_inputs):
         require_own_buffers([specs[name] for name in device_inputs], alone, "a device input")
-    for name, array in device_inputs.items():  # (one test per input where all is well: a step binds hundreds)
+
+
+def check_device_arrays(device_inputs: dict, specs: dict[str, TensorSpec], shapes: dict[str, tuple],
+                        device) -> None:
+    """``check_run_inputs``'s checks of the device arrays, raising at the first that fails."""
+    for name, array in device_inputs.items():
         if (not isinstance(array, DeviceArray) or array.buffer is None or array.device is not device
                 or array.shape != shapes[name] or array.dtype != specs[name].dtype):
             _reject_device_input(name, array, specs[name], shapes[name], device)

@@ -16,6 +16,9 @@ the tensor wrappers made in each phase of a step, counted as ``bench.host`` coun
   (``backend.parked_grads``), their arrays taken from the pool as one set: the backward makes no wrapper and
   intercepts nothing at both depths, and as many pool acquires (before: a wrapper per gradient, another for
   AccumulateGrad's ``detach`` of each, and a pool acquire each).
+
+- ``opt.step()``'s plan keeps the parameters' and optimizer state's arrays bound from one step to the next: its run
+  checks and binds the gradients only.
 """
 import cProfile
 import functools
@@ -121,17 +124,19 @@ def _calls_in(profile: cProfile.Profile, folders: tuple[str, ...]) -> int:
                if any(folder in path or folder in caller for folder in folders))
 
 
-def step_calls(depth: int) -> int:
-    """Calls made by the kept optimizer's own code (``training``, ``tensors``) in one warm ``opt.step()``, outside
-    its plan run, at ``depth`` blocks."""
+def step_calls(depth: int, phase: str = "step") -> int:
+    """Calls made by the kept optimizer's own code (``training``, ``tensors``) in one warm ``opt.step()`` (outside
+    its plan run), or ``opt.zero_grad()`` (``phase``), at ``depth`` blocks."""
     _, opt, loss_of = _kept_loop(depth)
     for _ in range(WARM_STEPS + 1):
         opt.zero_grad()
         loss_of().backward()
         profile = cProfile.Profile()
-        profile.enable()
-        opt.step()
-        profile.disable()
+        for call in (opt.step, opt.zero_grad):
+            if call.__name__ == f"_kept_{phase}":
+                profile.enable()
+            call()
+            profile.disable()
     return _calls_in(profile, STEP_FOLDERS)
 
 
@@ -139,4 +144,48 @@ def test_a_kept_optimizer_step_makes_no_per_parameter_call():
     """A replayed ``opt.step()`` checks and binds its parameters, gradients and state tensors in loops run by C
     (``map``), not a Python call or loop iteration per tensor: as many calls at both depths."""
     shallow, deep = (step_calls(depth) for depth in DEPTHS)
+    assert shallow == deep, (shallow, deep)
+
+
+def step_binding(depth: int, monkeypatch) -> dict[str, int]:
+    """In one warm ``opt.step()`` at ``depth`` blocks: the device arrays its plan run checked and bound (``arrays``)
+    and the times it bound its kept arrays again (``keeps``), with the model's parameter count."""
+    from meganeura.runtime.program_inputs import DeviceInputs
+
+    model, opt, loss_of = _kept_loop(depth)
+    seen = {"arrays": 0, "keeps": 0}
+    checked, keep = DeviceInputs._checked_buffers, DeviceInputs.keep
+
+    def counted_check(self, arrays, shapes):
+        seen["arrays"] += len(arrays)
+        return checked(self, arrays, shapes)
+
+    def counted_keep(self, arrays, shapes):
+        seen["keeps"] += 1
+        return keep(self, arrays, shapes)
+
+    for step in range(WARM_STEPS + 1):
+        opt.zero_grad()
+        loss_of().backward()
+        if step == WARM_STEPS:
+            monkeypatch.setattr(DeviceInputs, "_checked_buffers", counted_check)
+            monkeypatch.setattr(DeviceInputs, "keep", counted_keep)
+        opt.step()
+    return {**seen, "parameters": sum(1 for _ in model.parameters())}
+
+
+def test_a_kept_optimizer_step_binds_only_the_gradients(monkeypatch):
+    """A replayed ``opt.step()``'s plan keeps the parameters' and AdamW state's arrays bound from the step before
+    (``RoleProgram.keep_named``): its run checks and binds one array per parameter, its gradient (before: four, and
+    the parameter and state arrays read again at every step)."""
+    for depth in DEPTHS:
+        binding = step_binding(depth, monkeypatch)
+        monkeypatch.undo()
+        assert binding == {"arrays": binding["parameters"], "keeps": 0, "parameters": binding["parameters"]}, depth
+
+
+def test_zero_grad_of_the_loop_makes_no_per_parameter_call():
+    """``opt.zero_grad()`` after a step of the ordinary loop drops the parked gradients in loops run by C (before: a
+    Python call per parameter, then torch's ``zero_grad`` over parameters with no ``.grad``)."""
+    shallow, deep = (step_calls(depth, "zero_grad") for depth in DEPTHS)
     assert shallow == deep, (shallow, deep)

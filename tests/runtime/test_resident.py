@@ -225,3 +225,25 @@ def test_a_small_resident_output_is_read_later_from_a_run_in_flight(monkeypatch)
     program.run({"x": inputs[0]}, read_later=["out0"])
     assert not dev.in_flight and dev.counters.waits == waits + 3
     np.testing.assert_allclose(program.later.values()["out0"], inputs[0] * 2 + 1, rtol=1e-6)
+
+
+def test_kept_device_inputs_are_bound_for_every_run_until_given_again():
+    """``Program.keep_inputs``: the arrays kept are bound at every later run, which gives the other device inputs
+    only; one given again replaces the kept one for that run; a kept array is checked when it is kept."""
+    b = GraphBuilder()
+    x, w = b.input("x", (30,), "float32"), b.input("w", (30,), "float32")
+    b.output(b.map(lambda u, v: E.add(E.mul(u, v), v), x, w, dtype="float32"))
+    dev = get_device()
+    plan, _ = compile_graph(b.graph, dev.limits)
+    program = Program(dev, plan, device_only_inputs=["x", "w"])
+    xs, ws = (RNG.standard_normal(30, dtype=np.float32) for _ in range(2))
+    x_arr, w_arr, other_w = (DeviceArray.upload(dev, v, "float32") for v in (xs, ws, ws * 2))
+    program.keep_inputs({"w": w_arr})
+    for _ in range(2):
+        np.testing.assert_allclose(program.run({}, device_inputs={"x": x_arr})["out0"], xs * ws + ws, rtol=1e-6)
+    replaced = program.run({}, device_inputs={"x": x_arr, "w": other_w})["out0"]
+    np.testing.assert_allclose(replaced, xs * ws * 2 + ws * 2, rtol=1e-6)
+    with pytest.raises(InputError, match=r"missing inputs \[.x.\]"):
+        program.run({}, device_inputs={})
+    with pytest.raises(InputError, match="expects float32"):
+        program.keep_inputs({"w": DeviceArray.upload(dev, ws[:10], "float32")})

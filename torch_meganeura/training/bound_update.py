@@ -100,6 +100,9 @@ class BoundUpdate:
         watch(self.state_tensors)
         self.state_arrays: list | None = None  # the last run's, all left with no host copy, at ``clean_at``
         self.clean_at: int | None = None  # ``watched_touches()`` then (None: some state tensor not written)
+        # the (param_arrays, state_arrays) lists whose arrays the plan keeps bound (``RoleProgram.keep_named``): each
+        # step binds only the gradients while the step's lists are these ones, unchanged
+        self.kept_lists: tuple | None = None
         self.param_specs = [(tuple(p.shape), logical_dtype(p.dtype)) for p in self.updated]
         self._name(roles)
 
@@ -107,10 +110,12 @@ class BoundUpdate:
         """The plan's input names of the device inputs in ``run``'s order (params, grads, state slot by slot), and
         the output names of the parameters and state tensors it writes, with their positions."""
         inputs = self.plan.input_names
-        order = [param for param, _, _ in roles] + [grad for _, grad, _ in roles]
-        order += [states[s][1] for s in range(len(self.slots)) for _, _, states in roles]
-        self.read = [role in inputs for role in order]
-        self.input_names = [inputs[role] for role in compress(order, self.read)]
+        kept = [param for param, _, _ in roles]
+        kept += [states[s][1] for s in range(len(self.slots)) for _, _, states in roles]
+        grads = [grad for _, grad, _ in roles]
+        self.kept_read, self.grad_read = [role in inputs for role in kept], [role in inputs for role in grads]
+        self.kept_names = [inputs[role] for role in compress(kept, self.kept_read)]
+        self.grad_names = [inputs[role] for role in compress(grads, self.grad_read)]
         outputs = self.plan.output_names
         self.param_outputs = _positions_and_names(
             [(k, outputs[param]) for k, (param, _, _) in enumerate(roles) if param in outputs])
@@ -149,9 +154,14 @@ class BoundUpdate:
             grads = [grads[i] for i in self.active]
         clean = self.clean_at == watched_touches()
         state_arrays = self.state_arrays if clean else device_arrays(self.state_tensors)
-        arrays = chain(param_arrays, _grad_arrays(grads, self.device), state_arrays)
+        lists = self.kept_lists
+        if lists is None or lists[0] is not param_arrays or lists[1] is not state_arrays:
+            kept = compress(chain(param_arrays, state_arrays), self.kept_read)
+            self.plan.keep_named(dict(zip(self.kept_names, kept)))
+            self.kept_lists = (param_arrays, state_arrays)
         hyper = hyperparameter_rows(self.optimizer, self.pairs)
-        results = self.plan.run_named(dict(zip(self.input_names, compress(arrays, self.read))), {self.hyper: hyper})
+        grads = compress(_grad_arrays(grads, self.device), self.grad_read)
+        results = self.plan.run_named(dict(zip(self.grad_names, grads)), {self.hyper: hyper})
         self._take(results, param_arrays, state_arrays, clean)
         self.generation = self.store.generation
         self._count()
@@ -164,6 +174,7 @@ class BoundUpdate:
         for k, array in _moved(results, self.param_outputs, param_arrays):
             self.store.replace(self.updated[k], array)
             param_arrays[k] = array
+            self.kept_lists = None  # (the plan keeps the arrays it read: bound again at the next step)
         for kept in self.kept:
             kept.stale = True
         tensors, n = self.state_tensors, len(self.states)
@@ -172,6 +183,7 @@ class BoundUpdate:
             self.states[k][self.slots[slot]] = tensors[i] = ResidentTensor(array)
             watch([tensors[i]])
             state_arrays[i] = array
+            self.kept_lists = None
         written = self.state_outputs[0]
         if not clean:
             written_on_device(tensors if len(written) == len(tensors) else list(map(tensors.__getitem__, written)))

@@ -57,6 +57,7 @@ from .roles import Kind, Role
 from .trace import trace_update
 
 _grad_of, _parked_grad_of = operator.attrgetter("grad"), operator.attrgetter("_meganeura_kept.grad")
+_kept_link = operator.attrgetter("_meganeura_kept")
 
 
 def sync_parameters(optimizer: torch.optim.Optimizer) -> None:
@@ -95,7 +96,11 @@ def _kept_step(optimizer: torch.optim.Optimizer, closure=None):
 def _kept_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True):
     """``zero_grad`` of an optimizer kept on the device: the parked gradients dropped (``backend.parked_grads``; to
     be zeroed, given to ``.grad`` first), then torch's, with subclass overrides off (it reads and writes ``.grad``
-    only), where each parameter's reads and writes would meet its override (``DeviceParameter``)."""
+    only), where each parameter's reads and writes would meet its override (``DeviceParameter``). The ordinary loop's
+    (every parameter kept, no ``.grad`` set, ``set_to_none``) drops the parked gradients in loops run by C, and leaves
+    out torch's, which would find no ``.grad`` to set to None."""
+    if set_to_none and _dropped_parked(list(chain.from_iterable(g["params"] for g in optimizer.param_groups))):
+        return None
     for group in optimizer.param_groups:
         for p in group["params"]:
             kept = getattr(p, "_meganeura_kept", None)
@@ -103,6 +108,20 @@ def _kept_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True):
                 unpark_grad(p, keep=not set_to_none)
     with torch._C.DisableTorchFunctionSubclass():
         return optimizer._meganeura_step.zero_grad(set_to_none)
+
+
+def _dropped_parked(params: list) -> bool:
+    """Drop the parked gradients of ``params`` if each is kept and has no ``.grad`` (nothing else for ``zero_grad``
+    to set to None); whether it did."""
+    with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
+        if not all(map(operator.is_, map(_grad_of, params), repeat(None))):
+            return False
+        try:
+            links = list(map(_kept_link, params))
+        except AttributeError:  # (a parameter not kept)
+            return False
+    any(map(setattr, links, repeat("grad"), repeat(None)))  # (setattr returns None: ``any`` runs them all)
+    return True
 
 
 def current_grads(params: list) -> list:

@@ -47,6 +47,7 @@ class RoleProgram:
         self.constants = {role: upload_array(device, value) for role, value in constants.items()}
         self._constant_inputs = {self.input_names[role]: array for role, array in self.constants.items()
                                  if role in self.input_names}
+        self._constants_kept = False  # bound with the inputs ``keep_named`` keeps
 
     def run(self, value_of, into: dict | None = None) -> dict:
         """Run once, each placeholder fed ``value_of(role)`` (a device array, a resident tensor, or a host tensor for
@@ -60,12 +61,20 @@ class RoleProgram:
         results = self.program.run(host, device_inputs, into)
         return {role: results[name] for role, name in self.output_names.items()}
 
+    def keep_named(self, device_inputs: dict) -> None:
+        """Bind ``device_inputs`` (by plan input name, as ``run_named`` takes them) and the constants for every
+        ``run_named`` from now on (``Program.keep_inputs``), whose ``device_inputs`` then give the others; the caller
+        keeps those arrays live until it keeps others."""
+        self.program.keep_inputs({**device_inputs, **self._constant_inputs})
+        self._constants_kept = True
+
     def run_named(self, device_inputs: dict, host: dict) -> dict:
         """``run`` with the device arrays given by plan input name (``input_names``'s, bound as they are; the
         constants are added here) and the host tensors (``HOST_KINDS``) by role: for a caller that keeps its inputs'
         names from one run to the next (``bound_update``). Returns the outputs by plan output name
         (``output_names``'s): device arrays, and numpy arrays for ``READ_BACK_KINDS``."""
-        device_inputs.update(self._constant_inputs)
+        if not self._constants_kept:
+            device_inputs.update(self._constant_inputs)
         host_inputs = {self.input_names[role]: host_form(value) for role, value in host.items()
                        if role in self.input_names}
         if self.lowered.rng_seed:
