@@ -13,7 +13,8 @@ paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the matri
 row_prologues.py) -> fuse_sibling_updates (pointwise updates of one shape stored over inputs, a layer's key and value
 cache writes, in one kernel: sibling_updates.py) -> separate_checks (the data checks from the first in-place update on
 run first, in kernels of their own) -> hoist_writers (in-place updates moved up to just after their last dependency:
-in_place.py) -> schedule (memory plan + WGSL + dispatches; a decode attention's slices merged by the projection
+in_place.py) -> run_over_regions (an update stored over its input, a KV cache's, computes only the elements it
+changes: regions.py) -> schedule (memory plan + WGSL + dispatches; a decode attention's slices merged by the projection
 that reads them: slice_merges.py).
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
@@ -25,10 +26,11 @@ to linear reads, i32 simplification), ``bindings`` (each kernel within the adapt
 ``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
 ``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``,
 ``sibling_updates``, ``epilogues``, ``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs
-written over an input's buffer), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a fused
-graph to a ``Plan``: memory plan, WGSL, dispatches) with ``node_kernels`` (each node's kernels, by archetype),
-``slice_merges`` (an attention pass's slices merged by the matrix-vector product that reads its output, in place of
-a merge dispatch), ``plan_cache`` (compiled plans kept on disk across processes).
+written over an input's buffer), ``regions`` (updates run over the elements they change), ``planner`` (intermediates
+placed in one arena by lifetime), ``schedule`` (a fused graph to a ``Plan``: memory plan, WGSL, dispatches) with
+``node_kernels`` (each node's kernels, by archetype), ``slice_merges`` (an attention pass's slices merged by the
+matrix-vector product that reads its output, in place of a merge dispatch), ``plan_cache`` (compiled plans kept on
+disk across processes).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from .in_place import hoist_writers, separate_checks
 from .ir import Graph
 from .multi_output import fuse_multi_output
 from .paired_matmuls import fuse_paired_matmuls
+from .regions import run_over_regions
 from .remat import rematerialize
 from .row_prologues import fuse_row_prologues
 from .schedule import schedule
@@ -66,8 +69,9 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     fuse_sibling_updates(graph, max_bindings, report)
     separated = separate_checks(graph)
     hoisted = hoist_writers(graph)
+    whole_updates = run_over_regions(graph)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,
                                           "hoisted_writers": hoisted, "rematerialized": copies,
-                                          "separated_checks": separated},
+                                          "separated_checks": separated, "whole_updates": whole_updates},
                     choose_matmuls=choose_matmuls, on_kernel=on_kernel)
     return plan, report
