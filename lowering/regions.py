@@ -30,6 +30,15 @@ from .in_place import in_place_outputs
 from .ir import Graph, Input, Pointwise, Scatter
 
 
+def keep_requested_regions(graph: Graph) -> None:
+    """Drop the regions of the nodes none of whose outputs the caller asks to store over an input (``Graph.in_place``):
+    they would only cost the passes before ``run_over_regions`` work (a training step's slice scatters)."""
+    requested = {graph.outputs[p].id for p in graph.in_place}
+    for node in graph.nodes:
+        if isinstance(node, Pointwise) and node.region is not None and not any(v.id in requested for v in node.outs):
+            node.region = None
+
+
 def run_over_regions(graph: Graph) -> dict[str, str]:
     """Make each pointwise update with a region a ``Scatter`` where the rules allow (the module docstring), drop the
     region of the others and the nodes that nothing reads then; returns {label#value: why not} of those refused."""

@@ -1,8 +1,9 @@
 """Cache updates run over the elements they change (lowering/regions.py): an ``index_copy_``/``index_put_`` of a
 random cache at random positions, stored over the cache, equals eager's, with a dispatch the size of the new values,
 not of the cache (f32 and half caches, one entry and several, repeated positions); where a half cache's elements would
-not come by whole 32-bit words, the update keeps its kernel over the whole cache and still equals eager's. A
-generation bundle's cache-write dispatch does not grow with ``max_cache_len``."""
+not come by whole 32-bit words, the update keeps its kernel over the whole cache and still equals eager's. Assignments
+to a slice or a position of a cache likewise. A generation bundle's cache-write dispatch does not grow with
+``max_cache_len``."""
 from __future__ import annotations
 
 import math
@@ -77,21 +78,66 @@ def test_a_cache_updated_at_random_positions_equals_eager_over_the_new_values_on
         cache.numel() / lanes / WORKGROUP)
 
 
+def _assign_slice(cache, new):
+    cache[:, :, 5:13:2] = new
+    return cache.sum()
+
+
+def _assign_position(cache, new):
+    cache[:, :, 7] = new
+    return cache.sum()
+
+
+def _assign_odd_columns(cache, new):
+    cache[..., 1:5] = new
+    return cache.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALVES], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("assign, positions", [(_assign_slice, 4), (_assign_position, None)], ids=["slice", "select"])
+def test_an_assignment_to_a_slice_of_a_cache_runs_over_the_slice(monkeypatch, dtype, assign, positions):
+    """``cache[:, :, a:b:s] = new`` and ``cache[:, :, i] = new`` (traced: a slice and a select scatter), stored over
+    the cache, equal eager's and run over the new values only."""
+    plans = record_compiled_plans(monkeypatch)
+    generator = torch.Generator().manual_seed(5)
+    cache = torch.randn(*CACHE, 8, generator=generator).to(dtype)
+    new = torch.randn(*CACHE[:2], *([positions] if positions else []), 8, generator=generator).to(dtype)
+    want = cache.clone()
+    assign(want, new)
+    torch.compile(assign, backend="meganeura", dynamic=False)(cache, new)
+    assert torch.equal(cache, want)
+    (plan,) = plans
+    assert plan.in_place and not plan.stats["whole_updates"], plan.stats
+    lanes = 2 if dtype in HALVES else 1
+    (write,) = [d for d in plan.dispatches if d.label.endswith("_scatter")]
+    assert math.prod(write.workgroups) == math.ceil(new.numel() / lanes / WORKGROUP)
+
+
+def _odd_head(cache, generator):
+    positions = torch.tensor([4, 31])
+    return _update, (positions, torch.randn(*CACHE[:2], 2, 7, generator=generator).to(cache.dtype))
+
+
+def _odd_columns(cache, generator):
+    return _assign_odd_columns, (torch.randn(*CACHE, 4, generator=generator).to(cache.dtype),)
+
+
 @pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "f16"])
-def test_a_half_cache_of_an_odd_head_size_keeps_the_whole_kernel(monkeypatch, dtype):
-    """An odd head size would put one element of a 32-bit word in the region and its neighbour out of it: the update
-    runs over the whole cache (its reason recorded), and equals eager's."""
+@pytest.mark.parametrize("case, head", [(_odd_head, 7), (_odd_columns, 8)], ids=["odd_head", "odd_columns"])
+def test_a_half_update_that_would_split_words_keeps_the_whole_kernel(monkeypatch, dtype, case, head):
+    """An odd head size, or columns from an odd one on, would put one element of a 32-bit word in the region and its
+    neighbour out of it: the update runs over the whole cache (its reason recorded), and equals eager's."""
     plans = record_compiled_plans(monkeypatch)
     generator = torch.Generator().manual_seed(3)
-    cache = torch.randn(*CACHE, 7, generator=generator).to(dtype)
-    positions = torch.tensor([4, 31])
-    new = torch.randn(*CACHE[:2], 2, 7, generator=generator).to(dtype)
-    want = _last_wins(cache, positions, new)
-    torch.compile(_update, backend="meganeura", dynamic=False)(cache, positions, new)
+    cache = torch.randn(*CACHE, head, generator=generator).to(dtype)
+    update, args = case(cache, generator)
+    want = cache.clone()
+    update(want, *args)
+    torch.compile(update, backend="meganeura", dynamic=False)(cache, *args)
     assert torch.equal(cache, want)
     (plan,) = plans
     assert "by pairs" in next(iter(plan.stats["whole_updates"].values())), plan.stats
-    (write,) = _cache_writes(plan)
+    (write,) = [d for d in plan.dispatches if d.label in ("index_put", "slice_scatter")]
     assert math.prod(write.workgroups) == math.ceil(cache.numel() / 2 / WORKGROUP)
 
 

@@ -10,8 +10,9 @@ cost is O(numel(self) * K), fine for embedding and loss backward at moderate siz
 on the device like gather's. The slice/select/diagonal scatters are pointwise selects.
 
 An overwriting index_put with fewer entries than indexed positions (a KV cache's ``index_copy`` at the new tokens'
-positions) also tells the elements it changes (``ir.Region``): where its output is stored over its input, it runs
-over those alone (``meganeura.lowering.regions``), a dispatch the size of its entries, not of the whole tensor.
+positions) and the slice and select scatters (an assignment to a slice, traced) also tell the elements they change
+(``ir.Region``): where the output is stored over its input, the update runs over those alone
+(``meganeura.lowering.regions``), a dispatch the size of its new values, not of the whole tensor.
 """
 from __future__ import annotations
 
@@ -287,7 +288,8 @@ def _clamp(i: int, size: int) -> int:
 
 @lowering(aten.slice_scatter.default)
 def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
-    """x with x[..., start:end:step, ...] = src (along ``dim``)."""
+    """x with x[..., start:end:step, ...] = src (along ``dim``); its region: src's elements, at their slice's
+    places."""
     b, rank = ctx.b, len(x.shape)
     dim %= rank
     start = _clamp(0 if start is None else start, x.shape[dim])
@@ -302,18 +304,25 @@ def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
     coords = [E.coord(d) for d in range(rank)]
     coords[dim] = E.binary("minimum", j, _i32(length - 1))
     expr = E.where(hit, E.cast(b.load(src, coords), x.compute_dtype), b.load(x, [E.coord(d) for d in range(rank)]))
-    return b.pointwise(x.shape, x.dtype, expr, "slice_scatter")
+    own = [E.coord(d) for d in range(rank)]
+    at = tuple(E.add(_i32(start), E.mul(E.coord(d), _i32(step))) if d == dim else own[d] for d in range(rank))
+    region = Region(tuple(src.shape), at, E.const(True, E.BOOL), [b.load(src, own)], [x.id])
+    return b.pointwise(x.shape, x.dtype, expr, "slice_scatter", region)
 
 
 @lowering(aten.select_scatter.default)
 def _select_scatter(ctx, x, src, dim, index):
+    """x with x[..., index, ...] = src (along ``dim``); its region: src's elements, at ``index``."""
     b, rank = ctx.b, len(x.shape)
     dim %= rank
     index %= x.shape[dim]
     src_coords = [E.coord(d) for d in range(rank) if d != dim]
     hit = E.binary("eq", E.coord(dim), _i32(index))
     expr = E.where(hit, E.cast(b.load(src, src_coords), x.compute_dtype), b.load(x, [E.coord(d) for d in range(rank)]))
-    return b.pointwise(x.shape, x.dtype, expr, "select_scatter")
+    at = tuple(_i32(index) if d == dim else E.coord(d) for d in range(rank))
+    region = Region(tuple(1 if d == dim else x.shape[d] for d in range(rank)), at, E.const(True, E.BOOL),
+                    [b.load(src, src_coords)], [x.id])
+    return b.pointwise(x.shape, x.dtype, expr, "select_scatter", region)
 
 
 @lowering(aten.diagonal_scatter.default)
