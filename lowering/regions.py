@@ -80,7 +80,7 @@ def _pair_refusal(node: Pointwise) -> str | None:
     region, last = node.region, len(node.region.shape) - 1
     if any(is_size(s) or s % 2 for s in (region.shape[-1], node.out.shape[-1])):
         return "half precision elements by pairs: a region or output of an odd or symbolic last axis"
-    if region.at[-1] != E.coord(last) or len(region.at) != len(node.out.shape):
+    if region.at[-1] != E.coord(last):
         return "half precision elements by pairs: the region's last axis is not the output's"
     if any(n.op == "coord" and n.args[0] == last for e in (*region.at[:-1], region.keep) for n in E.walk(e)):
         return "half precision elements by pairs: where the region lands depends on its last coordinate"
