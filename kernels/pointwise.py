@@ -16,6 +16,9 @@ element c of a row of the output's last axis, rows starting at multiples of 4 el
 4 neighbouring elements: those reads are one vec4 load each (their bindings declared as vec4s), the expression is
 evaluated per element (any other read stays a scalar load at the element's own coordinates), and the 4 results are
 one vec4 store. A copy then moves 16 bytes a load instead of 4 (``QUAD_COPIES``): more bytes in flight per thread.
+
+``scattered_kernel`` runs the same way over a region of its outputs (the elements an update changes), each element
+stored at an index that an expression computes, where another one says so.
 """
 from __future__ import annotations
 
@@ -161,3 +164,48 @@ def _compute_quad(outputs, results: list[list[str]], unit: str, shape, quads: di
         lines += ["    {", f"      let c{last}_{lane} = c{last} + {lane}i;", *em.lines,
                   *(f"      {rs[lane]} = {v};" for rs, v in zip(results, values)), "    }"]
     return f"  {{\n    let idx = i32({unit}) * 4i;\n" + "\n".join(lines) + "\n  }"
+
+
+def scattered_kernel(*, bindings, outputs, shape, index, keep, limits, guarded: bool = False) -> tuple[str, tuple]:
+    """Return (WGSL, workgroups) computing, at every coordinate of ``shape`` (a region of the outputs), each (name,
+    dtype, expr, storage) of ``outputs`` and storing it into buffer ``name`` at element ``index`` (an i32 expression
+    over the region's coordinates) where ``keep`` (a bool expression) holds; the outputs' other elements are left
+    as they are. ``guarded`` as in ``pointwise_kernel``. Where an output is stored in half precision, each thread
+    computes a pair of neighbouring elements of the region and stores them as one u32 word at ``index / 2`` of the
+    first, as the first's ``keep`` says: the caller makes sure each pair is a whole word (``index`` even at the
+    first, the second element next to it, ``keep`` the same for both), so that no two threads store one word."""
+    total = product(shape)
+    lanes = 2 if any(storage in wgsl.HALF_STORAGE for *_, storage in outputs) else 1
+    units = ceil_div(total, lanes)
+    copies = elements_per_thread(units)
+    groups = wgsl.grid(ceil_div(units, WORKGROUP * copies), limits["max-compute-workgroups-per-dimension"])
+    clamp = is_size(total) or copies * WORKGROUP * groups[0] * groups[1] * groups[2] * lanes > total
+    places = [("", "i32", index, ""), ("", "bool", keep, "")]
+    declared, computed, stored = [], [], []
+    for copy in range(copies):
+        unit = f"first + {copy * WORKGROUP}u" if copy else "first"
+        results = [[f"r{k}_{copy}_{lane}" for lane in range(lanes)] for k in range(len(outputs) + 2)]
+        declared += [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};"
+                     for rs, (_, dtype, _, _) in zip(results, outputs + places) for r in rs]
+        for lane in range(lanes):
+            element = f"({unit}) * {lanes}u + {lane}u" if lanes > 1 else unit
+            at = f"min({element}, {wgsl.size_u32(size_max(total - 1, 0))})" if clamp else element
+            computed.append(_compute(outputs + places, [rs[lane] for rs in results], at, shape))
+        where, kept = results[-2:]
+        stored += [_scattered_store(name, storage, rs, where, kept, unit, lanes, total)
+                   for rs, (name, _, _, storage) in zip(results, outputs)]
+    return _assembled(bindings, groups, copies, declared + computed, stored, guarded)
+
+
+def _scattered_store(name: str, storage: str, results: list[str], where: list[str], kept: list[str], unit: str,
+                     lanes: int, total) -> str:
+    """The stores of one output's ``results`` for store unit ``unit`` of a region kernel, each lane's at its
+    ``where`` if its ``kept``, a half precision pair as one word at the first lane's."""
+    if storage in wgsl.HALF_STORAGE:
+        pair = f"mg_pack_{storage}({results[0]}, {results[1]})"
+        return (f"  if ({unit} < {wgsl.size_u32(ceil_div(total, 2))} && {kept[0]} != 0u) "
+                f"{{ {name}[u32({where[0]}) / 2u] = {pair}; }}")
+    end = wgsl.size_u32(total)
+    element = [f"({unit}) * {lanes}u + {lane}u" if lanes > 1 else unit for lane in range(lanes)]
+    return "\n".join(f"  if ({element[lane]} < {end} && {kept[lane]} != 0u) {{ {name}[u32({where[lane]})] = {r}; }}"
+                     for lane, r in enumerate(results))

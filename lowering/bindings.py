@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 
 from . import expr as E
-from .ir import Attention, Graph, Node, Pointwise, Value
+from .ir import Attention, Graph, Node, Pointwise, Value, kernel_forms
 
 _LOGICAL = {E.F32: "float32", E.I32: "int32", E.BOOL: "bool"}  # a part's value type from its expression's
 
@@ -32,9 +32,10 @@ def checks(exprs) -> bool:
 
 def kernel_bindings(node: Node) -> int:
     """Storage bindings of ``node``'s kernel before any scratch: the values it reads and writes, and the status
-    buffer where an expression checks something."""
-    loaded = {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
-    return len(loaded | {v.id for v in node.outs}) + checks(node.exprs())
+    buffer where an expression checks something (of its largest form: ``ir.kernel_forms``)."""
+    outs = {v.id for v in node.outs}
+    return max(len({ld.args[0] for e in form for ld in E.loads_of(e)} | outs) + checks(form)
+               for form in kernel_forms(node))
 
 
 def fit_bindings(graph: Graph, max_bindings: int) -> int:
@@ -58,6 +59,7 @@ def _split_pointwise(node: Pointwise, max_bindings: int, ids) -> list[Pointwise]
     """Nodes that compute parts of ``node``'s expressions (each within ``max_bindings``), ``node`` then loading them,
     until ``node`` too is within it or no part of two or more values fits."""
     parts = []
+    node.region = None  # (its expressions are over other coordinates than the parts': the node runs whole)
     while kernel_bindings(node) > max_bindings:
         part = _widest_part(node.exprs(), max_bindings)
         if part is None:

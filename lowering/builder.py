@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from meganeura.kernels.sizes import is_size
 
 from . import expr as E
-from .ir import FLOAT_DTYPES, Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, numel
+from .ir import FLOAT_DTYPES, Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Region, RowOutput, Value, numel
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
@@ -58,10 +58,14 @@ class GraphBuilder:
         self._input_ids.add(v.id)
         return v
 
-    def pointwise(self, shape, dtype: str, expr: E.Expr, label: str = "") -> Value:
+    def pointwise(self, shape, dtype: str, expr: E.Expr, label: str = "", region: Region | None = None) -> Value:
+        """A pointwise node's value; ``region``: the elements it changes where it updates an input (``ir.Region``,
+        its values cast as ``expr`` is)."""
         v = self._value(shape, dtype)
         expr = E.cast(expr, v.compute_dtype)
-        return self._add(Pointwise([v], expr=expr, label=label)).out
+        if region is not None:
+            region = region.with_exprs([*region.at, region.keep, *(E.cast(e, v.compute_dtype) for e in region.values)])
+        return self._add(Pointwise([v], expr=expr, label=label, region=region)).out
 
     @property
     def rng_seed(self) -> str | None:

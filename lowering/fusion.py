@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import expr as E
 from .indexing import simplify
-from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce
+from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, kernel_forms
 
 log = logging.getLogger("meganeura.lowering.fusion")
 MAX_EXPR_NODES = 1500  # a fused expression past this many nodes is kept apart: kernel text and its compile grow with it
@@ -102,10 +102,10 @@ def _inline_into(node: Node, candidates, producers, max_bindings, report) -> Non
     refused: set[int] = set()
     while True:
         new_exprs = [_substitute(e, dom, candidates, refused, node) for e, dom in zip(node.exprs(), node.domains())]
-        loaded = {ld.args[0] for e in new_exprs for ld in E.loads_of(e)}
+        loaded = max(len({ld.args[0] for e in form for ld in E.loads_of(e)}) for form in kernel_forms(node, new_exprs))
         too_big = (max((E.size(e) for e in new_exprs), default=0) > MAX_EXPR_NODES
                    or max((E.depth(e) for e in new_exprs), default=0) > MAX_EXPR_DEPTH)
-        if len(loaded) + len(node.outs) + 1 <= max_bindings and not too_big:
+        if loaded + len(node.outs) + 1 <= max_bindings and not too_big:
             break
         used = [vid for vid in _direct_loads(node, refused) if vid in candidates]
         if not used:

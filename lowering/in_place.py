@@ -9,10 +9,12 @@ input's buffer instead.
 It is safe when the kernel storing the output reads the input only at the element it stores, and no later kernel
 reads the input. The kernel is then a pointwise one (each thread computes all its values before it stores any, and
 stores at its own linear index: ``kernels.pointwise``), so every read of the old value comes before the write of
-that element. A run that fails a check (an index out of range) must leave the input as it was, so no kernel from
-the writer on may check anything, and where the plan checks data the writer stores only while the status word is
-clear (``StoredOver.guarded``). Requests that are not safe are refused, with the reason, and the output keeps a
-buffer of its own.
+that element. A ``Scatter`` (``regions``) stores only the elements it changes, at computed places, so it is safe
+only over its base, the input whose other elements its outputs keep, and where it does not read that input at all
+(another thread may have stored over the element it reads). A run that fails a check (an index out of range) must
+leave the input as it was, so no kernel from the writer on may check anything, and where the plan checks data the
+writer stores only while the status word is clear (``StoredOver.guarded``). Requests that are not safe are refused,
+with the reason, and the output keeps a buffer of its own.
 
 The same rule lets an intermediate take the arena range of an operand it is the last to read (``arena_aliases``):
 no request is needed there, since nothing outside the run reads the arena.
@@ -27,7 +29,7 @@ from meganeura.runtime.dtypes import STORAGE
 from . import expr as E
 from .bindings import checks
 from .indexing import linear_index, simplify
-from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Value, last_reads
+from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Scatter, Value, last_reads
 
 
 class StoredOver(NamedTuple):
@@ -88,6 +90,8 @@ def writer_refusal(v: Value, target: Input, writer: Node) -> str | None:
         return "the input is a param buffer, which the plan does not rebind per run"
     if v.shape != old.shape or STORAGE[v.dtype] != STORAGE[old.dtype]:
         return f"{v.dtype}{list(v.shape)} is not stored as the input {old.dtype}{list(old.shape)} is"
+    if isinstance(writer, Scatter):
+        return _scatter_refusal(v, old, writer)
     if not isinstance(writer, Pointwise):
         return f"its kernel is a {type(writer).__name__}, not pointwise"
     bounds = dict(enumerate(writer.out.shape))
@@ -96,6 +100,15 @@ def writer_refusal(v: Value, target: Input, writer: Node) -> str | None:
         for ld in E.loads_of(e):
             if ld.args[0] == old.id and simplify(linear_index(ld.args[1], old.shape), bounds) != here:
                 return "its kernel reads the input at other elements"
+    return None
+
+
+def _scatter_refusal(v: Value, old: Value, writer: Scatter) -> str | None:
+    """Why ``writer``, which stores only the elements it changes, cannot store ``v`` over ``old``, or None."""
+    if dict(zip((o.id for o in writer.outs), writer.region.bases)).get(v.id) != old.id:
+        return "its kernel stores only the elements it changes, and the input is not the one it updates"
+    if any(ld.args[0] == old.id for e in writer.exprs() for ld in E.loads_of(e)):
+        return "its kernel stores only the elements it changes and reads the input (another thread's element)"
     return None
 
 

@@ -11,7 +11,8 @@ Node kinds (the archetypes):
   ``Matmul``    C[b, i, j] = sum_p A[b, i, p] * B[b, p, j], operands given as expressions over (b, i, p) and
                 (b, p, j), with an epilogue over (b, i, j) and ``acc(0)``; ``more_blocks`` holds further outputs
                 that share A (each a block of columns with its own B and epilogue) or B (blocks of rows);
-  ``Attention`` fused scaled-dot-product attention (a forward or a backward pass), operands as expressions.
+  ``Attention`` fused scaled-dot-product attention (a forward or a backward pass), operands as expressions;
+  ``Scatter``   an update stored over the input it updates, run over the elements it changes (``regions``).
 
 Loads inside expressions name a value id and one coordinate per dimension of that value; nothing here
 knows about memory layout until the planner assigns buffers.
@@ -79,22 +80,52 @@ class Input(Node):
 
 
 @dataclass
+class Region:
+    """The elements that an update of an input changes: for each coordinate of ``shape``, the output coordinates
+    ``at`` it lands at, and each output's new value there (``values``, in the order of the node's outputs), stored
+    where ``keep`` holds (of several entries landing on one element, the one the update takes). Everywhere else the
+    outputs equal ``bases`` (the value ids of the inputs they update, one an output). All are expressions over the
+    region's coordinates. A pointwise update carries it beside its expressions (a scatter's into a KV cache:
+    ``index_put``); where its outputs are stored over their bases, the update runs over the region (``regions``)."""
+
+    shape: tuple[int, ...]
+    at: tuple[E.Expr, ...]
+    keep: E.Expr
+    values: list[E.Expr]
+    bases: list[int]
+
+    def exprs(self) -> list[E.Expr]:
+        return [*self.at, self.keep, *self.values]
+
+    def with_exprs(self, exprs: list[E.Expr]) -> "Region":
+        """The region with its expressions replaced (same order as ``exprs()``)."""
+        n = len(self.at)
+        return Region(self.shape, tuple(exprs[:n]), exprs[n], list(exprs[n + 1:]), self.bases)
+
+
+@dataclass
 class Pointwise(Node):
     expr: E.Expr = None
     label: str = ""
     also: list[E.Expr] = field(default_factory=list)  # outs[1:], over the coordinates of outs[0]
+    region: Region | None = None  # the elements the node changes where it updates an input (``Region``)
 
     def exprs(self):
-        return [self.expr, *self.also]
+        return [self.expr, *self.also, *(self.region.exprs() if self.region else ())]
 
     def domains(self):
-        return [self.out.shape] * (1 + len(self.also))
+        own = [self.out.shape] * (1 + len(self.also))
+        return own + ([self.region.shape] * len(self.region.exprs()) if self.region else [])
 
     def set_exprs(self, exprs):
-        self.expr, *self.also = exprs
+        """(The node's own expressions may grow in number: ``multi_output`` adds outputs so.)"""
+        n = len(exprs) - (len(self.region.exprs()) if self.region else 0)
+        self.expr, *self.also = exprs[:n]
+        if self.region is not None:
+            self.region = self.region.with_exprs(exprs[n:])
 
     def is_view(self) -> bool:
-        return self.expr.op == "load" and not self.also
+        return self.expr.op == "load" and not self.also and self.region is None
 
 
 @dataclass
@@ -251,6 +282,36 @@ class Attention(Node):
     def set_exprs(self, exprs):
         for name, e in zip(self.operands(), exprs):
             setattr(self, name, e)
+
+
+@dataclass
+class Scatter(Node):
+    """An update that stores each output's ``region.values`` at ``region.at`` where ``region.keep`` holds, and
+    nothing elsewhere: its outputs hold the rest already, each stored over its base (``regions`` makes it of a
+    ``Pointwise`` whose outputs are)."""
+
+    region: Region = None
+    label: str = ""
+
+    def exprs(self):
+        return self.region.exprs()
+
+    def domains(self):
+        return [self.region.shape] * len(self.region.exprs())
+
+    def set_exprs(self, exprs):
+        self.region = self.region.with_exprs(exprs)
+
+
+def kernel_forms(node: Node, exprs: list[E.Expr] | None = None) -> list[list[E.Expr]]:
+    """The groups of ``node``'s expressions (or of ``exprs``, replacements in ``exprs()`` order) that are each a whole
+    kernel's: a pointwise update with a region runs over its output or over its region (``regions``), never both;
+    any other node is one group. A kernel's bindings are those of its largest group."""
+    exprs = node.exprs() if exprs is None else exprs
+    if isinstance(node, Pointwise) and node.region is not None:
+        own = len(exprs) - len(node.region.exprs())
+        return [exprs[:own], exprs[own:]]
+    return [exprs]
 
 
 def last_reads(nodes: list[Node]) -> dict[int, int]:

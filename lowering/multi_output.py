@@ -55,6 +55,8 @@ def _try_merge(graph, consumer: Pointwise, producer: Pointwise, users, order, ma
     """Make ``producer``'s outputs further outputs of ``consumer``; None when done, else why not."""
     if consumer.out.numel != producer.out.numel:
         return "consumer and producer differ in size"
+    if consumer.region is not None or producer.region is not None:
+        return "an update that carries the elements it changes (regions.py)"
     own = {v.id for v in producer.outs}
     later_readers = {id(n) for v in own for n in users.get(v, []) if n is not consumer}
     if any(order[r] < order[id(consumer)] for r in later_readers):

@@ -1,6 +1,7 @@
 """The kernels of one scheduled node, by archetype: pointwise, reduction, matmul (tiled, or the gemv) and attention,
 each a WGSL source with its workgroups and bindings, from the node's ``Slots`` (``schedule._bindings``); and where
-their operands are read in groups (``_quad_rows``: vec4 of f32, vec2<u32> or vec4<u32> of halves)."""
+their operands are read in groups (``_quad_rows``: vec4 of f32, vec2<u32> or vec4<u32> of halves); and an update
+over its region (``Scatter``)."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -16,8 +17,8 @@ from meganeura.runtime.dtypes import HALF_STORAGE
 from meganeura.kernels.sizes import concrete, is_size
 
 from . import expr as E
-from .indexing import quad_row_index, unit_stride_coord
-from .ir import Attention, Matmul, Pointwise, Reduce
+from .indexing import linear_index, quad_row_index, simplify, unit_stride_coord
+from .ir import Attention, Matmul, Pointwise, Reduce, Scatter
 
 # Sibling matmuls of this many blocks or more fetch their blocked operand in a loop (matmul_kernel's ``looped``). H200:
 # SmolVLA's 16 cross-attention projections of one context, merged, took the driver 1.0-1.4 s to compile with the
@@ -98,6 +99,19 @@ def _pointwise_quads(node: Pointwise, slots: Slots, outputs: list, limits: dict)
     if any(None in found.values() for slot, found in reads.items() if slot in slots.out_slots):
         return None
     return {n: row for found in reads.values() if None not in found.values() for n, row in found.items()}
+
+
+def _scatter_kernels(node: Scatter, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
+    """The kernel of an update over its region (``regions``): the region's values stored at their linear index in
+    the outputs."""
+    region = node.region
+    at, keep, values = slots.exprs[:len(region.at)], slots.exprs[len(region.at)], slots.exprs[len(region.at) + 1:]
+    index = simplify(linear_index(at, node.out.shape), dict(enumerate(region.shape)))
+    outputs = [(slots.name(s), v.compute_dtype, e, slots.storage[s])
+               for s, v, e in zip(slots.out_slots, node.outs, values)]
+    src, groups = pointwise_kernels.scattered_kernel(bindings=slots.decl, outputs=outputs, shape=region.shape,
+                                                     index=index, keep=keep, limits=limits, guarded=slots.guarded)
+    return [(src, groups, slots.bound)]
 
 
 def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
@@ -255,7 +269,7 @@ def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, var
 
 # The kernel generator of each IR node type: (node, its Slots, limits, scratch, matmul variant) -> the passes.
 KERNELS = {Pointwise: _pointwise_kernels, Reduce: _reduce_kernels, Matmul: _matmul_kernels,
-           Attention: _attention_kernels}
+           Attention: _attention_kernels, Scatter: _scatter_kernels}
 
 
 def _attention_prelude(node: Attention, slots: Slots, max_bindings: int) -> str:

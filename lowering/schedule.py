@@ -23,7 +23,7 @@ from . import expr as E
 from .bindings import checks, kernel_bindings
 from .indexing import linear_index, simplify
 from .in_place import StoredOver, arena_aliases, in_place_outputs
-from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Value, last_reads
+from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Scatter, Value, last_reads
 from .node_kernels import (KERNELS, Slots, attention_shape, fast_axes, looped_operand, matmul_prelude_of,
                            matmul_quads, stores_pairs)
 from .planner import Interval, place
@@ -57,6 +57,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     values = {v.id: v for n in graph.nodes for v in n.outs}
     over, refused = in_place_outputs(graph, kernels)
+    _check_scatters(graph, kernels, over)
     buffers, inputs, params, outputs, placement = _own_buffers(graph, over)
     stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
     variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls)
@@ -99,6 +100,16 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     return plan
 
 
+def _check_scatters(graph: Graph, kernels: list[Node], over: dict) -> None:
+    """Raise where a ``Scatter``'s output is not stored over its base: its kernel stores only the elements it
+    changes, so the rest would be garbage (``regions`` makes one only where the output is)."""
+    stored = {graph.outputs[i].id: target.out.id for i, target in over.items()}
+    for node in kernels:
+        if isinstance(node, Scatter) and any(stored.get(v.id) != b for v, b in zip(node.outs, node.region.bases)):
+            raise ValueError(f"{node.label or 'scatter'} stores only the elements it changes, but an output of it "
+                             "is not stored over the input it updates")
+
+
 def symbol_count() -> int:
     """The number of symbols of the dynamic graph being compiled (0 for a static one): its kernels read their values
     from the plan's size buffer (``wgsl.SIZES_VAR``)."""
@@ -114,7 +125,7 @@ def _narrowed_outputs(graph: Graph) -> tuple[Graph, dict[str, str]]:
     producers = graph.producers()
     in_place = {graph.outputs[i].id for i in graph.in_place}
     why = {v.id: pair_refusal(producers[v.id], v.id, v.id in in_place) for v in graph.outputs
-           if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Input))}
+           if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Scatter, Input))}
     narrow = {vid for vid, reason in why.items() if reason is not None}
     if not narrow:
         return graph, {}
@@ -413,7 +424,7 @@ def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
-    if not isinstance(node, Pointwise):
+    if not isinstance(node, (Pointwise, Scatter)):  # (a scatter's pairs: ``regions``)
         refused = [pair_refusal(node, v.id, False) for v in node.outs if stored.get(v.id) in HALF_STORAGE]
         if any(refused):
             raise TypeError(f"{type(node).__name__} node stores half precision: {next(filter(None, refused))}")

@@ -9,14 +9,16 @@ over its input reads the input's old value through its own binding (``in_place``
 old value and the kernel may store over it whatever the kernels' order (``in_place.writer_refusal``), the two count
 as one binding, and the status buffer, which a writer binds where the plan checks data, counts always: a Llama
 layer's two cache writes, with the rotary embedding of the key (the updated position, the new key and value, cosine
-and sine, the two caches, status), fit a portable plan's 8.
+and sine, the two caches, status), fit a portable plan's 8. Updates that carry the elements they change
+(``ir.Region``) merge where those are the same elements (the region's shape, places and choice of entries), and the
+merged node changes them in every output (``regions``).
 """
 from __future__ import annotations
 
 from . import expr as E
 from .fusion import FusionReport
 from .in_place import writer_refusal
-from .ir import Graph, Input, Node, Pointwise
+from .ir import Graph, Input, Node, Pointwise, Region, kernel_forms
 from .siblings import fuse_siblings
 
 
@@ -27,11 +29,14 @@ def fuse_sibling_updates(graph: Graph, max_bindings: int, report: FusionReport) 
     def key(node) -> tuple | None:
         if not isinstance(node, Pointwise) or not all(v.id in updated for v in node.outs):
             return None
-        return node.out.shape, node.out.dtype
+        region = node.region and (node.region.shape, node.region.at, node.region.keep)
+        return node.out.shape, node.out.dtype, region
 
     def bindings(earlier: Node, later: Node, loaded: set) -> int:
         stored_over = _stored_over(graph, [earlier, later])
-        return len(loaded - stored_over) + len(earlier.outs) + len(later.outs) + 1
+        forms = zip(kernel_forms(earlier), kernel_forms(later))  # (the same forms: ``key``)
+        most = max(len({ld.args[0] for e in (*a, *b) for ld in E.loads_of(e)} - stored_over) for a, b in forms)
+        return most + len(earlier.outs) + len(later.outs) + 1
 
     fuse_siblings(graph, max_bindings, report, key, _merge, bindings)
 
@@ -59,4 +64,8 @@ def _merge(earlier: Pointwise, later: Pointwise) -> None:
     """``later`` stores ``earlier``'s outputs first, then its own, at the same linear index."""
     later.outs = list(earlier.outs) + list(later.outs)
     later.expr, later.also = earlier.expr, [*earlier.also, later.expr, *later.also]
+    if later.region is not None:  # (the same elements: ``key``)
+        first, second = earlier.region, later.region
+        later.region = Region(second.shape, second.at, second.keep, [*first.values, *second.values],
+                              [*first.bases, *second.bases])
     later.label = "+".join(dict.fromkeys(earlier.label.split("+") + later.label.split("+")))

@@ -8,6 +8,11 @@ where its index equals the element's coordinate. Sums give scatter_add and accum
 overwrite takes the last matching candidate (the ``max`` of its position), as eager does on the CPU. The
 cost is O(numel(self) * K), fine for embedding and loss backward at moderate sizes. Indices are checked
 on the device like gather's. The slice/select/diagonal scatters are pointwise selects.
+
+An overwriting index_put with fewer entries than indexed positions (a KV cache's ``index_copy`` at the new tokens'
+positions) and the slice and select scatters (an assignment to a slice, traced) also tell the elements they change
+(``ir.Region``): where the output is stored over its input, the update runs over those alone
+(``meganeura.lowering.regions``), a dispatch the size of its new values, not of the whole tensor.
 """
 from __future__ import annotations
 
@@ -18,13 +23,18 @@ import torch
 
 from meganeura.lowering import expr as E
 from meganeura.lowering.builder import broadcast_shapes, unravel
-from meganeura.lowering.ir import RowOutput, Value, numel
+from meganeura.kernels.sizes import is_size
+from meganeura.lowering.ir import Region, RowOutput, Value, numel
 
 from ..registry import lowering
 from .indexing import _checked, _no_bool_index
 
 aten = torch.ops.aten
 
+# An overwriting index_put of at most this many entries tells whether an entry is the last one landing on its element
+# by comparing it with each later one (a thread's work grows with the entries, its kernel's text too; the prefill
+# of a generation bundle writes 32 cache positions a run), past it by a look-up in a table over the indexed positions.
+UNROLLED_ENTRIES = 64
 LOWEST = {E.F32: float("-inf"), E.I32: -(2**31)}
 HIGHEST = {E.F32: float("inf"), E.I32: 2**31 - 1}
 
@@ -184,13 +194,15 @@ def _index_put(ctx, x, indices, values, accumulate=False):
 
     reduce = "sum" if accumulate else "overwrite"
     if numel(idx_shape) < numel([x.shape[d] for d in positions]):
-        return _index_put_sparse(ctx, x, positions, numel(idx_shape), target, value, reduce)
+        written = (before, after) if reduce == "overwrite" else None
+        return _index_put_sparse(ctx, x, positions, numel(idx_shape), target, value, reduce, written)
     cand = Candidates(numel(idx_shape), lambda k: _all(E.binary("eq", target(k, d), E.coord(d)) for d in positions),
                       value)
     return _combine(ctx, x, cand, reduce, label="index_put")
 
 
-def _index_put_sparse(ctx, x: Value, positions: list[int], count: int, target, value, reduce: str) -> Value:
+def _index_put_sparse(ctx, x: Value, positions: list[int], count: int, target, value, reduce: str,
+                      written: tuple | None = None) -> Value:
     """index_put with fewer index entries (``count``) than indexed positions, in O(positions * count +
     count^2 * rest + numel(x)) instead of O(numel(x) * count) (an embedding's backward: a few tokens, a large
     table). Three race-free steps:
@@ -198,6 +210,8 @@ def _index_put_sparse(ctx, x: Value, positions: list[int], count: int, target, v
          sum, the last for an overwrite, as eager does), or none;
       2. for a sum, ``total[k, rest]``: the sum of every entry with the same target as entry k;
       3. the output: x where no entry lands, else x + total[rep] (sum) or the value of entry rep (overwrite).
+    ``written``: an overwrite's (before, after), the dims it does not index before its entries and after them: the
+    output carries the elements it changes (``_written_region``).
     """
     b, rank = ctx.b, len(x.shape)
     rest = [d for d in range(rank) if d not in positions]
@@ -217,7 +231,8 @@ def _index_put_sparse(ctx, x: Value, positions: list[int], count: int, target, v
     old = b.load(x, [E.coord(d) for d in range(rank)])
     if not first:
         new = value(E.binary("maximum", picked, _i32(0)))
-        return b.pointwise(x.shape, x.dtype, E.where(hit, new, old), "index_put")
+        region = _written_region(ctx, x, *written, positions, count, target, value, rep) if written else None
+        return b.pointwise(x.shape, x.dtype, E.where(hit, new, old), "index_put", region)
 
     other = E.coord(1 + len(rest))
     same = _all(E.binary("eq", target(other, d), target(E.coord(0), d)) for d in positions)
@@ -231,6 +246,39 @@ def _index_put_sparse(ctx, x: Value, positions: list[int], count: int, target, v
     return b.pointwise(x.shape, x.dtype, E.where(hit, added, old), "index_put")
 
 
+def _written_region(ctx, x: Value, before: list[int], after: list[int], positions: list[int], count: int, target,
+                    value, rep: Value) -> Region:
+    """The elements an overwriting index_put changes: one per entry k and coordinate of the dims it does not index
+    (the region's coordinates: ``before``'s, k, ``after``'s), at the entry's target, stored where k is the last entry
+    landing there, as eager takes it: a comparison with each later entry where they are few (``UNROLLED_ENTRIES``;
+    one entry needs none), else a look-up in ``rep``. The region checks its targets as ``rep`` does, so where it does
+    not read ``rep``, ``rep`` may go (``meganeura.lowering.regions``); where it does, ``rep`` checks them."""
+    k = E.coord(len(before))
+    place = {d: E.coord(i) for i, d in enumerate(before)}
+    place.update({d: E.coord(len(before) + 1 + i) for i, d in enumerate(after)})
+    at = tuple(target(k, d) if d in positions else place[d] for d in range(len(x.shape)))
+    if is_size(count) or count > UNROLLED_ENTRIES:
+        at = tuple(map(_unchecked, at))
+        keep = E.binary("eq", ctx.b.load(rep, [at[d] for d in positions]), k)
+    else:
+        keep = _all(E.binary("or", E.binary("le", _i32(j), k), _any(
+            E.binary("ne", _unchecked(target(_i32(j), d)), _unchecked(at[d])) for d in positions))
+            for j in range(1, count))
+    shape = (*(x.shape[d] for d in before), count, *(x.shape[d] for d in after))
+    return Region(shape, at, keep, [value(k, place.__getitem__)], [x.id])
+
+
+def _unchecked(e: E.Expr) -> E.Expr:
+    return E.substitute(e, lambda n: n.args[0] if n.op == "check" else None)
+
+
+def _any(conds) -> E.Expr:
+    out = E.const(False, E.BOOL)
+    for c in conds:
+        out = c if E.is_const(out, False) else E.binary("or", out, c)
+    return out
+
+
 # ------------------------------------------------------------------------- slice/select/diagonal scatter
 def _clamp(i: int, size: int) -> int:
     if i < 0:
@@ -240,7 +288,8 @@ def _clamp(i: int, size: int) -> int:
 
 @lowering(aten.slice_scatter.default)
 def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
-    """x with x[..., start:end:step, ...] = src (along ``dim``)."""
+    """x with x[..., start:end:step, ...] = src (along ``dim``); its region: src's elements, at their slice's
+    places."""
     b, rank = ctx.b, len(x.shape)
     dim %= rank
     start = _clamp(0 if start is None else start, x.shape[dim])
@@ -255,18 +304,25 @@ def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
     coords = [E.coord(d) for d in range(rank)]
     coords[dim] = E.binary("minimum", j, _i32(length - 1))
     expr = E.where(hit, E.cast(b.load(src, coords), x.compute_dtype), b.load(x, [E.coord(d) for d in range(rank)]))
-    return b.pointwise(x.shape, x.dtype, expr, "slice_scatter")
+    own = [E.coord(d) for d in range(rank)]
+    at = tuple(E.add(_i32(start), E.mul(E.coord(d), _i32(step))) if d == dim else own[d] for d in range(rank))
+    region = Region(tuple(src.shape), at, E.const(True, E.BOOL), [b.load(src, own)], [x.id])
+    return b.pointwise(x.shape, x.dtype, expr, "slice_scatter", region)
 
 
 @lowering(aten.select_scatter.default)
 def _select_scatter(ctx, x, src, dim, index):
+    """x with x[..., index, ...] = src (along ``dim``); its region: src's elements, at ``index``."""
     b, rank = ctx.b, len(x.shape)
     dim %= rank
     index %= x.shape[dim]
     src_coords = [E.coord(d) for d in range(rank) if d != dim]
     hit = E.binary("eq", E.coord(dim), _i32(index))
     expr = E.where(hit, E.cast(b.load(src, src_coords), x.compute_dtype), b.load(x, [E.coord(d) for d in range(rank)]))
-    return b.pointwise(x.shape, x.dtype, expr, "select_scatter")
+    at = tuple(_i32(index) if d == dim else E.coord(d) for d in range(rank))
+    region = Region(tuple(1 if d == dim else x.shape[d] for d in range(rank)), at, E.const(True, E.BOOL),
+                    [b.load(src, src_coords)], [x.id])
+    return b.pointwise(x.shape, x.dtype, expr, "select_scatter", region)
 
 
 @lowering(aten.diagonal_scatter.default)

@@ -1,0 +1,134 @@
+"""Updates run over their regions: a pointwise update whose outputs are all stored over the inputs it updates
+computes only the elements it changes.
+
+A decode step writes one new key and value per head into each layer's static KV cache: HF's cache layer traced out
+of place is an ``index_put`` whose pointwise kernel computes every element of the cache (``where(written, new,
+old)``), and the plan stores it over the old cache (``in_place``). Its unchanged elements then cost a read and a
+write each (SmolLM2 at 1,024 positions: 3 MB a layer and token) for nothing: the buffer holds them already. Such a
+node carries the elements it changes (``ir.Region``, from the lowering: ``index_put``); where each of its outputs is
+granted the buffer of its base, the node becomes a ``Scatter`` that runs over the region alone, one thread per new
+element, storing it at its place (``kernels.pointwise.scattered_kernel``): a dispatch whose size follows the new
+tokens, not the cache's length. The region's own lookups replace the full kernel's, and nodes nothing reads then are
+dropped (an ``index_put``'s lookup of the entry landing on each position, where one entry needs none), and so are
+checks that a node that stays makes too (where the region is refused, its own check of the targets).
+
+Refused (the node keeps its pointwise kernel over the whole output, its region dropped): an output not stored over
+its base (``in_place``: the input read again later, a value returned twice...), and a half
+precision output whose region's elements do not come by pairs of one 32-bit word: half precisions are stored two
+elements to a u32 word, and a thread storing one element would race with the thread storing its neighbour. A thread
+then stores a pair of neighbouring elements along the region's last axis, which must be the output's last axis
+itself (``at`` its own coordinate there, nothing else reading it), both of even length, so that each pair is one
+whole word.
+"""
+from __future__ import annotations
+
+from meganeura.kernels.sizes import is_size
+from meganeura.runtime.dtypes import HALF_STORAGE, STORAGE
+
+from . import expr as E
+from .in_place import in_place_outputs
+from .ir import Graph, Input, Pointwise, Scatter
+
+
+def keep_requested_regions(graph: Graph) -> None:
+    """Drop the regions of the nodes none of whose outputs the caller asks to store over an input (``Graph.in_place``):
+    they would only cost the passes before ``run_over_regions`` work (a training step's slice scatters)."""
+    requested = {graph.outputs[p].id for p in graph.in_place}
+    for node in graph.nodes:
+        if isinstance(node, Pointwise) and node.region is not None and not any(v.id in requested for v in node.outs):
+            node.region = None
+
+
+def run_over_regions(graph: Graph) -> dict[str, str]:
+    """Make each pointwise update with a region a ``Scatter`` where the rules allow (the module docstring), drop the
+    region of the others and the nodes that nothing reads then; returns {label#value: why not} of those refused."""
+    kernels = [n for n in graph.nodes if not isinstance(n, Input)]
+    granted, _ = in_place_outputs(graph, kernels)
+    over = {graph.outputs[p].id: target.out.id for p, target in granted.items()}
+    refused = {}
+    for i, node in enumerate(graph.nodes):
+        if not isinstance(node, Pointwise) or node.region is None:
+            continue
+        reason = region_refusal(node, over)
+        if reason is None:
+            graph.nodes[i] = Scatter(node.outs, region=node.region, label=node.label)
+        else:
+            refused[f"{node.label}#v{node.out.id}"] = reason
+            node.region = None
+    if any(isinstance(n, Scatter) for n in graph.nodes) or refused:
+        _drop_unread(graph)
+    return refused
+
+
+def region_refusal(node: Pointwise, over: dict[int, int]) -> str | None:
+    """Why ``node`` may not run over its region, or None; ``over``: output value id -> id of the input it is stored
+    over."""
+    region = node.region
+    for v, base in zip(node.outs, region.bases):
+        if over.get(v.id) != base:
+            return "an output is not stored over the input it updates"
+    if any(ld.args[0] in region.bases for e in region.exprs() for ld in E.loads_of(e)):
+        return "the region reads an input it updates (another thread's element)"
+    if STORAGE[node.out.dtype] in HALF_STORAGE:
+        return _pair_refusal(node)
+    return None
+
+
+def _pair_refusal(node: Pointwise) -> str | None:
+    """Why a thread of ``node``'s region kernel may not store a pair of neighbouring half precision elements as one
+    whole u32 word of each output, or None."""
+    region, last = node.region, len(node.region.shape) - 1
+    if any(is_size(s) or s % 2 for s in (region.shape[-1], node.out.shape[-1])):
+        return "half precision elements by pairs: a region or output of an odd or symbolic last axis"
+    if region.at[-1] != E.coord(last):
+        return "half precision elements by pairs: the region's last axis is not the output's"
+    if any(n.op == "coord" and n.args[0] == last for e in (*region.at[:-1], region.keep) for n in E.walk(e)):
+        return "half precision elements by pairs: where the region lands depends on its last coordinate"
+    return None
+
+
+def _drop_unread(graph: Graph) -> None:
+    """Drop the nodes whose values nothing reads and no output is, the latest first; one that checks data only where
+    a node that stays makes each of its checks too (``_covered``: an index_put's look-up table checks the indices
+    that its region, run in its place, checks itself)."""
+    outputs = {v.id for v in graph.outputs}
+    dropped = True
+    while dropped:
+        dropped = False
+        read = {ld.args[0] for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)}
+        for node in reversed(graph.nodes):
+            if isinstance(node, Input) or any(v.id in read or v.id in outputs for v in node.outs):
+                continue
+            others = [n for n in graph.nodes if n is not node]
+            if all(_covered(check, others) for check in _checks_of(node)):
+                graph.nodes.remove(node)
+                dropped = True
+                break
+
+
+def _checks_of(node) -> list[tuple]:
+    """(status code, condition, domain) of each check ``node``'s expressions make."""
+    return [(n.args[2], n.args[1], domain) for e, domain in zip(node.exprs(), node.domains())
+            for n in E.walk(e) if n.op == "check"]
+
+
+def _covered(check: tuple, nodes: list) -> bool:
+    """Whether one of ``nodes`` makes ``check`` too: the same code, and the same condition over the same values of the
+    coordinate it reads (at most one, of equal extents, renamed)."""
+    code, condition, domain = check
+    mine = _coords(condition)
+    for node in nodes:
+        for other_code, other, other_domain in _checks_of(node):
+            theirs = _coords(other)
+            if other_code != code or len(mine) != len(theirs) or len(mine) > 1:
+                continue
+            if not mine and condition == other:
+                return True
+            if mine and domain[mine[0]] == other_domain[theirs[0]] and E.shift_coords(
+                    condition, {mine[0]: E.coord(theirs[0])}) == other:
+                return True
+    return False
+
+
+def _coords(e: E.Expr) -> list[int]:
+    return sorted({n.args[0] for n in E.walk(e) if n.op == "coord"})
