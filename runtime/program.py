@@ -122,8 +122,7 @@ class Program(Recording):
         self._bind_groups: dict[tuple[Binding, ...], object] = {}
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
-        self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
-        self._swaps_ahead = SwapsAhead()  # the per-run buffers of the last runs, which the next is likely to repeat
+        self._ahead, self._swaps_ahead = None, SwapsAhead()  # the next run recorded ahead (see run), and over what
         # each resident output's latest buffers, its room and, in a plan without symbols, its buffers' size
         self._recent_outputs: dict[str, tuple[deque, int, int | None]] = {}  # (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
