@@ -569,7 +569,7 @@ class Program(Recording):
             self.device.destroy_buffer(buffer)
         self._read_back.release()
         self._owned, self._bind_groups, self._commands, self._copies, self._ahead = {}, {}, [], [], None
-        self._swapped_groups, self._swapped_commands = {}, {}
+        self._swapped_groups, self._swapped_commands, self._swaps_ahead = {}, {}, SwapsAhead()
         self._uploaded_params = set()
         self._released = True
         if self._arena is not None:
