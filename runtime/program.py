@@ -14,11 +14,12 @@ would otherwise take a download and a wait of their own; ``read_later`` copies s
 of a run that does not wait, for the host to read a few runs later (``LaterRead``: a decode step's token ids). A
 plan of more than a few dozen dispatches is submitted in parts (``submission_parts``): a short first part, so that
 the GPU starts while the host records the rest, then parts doubling up to ``SUBMIT_EVERY`` dispatches; the queue
-keeps their order, and the host waits once, at the read-back. A run of a plan of ``AHEAD_MIN_DISPATCHES`` or more,
-without per-run buffers, then records the next run's dispatches while the GPU works, before it waits
-(``_record_ahead``): the next run submits that command buffer with its copies in one submit, so recording leaves the
-path from a call to the GPU. While a profiler is attached to the device
-(``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
+keeps their order, and the host waits once, at the read-back. A run of a plan of ``AHEAD_MIN_DISPATCHES`` or more
+then records the next run's dispatches while the GPU works, before it waits (``_record_ahead``), over the per-run
+buffers the next run is likely to bind (``SwapsAhead``: none, this run's, or those of the run before where two sets
+alternate, as a decode step's KV cache does): the next run submits that command buffer with its copies in one
+submit if it binds those buffers, so recording leaves the path from a call to the GPU. While a profiler is attached to
+the device (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): outputs named in ``resident_outputs`` are written into fresh
 pool buffers and returned without a read-back (those also named in ``saved_outputs``, a training forward's saved
@@ -49,9 +50,9 @@ from .errors import InputError, KernelStatusError, MeganeuraError
 from .native import Indirect, command_encoder
 from .plan import SIZES_INPUT, Binding, Plan, TensorSpec
 from .program_plan import (AHEAD_MIN_DISPATCHES, RunTensors, indirect_slots, pipeline_jobs, run_sizes)
-from .program_recording import Recording
-from .program_checks import (check_into, check_limits, from_device_bytes, require_own_buffers, status_error,
-                             to_device_array)
+from .program_recording import Recording, SwapsAhead, same_buffers
+from .program_checks import (check_into, check_limits, from_device_bytes,
+                             require_own_buffers, status_error, to_device_array)
 from .program_inputs import DeviceInputs
 from .in_flight import LaterRead
 from .readback import ReadBackBuffers
@@ -122,7 +123,7 @@ class Program(Recording):
         self._bind_groups: dict[tuple[Binding, ...], object] = {}
         self._commands: list[tuple] = []
         self._copies: list[tuple] = []
-        self._ahead = None  # the next run's status clears and dispatches, recorded and finished (see run)
+        self._ahead, self._swaps_ahead = None, SwapsAhead()  # the next run recorded ahead (see run), and over what
         # each resident output's latest buffers, its room and, in a plan without symbols, its buffers' size
         self._recent_outputs: dict[str, tuple[deque, int, int | None]] = {}  # (``_new_output``)
         self._ready = False  # True once every param buffer is bound and the commands are built
@@ -402,9 +403,8 @@ class Program(Recording):
         self._upload(arrays, swaps)
         commands = self._with_swaps(swaps)
         profiler = dev.profiler if commands else None
-        ahead, self._ahead = self._ahead, None
-        if swaps or profiler is not None:
-            ahead = None  # recorded over the program's own buffers, without timestamps
+        ahead, self._ahead = self._ahead, None  # (buffers it was recorded over, command buffer)
+        ahead = ahead[1] if ahead is not None and profiler is None and same_buffers(ahead[0], swaps) else None
         # A run with no host outputs returns once submitted; its status is read at the next wait (``in_flight``)
         waits = bool(self._output_offsets) or profiler is not None or dev.in_flight.sync
         copies = self._copies if waits or self._status_offsets or read_later else []
@@ -419,9 +419,11 @@ class Program(Recording):
                                      read_later)
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
-        if not swaps and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
+        upcoming = self._swaps_ahead.next(swaps)  # the per-run buffers the next run will likely bind
+        upcoming_commands = self._commands_over(upcoming) if upcoming is not None else None
+        if upcoming_commands is not None and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
-                self._ahead = self._record_ahead()
+                self._ahead = (upcoming, self._record_ahead(upcoming_commands))
         self.host_seconds = time.perf_counter() - began
         data, self.read_along, self.later = self._finish(staging, waits, profiler, run, along, bool(read_later))
         if len(kept) == len(self._outputs):  # (every output on the device: an optimizer update's, in place)
@@ -571,7 +573,7 @@ class Program(Recording):
             self.device.destroy_buffer(buffer)
         self._read_back.release()
         self._owned, self._bind_groups, self._commands, self._copies, self._ahead = {}, {}, [], [], None
-        self._swapped_groups, self._swapped_commands = {}, {}
+        self._swapped_groups, self._swapped_commands, self._swaps_ahead = {}, {}, SwapsAhead()
         self._uploaded_params = set()
         self._device_inputs.keep({}, {})  # (lets go of the arrays kept bound)
         self._released = True

@@ -32,12 +32,13 @@ class Recording:
             compute_pass(encoder, commands[start:end], self._sizes_group)
         return encoder
 
-    def _record_ahead(self):
-        """The next run's status clears and dispatches, recorded into one command buffer now, while the GPU works on
-        this run: the next run submits it before its own copies, over the same buffers (a rebind drops it)."""
+    def _record_ahead(self, commands):
+        """The next run's status clears and ``commands``, recorded into one command buffer now, while the GPU works on
+        this run: the next run submits it before its own copies if it binds the same per-run buffers (a rebind
+        drops it)."""
         encoder = command_encoder(self.device.wgpu_device)
         self._clear_status(encoder)
-        compute_pass(encoder, self._commands, self._sizes_group)
+        compute_pass(encoder, commands, self._sizes_group)
         return finish(encoder)
 
     def _clear_status(self, encoder) -> None:
@@ -54,6 +55,14 @@ class Recording:
             record_dispatches(compute, [command])
             compute.end()
         profiler.resolve(encoder, len(commands))
+
+    def _commands_over(self, swaps: dict):
+        """The command list over the per-run buffers ``swaps`` if it is built already (``_with_swaps`` built it for
+        an earlier run, over buffers live then), else None: what a run records ahead for the next."""
+        if not swaps:
+            return self._commands
+        cached = self._swapped_commands.get(tuple(map(id, swaps.values())))
+        return cached[0] if cached is not None and all(map(operator.is_, cached[1], swaps.values())) else None
 
     def _with_swaps(self, swaps: dict):
         """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""
@@ -84,3 +93,29 @@ class Recording:
                 group = entry[0]
             commands.append((pipeline, group, workgroups))
         return commands
+
+
+def same_buffers(a: dict, b: dict) -> bool:
+    """Whether the per-run buffers ``a`` and ``b`` (buffer name -> buffer) bind the same buffer objects."""
+    return a.keys() == b.keys() and all(map(operator.is_, a.values(), map(b.__getitem__, a)))
+
+
+class SwapsAhead:
+    """Which per-run buffers a program's next run is likely to bind, from the last two runs': none (the program's own
+    buffers only); the same as this run's (a static KV cache, updated in place); or, where the buffers alternate
+    between two sets, those of the run before (a KV cache that each decode step writes anew: the pool hands each
+    output the buffer it had two steps before, ``Program._new_output``). None where no pattern repeats yet (a run
+    records the next ahead only on a likely hit: a miss records it twice)."""
+
+    def __init__(self):
+        self._last: dict | None = None
+        self._before: dict | None = None
+
+    def next(self, swaps: dict) -> dict | None:
+        last, before = self._last, self._before
+        self._before, self._last = last, swaps
+        if not swaps or last is not None and same_buffers(swaps, last):
+            return swaps
+        if last is not None and before is not None and same_buffers(swaps, before):
+            return last
+        return None

@@ -351,6 +351,35 @@ def test_later_runs_submit_the_dispatches_recorded_ahead(monkeypatch):
         assert device.counters.submits - before == 4
 
 
+@pytest.mark.parametrize("into", [True, False])
+def test_runs_over_repeating_per_run_buffers_submit_what_the_run_before_recorded_ahead(monkeypatch, into):
+    """A run whose per-run buffers (a device input, a resident output) are those of the run before (an output written
+    into the same array: a static KV cache) or of the run two before (a new output each run, which the pool hands
+    the buffer it had two runs before: a decode step's KV cache) submits the dispatches the run before recorded
+    ahead over them, in one submit; the results stay right."""
+    import meganeura.runtime.program as program_module
+    import meganeura.runtime.program_plan as program_plan
+    from meganeura.runtime.resident import DeviceArray
+
+    n, steps = 100, 12
+    monkeypatch.setattr(program_plan, "FIRST_PART", 2)
+    monkeypatch.setattr(program_plan, "SUBMIT_EVERY", 4)
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps)
+    device = get_device()
+    program = Program(device, chain_plan(n, steps), resident_outputs=["out"], device_only_inputs=["a"])
+    a = RNG.standard_normal(n, dtype=np.float32)
+    given = DeviceArray.upload(device, a, "float32")
+    target = DeviceArray.upload(device, np.zeros(n, np.float32), "float32")
+    submits, out = [], None
+    for _ in range(6):
+        before = device.counters.submits
+        out = program.run({}, device_inputs={"a": given}, into={"out": target} if into else None)["out"]
+        submits.append(device.counters.submits - before)
+        np.testing.assert_allclose(out.numpy(), a * (2**steps - 1), rtol=1e-6)
+    # parts (4 submits) until the buffers have repeated once, then what the run before recorded ahead (1)
+    assert submits == ([4, 4, 1, 1, 1, 1] if into else [4, 4, 4, 1, 1, 1]), submits
+
+
 def test_large_download_is_copied_in_slices_exactly(monkeypatch):
     """A download of several slices (a device array to the host) is copied by threads: every byte lands where it
     belongs."""
