@@ -27,6 +27,7 @@ from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Scatte
 from .node_kernels import (KERNELS, Slots, attention_shape, fast_axes, looped_operand, matmul_prelude_of,
                            matmul_quads, stores_pairs)
 from .planner import Interval, place
+from .sibling_updates import split_overfull_updates
 from .slice_merges import ReaderMerge, SliceMerge, slice_merges
 
 ROUNDED_TO = {"round_bf16": "bf16", "round_f16": "f16"}  # a rounding op -> the storage it rounds to
@@ -56,7 +57,7 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     graph, narrowed = _narrowed_outputs(graph)
     kernels = [n for n in graph.nodes if not isinstance(n, Input)]
     values = {v.id: v for n in graph.nodes for v in n.outs}
-    over, refused = in_place_outputs(graph, kernels)
+    kernels, over, refused = _in_place_decided(graph, kernels, limits)
     _check_scatters(graph, kernels, over)
     buffers, inputs, params, outputs, placement = _own_buffers(graph, over)
     stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
@@ -98,6 +99,18 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
                 in_place, symbols, tuple(active().bound(k) for k in range(symbols)) if symbols else ())
     plan.validate()
     return plan
+
+
+def _in_place_decided(graph: Graph, kernels: list[Node], limits: dict) -> tuple[list[Node], dict, dict]:
+    """(kernels, {output position: the Input it is stored over}, {output position: why not}): the in-place requests
+    decided (``in_place_outputs``); where a merged update counted on storing over inputs that it may not store over,
+    it is cut back within the binding limit (``split_overfull_updates``) and the requests are decided again."""
+    over, refused = in_place_outputs(graph, kernels)
+    stored = {graph.outputs[i].id: target.out.id for i, target in over.items()}
+    split = split_overfull_updates(graph, kernels, stored, limits.get("max-storage-buffers-per-shader-stage", 8))
+    if len(split) == len(kernels):
+        return kernels, over, refused
+    return split, *in_place_outputs(graph, split)
 
 
 def _check_scatters(graph: Graph, kernels: list[Node], over: dict) -> None:

@@ -12,6 +12,11 @@ layer's two cache writes, with the rotary embedding of the key (the updated posi
 and sine, the two caches, status), fit a portable plan's 8. Updates that carry the elements they change
 (``ir.Region``) merge where those are the same elements (the region's shape, places and choice of entries), and the
 merged node changes them in every output (``regions``).
+
+Whether an output is stored over its input is decided only when the plan is scheduled (``in_place``), against the
+kernels' final order: a data check placed after the merged kernel (a loss's target index, read at the end of a
+training forward) refuses every request before it. A merged kernel that counted on shared bindings is then cut back
+into kernels that fit without them (``split_overfull_updates``), each output computed as it was before the merge.
 """
 from __future__ import annotations
 
@@ -69,3 +74,42 @@ def _merge(earlier: Pointwise, later: Pointwise) -> None:
         later.region = Region(second.shape, second.at, second.keep, [*first.values, *second.values],
                               [*first.bases, *second.bases])
     later.label = "+".join(dict.fromkeys(earlier.label.split("+") + later.label.split("+")))
+
+
+def split_overfull_updates(graph: Graph, kernels: list[Node], stored_over: dict[int, int],
+                           max_bindings: int) -> list[Node]:
+    """``kernels`` with each merged update that exceeds ``max_bindings`` once ``stored_over`` (output value id -> id of
+    the input it is stored over, as scheduled) is known cut into consecutive kernels within it, whatever is stored
+    over what (the same cut in ``graph.nodes``); the caller decides the in-place outputs again."""
+    result = []
+    for node in kernels:
+        if isinstance(node, Pointwise) and node.also and _bindings_as_stored(node, stored_over) > max_bindings:
+            parts = _parts_within(node, max_bindings)
+            at = graph.nodes.index(node)
+            graph.nodes[at : at + 1] = parts
+            result += parts
+        else:
+            result.append(node)
+    return result
+
+
+def _bindings_as_stored(node: Pointwise, stored_over: dict[int, int]) -> int:
+    """The storage bindings of ``node``'s kernel: an input that one of its outputs is stored over shares that output's
+    binding; the status buffer counts always (a writer binds it where the plan checks data)."""
+    loaded = {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)}
+    shared = {stored_over[v.id] for v in node.outs if v.id in stored_over}
+    return len(loaded - shared) + len(node.outs) + 1
+
+
+def _parts_within(node: Pointwise, max_bindings: int) -> list[Pointwise]:
+    """``node``'s outputs in order, as pointwise kernels of as many consecutive outputs as fit ``max_bindings`` with a
+    binding of their own each (at least one output a kernel)."""
+    parts, outs, exprs, loaded = [], [], [], set()
+    for out, expr in zip(node.outs, [node.expr, *node.also]):
+        loads = {ld.args[0] for ld in E.loads_of(expr)}
+        if outs and len(loaded | loads) + len(outs) + 2 > max_bindings:
+            parts.append(Pointwise(outs, expr=exprs[0], also=exprs[1:], label=node.label))
+            outs, exprs, loaded = [], [], set()
+        outs, exprs, loaded = [*outs, out], [*exprs, expr], loaded | loads
+    parts.append(Pointwise(outs, expr=exprs[0], also=exprs[1:], label=node.label))
+    return parts

@@ -20,8 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_meganeura
+from helpers.compare import meganeura_warnings
 from helpers.models import llama, randomize_norms
-from meganeura.runtime.device import get_device
+from meganeura.runtime.device import LIMITS_ENV, get_device
 from meganeura.runtime.errors import KernelStatusError
 
 
@@ -466,3 +467,62 @@ def test_an_eager_op_mixing_a_kept_parameter_and_a_lazy_output_reads_both():
     want = bias.detach().clone() * loss.item()
     torch.testing.assert_close(mixed.detach(), want)
     assert loss.item() > 0.1
+
+
+class BatchNormBlocks(nn.Module):
+    """Convolutions with BatchNorm, ``depth`` of them, and the loss inside the compiled module: its target check
+    (cross entropy's ``ignore_index``) is the training forward's last kernel."""
+
+    def __init__(self, depth: int, channels: int = 4, classes: int = 3):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                                    nn.BatchNorm2d(channels), nn.ReLU()) for _ in range(depth)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.blocks(x).mean((2, 3))), y)
+
+
+def batchnorm_loops(depth: int) -> Loops:
+    return Loops(randomize_norms(BatchNormBlocks(depth)).train(), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                 lambda m, x, y: m(x, y))
+
+
+def test_more_batchnorm_counters_than_bindings_with_the_loss_inside_train_as_eager(monkeypatch):
+    """Ten BatchNorm layers under WebGPU's default limits (8 storage bindings): their ``num_batches_tracked``
+    increments merge into kernels that store over the counters, which the loss's check at the end of the forward
+    then refuses; the merged kernels are cut back within the limit (they raised before, and the partition fell
+    back). Nothing falls back, and losses, weights and statistics stay eager's."""
+    monkeypatch.setenv(LIMITS_ENV, "webgpu-default")
+    loops = batchnorm_loops(10)
+    data = (torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            assert_losses_match(*loops.step(*data), step)
+    assert not meganeura_warnings(caught)
+    loops.assert_parameters_match()
+    assert_buffers_match(loops)
+
+
+def test_a_forward_partition_in_eager_pytorch_reads_kept_parameters_and_statistics(monkeypatch):
+    """A forward partition whose compile fails runs in eager PyTorch at every step, on the kept parameters and
+    running statistics (host copies of device values; aot_autograd's first call runs it under a dispatch mode that
+    refuses tensor subclasses), and writes the statistics back: the loop trains as eager's."""
+    compile_partition = DevicePartition._compile
+
+    def fail_in_forward(self, *args):
+        if self.lazy_from_first:  # (a forward's partitions)
+            raise RuntimeError("a forward that does not compile")
+        return compile_partition(self, *args)
+
+    monkeypatch.setattr(DevicePartition, "_compile", fail_in_forward)
+    loops = batchnorm_loops(2)
+    data = (torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            assert_losses_match(*loops.step(*data), step)
+    assert any("compiling it failed" in w for w in meganeura_warnings(caught))
+    loops.assert_parameters_match()
+    assert_buffers_match(loops)

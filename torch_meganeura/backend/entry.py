@@ -24,7 +24,7 @@ from meganeura.runtime.profiler import attach as attach_profiler
 from .per_call import DevicePartition
 from .signatures import SHARED_GRAPHS
 from ..lower.decompositions import aot_decomposition_table
-from ..tensors.device_tensor import DeviceParameter, mark_updated
+from ..tensors.device_tensor import DeviceParameter, copy_into, mark_updated
 from .device_graph import unsupported_listing
 from .options import Options
 from ..tensors.params import ParamStore, upload_array
@@ -224,7 +224,7 @@ def store_inputs(inputs: tuple, values: tuple) -> None:
             if kept is not None:
                 kept.self_copy = False
         else:
-            t.copy_(value)
+            copy_into(t, value)
 
 
 def _updates_in_place(node: fx.Node, mutated: dict[fx.Node, fx.Node]) -> dict[int, int]:

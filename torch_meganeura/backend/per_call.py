@@ -31,8 +31,8 @@ from meganeura.runtime.resident import DeviceArray
 
 from .signatures import SHARED_GRAPHS, arg_kind, fits, graph_key, signature, signature_item
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from ..tensors.device_tensor import (DeviceTensor, adopt, device_input, fill_host, kept_array, lazy_output,
-                                     read_back_output, read_now, spare_array, watch_downloads)
+from ..tensors.device_tensor import (DeviceParameter, DeviceTensor, adopt, device_input, fill_host, kept_array,
+                                     host_alias, lazy_output, read_back_output, read_now, spare_array, watch_downloads)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
 from ..tensors.read_ahead import ReadAhead
@@ -530,7 +530,12 @@ def _as_tensor(value):
 
 
 def _eager_value(value):
-    """An argument as eager PyTorch takes it (a partition that falls back): device values downloaded."""
+    """An argument as eager PyTorch takes it (a partition that falls back): device values downloaded, and a tensor
+    kept on the device as a plain alias of its host copy (a write through it bumps the version the next call checks):
+    aot_autograd's first call runs the graph under a dispatch mode that refuses tensor subclasses (``host_alias``)."""
     if type(value) is DeviceArray:
         return tensor_from_host(value.numpy())
+    if type(value) is DeviceTensor or type(value) is DeviceParameter:
+        with torch._C.DisableTorchFunctionSubclass():
+            return host_alias(value)
     return value.materialize() if isinstance(value, ResidentTensor) else value

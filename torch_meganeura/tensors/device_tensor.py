@@ -245,6 +245,24 @@ def plain(t: DeviceTensor) -> torch.Tensor:
     return t.as_subclass(torch.Tensor)
 
 
+def host_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as eager PyTorch takes it where tensor subclasses are refused (aot_autograd's first call runs the graph
+    under a dispatch mode that refuses them): a tensor kept on the device as a plain alias of its host copy,
+    downloaded first where stale (a write through it steps the version the next bind checks); others as they are.
+    Call with subclass overrides off."""
+    return plain(t) if getattr(t, "_meganeura_kept", None) is not None else t
+
+
+def copy_into(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.copy_(value)`` by the graph's own epilogue, on plain aliases (``host_alias``): every element of ``t`` is
+    written, so its host copy becomes the truth without a download (the version step uploads it at the next bind)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        kept = getattr(t, "_meganeura_kept", None)
+        if kept is not None:
+            kept.stale = False
+        t.as_subclass(torch.Tensor).copy_(host_alias(value))
+
+
 def lazy_output(array: DeviceArray, on_read=None) -> DeviceTensor:
     """A ``DeviceTensor`` standing for ``array``: its CPU storage is allocated, filled at the first eager read (which
     calls ``on_read()``)."""
