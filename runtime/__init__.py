@@ -2,7 +2,8 @@
 ``meganeura.kernels`` (the generators' limit names; the matmul tuner's candidates), never ``meganeura.lowering``.
 
 Modules: ``plan`` (the plan format), ``dtypes`` (logical dtypes, their device storage and host form), ``device``
-(adapter choice, the process-wide device), ``program`` (a plan instantiated on a device) with
+(adapter choice, the process-wide device), ``program`` (a plan instantiated on a device, and the replay of it at
+every call) with ``program_resources`` (what a program builds once: buffers, pipelines, bind groups, params),
 ``program_recording`` (how its runs' commands are recorded), ``program_plan``
 (what a program reads off its plan once: submission parts, indirect slots, a run's sizes), ``program_checks`` (a plan
 against the device's limits, host arrays against their specs, the read-back's bytes taken apart),

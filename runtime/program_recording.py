@@ -1,8 +1,9 @@
 """How a ``Program`` records a run's commands: the dispatches in compute passes submitted in parts, the next run's
 recorded ahead, timestamped one by one under a profiler, and over per-run buffers (bind groups and whole command
 lists cached by buffer identity, so that a loop alternating between the same buffers builds nothing after its
-first runs). A mixin of ``program.Program``, whose state it reads: its commands, status buffers, sizes group and
-caches."""
+first runs). A mixin of ``program.Program``, called by its run (``Program._run``); it reads what
+``program_resources.ProgramResources`` built (the commands, status buffers, sizes group and bind groups) and keeps
+the caches over per-run buffers, which the resources drop when the buffers under them change."""
 from __future__ import annotations
 
 import operator
