@@ -15,14 +15,15 @@ from helpers.models import LLAMA, tiny_gemma, tiny_qwen2
 
 PROMPT = 7
 NEW_TOKENS = 64
+COLD_NEW_TOKENS = 6  # enough for the decode's second and third calls, where a guard that failed would compile again
 STEP_UPLOAD_BYTES = 128  # a decode step's token id, positions and sizes (int32 each), with room to spare
 STEP_READBACK_EXTRA = 64  # beside the logits: the status words
 # Forward calls before the steady state, default cache: the prefill and the decode graph (dynamic from its first
 # call: the cache the prefill returned is marked so; kernels compiled last here), then the cache coming back once
 # read back (the output tensors are DeviceTensors from the start, so dynamo traces no graph again).
 DEFAULT_CACHE_KERNELS_UNTIL, DEFAULT_CACHE_STEADY_FROM = 2, 3
-# Static cache: the prefill, the decode graph, then the cache as DeviceTensors (traced again, plans shared).
-STATIC_CACHE_KERNELS_UNTIL, STATIC_CACHE_STEADY_FROM = 2, 3
+# Static cache: the prefill (which leaves the cache's tensors on the device), then the decode graph.
+STATIC_CACHE_KERNELS_UNTIL, STATIC_CACHE_STEADY_FROM = 2, 2
 # Default cache, first generate: the first calls, then two steps at each doubling of the decode plan's bound on the
 # cache's length (16, 32, 64, 128 positions; measured: 11 steps of 64).
 ALLOCATING_STEPS = DEFAULT_CACHE_STEADY_FROM + 2 * 4 + 1
@@ -118,6 +119,28 @@ def test_static_cache_gives_eager_tokens_and_is_updated_on_the_device(make):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert _generate(model, prompts[1], cache_implementation="static").tolist() == wants[1].tolist()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a generate call traced the model again"
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_cold_generate_compiles_the_prefill_and_the_decode_once(cache):
+    """A cold ``generate`` (HF's auto-compile off, as on a GPU with ``model.forward`` compiled by hand) makes dynamo
+    compile two frames with either cache, the prefill and the decode, and none at a second call; eager's tokens. (The
+    static cache's ``cumulative_length``, which the prefill updates and returns, was copied on the host and stayed a
+    plain tensor; the decode's first run made it a ``DeviceTensor``, and dynamo's guard on its class compiled the
+    decode a second time at its second call: a third frame, a third of the cold call.)"""
+    torch._dynamo.reset()
+    model = _llama()
+    prompt = torch.randint(0, 128, (1, PROMPT))
+    kwargs = dict(max_new_tokens=COLD_NEW_TOKENS, do_sample=False, disable_compile=True,
+                  **({"cache_implementation": "static"} if cache == "static" else {}))
+    with torch.no_grad():
+        want = model.generate(prompt, **kwargs)
+        model.forward = torch.compile(model.forward, backend="meganeura")
+        graphs = torch._dynamo.utils.counters["stats"]
+        first = graphs["unique_graphs"]
+        for _ in range(2):
+            assert model.generate(prompt, **kwargs).tolist() == want.tolist()
+            assert graphs["unique_graphs"] - first == 2  # the prefill and the decode
 
 
 def test_a_returned_tensor_reads_as_eager_and_goes_back_without_an_upload():

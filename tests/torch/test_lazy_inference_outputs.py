@@ -128,3 +128,23 @@ def test_an_input_put_on_the_device_once_goes_up_only_when_eager_code_writes_it(
         before = device_counters()
         assert_same(_call(compiled, x), model(x), rtol=1e-4, atol=1e-5)
     assert device_counters()["bytes_uploaded"] - before["bytes_uploaded"] == x.numel() * 4
+
+
+def test_an_input_updated_in_place_and_returned_is_the_input_with_eagers_values():
+    """A function that updates its input in place and returns it (``x.add_(...)``; HF's static cache's
+    ``cumulative_length`` at the prefill): the call returns the input itself, updated on the device (a
+    ``DeviceTensor`` from the first call, as an input updated and not returned is), with eager's values at every
+    call and at eager reads between calls."""
+    def step(x, y):
+        x.add_(y * 2)
+        return x
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="meganeura")
+    x, y = torch.randn(5), torch.randn(5)
+    want = x.clone()
+    for _ in range(3):
+        out = _call(compiled, x, y)
+        step(want, y)
+        assert out is x and type(x) is DeviceTensor
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # (one f32 multiply-add per call)

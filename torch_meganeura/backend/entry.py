@@ -154,16 +154,20 @@ def _mutated_inputs(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 def _take_input_copies(gm: fx.GraphModule) -> list[tuple[int, int]]:
     """The writes of graph inputs that aot_autograd keeps in the graph (``keep_inference_input_mutations``:
     BatchNorm's running statistics in training, a static KV cache's update): ``copy_(input, value)`` that nothing
-    reads, of a value of the input's shape and dtype. Each is taken out, its value returned as an extra output (a
-    device partition then returns it) until ``_put_back_input_copies``. Returns (placeholder index, output position)
-    of each."""
+    reads but the output, of a value of the input's shape and dtype. Each is taken out, its value returned as an
+    extra output (a device partition then returns it) until ``_put_back_input_copies``. Where the graph returns the
+    copy's result, it returns the input itself (what ``copy_`` returns; its new value by then): the input that a
+    function updates in place and hands back (HF's static cache's ``cumulative_length`` at the prefill, where the
+    cache's first update assigns it to itself) is then updated on the device as the others are, where a copy on
+    the host left it a plain tensor that the decode's first run made a ``DeviceTensor``, and dynamo's guards on its
+    class traced the decode again at its second call. Returns (placeholder index, output position) of each."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     if not isinstance(output.args[0], (tuple, list)):
         return []
     index_of = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    values, copies = list(output.args[0]), []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users:
+    values, copies, taken = list(output.args[0]), [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or set(node.users) - {output}:
             continue
         dst, value = node.args[0], node.args[1]
         if dst not in index_of or not isinstance(value, fx.Node) or value in values[len(values) - len(copies):]:
@@ -172,10 +176,12 @@ def _take_input_copies(gm: fx.GraphModule) -> list[tuple[int, int]]:
         if not isinstance(have, torch.Tensor) or (want.shape, want.dtype) != (have.shape, have.dtype):
             continue
         copies.append((index_of[dst], len(values)))
-        values.append(value)
-        gm.graph.erase_node(node)
+        values = [dst if v is node else v for v in values] + [value]
+        taken.append(node)
     if copies:
         output.args = (type(output.args[0])(values),)
+        for node in taken:
+            gm.graph.erase_node(node)
         gm.recompile()
     return copies
 
