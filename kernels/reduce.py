@@ -133,9 +133,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     Coordinates in expressions are domain dimensions; ``acc(i)`` is phase i's result for the row.
     ``quads`` (where ``quad_rows`` allows it) maps read nodes along the last reduced axis to (the name of a vec4
     binding of their value, among ``bindings``; the vec4 index of the row's first element): see the module docstring.
-    A ``guarded`` kernel (one whose row results are stored over its inputs) stores its row results only while no check
-    of an earlier kernel has failed: ``bindings`` then include the status buffer.
-    """
+    ``guarded`` (row results stored over inputs): they are stored only while the status word (bound) is clear."""
     if quads and not quad_rows(domain, axes):
         raise ValueError(f"reduce_kernel: quads need reduced axes of whole vec4s, got {domain} over {axes}")
     outer_dims = [d for d in range(len(domain)) if d not in axes]

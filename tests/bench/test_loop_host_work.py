@@ -119,6 +119,34 @@ def test_a_warm_forward_binds_and_adopts_the_statistics_with_no_call_per_statist
         assert phase_counts(depth)["forward"]["per_update"] == 0, depth
 
 
+def backend_calls(depth: int) -> dict[str, int]:
+    """Calls made by the backend's own code (``torch_meganeura/backend``, and what it calls) in a warm forward and
+    backward of the loop at ``depth`` blocks."""
+    _, opt, loss_of = _kept_loop(depth)
+    for _ in range(WARM_STEPS + 1):
+        opt.zero_grad()
+        forward = cProfile.Profile()
+        forward.enable()
+        loss = loss_of()
+        forward.disable()
+        backward = cProfile.Profile()
+        backward.enable()
+        loss.backward()
+        backward.disable()
+        opt.step()
+    return {phase: _calls_in(profile, ("torch_meganeura/backend/",))
+            for phase, profile in (("forward", forward), ("backward", backward))}
+
+
+def test_the_forward_and_the_backward_make_no_call_per_layer():
+    """A warm forward's and backward's own work is as many calls at both depths: the statistics bound and adopted as
+    one (``per_call._SteadyUpdates``), the outputs put together from a pool in C (``per_call._Layout``), the saved
+    arrays' signatures compared in C (``per_call._ArraySignatures``), the gradient accumulators read in C (before: a
+    call or more per statistic, saved value, output and parameter)."""
+    shallow, deep = (backend_calls(depth) for depth in DEPTHS)
+    assert shallow == deep, (shallow, deep)
+
+
 def test_batchnorm_statistics_are_stored_in_place_with_the_loss_inside(monkeypatch):
     """With the loss inside the compiled function, its target check (cross entropy's ``ignore_index``) runs before
     the forward's updates, and every statistic's update is stored over it: the running mean and variance by the
