@@ -121,8 +121,8 @@ def quad_rows(domain, axes) -> bool:
     return product(red) > SERIAL_ROW_MAX
 
 
-def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int = 1,
-                  partial: str | None = None, quads: dict | None = None) -> list[tuple[str, tuple]]:
+def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int = 1, partial: str | None = None,
+                  quads: dict | None = None, guarded: bool = False) -> list[tuple[str, tuple]]:
     """(WGSL, workgroups) of each dispatch of a row program: one, or two where ``split`` (see ``reduce_splits``)
     cuts the rows into slices whose partial results go to the scratch array ``partial``.
 
@@ -133,7 +133,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     Coordinates in expressions are domain dimensions; ``acc(i)`` is phase i's result for the row.
     ``quads`` (where ``quad_rows`` allows it) maps read nodes along the last reduced axis to (the name of a vec4
     binding of their value, among ``bindings``; the vec4 index of the row's first element): see the module docstring.
-    """
+    ``guarded`` (row results stored over inputs): they are stored only while the status word (bound) is clear."""
     if quads and not quad_rows(domain, axes):
         raise ValueError(f"reduce_kernel: quads need reduced axes of whole vec4s, got {domain} over {axes}")
     outer_dims = [d for d in range(len(domain)) if d not in axes]
@@ -162,7 +162,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
     if split == 1:
         body = head + span + _phases(phases, names, axes, red_shape, 1 if serial else wg, acc_names, subgroups,
                                      quads)
-        body += _results(results, names, acc_names, domain, axes, red_shape, 1 if serial else wg)
+        body += _results(results, names, acc_names, domain, axes, red_shape, 1 if serial else wg, guarded)
         passes = [(body, rows, ceil_div(rows, wg) if serial else rows)]
     else:
         first = head + span + _phases(phases, names, axes, red_shape, wg, acc_names, subgroups, quads)
@@ -170,7 +170,7 @@ def reduce_kernel(*, bindings, domain, axes, phases, results, limits, split: int
                                           for p in range(len(phases))] + ["  }"]
         elem = any(r[0] for r in results)
         second = head + span + _combine_partials(phases, partial)
-        second += _results(results, names, acc_names, domain, axes, red_shape, wg)
+        second += _results(results, names, acc_names, domain, axes, red_shape, wg, guarded)
         passes = [(first, rows * split, rows * split), (second, rows * (split if elem else 1),
                                                         rows * (split if elem else 1))]
     out = []
@@ -260,14 +260,17 @@ def _combine_partials(phases, partial) -> list[str]:
     return lines
 
 
-def _results(results, names, acc_names, domain, axes, red_shape, wg) -> list[str]:
-    """Row results (one thread of the row's first unit) and element results (over the unit's span)."""
+def _results(results, names, acc_names, domain, axes, red_shape, wg, guarded: bool = False) -> list[str]:
+    """Row results (one thread of the row's first unit; ``guarded``: stored only while the status word is clear)
+    and element results (over the unit's span)."""
     lines = []
     row_results = [r for r in results if not r[0]]
     elem_results = [r for r in results if r[0]]
     if row_results:
         em = wgsl.Emitter(names, acc_names, indent="    ")
         stores = [f"    {name}[row] = {wgsl.store(em.value(e), dt)};" for _, e, name, dt, _ in row_results]
+        if guarded:
+            stores = [f"    if (atomicLoad(&{wgsl.STATUS_VAR}[0]) == 0u) {{", *(f"  {s}" for s in stores), "    }"]
         lines += ["  if ((lid == 0u || SERIAL) && slice == 0u) {"] + em.lines + stores + ["  }"]
     strides = _strides(domain)
     flat = " + ".join([f"{names[d]} * {wgsl.size_i32(strides[d])}" for d in range(len(domain))] or ["0i"])

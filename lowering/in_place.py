@@ -9,9 +9,12 @@ input's buffer instead.
 It is safe when the kernel storing the output reads the input only at the element it stores, and no later kernel
 reads the input. The kernel is then a pointwise one (each thread computes all its values before it stores any, and
 stores at its own linear index: ``kernels.pointwise``), so every read of the old value comes before the write of
-that element. A ``Scatter`` (``regions``) stores only the elements it changes, at computed places, so it is safe
-only over its base, the input whose other elements its outputs keep, and where it does not read that input at all
-(another thread may have stored over the element it reads). A run that fails a check (an index out of range) must
+that element. A reduction (``Reduce``) may store a row result over an input that only its row results read, each at
+its own row (BatchNorm's running statistics, updated from the batch's): one thread of the row computes them after
+every phase and stores them after computing them all (``kernels.reduce``). A ``Scatter`` (``regions``) stores
+only the elements it changes, at computed places, so it is safe only over its base, the input whose other elements
+its outputs keep, and where it does not read that input at all (another thread may have stored over the element it
+reads). A run that fails a check (an index out of range) must
 leave the input as it was, so no kernel from the writer on may check anything, and where the plan checks data the
 writer stores only while the status word is clear (``StoredOver.guarded``). Requests that are not safe are refused,
 with the reason, and the output keeps a buffer of its own.
@@ -30,6 +33,7 @@ from . import expr as E
 from .bindings import checks
 from .indexing import linear_index, simplify
 from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Scatter, Value, last_reads
+from .remat import recomputed
 
 
 class StoredOver(NamedTuple):
@@ -92,6 +96,8 @@ def writer_refusal(v: Value, target: Input, writer: Node) -> str | None:
         return f"{v.dtype}{list(v.shape)} is not stored as the input {old.dtype}{list(old.shape)} is"
     if isinstance(writer, Scatter):
         return _scatter_refusal(v, old, writer)
+    if isinstance(writer, Reduce):
+        return _row_result_refusal(v, old, writer)
     if not isinstance(writer, Pointwise):
         return f"its kernel is a {type(writer).__name__}, not pointwise"
     bounds = dict(enumerate(writer.out.shape))
@@ -109,6 +115,29 @@ def _scatter_refusal(v: Value, old: Value, writer: Scatter) -> str | None:
         return "its kernel stores only the elements it changes, and the input is not the one it updates"
     if any(ld.args[0] == old.id for e in writer.exprs() for ld in E.loads_of(e)):
         return "its kernel stores only the elements it changes and reads the input (another thread's element)"
+    return None
+
+
+def _row_result_refusal(v: Value, old: Value, writer: Reduce) -> str | None:
+    """Why reduction ``writer`` cannot store ``v`` over ``old``, or None. A row result is computed and stored by one
+    thread of its row, after every phase, all its values computed before it stores any (``kernels.reduce``): it may
+    be stored over an input that only the row results read, each at its own row (a BatchNorm's running statistics,
+    updated from the batch's). Phases and element results run in every thread of a row (in a cut row, of several
+    workgroups, without a barrier before the row result's store), so they must not read it."""
+    position = [o.id for o in writer.outs].index(v.id)
+    if writer.results[position].per_element:
+        return "its kernel is a Reduce and the value one of its element results, stored by every thread of a row"
+    n_phases = len(writer.phases)
+    if any(ld.args[0] == old.id for e in writer.exprs()[:n_phases] for ld in E.loads_of(e)) or any(
+            ld.args[0] == old.id for r in writer.results if r.per_element for ld in E.loads_of(r.expr)):
+        return "its kernel is a Reduce whose phases or element results read the input"
+    bounds = dict(enumerate(writer.domain))
+    outer = [d for d in range(len(writer.domain)) if d not in writer.axes]
+    here = simplify(linear_index([E.coord(d) for d in outer], writer.row_shape), bounds)
+    for r in writer.results:
+        for ld in E.loads_of(r.expr):
+            if ld.args[0] == old.id and simplify(linear_index(ld.args[1], old.shape), bounds) != here:
+                return "its kernel reads the input at other rows"
     return None
 
 
@@ -162,14 +191,16 @@ def _arena_target(node: Node, step: int, placement: dict, last_read: dict, value
 def separate_checks(graph: Graph) -> int:
     """Move the data checks of the kernels from the first requested in-place writer on into kernels of their own
     (a reduction over the kernel's domain that only raises the status), each placed as early as what it reads
-    allows: the checks then all run before any input is overwritten, and the writers store only while the status
-    word is clear. A static KV cache's update checks its position, and a fused embedding lookup carries its index
+    allows (a condition read through cheap pointwise values of inputs computed from the inputs: ``_from_inputs``):
+    the checks then all run before any input is overwritten, and the writers store only while the status word is
+    clear. A static KV cache's update checks its position, and a fused embedding lookup carries its index
     check into later kernels: either refused every request. Returns how many check kernels were added."""
     producers = graph.producers()
     writers = [producers.get(graph.outputs[p].id) for p in graph.in_place]
-    first = min((graph.nodes.index(w) for w in writers if isinstance(w, Pointwise)), default=None)
+    first = min((graph.nodes.index(w) for w in writers if isinstance(w, (Pointwise, Reduce))), default=None)
     if first is None:
         return 0
+    inputs = {n.out.id for n in graph.nodes if isinstance(n, Input)}
     next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
     found: dict[tuple, Reduce] = {}  # (domain, checks) -> its kernel
     for node in graph.nodes[first:]:
@@ -177,16 +208,26 @@ def separate_checks(graph: Graph) -> int:
         if not checks(exprs):
             continue
         for e, domain in zip(exprs, node.domains()):
-            conditions = tuple(dict.fromkeys((n.args[1], n.args[2]) for n in E.walk(e) if n.op == "check"))
+            conditions = tuple(dict.fromkeys((_from_inputs(n.args[1], domain, producers, inputs), n.args[2])
+                                             for n in E.walk(e) if n.op == "check"))
             if conditions and (domain, conditions) not in found:
                 found[domain, conditions] = _check_kernel(Value(next_id + len(found), (), "int32"), domain,
                                                           conditions)
         node.set_exprs([_without_checks(e) for e in exprs])
     for kernel in found.values():
         loaded = {ld.args[0] for e in kernel.exprs() for ld in E.loads_of(e)}
-        after = max((i for i, n in enumerate(graph.nodes) if any(v.id in loaded for v in n.outs)), default=-1)
+        after = max((i for i, n in enumerate(graph.nodes)  # (an input is no kernel: nothing to wait for)
+                     if not isinstance(n, Input) and any(v.id in loaded for v in n.outs)), default=-1)
         graph.nodes.insert(after + 1, kernel)
     return len(found)
+
+
+def _from_inputs(condition: E.Expr, domain: tuple, producers: dict, inputs: set[int]) -> E.Expr:
+    """``condition`` computed from the graph's inputs where it reads them through cheap pointwise values only
+    (``remat.recomputed``: a loss's ``target != ignore_index``, a value the loss computes late in the node order),
+    so that its check kernel can run before every in-place writer; else ``condition`` as it is."""
+    direct = recomputed(condition, producers, lambda vid: vid in inputs)
+    return condition if direct is None else simplify(direct, dict(enumerate(domain)))
 
 
 def _check_kernel(out: Value, domain: tuple, conditions: tuple) -> Reduce:

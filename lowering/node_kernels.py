@@ -124,7 +124,7 @@ def _reduce_kernels(node: Reduce, slots: Slots, limits: dict, scratch, variant) 
     quads = _reduce_quads(node, phases, slots.out_slots, decl, bound, limits)
     return [(src, groups, bound) for src, groups in reduce_kernels.reduce_kernel(
         bindings=decl, domain=node.domain, axes=node.axes, phases=phases, results=results, limits=limits,
-        split=split, partial=partial, quads=quads)]
+        split=split, partial=partial, quads=quads, guarded=slots.guarded)]
 
 
 def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound: list, limits: dict) -> dict:

@@ -58,7 +58,7 @@ def rematerialize(graph: Graph) -> int:
         def kept(u: int) -> bool:
             return u in inputs or last_read.get(u, -1) >= until or values[u].numel <= small
 
-        expr = _recomputed(node.expr, producers, kept)
+        expr = recomputed(node.expr, producers, kept)
         if expr is None:
             continue
         expr = simplify(expr, dict(enumerate(node.out.shape)))
@@ -85,7 +85,7 @@ def _cheap(node) -> bool:
             and all(n.op in PROLOGUE_OPS for n in E.walk(node.expr)))
 
 
-def _recomputed(expr: E.Expr, producers: dict, kept) -> E.Expr | None:
+def recomputed(expr: E.Expr, producers: dict, kept) -> E.Expr | None:
     """``expr`` with each load of a value that is not ``kept`` replaced by its cheap producer's expression, down to
     kept values; None where a load leads to anything else, or past ``REMAT_MAX_NODES``. Equal loads share one
     inlined expression, counted once. The inlined expressions are counted as they are taken in, so a long chain of cheap

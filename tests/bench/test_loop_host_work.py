@@ -8,6 +8,11 @@ the tensor wrappers made in each phase of a step, counted as ``bench.host`` coun
   met its override before): the forward intercepts one call at both depths, the loss function's op on the logits;
   before, each parameter cost one, and each statistic (three per block) three more.
 
+- BatchNorm's running statistics are stored in place by the training forward's plan (the reduction's row results
+  over the statistics, the ``num_batches_tracked`` increments over the counters, the loss's target check run first),
+  and a warm forward binds and adopts them with no call per statistic (``per_call._SteadyUpdates``): before, every
+  request was refused, and each statistic cost a ``device_input``, a ``spare_array`` and an ``adopt`` per step.
+
 - the forward's hand-off to the backward (``backend.packed``): the activations it saves, more at each depth, cross
   autograd as one ``SavedPack`` per device partition, their arrays taken from the pool as one set: the forward makes
   as many wrappers and pool acquires at both depths.
@@ -30,10 +35,12 @@ import torch.nn.functional as F
 
 import torch_meganeura
 from bench.host import call_counts
+from helpers.compiled_plans import record_compiled_plans
 from helpers.saved import saved_packs
 
 DEPTHS = (2, 4)
 POOL_ACQUIRES = ("acquire", "acquire_set")  # runtime/resident.py's BufferPool
+PER_UPDATE = ("adopt", "device_input", "spare_array")  # tensors/device_tensor.py: per argument a graph updates
 STEP_FOLDERS = ("torch_meganeura/training/", "torch_meganeura/tensors/")  # the kept step's own code
 WARM_STEPS = 2  # the first compiles; the second binds the optimizer state's and statistics' second arrays
 
@@ -57,8 +64,11 @@ def _profiled(call):
     finally:
         profile.disable()
     counts = call_counts(profile)
-    counts["pool_acquires"] = sum(s[1] for (path, _, name), s in pstats.Stats(profile).stats.items()
-                                  if name in POOL_ACQUIRES and path.endswith("resident.py"))
+    stats = pstats.Stats(profile).stats.items()
+    counts["pool_acquires"] = sum(s[1] for (path, _, name), s in stats if name in POOL_ACQUIRES
+                                  and path.endswith("resident.py"))
+    counts["per_update"] = sum(s[1] for (path, _, name), s in stats if name in PER_UPDATE
+                               and path.endswith("device_tensor.py"))
     return result, counts
 
 
@@ -96,9 +106,62 @@ def test_optimizer_and_buffer_updates_make_no_per_layer_interception():
     counts = {depth: phase_counts(depth) for depth in DEPTHS}
     for depth, phases in counts.items():
         for phase in ("step", "zero_grad"):
-            assert phases[phase] == {"interceptions": 0, "wrappers": 0, "pool_acquires": 0}, (depth, phase)
+            assert phases[phase] == {"interceptions": 0, "wrappers": 0, "pool_acquires": 0, "per_update": 0}, (
+                depth, phase)
     for depth, phases in counts.items():  # (the one: the loss function's op on the logits, a lazy output)
         assert phases["forward"]["interceptions"] == 1, (depth, phases["forward"])
+
+
+def test_a_warm_forward_binds_and_adopts_the_statistics_with_no_call_per_statistic():
+    """The forward updates three statistics per BatchNorm, more at depth, all stored in place: a warm step binds their
+    arrays and adopts them again as one (before: ``device_input``, ``spare_array`` and ``adopt`` of each)."""
+    for depth in DEPTHS:
+        assert phase_counts(depth)["forward"]["per_update"] == 0, depth
+
+
+def backend_calls(depth: int) -> dict[str, int]:
+    """Calls made by the backend's own code (``torch_meganeura/backend``, and what it calls) in a warm forward and
+    backward of the loop at ``depth`` blocks."""
+    _, opt, loss_of = _kept_loop(depth)
+    for _ in range(WARM_STEPS + 1):
+        opt.zero_grad()
+        forward = cProfile.Profile()
+        forward.enable()
+        loss = loss_of()
+        forward.disable()
+        backward = cProfile.Profile()
+        backward.enable()
+        loss.backward()
+        backward.disable()
+        opt.step()
+    return {phase: _calls_in(profile, ("torch_meganeura/backend/",))
+            for phase, profile in (("forward", forward), ("backward", backward))}
+
+
+def test_the_forward_and_the_backward_make_no_call_per_layer():
+    """A warm forward's and backward's own work is as many calls at both depths: the statistics bound and adopted as
+    one (``per_call._SteadyUpdates``), the outputs put together from a pool in C (``per_call._Layout``), the saved
+    arrays' signatures compared in C (``per_call._ArraySignatures``), the gradient accumulators read in C (before: a
+    call or more per statistic, saved value, output and parameter)."""
+    shallow, deep = (backend_calls(depth) for depth in DEPTHS)
+    assert shallow == deep, (shallow, deep)
+
+
+def test_batchnorm_statistics_are_stored_in_place_with_the_loss_inside(monkeypatch):
+    """With the loss inside the compiled function, its target check (cross entropy's ``ignore_index``) runs before
+    the forward's updates, and every statistic's update is stored over it: the running mean and variance by the
+    reduction that computes the batch's, ``num_batches_tracked`` by its increment (before: all refused)."""
+    plans = record_compiled_plans(monkeypatch)
+    model, opt, _ = _kept_loop(DEPTHS[1])
+    compiled = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend="meganeura")
+    x, y = torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,))
+    for _ in range(WARM_STEPS):
+        compiled(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    (forward,) = [plan for plan in plans if plan.stats.get("separated_checks")]
+    statistics = 3 * DEPTHS[1]
+    assert forward.stats["in_place_outputs"] == statistics and forward.stats["in_place_refused"] == {}, forward.stats
 
 
 def test_the_forward_hands_its_saved_values_over_in_packs():

@@ -7,6 +7,7 @@ import pytest
 from meganeura.lowering import compile_graph
 from meganeura.lowering import expr as E
 from meganeura.lowering.builder import GraphBuilder
+from meganeura.lowering.ir import RowOutput
 from meganeura.runtime.device import get_device
 from meganeura.runtime.errors import InputError, KernelStatusError
 from meganeura.runtime.program import Program
@@ -201,3 +202,126 @@ def test_a_matmul_epilogue_stores_over_the_arena_operand_it_reads_last(transpose
     s = x["a"] @ x["b"]
     want = ((x["c"] @ x["d"]) * (s.transpose(0, 2, 1) if transposed else s)).sum(axis=2)
     np.testing.assert_allclose(Program(device, plan).run(x)["out0"], want, rtol=1e-5, atol=1e-5)
+
+
+def running_mean_graph(length: int, read=None, checked: bool = False):
+    """BatchNorm's running mean: r' = 0.9 r + 0.1 mean(x) over rows of ``length``, requested over r, its row result
+    in the reduction's kernel; ``read(b, r)`` replaces the load of r there (at the row's own element by default).
+    ``checked``: a gather of ``table`` at indices ``i`` (checked to be in range) is the plan's second output."""
+    b = GraphBuilder()
+    x, r = b.input("x", (4, length), "float32"), b.input("r", (4,), "float32")
+    old = read(b, r) if read is not None else b.load(r, [E.coord(0)])
+    update = E.add(E.mul(old, E.const(0.9, E.F32)), E.mul(E.acc(0), E.const(0.1 / length, E.F32)))
+    (new,) = b.reduce((4, length), (1,), [("sum", b.load(x, [E.coord(0), E.coord(1)]))], [RowOutput(False, update)],
+                      ["float32"], "running_mean")
+    b.output(new)
+    if checked:
+        i, table = b.input("i", (8,), "int32"), b.input("table", (4,), "float32")
+        index = b.load(i, [E.coord(0)])
+        inside = E.binary("and", E.binary("ge", index, E.const(0, E.I32)), E.binary("lt", index, E.const(4, E.I32)))
+        b.output(b.pointwise((8,), "float32", b.check(b.load(table, [index]), inside, "index out of range")))
+    b.graph.in_place = {0: "r"}
+    return b.graph
+
+
+@pytest.mark.parametrize("length", [64, 16384], ids=["one-pass", "cut-rows"])
+def test_a_reduction_stores_a_row_result_over_the_input_it_reads_at_that_row(length):
+    """A row result reading its input only at its own row (BatchNorm's running statistics, updated from the batch's)
+    is stored over it, in one pass and where rows are cut into slices merged by a second pass (one thread of the
+    row's first slice stores it, after every phase); the values are the reduction's."""
+    device = get_device()
+    plan, _ = compile_graph(running_mean_graph(length), device.limits)
+    assert plan.in_place == {"out0": "r"} and plan.stats["in_place_refused"] == {}
+    assert len(plan.dispatches) == (1 if length == 64 else 2)
+    program = Program(device, plan, device_only_inputs=["r"])
+    x, start = RNG.standard_normal((4, length), dtype=np.float32), RNG.standard_normal(4, dtype=np.float32)
+    array = DeviceArray.upload(device, start, "float32")
+    for _ in range(2):
+        assert program.run({"x": x}, device_inputs={"r": array})["out0"] is array
+    mean = x.astype(np.float64).mean(axis=1)
+    np.testing.assert_allclose(array.numpy(), 0.81 * start + 0.19 * mean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("read, reason", [
+    (lambda b, r: b.load(r, [E.binary("sub", E.const(3, E.I32), E.coord(0))]), "reads the input at other rows"),
+    (lambda b, r: E.acc(0), None),
+], ids=["reversed", "not-read"])
+def test_a_row_result_reading_other_rows_keeps_a_buffer_of_its_own(read, reason):
+    plan = plan_of(running_mean_graph(64, read))
+    if reason is None:
+        assert plan.in_place == {"out0": "r"}
+    else:
+        assert plan.in_place == {} and reason in plan.stats["in_place_refused"]["out0"]
+
+
+def test_an_element_result_or_a_phase_reading_the_input_is_refused():
+    """Element results and phases run in every thread of a row, so a reduction whose output stored over an input is
+    an element result, or whose phase reads that input, keeps a buffer of its own."""
+    b = GraphBuilder()
+    x = b.input("x", (4, 8), "float32")
+    (y,) = b.reduce((4, 8), (1,), [("sum", b.load(x, [E.coord(0), E.coord(1)]))],
+                    [RowOutput(True, E.mul(b.load(x, [E.coord(0), E.coord(1)]), E.acc(0)))], ["float32"], "scaled")
+    b.output(y)
+    b.graph.in_place = {0: "x"}
+    assert "element results" in plan_of(b.graph).stats["in_place_refused"]["out0"]
+    b = GraphBuilder()
+    x, r = b.input("x", (4, 8), "float32"), b.input("r", (4,), "float32")
+    phase = E.mul(b.load(x, [E.coord(0), E.coord(1)]), b.load(r, [E.coord(0)]))
+    (s,) = b.reduce((4, 8), (1,), [("sum", phase)], [RowOutput(False, E.acc(0))], ["float32"], "weighted")
+    b.output(s)
+    b.graph.in_place = {0: "r"}
+    assert "phases or element results read the input" in plan_of(b.graph).stats["in_place_refused"]["out0"]
+
+
+def test_a_failed_check_leaves_a_row_result_stored_over_its_input_as_it_was():
+    """The gather's index check runs first (a kernel of its own); the reduction stores its row result over r only
+    while the status word is clear: a failing run leaves r as it was, the next one updates it."""
+    device = get_device()
+    plan, _ = compile_graph(running_mean_graph(64, checked=True), device.limits)
+    assert plan.in_place == {"out0": "r"}
+    program = Program(device, plan, device_only_inputs=["r"])
+    x, start = RNG.standard_normal((4, 64), dtype=np.float32), RNG.standard_normal(4, dtype=np.float32)
+    array = DeviceArray.upload(device, start, "float32")
+    table = np.arange(4, dtype=np.float32)
+    with pytest.raises(KernelStatusError, match="index out of range"):
+        program.run({"x": x, "i": np.array([0, 1, 2, 3, 4, 0, 1, 2], np.int32), "table": table},
+                    device_inputs={"r": array})
+    np.testing.assert_array_equal(array.numpy(), start)
+    program.run({"x": x, "i": np.zeros(8, np.int32), "table": table}, device_inputs={"r": array})
+    np.testing.assert_allclose(array.numpy(), 0.9 * start + 0.1 * x.astype(np.float64).mean(axis=1), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_check_on_a_cheap_value_of_an_input_runs_before_the_writers():
+    """A loss's target check reads ``target != ignore_index``, a pointwise value of the target that the loss computes
+    late in the node order (and returns): the check kernel computes that condition from the target itself and runs
+    first, so it no longer refuses an update before it (BatchNorm's ``num_batches_tracked`` in a training forward);
+    a target out of range still raises, and leaves the input as it was."""
+    b = GraphBuilder()
+    p, g = b.input("p", (6,), "float32"), b.input("g", (6,), "float32")
+    b.output(b.map(lambda a, d: E.binary("sub", a, E.mul(d, E.const(LR, E.F32))), p, g, dtype="float32"))
+    target, table = b.input("target", (8,), "int32"), b.input("table", (4,), "float32")
+    valid = b.map(lambda t: E.binary("ne", t, E.const(-100, E.I32)), target, dtype="bool", compute="keep")
+    index = b.load(target, [E.coord(0)])
+    inside = E.binary("and", E.binary("ge", index, E.const(0, E.I32)), E.binary("lt", index, E.const(4, E.I32)))
+    ok = E.binary("or", inside, E.unary("not", b.load(valid, [E.coord(0)])))
+    picked = b.pointwise((8,), "float32", b.check(b.load(table, [E.where(inside, index, E.const(0, E.I32))]), ok,
+                                                  "target out of range"))
+    b.output(b.reduce_simple(picked, (0,), "sum", "float32"))
+    b.output(valid)
+    b.graph.in_place = {0: "p"}
+    device = get_device()
+    plan, _ = compile_graph(b.graph, device.limits)
+    assert plan.in_place == {"out0": "p"} and plan.stats["separated_checks"] == 1, plan.stats
+    program = Program(device, plan, device_only_inputs=["p"])
+    start, grad = RNG.standard_normal(6, dtype=np.float32), np.ones(6, np.float32)
+    array = DeviceArray.upload(device, start, "float32")
+    entries = np.arange(4, dtype=np.float32)
+    with pytest.raises(KernelStatusError, match="target out of range"):
+        program.run({"g": grad, "target": np.array([0, 1, 2, 3, 9, 0, 1, 2], np.int32), "table": entries},
+                    device_inputs={"p": array})
+    np.testing.assert_array_equal(array.numpy(), start)
+    out = program.run({"g": grad, "target": np.array([0, 1, -100, 3, 3, 0, 1, 2], np.int32), "table": entries},
+                      device_inputs={"p": array})
+    np.testing.assert_allclose(array.numpy(), start - LR, rtol=1e-6)
+    assert float(out["out1"]) == 10.0

@@ -159,7 +159,7 @@ def test_resnet_30_adamw_steps_in_train_mode(monkeypatch):
     images = batches[0][0].nbytes
     assert max(loops.moved[1:]) <= images + 1024
     # from the fourth step: the first optimizer step frees the pool's buffers (the first saved activations'), and
-    # the second and third steps bind the new ones with each of the statistics' two alternating arrays
+    # the next steps bind the new ones (the statistics, stored over their own arrays, keep them)
     assert loops.groups[3:] == [0] * len(loops.groups[3:]), loops.groups
 
 

@@ -7,6 +7,7 @@ works without importing this package. ``torch._dynamo.reset()`` calls ``meganeur
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import operator
 import warnings
@@ -209,12 +210,14 @@ def _put_back_input_copies(gm: fx.GraphModule, copies: list[tuple[int, int]], st
     return {values[position]: placeholders[index] for index, position in copies}
 
 
+_KEPT_NAME, _NONE = itertools.repeat("_meganeura_kept"), itertools.repeat(None)  # (``getattr``'s, mapped)
+
+
 def inputs_version_stepped(*inputs: torch.Tensor) -> None:
     """aot_autograd stepped the version of each of ``inputs`` before calling the graph that updates them (updates
     kept in the graph), writing nothing: a ``DeviceTensor``'s device values are still current
     (``device_tensor.bound_array``)."""
-    for t in inputs:
-        kept = getattr(t, "_meganeura_kept", None)
+    for kept in map(getattr, inputs, _KEPT_NAME, _NONE):  # (no Python call per statistic)
         if kept is not None:
             kept.version += 1
 
@@ -224,13 +227,11 @@ def store_inputs(inputs: tuple, values: tuple) -> None:
     kept the update in the input itself (``device_tensor.adopt``; no version step follows: aot_autograd made it
     before the call, ``inputs_version_stepped``), else an eager copy (a partition that fell back, a process that
     shares buffers: ``_buffers_shared``)."""
-    for t, value in zip(inputs, values):
-        if value is t:
-            kept = getattr(t, "_meganeura_kept", None)
-            if kept is not None:
-                kept.self_copy = False
-        else:
+    for t, value, kept in zip(inputs, values, map(getattr, inputs, _KEPT_NAME, _NONE)):
+        if value is not t:
             copy_into(t, value)
+        elif kept is not None:
+            kept.self_copy = False
 
 
 def _updates_in_place(node: fx.Node, mutated: dict[fx.Node, fx.Node]) -> dict[int, int]:

@@ -19,6 +19,8 @@ stored it:
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
@@ -27,6 +29,8 @@ from meganeura.runtime.resident import DeviceArray
 
 from ..tensors.device_tensor import unpark_grad
 from ..tensors.resident import ResidentTensor
+
+_KEPT, _ACCUMULATOR = operator.attrgetter("_meganeura_kept"), operator.attrgetter("accumulator")
 
 _executes = torch._C._will_engine_execute_node
 
@@ -62,16 +66,21 @@ def _parkable(params: list) -> list[bool]:
     if dist.is_available() and dist.is_initialized():
         return [False] * len(params)
     try:
-        runs = list(map(_executes, map(_accumulator, params)))
+        runs = list(map(_executes, _accumulators(params)))
     except RuntimeError:  # (``torch.autograd.grad`` over a parameter: gradients are captured, not stored)
         return [False] * len(params)
     return [run and p.grad is None and p._meganeura_kept.grad is None and p._backward_hooks is None
             and p._post_accumulate_grad_hooks is None for p, run in zip(params, runs)]
 
 
-def _accumulator(p: torch.Tensor):
-    """``p``'s gradient accumulator, kept on its link (autograd keeps it only while something holds it)."""
-    kept = p._meganeura_kept
-    if kept.accumulator is None:
-        kept.accumulator = get_gradient_edge(p).node
-    return kept.accumulator
+def _accumulators(params: list) -> list:
+    """Each parameter's gradient accumulator, kept on its link (autograd keeps it only while something holds it):
+    read in loops run by C, looked up where not kept yet."""
+    kepts = list(map(_KEPT, params))
+    found = list(map(_ACCUMULATOR, kepts))
+    if None in found:
+        for p, kept in zip(params, kepts):
+            if kept.accumulator is None:
+                kept.accumulator = get_gradient_edge(p).node
+        found = list(map(_ACCUMULATOR, kepts))
+    return found

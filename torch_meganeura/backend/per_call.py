@@ -32,11 +32,12 @@ from meganeura.runtime.resident import DeviceArray
 from .signatures import SHARED_GRAPHS, arg_kind, fits, graph_key, signature, signature_item
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
 from ..tensors.device_tensor import (DeviceParameter, DeviceTensor, adopt, device_input, fill_host, kept_array,
-                                     host_alias, lazy_output, read_back_output, read_now, spare_array, watch_downloads)
+                                     host_alias, lazy_output, read_back_output, read_now, readopt, spare_array,
+                                     watch_downloads)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import ParamStore, tensor_from_host
 from ..tensors.read_ahead import ReadAhead
-from ..tensors.resident import ResidentTensor
+from ..tensors.resident import TORCH_DTYPE, ResidentTensor
 from ..tensors.saved_pack import SavedPack
 from ..lower.symbolic import DynamicSizes
 from ..lower.tuning import tuning_enabled
@@ -62,6 +63,9 @@ class PlanRecord:
 
 
 _VERSION = operator.attrgetter("_version")
+_KEPT = operator.attrgetter("_meganeura_kept")
+_NEXT = (1).__add__
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _STORAGE = torch.Tensor.data_ptr
 
@@ -86,12 +90,17 @@ class _BoundPlan:
     returns: dict = field(default_factory=dict)  # (positions read, come back) -> how outputs return (``_returns``)
     read_ahead: ReadAhead | None = None  # the updated arguments, as eager code reads them (``read_ahead``)
     along: set = field(default_factory=set)  # the updates read back along with each run that waits (``read_along``)
+    steady: "_SteadyUpdates | None" = None  # the arguments it updates in place, as its last run left them
+    layouts: dict = field(default_factory=dict)  # how its outputs return (``_returns``) -> ``_Layout``
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
+        self._updated_of = _taker(list(self.updated)) if self.updated else _none  # (in C, not a loop per argument)
         params = set(self._param_positions) | set(self.updated)
         dims = dict(self.dynamic.dynamic) if self.dynamic is not None else {}
-        self._free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
+        free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
+        self._arrays = _ArraySignatures([(i, item) for i, item in free if _on_device(item)])
+        self._free = [(i, item) for i, item in free if not _on_device(item)]
         outputs, in_place = self.lowered.outputs, self.graph.plan.in_place if self.graph is not None else {}
         # the updates written into an array of their own: the argument's spare one (``device_tensor.adopt``)
         self.alternating = {i: outputs[k][1] for i, k in self.updated.items() if outputs[k][1] not in in_place}
@@ -107,6 +116,7 @@ class _BoundPlan:
         self.readable_updates = [(i, out) for i, _, _, out, _ in self.update_inputs
                                  if out in self.program.readable_along]
         self._downloaded = {out: self._on_download(out) for _, out in self.readable_updates}
+        self._watching = False  # every readable update reports its downloads (``read_along``)
 
     def _on_download(self, out: str):
         """What eager code's download of the update ``out`` calls: from the next run on, it is read back along with
@@ -120,15 +130,19 @@ class _BoundPlan:
 
         return downloaded
 
-    def read_along(self, args) -> None:
+    def read_along(self, args, steady: bool = False) -> None:
         """After a run: give the updates read back along with it their values on the host (``fill_host``); have the
-        others report a download (``watch_downloads``)."""
+        others report a download (``watch_downloads``). Nothing to do after a run that read none back and adopted
+        its arguments as they were (``steady``: the same ``Kept``s, which report their downloads already)."""
         values = self.program.read_along
+        if steady and not values and self._watching:
+            return
         for i, out in self.readable_updates:
             if out in values:
                 fill_host(args[i], values[out])
             else:
                 watch_downloads(args[i], self._downloaded[out])
+        self._watching = not values
 
     def _params(self, args) -> list:
         return [args[i] for i in self._param_positions]
@@ -152,10 +166,10 @@ class _BoundPlan:
         ``DeviceTensor``: its kind changed, not its shape or dtype). (Their shapes and dtypes are then the bound
         ones: ``.data`` swaps change the storage, and dynamo's guards check every parameter's metadata before the
         graph runs.) ``sizes``: the call's symbol values (a dynamic graph's)."""
-        if len(args) != len(self.key) or tuple(id(args[i]) for i in self.updated) != self._updated_ids:
+        if len(args) != len(self.key) or tuple(map(id, self._updated_of(args))) != self._updated_ids:
             return False
         with torch._C.DisableTorchFunctionSubclass():  # (kept tensors' metadata: their override needs none of it)
-            if not all(signature_item(args[i]) == item for i, item in self._free):
+            if not all(signature_item(args[i]) == item for i, item in self._free) or not self._arrays.hold(args):
                 return False
             if not self._serves(args, sizes):
                 return False
@@ -163,7 +177,7 @@ class _BoundPlan:
 
     def select(self, args) -> None:
         """Remember the arguments updated in place of a call that selected this entry by its signature."""
-        self._updated_ids = tuple(id(args[i]) for i in self.updated)
+        self._updated_ids = tuple(map(id, self._updated_of(args)))
 
     def _serves(self, args, sizes: tuple) -> bool:
         """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards (an
@@ -247,12 +261,15 @@ class DevicePartition(torch.nn.Module):
             raise
 
     def _unfixed_positions(self, count: int) -> list[int]:
-        """The argument positions that are not the graph's parameters and buffers (its static inputs): where an
-        output of a call may come back (``_note_returned``). Classified once per argument count, not per call: a
-        decode step's graph takes every parameter (272 in SmolLM2-135M) at every call."""
+        """The argument positions that are not the graph's parameters and buffers (its static inputs) nor the
+        arguments it updates (checked where they are adopted one by one: ``_run_updating``): where an output of a
+        call may come back (``_note_returned``). Classified once per argument count, not per call: a decode step's
+        graph takes every parameter (272 in SmolLM2-135M) at every call, a ResNet-50 training forward 159 BatchNorm
+        statistics."""
         found = self._unfixed.get(count)
         if found is None:
-            found = self._unfixed[count] = [i for i in range(count) if i not in self.param_indices]
+            fixed = self.param_indices | set(self.mutated.values())
+            found = self._unfixed[count] = [i for i in range(count) if i not in fixed]
         return found
 
     def _signature(self, args) -> tuple:
@@ -410,41 +427,55 @@ class DevicePartition(torch.nn.Module):
 
     def _run(self, entry: _BoundPlan, args, sizes: tuple, read: frozenset):
         lowered, program = entry.lowered, entry.program
-        device = program.device
-        host, on_device = feed(lowered, args, device, entry.fed)
-        into = {}
-        for i, _, name, _, alternating in entry.update_inputs:  # a new array the first time, the argument's own later
-            on_device[name] = device_input(args[i], device)
-            spare = spare_array(args[i], device) if alternating is not None else None
-            if spare is not None:
-                into[alternating] = spare
-        results = program.run(host, on_device, into, sizes=sizes, read_along=entry.along)
-        if entry.read_ahead is None:
-            entry.read_ahead = ReadAhead([args[i] for i, *_ in entry.update_inputs])
-        entry.read_ahead.restart()
-        adopted = {k: adopt(args[i], results[out], on_device[name], (entry.read_ahead, position))
-                   for position, (i, k, name, out, _) in enumerate(entry.update_inputs)}
-        entry.read_along(args)
-        outs, made, packed = [], {}, self.packed_positions
-        for k, ((kind, item), (how, tracked)) in enumerate(zip(lowered.outputs, self._returns(entry, read))):
-            value = item if kind == "const" else results[item]
-            if how == ADOPTED:
-                outs.append(adopted[k])
-            elif how == CONST:
-                outs.append(value)
-            elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
-                outs.append(tensor_from_host(value))
-            elif how == SAVED:  # (packed, or a kept gradient, which the backward parks: ``parked_grads``)
-                outs.append(value if k in packed or k in self.kept_gradients else ResidentTensor(value))
-            elif how == LAZY:  # one tensor for positions that return the same value
-                outs.append(made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k))))
-            else:  # read at a position that shares its value with one kept on the device
-                outs.append(tensor_from_host(value.numpy()))
-            if tracked:
-                outs[-1] = self._track(outs[-1], k, how)
-        if packed:
-            _pack(outs, packed, self.pack_origin)
+        host, on_device = feed(lowered, args, program.device, entry.fed)
+        steady = entry.steady if entry.steady is not None and entry.steady.holds(args) else None
+        if steady is not None:  # (the arguments it updates in place, as its last run left them)
+            on_device.update(steady.bound)
+            results = program.run(host, on_device, sizes=sizes, read_along=entry.along)
+            entry.read_ahead.restart()
+            adopted = steady.readopt(args)
+        else:
+            results, adopted = _run_updating(entry, args, host, on_device, sizes)
+        entry.read_along(args, steady is not None)
+        returns = self._returns(entry, read)
+        layout = entry.layouts.get(returns)
+        if layout is None:
+            layout = entry.layouts[returns] = _Layout.of(self, entry, returns)
+        outs = layout.outputs(results, adopted, self.pack_origin) if layout.applies() else None
+        if outs is None:
+            outs = self._outputs_one_by_one(entry, returns, results, adopted)
+        else:
+            made = {}
+            for k in layout.others:
+                outs[k] = self._output(entry, k, returns[k], results, adopted, made)
         return tuple(outs) if lowered.returns_tuple else outs[0]
+
+    def _outputs_one_by_one(self, entry: _BoundPlan, returns: tuple, results: dict, adopted: dict) -> list:
+        """The outputs of a run, position by position (``_output``), the saved ones packed (``_pack``)."""
+        made = {}
+        outs = [self._output(entry, k, how, results, adopted, made) for k, how in enumerate(returns)]
+        if self.packed_positions:
+            _pack(outs, self.packed_positions, self.pack_origin)
+        return outs
+
+    def _output(self, entry: _BoundPlan, k: int, returned: tuple, results: dict, adopted: dict, made: dict):
+        """The output at position ``k`` as it returns (``returned``: how, and whether to track it: ``_returns``);
+        ``made``: the lazy outputs made so far, by value (positions that return the same value share one)."""
+        (kind, item), (how, tracked) = entry.lowered.outputs[k], returned
+        value = item if kind == "const" else results[item]
+        if how == ADOPTED:
+            out = adopted[k]
+        elif how == CONST:
+            out = value
+        elif not isinstance(value, DeviceArray):  # a numpy array, or a numpy scalar for a 0-d bool
+            out = tensor_from_host(value)
+        elif how == SAVED:  # (packed, or a kept gradient, which the backward parks: ``parked_grads``)
+            out = value if k in self.packed_positions or k in self.kept_gradients else ResidentTensor(value)
+        elif how == LAZY:
+            out = made[item] if item in made else made.setdefault(item, lazy_output(value, self._reader(k)))
+        else:  # read at a position that shares its value with one kept on the device
+            out = tensor_from_host(value.numpy())
+        return self._track(out, k, how) if tracked else out
 
     def _track(self, t: torch.Tensor, position: int, how: str) -> DeviceTensor:
         """An inference graph's user output as a ``DeviceTensor`` that reports eager code's first read (``_reader``):
@@ -466,6 +497,129 @@ class DevicePartition(torch.nn.Module):
         if older is not None and type(older) is DeviceTensor:
             read_now(older)
         self._unread[position] = (weakref.ref(t), last)
+
+
+def _run_updating(entry: _BoundPlan, args, host: dict, on_device: dict, sizes: tuple) -> tuple[dict, dict]:
+    """(the run's results, {output position: argument adopted}) of a run of ``entry`` that binds and adopts the
+    arguments it updates one by one (``device_tensor.adopt``): the first, and any after eager code changed one, or
+    where some alternate between two arrays. Where all are updated in place, it leaves ``entry.steady``."""
+    device = entry.program.device
+    _note_returned(args, [i for i, *_ in entry.update_inputs])  # (left out of ``_unfixed_positions``)
+    into = {}
+    for i, _, name, _, alternating in entry.update_inputs:  # a new array the first time, the argument's own later
+        on_device[name] = device_input(args[i], device)
+        spare = spare_array(args[i], device) if alternating is not None else None
+        if spare is not None:
+            into[alternating] = spare
+    results = entry.program.run(host, on_device, into, sizes=sizes, read_along=entry.along)
+    if entry.read_ahead is None:
+        entry.read_ahead = ReadAhead([args[i] for i, *_ in entry.update_inputs])
+    entry.read_ahead.restart()
+    adopted = {k: adopt(args[i], results[out], on_device[name], (entry.read_ahead, position))
+               for position, (i, k, name, out, _) in enumerate(entry.update_inputs)}
+    entry.steady = _SteadyUpdates.after(entry, args, on_device, adopted) if not entry.alternating else None
+    return results, adopted
+
+
+@dataclass(eq=False)
+class _SteadyUpdates:
+    """The arguments an entry updates in place (BatchNorm's running statistics in a training forward, all stored over
+    their arrays: ``Plan.in_place``), as its last run left them: each a ``DeviceTensor`` whose ``Kept`` links it to
+    the array the plan stores over, at the version its adoption gave it. While a call's arguments there are those,
+    at those versions (eager code wrote none of them; aot_autograd's copy of each into itself, a version step that
+    writes nothing, aside), the run binds the same arrays and adopts them again with no call per argument
+    (``device_tensor.readopt``): 159 binds and adoptions a ResNet-50 step before."""
+
+    take: object  # args -> the updated arguments, in ``update_inputs``' order (``operator.itemgetter``)
+    kepts: list
+    versions: tuple
+    bound: dict  # input name -> the array bound, which the run stores over
+    adopted: dict  # output position -> the argument that stands for it
+
+    @staticmethod
+    def after(entry: _BoundPlan, args, on_device: dict, adopted: dict) -> "_SteadyUpdates | None":
+        """The arguments ``entry``'s run just adopted, each on the array it was bound from; None where there are
+        none."""
+        if not entry.update_inputs:
+            return None
+        take = _taker([i for i, *_ in entry.update_inputs])
+        tensors = take(args)
+        with torch._C.DisableTorchFunctionSubclass():
+            versions = tuple(map(_VERSION, tensors))
+        return _SteadyUpdates(take, list(map(_KEPT, tensors)), versions,
+                              {name: on_device[name] for _, _, name, _, _ in entry.update_inputs}, adopted)
+
+    def holds(self, args) -> bool:
+        """Whether the updated arguments of a call are the tensors this run adopted (their ``Kept``s, compared by
+        identity), at the versions it left them (loops run by C)."""
+        tensors = self.take(args)
+        try:
+            kepts = list(map(_KEPT, tensors))
+        except AttributeError:  # (one is no kept tensor any more)
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            versions = tuple(map(_VERSION, tensors))
+        return kepts == self.kepts and (versions == self.copied or versions == self.versions)
+
+    def readopt(self, args) -> dict:
+        """After a run that stored over the bound arrays: the updated arguments of ``args`` adopted again; returns
+        them by output position."""
+        self.versions = readopt(self.take(args), self.kepts)
+        self.copied = tuple(map(_NEXT, self.versions))
+        return self.adopted
+
+    def __post_init__(self):
+        # the versions after aot_autograd's copy of each into itself (one step that writes nothing: ``Kept``)
+        self.copied = tuple(map(_NEXT, self.versions))
+
+
+@dataclass(eq=False)
+class _Layout:
+    """How a run's outputs are put together where most of them are device arrays or arguments returned as they are
+    (a training forward's saved activations, one ``SavedPack`` at each of their positions, and its updated
+    statistics; a backward's kept gradients): in loops run by C, from a pool of the values (the pack, the other
+    arrays, the adopted arguments, the constants) indexed per position; only the ``others`` one by one. Decided
+    once per entry and way its outputs return (``DevicePartition._returns``)."""
+
+    packed_names: list  # the plan outputs the pack holds, in its order (none: no pack)
+    names: list  # the other plan outputs returned as the arrays they are
+    consts: tuple
+    index: list  # position -> index in the pool
+    others: list  # positions made one by one (``DevicePartition._output``)
+
+    @staticmethod
+    def of(partition: DevicePartition, entry: _BoundPlan, returns: tuple) -> "_Layout":
+        outputs, packed = entry.lowered.outputs, partition.packed_positions
+        if any(returns[k] != (SAVED, False) for k in packed):  # (a constant or a tracked value saved: one by one)
+            return _Layout([], [], (), [], list(range(len(returns))))
+        arrays = [k for k, how in enumerate(returns)
+                  if how == (SAVED, False) and k not in packed and k in partition.kept_gradients]
+        updated = [k for _, k, *_ in entry.update_inputs]  # (the order of ``adopted``: all of them in the pool)
+        consts = [k for k, how in enumerate(returns) if how == (CONST, False)]
+        slots = dict.fromkeys(packed, 0)  # position -> index in the pool: (the pack,) + arrays + adopted + consts
+        start = 1 if packed else 0
+        for group in (arrays, updated, consts):
+            slots.update((k, start + i) for i, k in enumerate(group) if returns[k][1] is False)
+            start += len(group)
+        others = [k for k in range(len(returns)) if k not in slots]
+        index = [slots.get(k, -1) for k in range(len(returns))]  # (-1: the pool's last, None, made one by one)
+        return _Layout([outputs[k][1] for k in packed], [outputs[k][1] for k in arrays],
+                       tuple(outputs[k][1] for k in consts), index, others)
+
+    def applies(self) -> bool:
+        """Whether the pool serves: some outputs come from it, and where there is a pack, no saved-tensor hooks are
+        set (``_pack``: they get each saved value as a tensor of its own)."""
+        return bool(self.index) and not (self.packed_names and _top_saved_tensors_hooks(True) is not None)
+
+    def outputs(self, results: dict, adopted: dict, origin: object) -> list | None:
+        """The outputs from the pool, ``others`` left None; None where a value meant to be a device array is not."""
+        values = tuple(map(results.__getitem__, self.names))
+        packed = list(map(results.__getitem__, self.packed_names))
+        if not {*map(type, values), *map(type, packed)} <= {DeviceArray}:
+            return None
+        head = (SavedPack(packed, origin),) if self.packed_names else ()
+        pool = (*head, *values, *adopted.values(), *self.consts, None)
+        return list(map(pool.__getitem__, self.index))
 
 
 # How an output of a run returns (``DevicePartition._returns``)
@@ -496,6 +650,55 @@ def _note_returned(args, positions: list[int]) -> None:
             if partition is not None:
                 partition._returned = partition._returned | {position}
             del a._meganeura_returned
+
+
+class _ArraySignatures:
+    """The arguments of an entry whose signature is a tensor on the device (a backward's saved activations, which it
+    gets as the ``DeviceArray``s of a ``SavedPack``): the shapes and dtypes of those that are arrays compared in loops
+    run by C, the others (a ``ResidentTensor``: the image batch) one by one (``signature_item``); before, a call per
+    argument (170 a ResNet-50 backward). Which are arrays is decided again where their classes change."""
+
+    def __init__(self, items: list):
+        self.items = items  # (argument index, signature item)
+        self.take = _taker([i for i, _ in items]) if items else _none
+        self.classes = None
+
+    def hold(self, args) -> bool:
+        """Whether the arguments of a call have these signatures."""
+        classes = tuple(map(type, self.take(args)))
+        if classes != self.classes:
+            self._split(classes)
+        arrays = self.take_arrays(args)
+        return (tuple(map(tuple, map(_SHAPE, arrays))) == self.shapes
+                and tuple(map(TORCH_DTYPE.__getitem__, map(_DTYPE, arrays))) == self.dtypes
+                and all(signature_item(args[i]) == item for i, item in self.others))
+
+    def _split(self, classes: tuple) -> None:
+        """Which arguments are arrays (``classes``: of the arguments, in order), and their expected shapes and
+        torch dtypes."""
+        arrays = [item for item, cls in zip(self.items, classes) if cls is DeviceArray]
+        self.classes, self.others = classes, [item for item, cls in zip(self.items, classes) if cls is not DeviceArray]
+        self.take_arrays = _taker([i for i, _ in arrays]) if arrays else _none
+        self.shapes = tuple(tuple(item[0]) for _, item in arrays)
+        self.dtypes = tuple(item[1] for _, item in arrays)
+
+
+def _on_device(item) -> bool:
+    """Whether a signature item is a tensor's on the device (``signature_item``)."""
+    return type(item) is tuple and item[-1:] == ("resident",)
+
+
+def _none(args) -> tuple:
+    return ()
+
+
+def _taker(positions: list[int]):
+    """A function of the arguments returning those at ``positions`` as a tuple (``operator.itemgetter``: one
+    position returns the item alone)."""
+    if len(positions) == 1:
+        only = positions[0]
+        return lambda args: (args[only],)
+    return operator.itemgetter(*positions)
 
 
 def _param_array(t: torch.Tensor, store: ParamStore, name: str) -> DeviceArray:

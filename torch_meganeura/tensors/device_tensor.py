@@ -19,6 +19,7 @@ plain tensors they are, and the backend binds their device arrays instead of upl
 """
 from __future__ import annotations
 
+import operator
 import threading
 import types
 from collections import OrderedDict
@@ -63,6 +64,9 @@ def eager_only(function):
         return torch.compiler.disable(function)
     set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     return function
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 class Kept:
@@ -331,6 +335,19 @@ def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None,
             kept.array, kept.stale, kept.version, kept.self_copy, kept.spare = array, True, t._version, True, spare
             kept.read_ahead, kept.position = group, position
     return t
+
+
+def readopt(tensors: tuple, kepts: list) -> tuple:
+    """Adopt ``tensors`` again (``adopt``), each of them updated in place by another run of the plan whose run
+    adopted them last and unchanged since (its ``Kept`` among ``kepts``, on the same array, at the version that
+    adoption gave it): their versions step and their host copies are stale, with no call per tensor. Returns their
+    versions now."""
+    with torch._C.DisableTorchFunctionSubclass():
+        torch._C._increment_version(tensors)
+        versions = tuple(map(_VERSION, tensors))
+    for kept, version in zip(kepts, versions):
+        kept.version, kept.stale, kept.self_copy = version, True, True
+    return versions
 
 
 def fill_host(t: DeviceTensor, values) -> None:
