@@ -135,7 +135,7 @@ def test_a_decode_token_submits_the_step_recorded_ahead(null_device, cache):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_a_decode_step_replays_its_entry_without_building_signatures(null_device, cache):
-    """A steady decode step's partition calls take the entry the last step ran (``_BoundPlan.replays``): no argument
+    """A steady decode step's partition calls take the entry the last step ran (``BoundPlan.replays``): no argument
     signature is built. (The static cache's updated inputs, ``DeviceTensor``s since their first update, once failed
     the check of the arguments with symbolic sizes, and every step built the signature of every argument.)"""
     shallow, deep = _at_depths(cache, null_device)

@@ -10,7 +10,7 @@ the tensor wrappers made in each phase of a step, counted as ``bench.host`` coun
 
 - BatchNorm's running statistics are stored in place by the training forward's plan (the reduction's row results
   over the statistics, the ``num_batches_tracked`` increments over the counters, the loss's target check run first),
-  and a warm forward binds and adopts them with no call per statistic (``per_call._SteadyUpdates``): before, every
+  and a warm forward binds and adopts them with no call per statistic (``bound_plan.SteadyUpdates``): before, every
   request was refused, and each statistic cost a ``device_input``, a ``spare_array`` and an ``adopt`` per step.
 
 - the forward's hand-off to the backward (``backend.packed``): the activations it saves, more at each depth, cross
@@ -140,8 +140,8 @@ def backend_calls(depth: int) -> dict[str, int]:
 
 def test_the_forward_and_the_backward_make_no_call_per_layer():
     """A warm forward's and backward's own work is as many calls at both depths: the statistics bound and adopted as
-    one (``per_call._SteadyUpdates``), the outputs put together from a pool in C (``per_call._Layout``), the saved
-    arrays' signatures compared in C (``per_call._ArraySignatures``), the gradient accumulators read in C (before: a
+    one (``bound_plan.SteadyUpdates``), the outputs put together from a pool in C (``per_call._Layout``), the saved
+    arrays' signatures compared in C (``bound_plan.ArraySignatures``), the gradient accumulators read in C (before: a
     call or more per statistic, saved value, output and parameter)."""
     shallow, deep = (backend_calls(depth) for depth in DEPTHS)
     assert shallow == deep, (shallow, deep)

@@ -273,6 +273,14 @@ def test_an_element_result_or_a_phase_reading_the_input_is_refused():
     assert "phases or element results read the input" in plan_of(b.graph).stats["in_place_refused"]["out0"]
 
 
+def assert_a_failed_run_leaves(program, inputs: dict, name: str, array, start, error: str) -> None:
+    """A run of ``program`` on ``inputs`` raises ``error`` and leaves its device input ``name`` (``array``, holding
+    ``start``) as it was."""
+    with pytest.raises(KernelStatusError, match=error):
+        program.run(inputs, device_inputs={name: array})
+    np.testing.assert_array_equal(array.numpy(), start)
+
+
 def test_a_failed_check_leaves_a_row_result_stored_over_its_input_as_it_was():
     """The gather's index check runs first (a kernel of its own); the reduction stores its row result over r only
     while the status word is clear: a failing run leaves r as it was, the next one updates it."""
@@ -283,10 +291,8 @@ def test_a_failed_check_leaves_a_row_result_stored_over_its_input_as_it_was():
     x, start = RNG.standard_normal((4, 64), dtype=np.float32), RNG.standard_normal(4, dtype=np.float32)
     array = DeviceArray.upload(device, start, "float32")
     table = np.arange(4, dtype=np.float32)
-    with pytest.raises(KernelStatusError, match="index out of range"):
-        program.run({"x": x, "i": np.array([0, 1, 2, 3, 4, 0, 1, 2], np.int32), "table": table},
-                    device_inputs={"r": array})
-    np.testing.assert_array_equal(array.numpy(), start)
+    assert_a_failed_run_leaves(program, {"x": x, "i": np.array([0, 1, 2, 3, 4, 0, 1, 2], np.int32), "table": table},
+                               "r", array, start, "index out of range")
     program.run({"x": x, "i": np.zeros(8, np.int32), "table": table}, device_inputs={"r": array})
     np.testing.assert_allclose(array.numpy(), 0.9 * start + 0.1 * x.astype(np.float64).mean(axis=1), rtol=1e-5,
                                atol=1e-5)
@@ -317,10 +323,8 @@ def test_a_check_on_a_cheap_value_of_an_input_runs_before_the_writers():
     start, grad = RNG.standard_normal(6, dtype=np.float32), np.ones(6, np.float32)
     array = DeviceArray.upload(device, start, "float32")
     entries = np.arange(4, dtype=np.float32)
-    with pytest.raises(KernelStatusError, match="target out of range"):
-        program.run({"g": grad, "target": np.array([0, 1, 2, 3, 9, 0, 1, 2], np.int32), "table": entries},
-                    device_inputs={"p": array})
-    np.testing.assert_array_equal(array.numpy(), start)
+    assert_a_failed_run_leaves(program, {"g": grad, "target": np.array([0, 1, 2, 3, 9, 0, 1, 2], np.int32),
+                                         "table": entries}, "p", array, start, "target out of range")
     out = program.run({"g": grad, "target": np.array([0, 1, -100, 3, 3, 0, 1, 2], np.int32), "table": entries},
                       device_inputs={"p": array})
     np.testing.assert_allclose(array.numpy(), start - LR, rtol=1e-6)

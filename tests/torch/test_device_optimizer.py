@@ -488,6 +488,17 @@ def batchnorm_loops(depth: int) -> Loops:
                  lambda m, x, y: m(x, y))
 
 
+def train_on_one_batch(loops: Loops, steps: int) -> list[str]:
+    """``steps`` steps of both loops on one random batch of ``BatchNormBlocks``' shapes, each step's losses
+    compared; returns the warnings of ours they raised."""
+    data = (torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            assert_losses_match(*loops.step(*data), step)
+    return meganeura_warnings(caught)
+
+
 def test_more_batchnorm_counters_than_bindings_with_the_loss_inside_train_as_eager(monkeypatch):
     """Ten BatchNorm layers under WebGPU's default limits (8 storage bindings): their ``num_batches_tracked``
     increments merge into kernels that store over the counters, which the loss's check at the end of the forward
@@ -495,12 +506,8 @@ def test_more_batchnorm_counters_than_bindings_with_the_loss_inside_train_as_eag
     back). Nothing falls back, and losses, weights and statistics stay eager's."""
     monkeypatch.setenv(LIMITS_ENV, "webgpu-default")
     loops = batchnorm_loops(10)
-    data = (torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(4):
-            assert_losses_match(*loops.step(*data), step)
-    assert not meganeura_warnings(caught)
+    caught = train_on_one_batch(loops, 4)
+    assert not caught
     loops.assert_parameters_match()
     assert_buffers_match(loops)
 
@@ -518,11 +525,7 @@ def test_a_forward_partition_in_eager_pytorch_reads_kept_parameters_and_statisti
 
     monkeypatch.setattr(DevicePartition, "_compile", fail_in_forward)
     loops = batchnorm_loops(2)
-    data = (torch.randn(2, 4, 8, 8), torch.randint(0, 3, (2,)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(3):
-            assert_losses_match(*loops.step(*data), step)
-    assert any("compiling it failed" in w for w in meganeura_warnings(caught))
+    caught = train_on_one_batch(loops, 3)
+    assert any("compiling it failed" in w for w in caught)
     loops.assert_parameters_match()
     assert_buffers_match(loops)

@@ -13,11 +13,13 @@ Parameters (the forward's static inputs, and ``nn.Parameter`` arguments in any g
 the device, as ``ResidentTensor``s or, in a training forward, one ``SavedPack`` of their arrays (``backend.packed``),
 and ResidentTensor and ``DeviceArray`` arguments are bound without an upload. A backward's
 gradients of parameters that an optimizer keeps on the device (``device_optimizer``) stay there too.
+
+An entry, and the check that a call replays it as bound, is a ``bound_plan.BoundPlan``; this module selects, builds
+and runs entries and puts a run's outputs together.
 """
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import warnings
 import weakref
@@ -26,18 +28,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from meganeura.runtime.program import Program
 from meganeura.runtime.resident import DeviceArray
 
-from .signatures import SHARED_GRAPHS, arg_kind, fits, graph_key, signature, signature_item
-from .device_graph import DeviceGraph, compile_device_graph, feed, program_for
-from ..tensors.device_tensor import (DeviceParameter, DeviceTensor, adopt, device_input, fill_host, kept_array,
-                                     host_alias, lazy_output, read_back_output, read_now, readopt, spare_array,
-                                     watch_downloads)
+from .bound_plan import BoundPlan, SteadyUpdates
+from .signatures import SHARED_GRAPHS, arg_kind, graph_key, signature
+from .device_graph import compile_device_graph, feed, program_for
+from ..tensors.device_tensor import (DeviceParameter, DeviceTensor, adopt, device_input, host_alias, lazy_output,
+                                     read_back_output, read_now, spare_array)
 from ..lower.fx_lowering import LoweredGraph
-from ..tensors.params import ParamStore, tensor_from_host
+from ..tensors.params import tensor_from_host
 from ..tensors.read_ahead import ReadAhead
-from ..tensors.resident import TORCH_DTYPE, ResidentTensor
+from ..tensors.resident import ResidentTensor
 from ..tensors.saved_pack import SavedPack
 from ..lower.symbolic import DynamicSizes
 from ..lower.tuning import tuning_enabled
@@ -62,141 +63,7 @@ class PlanRecord:
     guards: int = 0  # the decisions its plan took from the sizes it was compiled at
 
 
-_VERSION = operator.attrgetter("_version")
-_KEPT = operator.attrgetter("_meganeura_kept")
-_NEXT = (1).__add__
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_STORAGE = torch.Tensor.data_ptr
-
-
-@dataclass(eq=False)
-class _BoundPlan:
-    """A compiled signature, and the parameter arguments its program's buffers were last bound from."""
-
-    lowered: LoweredGraph
-    program: Program
-    key: tuple
-    variant: tuple = (False, frozenset())  # (gradients kept, output positions read): ``DevicePartition.forward``
-    graph: DeviceGraph | None = None  # what it instantiates: a dynamic graph's guards say which sizes it serves
-    dynamic: DynamicSizes | None = None
-    bound: tuple | None = None  # ids, versions and storage pointers of the bound parameters, while they all live
-    updated: dict = field(default_factory=dict)  # argument index -> output position of the updates kept on the
-    # device (``DevicePartition._updates``): those arguments are bound per run, each from its own device array
-    _refs: list = field(default_factory=list)
-    _store: ParamStore | None = None  # the store the parameters were bound from, and its generation then
-    _generation: int = 0
-    _updated_ids: tuple = ()  # of the arguments at ``updated`` in the last call that selected this entry
-    returns: dict = field(default_factory=dict)  # (positions read, come back) -> how outputs return (``_returns``)
-    read_ahead: ReadAhead | None = None  # the updated arguments, as eager code reads them (``read_ahead``)
-    along: set = field(default_factory=set)  # the updates read back along with each run that waits (``read_along``)
-    steady: "_SteadyUpdates | None" = None  # the arguments it updates in place, as its last run left them
-    layouts: dict = field(default_factory=dict)  # how its outputs return (``_returns``) -> ``_Layout``
-
-    def __post_init__(self):
-        self._param_positions = [i for i, _ in self.lowered.params]
-        self._updated_of = _taker(list(self.updated)) if self.updated else _none  # (in C, not a loop per argument)
-        params = set(self._param_positions) | set(self.updated)
-        dims = dict(self.dynamic.dynamic) if self.dynamic is not None else {}
-        free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
-        self._arrays = _ArraySignatures([(i, item) for i, item in free if _on_device(item)])
-        self._free = [(i, item) for i, item in free if not _on_device(item)]
-        outputs, in_place = self.lowered.outputs, self.graph.plan.in_place if self.graph is not None else {}
-        # the updates written into an array of their own: the argument's spare one (``device_tensor.adopt``)
-        self.alternating = {i: outputs[k][1] for i, k in self.updated.items() if outputs[k][1] not in in_place}
-        names = dict(self.lowered.inputs)
-        # what a run feeds from its arguments (``device_graph.feed``): all inputs but those updated in place, which
-        # it binds as (argument index, output position, input name, output name, output name if alternating)
-        self.fed = [(i, name) for i, name in self.lowered.inputs if i not in self.updated]
-        self.update_inputs = [(i, k, names[i], outputs[k][1], self.alternating.get(i)) for i, k in self.updated.items()]
-        # checked through the abstract key at every call; not the arguments updated in place, which a replay requires
-        # to be the objects of the last call (``replays``), checked then
-        self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims and i not in self.updated]
-        # the updates small enough to read back along with a run that waits anyway (``Program.readable_along``)
-        self.readable_updates = [(i, out) for i, _, _, out, _ in self.update_inputs
-                                 if out in self.program.readable_along]
-        self._downloaded = {out: self._on_download(out) for _, out in self.readable_updates}
-        self._watching = False  # every readable update reports its downloads (``read_along``)
-
-    def _on_download(self, out: str):
-        """What eager code's download of the update ``out`` calls: from the next run on, it is read back along with
-        each run that waits (a step counter that HF's masks read on the host before every decode step)."""
-        ref = weakref.ref(self)
-
-        def downloaded() -> None:
-            entry = ref()
-            if entry is not None:
-                entry.along.add(out)
-
-        return downloaded
-
-    def read_along(self, args, steady: bool = False) -> None:
-        """After a run: give the updates read back along with it their values on the host (``fill_host``); have the
-        others report a download (``watch_downloads``). Nothing to do after a run that read none back and adopted
-        its arguments as they were (``steady``: the same ``Kept``s, which report their downloads already)."""
-        values = self.program.read_along
-        if steady and not values and self._watching:
-            return
-        for i, out in self.readable_updates:
-            if out in values:
-                fill_host(args[i], values[out])
-            else:
-                watch_downloads(args[i], self._downloaded[out])
-        self._watching = not values
-
-    def _params(self, args) -> list:
-        return [args[i] for i in self._param_positions]
-
-    def params_current(self, args) -> bool:
-        """Whether every parameter argument is the tensor the last bind used, at the same ``_version`` and storage,
-        and the store has replaced no device copy since: then its buffer is bound and current (``p.data = t`` keeps
-        the version but not the storage)."""
-        if self.bound is None:
-            return False
-        params = self._params(args)
-        ids, versions, storages = self.bound
-        with torch._C.DisableTorchFunctionSubclass():  # a kept parameter's override: metadata needs none of it
-            return (tuple(map(id, params)) == ids and tuple(map(_VERSION, params)) == versions
-                    and tuple(map(_STORAGE, params)) == storages and self._store.generation == self._generation)
-
-    def replays(self, args, sizes: tuple) -> bool:
-        """Whether a call with ``args`` can replay this entry as bound, checked without building the signature: the
-        non-parameter arguments are compared, each parameter must be the bound object with the same version and
-        storage, and each argument updated in place the object of the last call (which the update made a
-        ``DeviceTensor``: its kind changed, not its shape or dtype). (Their shapes and dtypes are then the bound
-        ones: ``.data`` swaps change the storage, and dynamo's guards check every parameter's metadata before the
-        graph runs.) ``sizes``: the call's symbol values (a dynamic graph's)."""
-        if len(args) != len(self.key) or tuple(map(id, self._updated_of(args))) != self._updated_ids:
-            return False
-        with torch._C.DisableTorchFunctionSubclass():  # (kept tensors' metadata: their override needs none of it)
-            if not all(signature_item(args[i]) == item for i, item in self._free) or not self._arrays.hold(args):
-                return False
-            if not self._serves(args, sizes):
-                return False
-        return self.params_current(args) and not self.program.device.lost
-
-    def select(self, args) -> None:
-        """Remember the arguments updated in place of a call that selected this entry by its signature."""
-        self._updated_ids = tuple(map(id, self._updated_of(args)))
-
-    def _serves(self, args, sizes: tuple) -> bool:
-        """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards (an
-        argument updated in place is the object of the last call, which fitted: ``replays``)."""
-        return all(fits(args[i], item) for i, item in self._sized) and (not sizes or self.graph.holds(sizes))
-
-    def bind(self, args, store: ParamStore) -> None:
-        """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph
-        updates on the device (``DeviceTensor``s), and remember them."""
-        self.program.bind_params({f"param:{name}": _param_array(args[i], store, name).buffer
-                                  for i, name in self.lowered.params})
-        params = self._params(args)
-        self._store, self._generation = store, store.generation
-        self._refs = [weakref.ref(a, self._forget) for a in params]  # a dead one's id may be reused
-        with torch._C.DisableTorchFunctionSubclass():
-            self.bound = (tuple(map(id, params)), tuple(map(_VERSION, params)), tuple(map(_STORAGE, params)))
-
-    def _forget(self, _ref) -> None:
-        self.bound = None
 
 
 class DevicePartition(torch.nn.Module):
@@ -236,9 +103,9 @@ class DevicePartition(torch.nn.Module):
         self.mutated = dict(mutated or {})
         self.context = context  # the backend's shared state: device, parameter store, records
         self.dynamic = DynamicSizes.of(gm)  # a graph dynamo traced with symbolic sizes: its symbols, else None
-        self._plans: dict[tuple, list[_BoundPlan] | None] = {}  # by variant and signature; None: falls back
+        self._plans: dict[tuple, list[BoundPlan] | None] = {}  # by variant and signature; None: falls back
         self._code = gm.code  # with the signature, what selects a compiled graph (``SharedGraphs``)
-        self._last: _BoundPlan | None = None  # the entry the last call ran: the next call checks it first
+        self._last: BoundPlan | None = None  # the entry the last call ran: the next call checks it first
         self._readers: dict[int, object] = {}  # by output position (``_reader``)
         self._unfixed: dict[int, list[int]] = {}  # by argument count (``_unfixed_positions``)
 
@@ -285,7 +152,7 @@ class DevicePartition(torch.nn.Module):
     def _keeps_gradients(self) -> bool:
         return bool(self.kept_gradients) and self._kept.kept
 
-    def _entry_for(self, args, variant: tuple) -> _BoundPlan | None:
+    def _entry_for(self, args, variant: tuple) -> BoundPlan | None:
         """The compiled entry for the signature of ``args`` and ``variant`` (compiled now if new, or its device was
         lost), with its parameters bound; None where the partition falls back to eager PyTorch. A dynamic graph's
         signature leaves its symbolic sizes out, and the entry is the first whose guards its sizes meet."""
@@ -309,7 +176,7 @@ class DevicePartition(torch.nn.Module):
             entry.bind(args, self.context.params())
         return entry
 
-    def _compile_or_fall_back(self, key, args, variant: tuple, values) -> _BoundPlan | None:
+    def _compile_or_fall_back(self, key, args, variant: tuple, values) -> BoundPlan | None:
         """Compile for this signature; if that fails, run the partition in eager PyTorch (visibly)."""
         try:
             return self._compile(key, args, variant, values)
@@ -322,7 +189,7 @@ class DevicePartition(torch.nn.Module):
             self.context.record({"kind": "failed", "error": str(err)})
             return None
 
-    def _compile(self, key, args, variant: tuple, values) -> _BoundPlan:
+    def _compile(self, key, args, variant: tuple, values) -> BoundPlan:
         start = time.perf_counter()
         device = self.context.device()
         params = self.param_indices | {i for i, a in enumerate(args) if arg_kind(a) == "param"}
@@ -346,7 +213,7 @@ class DevicePartition(torch.nn.Module):
         packed = {item for k, (kind, item) in enumerate(lowered.outputs)  # (die together: ``SavedPack``, and kept
                   if kind == "plan" and k in together and k not in updated.values()}  # gradients, at zero_grad)
         program = program_for(graph, device, resident, on_device, packed)
-        entry = _BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
+        entry = BoundPlan(lowered, program, key, variant, graph, self.dynamic, updated=updated)
         entry.bind(args, self.context.params())  # uploads the parameters while the kernels compile
         program.wait_pipelines()  # a kernel that does not compile falls back here, as any other compile failure
         seconds = time.perf_counter() - start
@@ -402,7 +269,7 @@ class DevicePartition(torch.nn.Module):
 
         return read
 
-    def _returns(self, entry: _BoundPlan, read: frozenset) -> tuple:
+    def _returns(self, entry: BoundPlan, read: frozenset) -> tuple:
         """How each output of ``entry``'s runs returns, by position: ``ADOPTED`` (an argument updated in place),
         ``CONST``, ``SAVED`` (a ``ResidentTensor``), ``LAZY`` (a ``DeviceTensor`` until eager code reads it) or
         ``READ`` (read back), each with whether it is an inference graph's user output to track (``_track``). Decided
@@ -425,7 +292,7 @@ class DevicePartition(torch.nn.Module):
         returns = entry.returns[key] = tuple(returns)
         return returns
 
-    def _run(self, entry: _BoundPlan, args, sizes: tuple, read: frozenset):
+    def _run(self, entry: BoundPlan, args, sizes: tuple, read: frozenset):
         lowered, program = entry.lowered, entry.program
         host, on_device = feed(lowered, args, program.device, entry.fed)
         steady = entry.steady if entry.steady is not None and entry.steady.holds(args) else None
@@ -450,7 +317,7 @@ class DevicePartition(torch.nn.Module):
                 outs[k] = self._output(entry, k, returns[k], results, adopted, made)
         return tuple(outs) if lowered.returns_tuple else outs[0]
 
-    def _outputs_one_by_one(self, entry: _BoundPlan, returns: tuple, results: dict, adopted: dict) -> list:
+    def _outputs_one_by_one(self, entry: BoundPlan, returns: tuple, results: dict, adopted: dict) -> list:
         """The outputs of a run, position by position (``_output``), the saved ones packed (``_pack``)."""
         made = {}
         outs = [self._output(entry, k, how, results, adopted, made) for k, how in enumerate(returns)]
@@ -458,7 +325,7 @@ class DevicePartition(torch.nn.Module):
             _pack(outs, self.packed_positions, self.pack_origin)
         return outs
 
-    def _output(self, entry: _BoundPlan, k: int, returned: tuple, results: dict, adopted: dict, made: dict):
+    def _output(self, entry: BoundPlan, k: int, returned: tuple, results: dict, adopted: dict, made: dict):
         """The output at position ``k`` as it returns (``returned``: how, and whether to track it: ``_returns``);
         ``made``: the lazy outputs made so far, by value (positions that return the same value share one)."""
         (kind, item), (how, tracked) = entry.lowered.outputs[k], returned
@@ -499,7 +366,7 @@ class DevicePartition(torch.nn.Module):
         self._unread[position] = (weakref.ref(t), last)
 
 
-def _run_updating(entry: _BoundPlan, args, host: dict, on_device: dict, sizes: tuple) -> tuple[dict, dict]:
+def _run_updating(entry: BoundPlan, args, host: dict, on_device: dict, sizes: tuple) -> tuple[dict, dict]:
     """(the run's results, {output position: argument adopted}) of a run of ``entry`` that binds and adopts the
     arguments it updates one by one (``device_tensor.adopt``): the first, and any after eager code changed one, or
     where some alternate between two arrays. Where all are updated in place, it leaves ``entry.steady``."""
@@ -517,60 +384,8 @@ def _run_updating(entry: _BoundPlan, args, host: dict, on_device: dict, sizes: t
     entry.read_ahead.restart()
     adopted = {k: adopt(args[i], results[out], on_device[name], (entry.read_ahead, position))
                for position, (i, k, name, out, _) in enumerate(entry.update_inputs)}
-    entry.steady = _SteadyUpdates.after(entry, args, on_device, adopted) if not entry.alternating else None
+    entry.steady = SteadyUpdates.after(entry, args, on_device, adopted) if not entry.alternating else None
     return results, adopted
-
-
-@dataclass(eq=False)
-class _SteadyUpdates:
-    """The arguments an entry updates in place (BatchNorm's running statistics in a training forward, all stored over
-    their arrays: ``Plan.in_place``), as its last run left them: each a ``DeviceTensor`` whose ``Kept`` links it to
-    the array the plan stores over, at the version its adoption gave it. While a call's arguments there are those,
-    at those versions (eager code wrote none of them; aot_autograd's copy of each into itself, a version step that
-    writes nothing, aside), the run binds the same arrays and adopts them again with no call per argument
-    (``device_tensor.readopt``): 159 binds and adoptions a ResNet-50 step before."""
-
-    take: object  # args -> the updated arguments, in ``update_inputs``' order (``operator.itemgetter``)
-    kepts: list
-    versions: tuple
-    bound: dict  # input name -> the array bound, which the run stores over
-    adopted: dict  # output position -> the argument that stands for it
-
-    @staticmethod
-    def after(entry: _BoundPlan, args, on_device: dict, adopted: dict) -> "_SteadyUpdates | None":
-        """The arguments ``entry``'s run just adopted, each on the array it was bound from; None where there are
-        none."""
-        if not entry.update_inputs:
-            return None
-        take = _taker([i for i, *_ in entry.update_inputs])
-        tensors = take(args)
-        with torch._C.DisableTorchFunctionSubclass():
-            versions = tuple(map(_VERSION, tensors))
-        return _SteadyUpdates(take, list(map(_KEPT, tensors)), versions,
-                              {name: on_device[name] for _, _, name, _, _ in entry.update_inputs}, adopted)
-
-    def holds(self, args) -> bool:
-        """Whether the updated arguments of a call are the tensors this run adopted (their ``Kept``s, compared by
-        identity), at the versions it left them (loops run by C)."""
-        tensors = self.take(args)
-        try:
-            kepts = list(map(_KEPT, tensors))
-        except AttributeError:  # (one is no kept tensor any more)
-            return False
-        with torch._C.DisableTorchFunctionSubclass():
-            versions = tuple(map(_VERSION, tensors))
-        return kepts == self.kepts and (versions == self.copied or versions == self.versions)
-
-    def readopt(self, args) -> dict:
-        """After a run that stored over the bound arrays: the updated arguments of ``args`` adopted again; returns
-        them by output position."""
-        self.versions = readopt(self.take(args), self.kepts)
-        self.copied = tuple(map(_NEXT, self.versions))
-        return self.adopted
-
-    def __post_init__(self):
-        # the versions after aot_autograd's copy of each into itself (one step that writes nothing: ``Kept``)
-        self.copied = tuple(map(_NEXT, self.versions))
 
 
 @dataclass(eq=False)
@@ -588,7 +403,7 @@ class _Layout:
     others: list  # positions made one by one (``DevicePartition._output``)
 
     @staticmethod
-    def of(partition: DevicePartition, entry: _BoundPlan, returns: tuple) -> "_Layout":
+    def of(partition: DevicePartition, entry: BoundPlan, returns: tuple) -> "_Layout":
         outputs, packed = entry.lowered.outputs, partition.packed_positions
         if any(returns[k] != (SAVED, False) for k in packed):  # (a constant or a tracked value saved: one by one)
             return _Layout([], [], (), [], list(range(len(returns))))
@@ -650,62 +465,6 @@ def _note_returned(args, positions: list[int]) -> None:
             if partition is not None:
                 partition._returned = partition._returned | {position}
             del a._meganeura_returned
-
-
-class _ArraySignatures:
-    """The arguments of an entry whose signature is a tensor on the device (a backward's saved activations, which it
-    gets as the ``DeviceArray``s of a ``SavedPack``): the shapes and dtypes of those that are arrays compared in loops
-    run by C, the others (a ``ResidentTensor``: the image batch) one by one (``signature_item``); before, a call per
-    argument (170 a ResNet-50 backward). Which are arrays is decided again where their classes change."""
-
-    def __init__(self, items: list):
-        self.items = items  # (argument index, signature item)
-        self.take = _taker([i for i, _ in items]) if items else _none
-        self.classes = None
-
-    def hold(self, args) -> bool:
-        """Whether the arguments of a call have these signatures."""
-        classes = tuple(map(type, self.take(args)))
-        if classes != self.classes:
-            self._split(classes)
-        arrays = self.take_arrays(args)
-        return (tuple(map(tuple, map(_SHAPE, arrays))) == self.shapes
-                and tuple(map(TORCH_DTYPE.__getitem__, map(_DTYPE, arrays))) == self.dtypes
-                and all(signature_item(args[i]) == item for i, item in self.others))
-
-    def _split(self, classes: tuple) -> None:
-        """Which arguments are arrays (``classes``: of the arguments, in order), and their expected shapes and
-        torch dtypes."""
-        arrays = [item for item, cls in zip(self.items, classes) if cls is DeviceArray]
-        self.classes, self.others = classes, [item for item, cls in zip(self.items, classes) if cls is not DeviceArray]
-        self.take_arrays = _taker([i for i, _ in arrays]) if arrays else _none
-        self.shapes = tuple(tuple(item[0]) for _, item in arrays)
-        self.dtypes = tuple(item[1] for _, item in arrays)
-
-
-def _on_device(item) -> bool:
-    """Whether a signature item is a tensor's on the device (``signature_item``)."""
-    return type(item) is tuple and item[-1:] == ("resident",)
-
-
-def _none(args) -> tuple:
-    return ()
-
-
-def _taker(positions: list[int]):
-    """A function of the arguments returning those at ``positions`` as a tuple (``operator.itemgetter``: one
-    position returns the item alone)."""
-    if len(positions) == 1:
-        only = positions[0]
-        return lambda args: (args[only],)
-    return operator.itemgetter(*positions)
-
-
-def _param_array(t: torch.Tensor, store: ParamStore, name: str) -> DeviceArray:
-    """The device array a parameter argument binds: the store's copy, or the array of a buffer that a graph updates
-    on the device (BatchNorm's running statistics read by an inference graph after training)."""
-    array = kept_array(t, store.device)
-    return array if array is not None else store.array(t, f"parameter {name}")
 
 
 def _array_of(value) -> DeviceArray:

@@ -319,7 +319,7 @@ def adopt(t: torch.Tensor, array: DeviceArray, read: DeviceArray | None = None,
     its host copy stale (a static KV cache that a compiled call updated in place, BatchNorm's running statistics).
     ``read``, the array the graph read ``t`` from, is kept as its ``spare`` where ``array`` is another: the next
     update is written there, so that the two alternate and the runs' bindings repeat. Its version steps, as an
-    eager update's would (a plan that binds it as a parameter binds its new array: ``compiled._BoundPlan``).
+    eager update's would (a plan that binds it as a parameter binds its new array: ``bound_plan.BoundPlan``).
     ``read_ahead``: the group and position whose downloads it joins (``Kept``)."""
     group, position = read_ahead or (None, 0)
     spare = read if read is not array else None
