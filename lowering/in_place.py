@@ -15,9 +15,10 @@ every phase and stores them after computing them all (``kernels.reduce``). A ``S
 only the elements it changes, at computed places, so it is safe only over its base, the input whose other elements
 its outputs keep, and where it does not read that input at all (another thread may have stored over the element it
 reads). A run that fails a check (an index out of range) must
-leave the input as it was, so no kernel from the writer on may check anything, and where the plan checks data the
-writer stores only while the status word is clear (``StoredOver.guarded``). Requests that are not safe are refused,
-with the reason, and the output keeps a buffer of its own.
+leave the input as it was, so no kernel from the writer on may check anything (``data_checks`` moves those checks
+ahead of the writers), and where the plan checks data the writer stores only while the status word is clear
+(``StoredOver.guarded``). Requests that are not safe are refused, with the reason, and the output keeps a buffer of its
+own.
 
 The same rule lets an intermediate take the arena range of an operand it is the last to read (``arena_aliases``):
 no request is needed there, since nothing outside the run reads the arena.

@@ -146,7 +146,6 @@ class DynamicSizes:
             sizes.append(first.setdefault(h, own))
         return sizes
 
-
     def _fixed(self, by_name: dict) -> dict:
         """``by_name`` (symbol name -> Size) with each symbol that an op requires equal to a fixed size (``fixed``)
         made that size, guarded, where this call's value is that size (where it is not, eager raises): with it every
@@ -160,11 +159,13 @@ def _fixed_by_ops(gm: torch.fx.GraphModule) -> tuple[tuple[str, int], ...]:
     size it must equal is fixed."""
     out = []
     for node in gm.graph.nodes:
-        for group in [EQUAL_SIZES[node.target]] if node.op == "call_function" and node.target in EQUAL_SIZES else []:
-            exprs = [_operand_size(node, i, d) for i, d in group]
-            ints = {int(e) for e in exprs if isinstance(e, sympy.Integer)}
-            if len(ints) == 1:
-                out += [(str(e), *ints) for e in exprs if isinstance(e, sympy.Symbol)]
+        group = EQUAL_SIZES.get(node.target) if node.op == "call_function" else None
+        if group is None:
+            continue
+        exprs = [_operand_size(node, i, d) for i, d in group]
+        ints = {int(e) for e in exprs if isinstance(e, sympy.Integer)}
+        if len(ints) == 1:
+            out += [(str(e), *ints) for e in exprs if isinstance(e, sympy.Symbol)]
     return tuple(dict.fromkeys(out))
 
 
