@@ -86,6 +86,18 @@ def fuse(graph: Graph, max_bindings: int) -> FusionReport:
     return report
 
 
+def inline_candidates(graph: Graph, nodes: list[Pointwise], max_bindings: int, report: FusionReport) -> None:
+    """Inline the pointwise ``nodes`` into each of their readers that takes them (``_takes``), within the rules of a
+    kernel's size and bindings, computed again by each: cheap index arithmetic that a check kept apart until fusion
+    (``data_checks``). Those no node reads any more are dropped."""
+    candidates = {n.out.id: n for n in nodes}
+    for node in graph.nodes:
+        if not isinstance(node, Input) and any(ld.args[0] in candidates for e in node.exprs() for ld in E.loads_of(e)):
+            _inline_into(node, candidates, None, max_bindings, report)
+    read = {ld.args[0] for n in graph.nodes for e in n.exprs() for ld in E.loads_of(e)}
+    graph.nodes = [n for n in graph.nodes if not (n.out.id in candidates and n.out.id not in read)]
+
+
 def _drop_unread_lse(graph: Graph, users: dict, outputs: set[int]) -> None:
     """Forward attention passes whose log-sum-exp nothing reads (inference: only training saves it for the backward)
     store their output alone: one storage binding fewer, which a portable plan's decode attention spends on the

@@ -15,9 +15,10 @@ every phase and stores them after computing them all (``kernels.reduce``). A ``S
 only the elements it changes, at computed places, so it is safe only over its base, the input whose other elements
 its outputs keep, and where it does not read that input at all (another thread may have stored over the element it
 reads). A run that fails a check (an index out of range) must
-leave the input as it was, so no kernel from the writer on may check anything, and where the plan checks data the
-writer stores only while the status word is clear (``StoredOver.guarded``). Requests that are not safe are refused,
-with the reason, and the output keeps a buffer of its own.
+leave the input as it was, so no kernel from the writer on may check anything (``data_checks`` moves those checks
+ahead of the writers), and where the plan checks data the writer stores only while the status word is clear
+(``StoredOver.guarded``). Requests that are not safe are refused, with the reason, and the output keeps a buffer of its
+own.
 
 The same rule lets an intermediate take the arena range of an operand it is the last to read (``arena_aliases``):
 no request is needed there, since nothing outside the run reads the arena.
@@ -32,8 +33,7 @@ from meganeura.runtime.dtypes import STORAGE
 from . import expr as E
 from .bindings import checks
 from .indexing import linear_index, simplify
-from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, RowOutput, Scatter, Value, last_reads
-from .remat import recomputed
+from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, Scatter, Value, last_reads
 
 
 class StoredOver(NamedTuple):
@@ -186,61 +186,6 @@ def _arena_target(node: Node, step: int, placement: dict, last_read: dict, value
                for e in domain for ld in E.loads_of(e) if ld.args[0] == vid):
             return vid
     return None
-
-
-def separate_checks(graph: Graph) -> int:
-    """Move the data checks of the kernels from the first requested in-place writer on into kernels of their own
-    (a reduction over the kernel's domain that only raises the status), each placed as early as what it reads
-    allows (a condition read through cheap pointwise values of inputs computed from the inputs: ``_from_inputs``):
-    the checks then all run before any input is overwritten, and the writers store only while the status word is
-    clear. A static KV cache's update checks its position, and a fused embedding lookup carries its index
-    check into later kernels: either refused every request. Returns how many check kernels were added."""
-    producers = graph.producers()
-    writers = [producers.get(graph.outputs[p].id) for p in graph.in_place]
-    first = min((graph.nodes.index(w) for w in writers if isinstance(w, (Pointwise, Reduce))), default=None)
-    if first is None:
-        return 0
-    inputs = {n.out.id for n in graph.nodes if isinstance(n, Input)}
-    next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
-    found: dict[tuple, Reduce] = {}  # (domain, checks) -> its kernel
-    for node in graph.nodes[first:]:
-        exprs = node.exprs()
-        if not checks(exprs):
-            continue
-        for e, domain in zip(exprs, node.domains()):
-            conditions = tuple(dict.fromkeys((_from_inputs(n.args[1], domain, producers, inputs), n.args[2])
-                                             for n in E.walk(e) if n.op == "check"))
-            if conditions and (domain, conditions) not in found:
-                found[domain, conditions] = _check_kernel(Value(next_id + len(found), (), "int32"), domain,
-                                                          conditions)
-        node.set_exprs([_without_checks(e) for e in exprs])
-    for kernel in found.values():
-        loaded = {ld.args[0] for e in kernel.exprs() for ld in E.loads_of(e)}
-        after = max((i for i, n in enumerate(graph.nodes)  # (an input is no kernel: nothing to wait for)
-                     if not isinstance(n, Input) and any(v.id in loaded for v in n.outs)), default=-1)
-        graph.nodes.insert(after + 1, kernel)
-    return len(found)
-
-
-def _from_inputs(condition: E.Expr, domain: tuple, producers: dict, inputs: set[int]) -> E.Expr:
-    """``condition`` computed from the graph's inputs where it reads them through cheap pointwise values only
-    (``remat.recomputed``: a loss's ``target != ignore_index``, a value the loss computes late in the node order),
-    so that its check kernel can run before every in-place writer; else ``condition`` as it is."""
-    direct = recomputed(condition, producers, lambda vid: vid in inputs)
-    return condition if direct is None else simplify(direct, dict(enumerate(domain)))
-
-
-def _check_kernel(out: Value, domain: tuple, conditions: tuple) -> Reduce:
-    """A reduction over ``domain`` that stores nothing of use and raises the status where a condition fails."""
-    checked = E.const(0, E.I32)
-    for condition, code in conditions:
-        checked = E.Expr("check", (checked, condition, code), E.I32)
-    return Reduce([out], domain=domain, axes=tuple(range(len(domain))), phases=[("max", checked)],
-                  results=[RowOutput(False, E.acc(0, E.I32))], label="checks")
-
-
-def _without_checks(e: E.Expr) -> E.Expr:
-    return E.substitute(e, lambda n: n.args[0] if n.op == "check" else None)
 
 
 def hoist_writers(graph: Graph) -> int:

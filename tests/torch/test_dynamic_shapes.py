@@ -199,3 +199,32 @@ def test_a_convolution_whose_stride_dynamo_made_symbolic():
             for g, e in zip(got_grads, torch.autograd.grad(want, (x, w), upstream)):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     assert any("<=" in d for d in compiles.dynamic), compiles.dynamic  # the stride was symbolic
+
+
+def test_a_value_length_that_attention_ties_to_a_fixed_key_length_is_compiled_at_it(monkeypatch):
+    """Attention needs the value's length equal to the key's, which its meta function does not guard: a value whose
+    length dynamo left a symbol (a static cache the prefill returned: ``per_call._may_come_back`` marks it) beside a
+    key whose length is fixed (by the attention mask's, in HF's decode) is compiled at the key's length, guarded, so
+    the value cache's write has the key cache's shape and bounds (``symbolic.EQUAL_SIZES``); eager's values."""
+    from torch_meganeura.backend import per_call
+
+    plans = []
+    program_for = per_call.program_for
+
+    def spy(graph, *args, **kwargs):
+        plans.append(graph.plan)
+        return program_for(graph, *args, **kwargs)
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v) * 2
+
+    monkeypatch.setattr(per_call, "program_for", spy)
+    torch._dynamo.reset()
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    torch._dynamo.maybe_mark_dynamic(v, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, backend="meganeura")(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-6)
+    ((plan),) = plans
+    assert plan.symbols == 1  # (v's length: a symbol of dynamo's graph, fixed in the plan)
+    shapes = [spec.shape for spec in plan.inputs if spec.name != "sizes"]
+    assert all(isinstance(s, int) for shape in shapes for s in shape), shapes

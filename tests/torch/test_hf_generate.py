@@ -236,3 +236,60 @@ def test_steady_decode_steps_build_no_bind_groups():
     built = [k for k, s in enumerate(model.forward.steps) if s["bind_groups_created"]]
     assert built == list(range(DEFAULT_CACHE_STEADY_FROM + 1)), built  # the prefill and the decode's first calls
 
+
+
+# A static-cache decode step's dispatches per layer: the query/key/value projection, the key and value cache writes in
+# one kernel that computes the position too, attention, the output projection, gate and up, down: as many as the
+# generation bundle's (test_export_lm.LLAMA_DECODE_DISPATCHES_PER_LAYER). Before: 11 (the position's index arithmetic,
+# its int64 overflow and two bounds checks in kernels of each layer's, the counter's own overflow check too, and the
+# value write apart from the key's, the value cache's length a symbol of its own).
+STATIC_DECODE_DISPATCHES_PER_LAYER = 6
+# Not a layer's: the position checks of every layer (one kernel at the front), the rotary embedding's cosine and sine,
+# the counters' update (one kernel after the last cache write) and the last norm with the head's product.
+STATIC_DECODE_DISPATCHES_NOT_A_LAYER = 4
+STATIC_DECODE_LAYERS = 3  # (the counters' update after the last layer's cache write: outside the first layer's window)
+
+
+def _one_row(labels: list[str]) -> bool:
+    """Whether dispatch ``labels`` are a decode step's: its products before the first attention are of one row
+    (``schedule._label``: the op, then rows x columns x K)."""
+    before = labels[:labels.index("attention")] if "attention" in labels else []
+    return bool(before) and all(label.startswith("matmul 1x") for label in before if label.startswith("matmul"))
+
+
+def test_a_static_cache_decode_step_takes_a_counted_number_of_dispatches_per_layer(monkeypatch):
+    """HF's static cache keeps a position counter per layer, each added to ``arange`` and checked (int64 overflow,
+    bounds) before the layer's cache write: those checks run in one kernel at the plan's front (a failing one still
+    leaves the caches as they were: tests/lowering/test_data_checks.py), and a layer's decode takes
+    STATIC_DECODE_DISPATCHES_PER_LAYER dispatches, the whole step STATIC_DECODE_DISPATCHES_NOT_A_LAYER more;
+    eager's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_meganeura.backend import per_call
+
+    plans = []
+    program_for = per_call.program_for
+
+    def spy(graph, *args, **kwargs):
+        plans.append(graph.plan)
+        return program_for(graph, *args, **kwargs)
+
+    monkeypatch.setattr(per_call, "program_for", spy)
+    torch._dynamo.reset()
+    config = LlamaConfig(**{**LLAMA, "use_cache": True, "max_position_embeddings": 64,
+                            "num_hidden_layers": STATIC_DECODE_LAYERS})
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (1, PROMPT))
+    kwargs = dict(max_new_tokens=COLD_NEW_TOKENS, do_sample=False, cache_implementation="static",
+                  disable_compile=True)
+    with torch.no_grad():
+        want = model.generate(prompt, **kwargs)
+        model.forward = torch.compile(model.forward, backend="meganeura")
+        assert model.generate(prompt, **kwargs).tolist() == want.tolist()
+    (labels,) = [labels for labels in ([d.label for d in plan.dispatches] for plan in plans) if _one_row(labels)]
+    attentions = [i for i, label in enumerate(labels) if label == "attention"]
+    assert len(attentions) == STATIC_DECODE_LAYERS, labels
+    assert attentions[1] - attentions[0] == STATIC_DECODE_DISPATCHES_PER_LAYER, labels
+    layers = STATIC_DECODE_LAYERS * STATIC_DECODE_DISPATCHES_PER_LAYER
+    assert len(labels) == layers + STATIC_DECODE_DISPATCHES_NOT_A_LAYER, labels
+    assert labels.count("checks") == 1 and labels[0] == "checks", labels

@@ -6,6 +6,12 @@ finds the graph's sympy symbols and, for each, where a call's arguments hold its
 int argument); ``example`` gives the placeholders' sizes as ``Size`` polynomials over them, hinted with a call's
 concrete values, for lowering; ``values`` reads a call's symbol values. A graph whose symbols cannot all be read
 from its arguments, or whose sizes use a function we do not model, is compiled for concrete sizes, as before.
+
+Sizes that an op's eager kernel requires equal though its meta function adds no guard for them (``EQUAL_SIZES``:
+attention's key and value lengths) are taken as one where one of them is fixed: the other's symbol becomes that
+size, guarded. A static KV cache that came back from the prefill as a kept output (dynamo traces it with symbolic
+sizes, ``per_call._may_come_back``) has its key length fixed by the attention mask's, and its value length, left a
+symbol, would otherwise give the value cache's write other bounds and another shape than the key cache's.
 """
 from __future__ import annotations
 
@@ -18,6 +24,12 @@ from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, Pyth
 from meganeura.kernels import sizes as S
 
 DYNAMO_LOWER_BOUND = 2  # dynamo specialises sizes 0 and 1: its dynamic sizes are at least 2
+# Sizes an op's eager kernel checks equal (else it raises) that its meta function leaves unrelated: each op's
+# (argument index, dimension) pairs, all equal. Attention's: the key's and the value's lengths.
+EQUAL_SIZES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: ((1, 2), (2, 2)),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ((2, 2), (3, 2)),
+}
 
 
 class NotModelled(Exception):
@@ -35,6 +47,7 @@ class DynamicSizes:
     lower: tuple[int, ...]
     dynamic: tuple[tuple[int, frozenset | None], ...]
     upper: tuple[int | None, ...] = ()  # declared largest values (an exported program's ranges): the plan's bounds
+    fixed: tuple[tuple[str, int], ...] = ()  # (symbol, size) an op requires equal (``EQUAL_SIZES``): taken as one
     _dims: dict = field(init=False, compare=False, repr=False)  # ``dynamic`` as a dict, for ``abstract_item``
 
     def __post_init__(self):
@@ -65,7 +78,7 @@ class DynamicSizes:
         lows = tuple(_declared(declared.get(str(s)), "lower", lower[s]) for s in order)
         highs = tuple(_declared(declared.get(str(s)), "upper", None) for s in order) if ranges is not None else ()
         return DynamicSizes(tuple(str(s) for s in order), tuple(sources[s] for s in order), lows, tuple(dynamic),
-                            highs)
+                            highs, _fixed_by_ops(gm))
 
     def abstract(self, key: tuple) -> tuple:
         """A call's signature (``compiled.signature``) with the symbolic sizes left out: what selects the plans
@@ -105,7 +118,7 @@ class DynamicSizes:
     def example(self, gm: torch.fx.GraphModule, args) -> list:
         """``args`` with the sizes of tensors and the int arguments of the graph's placeholders as Sizes, hinted with
         this call's values: tensors as ``SymbolicExample``s."""
-        by_name = dict(zip(self.names, self._unified(self.values(args))))
+        by_name = self._fixed(dict(zip(self.names, self._unified(self.values(args)))))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         out = []
         for node, arg in zip(placeholders, args):
@@ -132,6 +145,37 @@ class DynamicSizes:
                 S.decide("eq", own, first[h])
             sizes.append(first.setdefault(h, own))
         return sizes
+
+    def _fixed(self, by_name: dict) -> dict:
+        """``by_name`` (symbol name -> Size) with each symbol that an op requires equal to a fixed size (``fixed``)
+        made that size, guarded, where this call's value is that size (where it is not, eager raises): with it every
+        symbol ``_unified`` took as one with it."""
+        fixed = [by_name[name] for name, size in self.fixed if S.hint(by_name[name]) == size]
+        return {name: S.concrete(size) if any(size is f for f in fixed) else size for name, size in by_name.items()}
+
+
+def _fixed_by_ops(gm: torch.fx.GraphModule) -> tuple[tuple[str, int], ...]:
+    """(symbol name, size) for each size of an op's operand (``EQUAL_SIZES``) that is a lone symbol where another
+    size it must equal is fixed."""
+    out = []
+    for node in gm.graph.nodes:
+        group = EQUAL_SIZES.get(node.target) if node.op == "call_function" else None
+        if group is None:
+            continue
+        exprs = [_operand_size(node, i, d) for i, d in group]
+        ints = {int(e) for e in exprs if isinstance(e, sympy.Integer)}
+        if len(ints) == 1:
+            out += [(str(e), *ints) for e in exprs if isinstance(e, sympy.Symbol)]
+    return tuple(dict.fromkeys(out))
+
+
+def _operand_size(node: torch.fx.Node, i: int, d: int):
+    """Dimension ``d`` of operand ``i`` of ``node`` as a sympy expression (None where it has no tensor value)."""
+    val = node.args[i].meta.get("val") if len(node.args) > i and isinstance(node.args[i], torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    size = val.shape[d]
+    return _expr(size) if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 @dataclass(frozen=True)
