@@ -1,22 +1,22 @@
 """Torch-free compiler middle: typed static IR, fusion into archetype kernels, memory planning, the plan.
 
 ``compile_graph(graph, limits)`` runs the passes in order: keep_requested_regions (regions.py) -> fit_bindings (the
-nodes lowering made wider than the adapter's storage-buffer limit brought within it) -> rematerialize (far readers
-of cheap pointwise values get copies to inline instead of the value kept: remat.py) -> fuse (inline producers into
+nodes lowering made wider than the adapter's storage-buffer limit brought within it) -> rematerialize (far readers of
+cheap pointwise values get copies to inline instead of the value kept: remat.py) -> fuse (inline producers into
 consumers) -> eliminate_common_nodes (repeats dropped before their siblings merge them: a decode step's cache writes
 then share one index lookup) -> fuse_sibling_reductions (row programs over the same rows into one) -> fuse_epilogues
 (consumers into reductions and matmuls) -> fuse_multi_output (a pointwise value with several readers stored by its
 first pointwise reader) -> eliminate_common_nodes (a kernel that repeats an earlier one is dropped: after fusion, so
-that a repeated cheap producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products that
-share an operand side by side in one matmul) -> fuse_paired_matmuls (a one-row product that another's epilogue reads
-computed in that one's kernel: paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the
-matrix-vector products that read it: row_prologues.py) -> fuse_sibling_updates (pointwise updates of one shape
-stored over inputs, a layer's key and value cache writes, in one kernel: sibling_updates.py) -> separate_checks (the
-data checks from the first in-place update on run first, in kernels of their own, those that read only inputs
-together at the front, and the index arithmetic they leave unchecked inlined into its readers: data_checks.py) ->
-hoist_writers (in-place updates moved up to just after their last dependency: in_place.py) -> run_over_regions (an
-update stored over its input, a KV cache's, computes only the elements it changes: regions.py) -> schedule (memory
-plan + WGSL + dispatches; a decode attention's slices merged by the projection that reads them: slice_merges.py).
+that a repeated cheap producer still inlines into each of its consumers) -> fuse_sibling_matmuls (products that share
+an operand side by side in one matmul) -> fuse_paired_matmuls (a one-row product that another's epilogue reads computed
+in that one's kernel: paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the matrix-vector products
+that read it: row_prologues.py) -> fuse_sibling_updates (pointwise nodes of one shape whose outputs are all graph
+outputs, a layer's key and value cache writes, in one kernel: sibling_updates.py) -> separate_checks (the data checks
+from the first in-place update on run first, in kernels of their own, those that read only inputs together at the
+front, and the index arithmetic they leave unchecked inlined into its readers: data_checks.py) -> hoist_writers
+(in-place updates moved up to just after their last dependency: in_place.py) -> run_over_regions (an update stored over
+its input, a KV cache's, computes only the elements it changes: regions.py) -> schedule (memory plan + WGSL +
+dispatches; a decode attention's slices merged by the projection that reads them: slice_merges.py).
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
 symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).

@@ -1,15 +1,17 @@
-"""Sibling in-place updates: pointwise nodes of one shape whose outputs are all stored over inputs become one kernel.
+"""Sibling outputs: pointwise nodes of one shape whose outputs are all graph outputs become one kernel.
 
-A decode step writes each layer's new key and new value into the layer's two caches (``Graph.in_place``): two
-pointwise nodes over the cache's shape that do not read each other. Merged, one kernel stores both (the later node
-computes the earlier one's expressions as further outputs, ``Pointwise.also``), one dispatch per layer fewer.
-Only updates stored over inputs are merged, so that ordinary pointwise kernels keep their plans; the merged kernel
-stays within the binding limit (``siblings``, which also moves what depends on the earlier node). An output stored
-over its input reads the input's old value through its own binding (``in_place``), so where nothing else reads that
-old value and the kernel may store over it whatever the kernels' order (``in_place.writer_refusal``), the two count
-as one binding, and the status buffer, which a writer binds where the plan checks data, counts always: a Llama
-layer's two cache writes, with the rotary embedding of the key (the updated position, the new key and value, cosine
-and sine, the two caches, status), fit a portable plan's 8. Updates that carry the elements they change
+A decode step writes each layer's new key and new value into the layer's two caches: with a static cache two updates
+stored over the caches (``Graph.in_place``), with HF's default cache two new tensors, each cache concatenated with its
+new row. Either way two pointwise nodes over the cache's shape that do not read each other. Merged, one kernel stores
+both (the later node computes the earlier one's expressions as further outputs, ``Pointwise.also``), one dispatch per
+layer fewer. Only nodes whose every output is a graph output are merged (what they store lives past the plan whatever
+the kernels' order, so the arena keeps nothing longer for it), so that other pointwise kernels keep their plans; the
+merged kernel stays within the binding limit (``siblings``, which also moves what depends on the earlier node). An
+output stored over its input reads the input's old value through its own binding (``in_place``), so where nothing else
+reads that old value and the kernel may store over it whatever the kernels' order (``in_place.writer_refusal``), the
+two count as one binding, and the status buffer, which a writer binds where the plan checks data, counts always: a
+Llama layer's two cache writes, with the rotary embedding of the key (the updated position, the new key and value,
+cosine and sine, the two caches, status), fit a portable plan's 8. Updates that carry the elements they change
 (``ir.Region``) merge where those are the same elements (the region's shape, places and choice of entries), and the
 merged node changes them in every output (``regions``).
 
@@ -28,11 +30,12 @@ from .siblings import fuse_siblings
 
 
 def fuse_sibling_updates(graph: Graph, max_bindings: int, report: FusionReport) -> None:
-    """Merge each in-place pointwise update into the next one of the same shape and dtype, where the rules allow."""
-    updated = {graph.outputs[i].id for i in graph.in_place}
+    """Merge each pointwise node whose outputs are graph outputs into the next such node of the same shape and
+    dtype, where the rules allow."""
+    outputs = {v.id for v in graph.outputs}
 
     def key(node) -> tuple | None:
-        if not isinstance(node, Pointwise) or not all(v.id in updated for v in node.outs):
+        if not isinstance(node, Pointwise) or not all(v.id in outputs for v in node.outs):
             return None
         region = node.region and (node.region.shape, node.region.at, node.region.keep)
         return node.out.shape, node.out.dtype, region

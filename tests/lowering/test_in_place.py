@@ -47,8 +47,8 @@ def test_an_update_is_stored_over_its_input_and_bound_once():
 
 @pytest.mark.parametrize("read, extra, reason", [
     (lambda b, p: b.permute(p, (1, 0)), None, "reads the input at other elements"),
-    (None, lambda b, p: b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), p, dtype="float32"),
-     "a later kernel reads the input"),
+    (None, lambda b, p: b.reshape(b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), p, dtype="float32"), (36,)),
+     "a later kernel reads the input"),  # (of another shape: an output of the update's would join its kernel)
     (lambda b, p: b.map(lambda a, s: E.add(a, s), p, b.reshape(b.reduce_simple(p, (1,), "sum", "float32"), (6, 1)),
                         dtype="float32"), None, "its kernel is a Reduce"),
 ], ids=["transposed", "read-later", "reduction"])

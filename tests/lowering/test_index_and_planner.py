@@ -744,3 +744,21 @@ def test_quad_staged_matmuls_read_rows_of_whole_vec4s_through_one_vec4_binding(k
     (out,) = Program(get_device(), plan).run(data).values()
     x64 = data["x"].astype(np.float64)
     np.testing.assert_allclose(out.reshape(m, m), x64 @ x64.T, rtol=1e-4, atol=1e-4)
+
+
+def test_sibling_outputs_of_one_shape_share_one_kernel():
+    """Two graph outputs of one shape, each a pointwise node of its own inputs (a KV cache's key and value, each
+    concatenated with its new row), are stored by one kernel (lowering/sibling_updates.py); an output of another
+    shape keeps its own. Every output as numpy's."""
+    b = GraphBuilder()
+    k, v, w = (b.input(name, (3, 5), "float32") for name in ("k", "v", "w"))
+    b.output(b.map(lambda a: E.mul(a, E.const(2.0, E.F32)), k, dtype="float32"))
+    b.output(b.map(lambda a: E.add(a, E.const(1.0, E.F32)), v, dtype="float32"))
+    b.output(b.reshape(b.map(lambda a: E.unary("neg", a), w, dtype="float32"), (15,)))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert len(plan.dispatches) == 2, [d.label for d in plan.dispatches]
+    data = {name: RNG.standard_normal((3, 5)).astype(np.float32) for name in ("k", "v", "w")}
+    out = Program(get_device(), plan).run(data)
+    want = [data["k"] * 2, data["v"] + 1, -data["w"].reshape(15)]
+    for spec, expected in zip(plan.outputs, want):
+        np.testing.assert_array_equal(out[spec.name].reshape(expected.shape), expected)
