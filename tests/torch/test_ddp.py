@@ -134,7 +134,7 @@ def test_process_group_step_matches_the_single_plan_step(world_of_one, tmp_path)
 
 
 BATCHNORM_SCRIPT = """
-import copy, sys
+import copy, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -149,7 +149,11 @@ for _ in range(3):
     compiled(x).sum().backward()
     eager(x).sum().backward()
 torch.save({"got": dict(model.named_buffers()), "want": dict(ref.named_buffers())}, f"{sys.argv[1]}/rank{rank}.pt")
-dist.destroy_process_group()  # (gloo's threads stopped before the interpreter exits)
+print(f"rank {rank}: saved", file=sys.stderr, flush=True)
+# The results are saved: leave without the interpreter's teardown. In 2 of about 8 clean-clone CI runs one rank aborted
+# there ("terminate called without an active exception": a C++ thread still joinable while static destructors ran),
+# with or without dist.destroy_process_group() first; never in 18 runs here, loaded or with cold caches.
+os._exit(0)
 """
 
 
