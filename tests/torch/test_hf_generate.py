@@ -238,16 +238,20 @@ def test_steady_decode_steps_build_no_bind_groups():
 
 
 
-# A static-cache decode step's dispatches per layer: the query/key/value projection, the key and value cache writes in
-# one kernel that computes the position too, attention, the output projection, gate and up, down: as many as the
-# generation bundle's (test_export_lm.LLAMA_DECODE_DISPATCHES_PER_LAYER). Before: 11 (the position's index arithmetic,
-# its int64 overflow and two bounds checks in kernels of each layer's, the counter's own overflow check too, and the
-# value write apart from the key's, the value cache's length a symbol of its own).
-STATIC_DECODE_DISPATCHES_PER_LAYER = 6
-# Not a layer's: the position checks of every layer (one kernel at the front), the rotary embedding's cosine and sine,
-# the counters' update (one kernel after the last cache write) and the last norm with the head's product.
-STATIC_DECODE_DISPATCHES_NOT_A_LAYER = 4
-STATIC_DECODE_LAYERS = 3  # (the counters' update after the last layer's cache write: outside the first layer's window)
+# A decode step's dispatches per Llama layer, with either cache: the query/key/value projection, the key and value
+# cache writes in one kernel (the static cache's computing the position too; lowering/sibling_updates.py), attention,
+# the output projection, gate and up, down: as many as the generation bundle's
+# (test_export_lm.LLAMA_DECODE_DISPATCHES_PER_LAYER). Before: 11 with the static cache (the position's index
+# arithmetic, its int64 overflow and two bounds checks in kernels of each layer's, the counter's own overflow check
+# too, and the value write apart from the key's, the value cache's length a symbol of its own), 7 with the default
+# cache (the key's and the value's concatenations in kernels of their own).
+DECODE_DISPATCHES_PER_LAYER = 6
+# Not a layer's, static cache: the position checks of every layer (one kernel at the front), the rotary embedding's
+# cosine and sine, the counters' update (one kernel after the last cache write) and the last norm with the head's
+# product; default cache: the rotary embedding's and the head's.
+DECODE_DISPATCHES_NOT_A_LAYER = {"static": 4, "dynamic": 2}
+DECODE_LAYERS = 3  # (the counters' update after the last layer's cache write: outside the first layer's window)
+CACHE_ARGS = {"static": {"cache_implementation": "static", "disable_compile": True}, "dynamic": {}}
 
 
 def _one_row(labels: list[str]) -> bool:
@@ -257,12 +261,9 @@ def _one_row(labels: list[str]) -> bool:
     return bool(before) and all(label.startswith("matmul 1x") for label in before if label.startswith("matmul"))
 
 
-def test_a_static_cache_decode_step_takes_a_counted_number_of_dispatches_per_layer(monkeypatch):
-    """HF's static cache keeps a position counter per layer, each added to ``arange`` and checked (int64 overflow,
-    bounds) before the layer's cache write: those checks run in one kernel at the plan's front (a failing one still
-    leaves the caches as they were: tests/lowering/test_data_checks.py), and a layer's decode takes
-    STATIC_DECODE_DISPATCHES_PER_LAYER dispatches, the whole step STATIC_DECODE_DISPATCHES_NOT_A_LAYER more;
-    eager's tokens."""
+def _decode_plan_labels(monkeypatch, cache: str) -> list[str]:
+    """The dispatch labels of the last decode plan a greedy ``generate`` through the backend compiled for a
+    DECODE_LAYERS-layer Llama with ``cache``, whose tokens must be eager's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from torch_meganeura.backend import per_call
@@ -277,19 +278,31 @@ def test_a_static_cache_decode_step_takes_a_counted_number_of_dispatches_per_lay
     monkeypatch.setattr(per_call, "program_for", spy)
     torch._dynamo.reset()
     config = LlamaConfig(**{**LLAMA, "use_cache": True, "max_position_embeddings": 64,
-                            "num_hidden_layers": STATIC_DECODE_LAYERS})
+                            "num_hidden_layers": DECODE_LAYERS})
     model = LlamaForCausalLM(config).eval()
     prompt = torch.randint(0, 128, (1, PROMPT))
-    kwargs = dict(max_new_tokens=COLD_NEW_TOKENS, do_sample=False, cache_implementation="static",
-                  disable_compile=True)
+    kwargs = dict(max_new_tokens=COLD_NEW_TOKENS, do_sample=False, **CACHE_ARGS[cache])
     with torch.no_grad():
         want = model.generate(prompt, **kwargs)
         model.forward = torch.compile(model.forward, backend="meganeura")
         assert model.generate(prompt, **kwargs).tolist() == want.tolist()
-    (labels,) = [labels for labels in ([d.label for d in plan.dispatches] for plan in plans) if _one_row(labels)]
+    decode = [labels for labels in ([d.label for d in plan.dispatches] for plan in plans) if _one_row(labels)]
+    assert decode, [[d.label for d in plan.dispatches] for plan in plans]
+    return decode[-1]
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_a_decode_step_takes_a_counted_number_of_dispatches_per_layer(monkeypatch, cache):
+    """A layer's decode takes DECODE_DISPATCHES_PER_LAYER dispatches with either cache, the whole step
+    DECODE_DISPATCHES_NOT_A_LAYER more; eager's tokens. HF's static cache keeps a position counter per layer, each
+    added to ``arange`` and checked (int64 overflow, bounds) before the layer's cache write: those checks run in one
+    kernel at the plan's front (a failing one still leaves the caches as they were:
+    tests/lowering/test_data_checks.py)."""
+    labels = _decode_plan_labels(monkeypatch, cache)
     attentions = [i for i, label in enumerate(labels) if label == "attention"]
-    assert len(attentions) == STATIC_DECODE_LAYERS, labels
-    assert attentions[1] - attentions[0] == STATIC_DECODE_DISPATCHES_PER_LAYER, labels
-    layers = STATIC_DECODE_LAYERS * STATIC_DECODE_DISPATCHES_PER_LAYER
-    assert len(labels) == layers + STATIC_DECODE_DISPATCHES_NOT_A_LAYER, labels
-    assert labels.count("checks") == 1 and labels[0] == "checks", labels
+    assert len(attentions) == DECODE_LAYERS, labels
+    assert attentions[1] - attentions[0] == DECODE_DISPATCHES_PER_LAYER, labels
+    layers = DECODE_LAYERS * DECODE_DISPATCHES_PER_LAYER
+    assert len(labels) == layers + DECODE_DISPATCHES_NOT_A_LAYER[cache], labels
+    if cache == "static":
+        assert labels.count("checks") == 1 and labels[0] == "checks", labels
