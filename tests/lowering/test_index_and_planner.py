@@ -479,6 +479,35 @@ def test_softmax_over_few_long_rows_is_cut_into_slices(length, slices):
     assert np.isnan(out[plan.outputs[1].name][1:3]).all() and np.isfinite(out[plan.outputs[1].name][[0, 3]]).all()
 
 
+@pytest.mark.parametrize("length, slices", [(20000, 8), (1000, 1)])
+def test_argmax_and_argmin_over_few_long_rows_are_cut_into_slices(length, slices):
+    """An argmax, an argmin and a sum over few long rows, one row program: each slice keeps its best value and
+    index, the merge takes the slices in order. Row 0 has its maximum twice, in different slices (the lower index
+    wins, as eager), row 1 NaN twice in later slices (the first NaN wins), row 2 is all -inf (index 0), row 3 plain.
+    Against numpy, whose argmax and argmin follow the same rules. Short rows are not cut."""
+    shape = (4, length)
+    b = GraphBuilder()
+    x = b.input("x", shape, "float32")
+    value = b.load(x, [E.coord(0), E.coord(1)])
+    results = [RowOutput(False, E.acc(p, E.I32 if p < 2 else E.F32)) for p in range(3)]
+    outs = b.reduce(shape, (1,), [("argmax", value), ("argmin", value), ("sum", value)], results,
+                    ["int32", "int32", "float32"], "arg")
+    for out in outs:
+        b.output(out)
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert [d.label for d in plan.dispatches] == ["arg"] + ["arg (merge of slices)"] * (slices > 1)
+    data = RNG.standard_normal(shape).astype(np.float32)
+    data[0, [length // 3, length - 5]] = 9.0
+    data[1, [length // 2, length - 3]] = np.nan
+    data[2] = -np.inf
+    got = Program(get_device(), plan).run({"x": data})
+    largest, smallest, total = (got[spec.name] for spec in plan.outputs)
+    np.testing.assert_array_equal(largest, np.argmax(data, axis=1))
+    np.testing.assert_array_equal(smallest, np.argmin(data, axis=1))
+    assert list(largest[:3]) == [length // 3, length // 2, 0]
+    np.testing.assert_allclose(total[[0, 3]], data[[0, 3]].astype(np.float64).sum(1), rtol=1e-4, atol=1e-3)
+
+
 def test_sums_use_subgroup_operations_where_the_device_has_them_and_trees_otherwise():
     """The same row sums generated with and without subgroup operations give numpy's result; only the first uses
     them (and a portable export, generated for WebGPU's defaults, never does)."""
