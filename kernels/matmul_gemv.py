@@ -27,6 +27,11 @@ GEMV_UNROLL = 8               # gemv: products a lane loads before adding them u
 # f32 elements are).
 GEMV_GROUPS_PER_LANE = 2
 GEMV_WIDE_UNROLL = 2
+# A staged row (``staged``) is computed once per workgroup, K elements of work (a normalised row: loads, a square
+# root, roundings to bfloat16) against K products per output: a workgroup of at least this many outputs keeps that
+# below an eighth of its work. With 2 outputs a workgroup (128 lanes over K = 2048), the computed vector of
+# Llama-3.2-1B's bfloat16 head cost more than its weights' bytes (H100: 452 us for 525 MB).
+STAGED_MIN_COLUMNS = 8
 
 
 @dataclass(frozen=True)
@@ -40,13 +45,15 @@ class GemvPlan:
 
 
 def _choose_gemv_plan(outputs, k: int, threads: int, out_fastest: bool, per_lane: int | None = None,
-                      pairs: bool = False) -> GemvPlan:
+                      pairs: bool = False, min_columns: int = 1) -> GemvPlan:
     """The plan of a gemv of ``outputs`` dot products over ``k`` terms (elements, or groups of them read at once, about
-    ``per_lane`` to a lane); with ``pairs`` (``outputs`` even), an even number of outputs per workgroup."""
+    ``per_lane`` to a lane); with ``pairs`` (``outputs`` even), an even number of outputs per workgroup; at least
+    ``min_columns`` outputs a workgroup where there are that many."""
     if per_lane is None:
         per_lane = GEMV_PER_LANE_STRIDED if out_fastest else GEMV_PER_LANE
     k = SYMBOLIC_CHOICE["k"] if is_size(k) else k  # (a symbolic K counts as a long one)
-    lanes = max(4, min(GEMV_MAX_LANES, threads // (2 if pairs else 1), _pow2_floor(k // per_lane)))
+    lanes = max(4, min(GEMV_MAX_LANES, threads // (2 if pairs else 1), threads // min_columns,
+                       _pow2_floor(k // per_lane)))
     if is_size(outputs):  # symbolic: one plan for every count
         return GemvPlan(threads // lanes, lanes, out_fastest)
     while lanes > 32 and outputs * lanes > GEMV_MAX_THREADS:
@@ -218,8 +225,10 @@ def _gemv_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, threads: i
     by_column = m == 1
     outputs = n if by_column else m
     _check_gemv(by_column, k, limits, contiguous_k, products, width, pairs, staged)
-    plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE, pairs) if width else
-            _choose_gemv_plan(outputs, k, threads, not contiguous_k, pairs=pairs))
+    min_columns = STAGED_MIN_COLUMNS if staged else 1
+    plan = (_choose_gemv_plan(outputs, k // width, threads, False, GEMV_GROUPS_PER_LANE, pairs, min_columns)
+            if width else _choose_gemv_plan(outputs, k, threads, not contiguous_k, pairs=pairs,
+                                            min_columns=min_columns))
     accs = _accumulators(1 + products)
     if threads * 4 * len(accs) > limits["max-compute-workgroup-storage-size"]:
         raise ValueError("matmul_kernel: workgroup storage limit too small for the gemv reduction")

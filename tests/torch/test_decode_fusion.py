@@ -65,14 +65,17 @@ def _is_one_row_product(label: str) -> bool:
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_row_takes_a_dispatch_per_product_and_matches_eager(case, tmp_path):
     """One token's row: the norm runs inside the first matrix-vector kernel (no reduction of its own), a gated MLP's
-    gate and up products share one kernel, so the half-block is two dispatches; the outputs match float64 eager as
-    closely as float32 eager does (rtol 1e-4, atol 1e-5)."""
+    gate and up products share one kernel, so the half-block is two dispatches; that first kernel normalises the row
+    once per workgroup into workgroup memory (``row_a``), not once per output, while the second reads its vector as
+    stored; the outputs match float64 eager as closely as float32 eager does (rtol 1e-4, atol 1e-5)."""
     model = _randomized(CASES[case]())
     x = torch.randn(1, 1, WIDTH)
     torch_meganeura.export(model, {"x": x}, tmp_path / "bundle")
     bundle = load(tmp_path / "bundle")
     labels = [d.label for d in bundle.program.plan.dispatches]
     assert len(labels) == 2 and all(map(_is_one_row_product, labels)), labels
+    plan = bundle.program.plan
+    assert ["row_a" in plan.kernels[d.kernel] for d in plan.dispatches] == [True, False]
     got = next(iter(bundle(x=x.numpy()).values()))
     with torch.no_grad():
         want = model.double()(x.double()).numpy()
