@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ..matmul import fold_grid
 from ..sizes import ceil_div
-from .common import (MASKED, PROB, block_entry, forward_outputs, slice_bounds, split_constants, u32_constants,
-                     vec4_loaders)
+from .common import (MASKED, PROB, block_entry, forward_outputs, key_range, key_range_arrays, slice_bounds,
+                     split_constants, u32_constants, vec4_loaders)
 from .plans import AttentionShape, BlockPlan
 
 # Forward: keys whose scores a thread computes together (independent dot products in flight). H200, Whisper: the
@@ -105,7 +105,8 @@ def blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
   var m = MASKED;
   var l = 0.0;
 {slice_bounds("key", key_end)}
-  for (var start = key_lo; start < key_end; start = start + BK) {{
+{key_range(s, "BQ")}
+  for (var start = key_from; start < key_to; start = start + BK) {{
     workgroupBarrier();
 {stage("tile_k", "load_k4", plan, d4, "start", "LK")}
 {stage("tile_v", "load_v4", plan, dv4, "start", "LK")}
@@ -135,6 +136,7 @@ const MASKED: f32 = {MASKED!r};
 var<workgroup> tile_k: array<vec4<f32>, {plan.tile * d4}>;
 var<workgroup> tile_v: array<vec4<f32>, {plan.tile * dv4}>;
 var<workgroup> scores: array<f32, {plan.rows * stride}>;
+{key_range_arrays(s)}
 
 {PROB}
 """

@@ -4,6 +4,7 @@ constants and range of a pass cut into slices of the other sequence."""
 from __future__ import annotations
 
 from .. import wgsl
+from ..sizes import is_size
 from .plans import AttentionShape, partial_layout
 
 # A score at or below this (an additive mask of -inf or the dtype's minimum) counts as masked out.
@@ -12,6 +13,56 @@ MASKED = -1.0e38
 PROB = """fn prob(s: f32, lse: f32) -> f32 {
   return select(exp(s - lse), 0.0, s <= MASKED || lse <= MASKED);
 }"""
+
+
+# Query rows per head up to which a forward pass with a mask narrows its loop over keys to the span that some row of
+# its block leaves unmasked (``key_range``): a decode step's one row (or a few) over a static cache, whose mask hides
+# every position past the current one, reads the keys up to that position instead of the whole cache. The scan costs
+# a mask load per row and key of the slice, once; with more rows it would repeat most of the tiles' own mask loads.
+NARROW_MAX_ROWS = 8
+
+
+def narrows(s: AttentionShape) -> bool:
+    """Whether a forward pass over ``s`` narrows its keys to the unmasked span (``key_range``)."""
+    return s.has_bias and not is_size(s.lq) and s.lq <= NARROW_MAX_ROWS
+
+
+def key_range_arrays(s: AttentionShape) -> str:
+    """WGSL: the workgroup variables of ``key_range`` (none where the pass does not narrow)."""
+    if not narrows(s):
+        return ""
+    return ("var<workgroup> key_first: atomic<u32>;\nvar<workgroup> key_last: atomic<u32>;\n"
+            "var<workgroup> key_span: vec2<u32>;")
+
+
+def key_range(s: AttentionShape, threads: str) -> str:
+    """WGSL: ``key_from`` and ``key_to``, the keys the loop walks: after ``slice_bounds("key", ...)``, the
+    workgroup's [key_lo, key_end); where the pass ``narrows``, cut to the first and past the last key that a
+    query row of the block (rows i0 .. i0 + BQ below LQ) leaves unmasked, by the ``threads`` threads together (an
+    empty range where the mask hides every key: the rows' sums stay zero, as they would). A mask value counts as
+    masked as a score does (at or below MASKED; NaN does not). Uniform across the workgroup."""
+    if not narrows(s):
+        return "  let key_from = key_lo;\n  let key_to = key_end;"
+    causal = " && kj <= ki" if s.causal else ""
+    return f"""  if (tid == 0u) {{ atomicStore(&key_first, 0xffffffffu); atomicStore(&key_last, 0u); }}
+  workgroupBarrier();
+  {{
+    let rows_here = min(BQ, LQ - min(i0, LQ));
+    let keys_here = key_end - min(key_lo, key_end);
+    var first = 0xffffffffu;
+    var last = 0u;
+    for (var e = tid; e < rows_here * keys_here; e = e + {threads}) {{
+      let ki = i0 + e / keys_here;
+      let kj = key_lo + e % keys_here;
+      if (!(load_bias(b, h, ki, kj) <= MASKED){causal}) {{ first = min(first, kj); last = max(last, kj + 1u); }}
+    }}
+    if (last > 0u) {{ atomicMin(&key_first, first); atomicMax(&key_last, last); }}
+  }}
+  workgroupBarrier();
+  if (tid == 0u) {{ key_span = vec2<u32>(atomicLoad(&key_first), atomicLoad(&key_last)); }}
+  let live_keys = workgroupUniformLoad(&key_span);
+  let key_from = live_keys.x;
+  let key_to = live_keys.y;"""
 
 
 def forward_outputs(outs: list[str]) -> tuple[str, str | None]:

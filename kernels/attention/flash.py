@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ..matmul import fold_grid
 from ..sizes import ceil_div
-from .common import (MASKED, PROB, block_entry, forward_outputs, slice_bounds, split_constants, u32_constants,
-                     vec4_loaders)
+from .common import (MASKED, PROB, block_entry, forward_outputs, key_range, key_range_arrays, slice_bounds,
+                     split_constants, u32_constants, vec4_loaders)
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, FlashPlan, flash_sizes
 
 # Score columns (vec4s) per iteration of the loop over the head size. H200, GPU us, 1, 2 and 4 columns and all
@@ -50,7 +50,8 @@ def flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashP
   var m = array<f32, 4>(MASKED, MASKED, MASKED, MASKED);
   var l = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
 {slice_bounds("key", key_end)}
-  for (var start = key_lo; start < key_end; start = start + BK) {{
+{key_range(s, "GROUPS * KG")}
+  for (var start = key_from; start < key_to; start = start + BK) {{
     workgroupBarrier();
 {_stage_kv(s, plan)}
     workgroupBarrier();
@@ -79,6 +80,7 @@ var<workgroup> ks: array<vec4<f32>, {(d4 + 1) * FLASH_KEYS}>;
 var<workgroup> vs: array<vec4<f32>, {FLASH_KEYS * dvp4}>;
 var<workgroup> ps: array<vec4<f32>, {FLASH_KEYS * (groups + 1)}>;
 var<workgroup> ex: array<f32, {plan.rows * (kg + 1)}>;
+{key_range_arrays(s)}
 
 {PROB}
 """

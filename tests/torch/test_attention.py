@@ -468,3 +468,48 @@ def test_attention_gradients_through_a_residual_on_a_transposed_view(keys):
     got = grads(torch.compile(f, backend="meganeura", options={"fallback": "error"}), torch.float32)
     for name, g, e, want in zip(["loss", "x", "wq", "wk", "wv"], got, eager, exact):
         assert_within_eager_error(g.reshape(-1), e.reshape(-1), want.reshape(-1), what=name)
+
+
+def _cache_masks(rows: int, keys: int) -> dict:
+    """Masks of a few query rows over a cache of ``keys`` positions, as generation makes them: the positions up to
+    each row's own (a static cache), a left-padded prompt's, two spans with a hole between, and HF's additive form
+    (the dtype's minimum where masked)."""
+    position = torch.arange(keys)
+    up_to = torch.stack([position <= 37 + 100 * r for r in range(rows)])
+    padded = torch.stack([(position >= 20) & (position <= 90 + r) for r in range(rows)])
+    holes = ((position < 6) | ((position >= 600) & (position < 611))).expand(rows, keys)
+    additive = torch.zeros(rows, keys).masked_fill(~up_to, torch.finfo(torch.float32).min)
+    return {"up to the position": up_to, "left-padded": padded, "two spans": holes, "additive": additive}
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, flash, rows):
+    """A decode step (one query row, or a few) over a static cache of 700 positions: the forward narrows its loop
+    over keys to the span some row leaves unmasked (``common.key_range``), in the flash and the blocked forms, and
+    matches eager for every mask kind (grouped-query attention, head size 64)."""
+    import meganeura.kernels.attention.blocked as blocked_kernels
+
+    if flash and not _flash_fits(64):
+        pytest.skip("the device's workgroup storage does not hold the flash forward's tiles")
+    if not flash:  # as under WebGPU's default 16 KiB of workgroup storage (a portable bundle's)
+        monkeypatch.setattr(attention_plans, "flash_plan", lambda shape, limits: None)
+    module, name = (flash_kernels, "flash_forward") if flash else (blocked_kernels, "blocked_forward")
+    sources, generate = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        sources.append(generate(*args, **kwargs)[0])
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    q, k, v = torch.randn(1, 4, rows, 64), torch.randn(1, 2, 700, 64), torch.randn(1, 2, 700, 64)
+    for what, mask in _cache_masks(rows, 700).items():
+        def fn(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        torch._dynamo.reset()
+        sources.clear()
+        with torch.no_grad():
+            got = torch.compile(fn, backend="meganeura")(q, k, v)
+        assert sources and all("key_first" in source for source in sources), what
+        assert_same(got, fn(q, k, v), rtol=RTOL, atol=ATOL, rel=REL, what=what)
