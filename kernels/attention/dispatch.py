@@ -1,12 +1,13 @@
 """``attention_kernel``: the dispatches of one attention pass, in the form its plan picks (flash forward, chunked flash
-forward, blocked or per row), followed by the merge where the pass is cut into slices."""
+forward, blocked, or per row: sliced for a decode step's few rows), followed by the merge where the pass is cut into
+slices."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 from ..sizes import concrete
 from . import blocked, blocked_grad, chunked, flash, merge, per_row
-from .plans import AttentionShape, BlockPlan, ChunkedPlan, FlashPlan, block_plan, forward_plan
+from .plans import AttentionShape, BlockPlan, ChunkedPlan, FlashPlan, RowPlan, block_plan, forward_plan
 
 
 def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
@@ -20,7 +21,9 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
     if plan is None:  # (its sizes concrete: a dynamic graph's plan then holds for these alone)
         concrete_shape = replace(shape, batch=concrete(shape.batch), lq=concrete(shape.lq), lk=concrete(shape.lk))
         return [per_row.per_row_kernel(prelude, kind, concrete_shape, outs, limits)]
-    if isinstance(plan, FlashPlan):
+    if isinstance(plan, RowPlan):
+        generate = per_row.sliced_forward
+    elif isinstance(plan, FlashPlan):
         generate = flash.flash_forward  # read at call time: tests swap it for a spy
     elif isinstance(plan, ChunkedPlan):
         generate = chunked.chunked_forward

@@ -13,25 +13,37 @@ from __future__ import annotations
 import textwrap
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB, entry, forward_outputs
-from .plans import AttentionShape
+from .common import MASKED, PROB, entry, forward_outputs, key_range, key_range_arrays, slice_bounds
+from .plans import ROW_THREADS, AttentionShape, RowPlan
 
-THREADS = 64  # threads per workgroup, and rows of the other sequence per tile
+THREADS = ROW_THREADS  # threads per workgroup, and rows of the other sequence per tile
 
 
-def per_row_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str],
-                   limits: dict) -> tuple[str, tuple[int, int, int]]:
+def per_row_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
+                   plan: RowPlan = RowPlan(), partial: str | None = None) -> tuple[str, tuple[int, int, int]]:
     """WGSL and workgroup grid of pass ``kind`` ("forward", "grad_q" or "grad_kv"), one workgroup per row;
-    ``outs`` names the output arrays as ``attention_kernel`` takes them."""
+    ``outs`` names the output arrays as ``attention_kernel`` takes them. The forward may be cut into ``plan.splits``
+    slices of the keys, a workgroup each, storing partial results into ``partial`` (``sliced_forward``)."""
     rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
-    grid = fold_grid(rows, limits.get("max-compute-workgroups-per-dimension", 65535))
-    body = {"forward": _forward, "grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
-    source = "\n".join([prelude, _constants(shape, rows, grid), _helpers(shape), body])
+    grid = fold_grid(rows * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    if kind == "forward":
+        body = _forward(shape, outs, plan, partial)
+    else:
+        body = {"grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
+    source = "\n".join([prelude, _constants(shape, rows, grid, plan), _helpers(shape), body])
     return source, grid
 
 
-def _constants(s: AttentionShape, rows: int, grid) -> str:
+def sliced_forward(prelude: str, s: AttentionShape, outs: list[str], plan: RowPlan, limits: dict,
+                   partial: str | None) -> tuple[str, tuple[int, int, int]]:
+    """The forward of a few query rows per head (``plans.row_plan``): one workgroup per query row and slice of the
+    keys, each walking only the keys its row leaves unmasked (``common.key_range``)."""
+    return per_row_kernel(prelude, "forward", s, outs, limits, plan, partial)
+
+
+def _constants(s: AttentionShape, rows: int, grid, plan: RowPlan) -> str:
     return "\n".join([
+        f"const SPLITS: u32 = {plan.splits}u;", f"const CHUNK: u32 = {plan.chunk}u;", "const BQ: u32 = 1u;",
         f"const T: u32 = {THREADS}u;", f"const H: u32 = {s.heads}u;", f"const HKV: u32 = {s.kv_heads}u;",
         f"const GROUP: u32 = {s.heads // s.kv_heads}u;", f"const LQ: u32 = {s.lq}u;", f"const LK: u32 = {s.lk}u;",
         f"const D: u32 = {s.d}u;", f"const DV: u32 = {s.dv}u;", f"const ROWS: u32 = {rows}u;",
@@ -70,20 +82,29 @@ fn score_k(b: u32, h: u32, i: u32, j: u32) -> f32 {{
 """
 
 
-def _forward(s: AttentionShape, outs: list[str]) -> str:
-    out, lse = forward_outputs(outs)
-    return entry() + f"""  let b = row / (H * LQ);
+def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | None) -> str:
+    """Each workgroup: one query row (b, h, i) and slice ``split`` of the keys, walked a tile of T keys at a time
+    (one key a thread) between ``key_from`` and ``key_to``; the output normalised into ``out`` (and the log-sum-exp
+    into ``lse``), or, cut into slices, unnormalised with the running max and sum into the slice's row of
+    ``partial`` (``merge``'s layout)."""
+    return f"""{key_range_arrays(s)}
+{entry("T", "wid", "ROWS * SPLITS")}  let row = wid / SPLITS;
+  let split = wid % SPLITS;
+  let b = row / (H * LQ);
   let h = (row / LQ) % H;
   let i = row % LQ;
+  let i0 = i;  // (the block of one row that key_range narrows over)
   for (var c = tid; c < D; c = c + T) {{ row_a[c] = load_q(b, h, i, c); }}
   workgroupBarrier();
+{slice_bounds("key", "LK")}
+{key_range(s, "T")}
   var m = MASKED;
   var l = 0.0;
   var acc: array<f32, PER_DV>;
-  for (var start = 0u; start < LK; start = start + T) {{
+  for (var start = key_from; start < key_to; start = start + T) {{
     let j = start + tid;
     var sc = MASKED;
-    if (j < LK) {{ sc = score_q(b, h, i, j); }}
+    if (j < key_to) {{ sc = score_q(b, h, i, j); }}
     tile_s[tid] = sc;
     workgroupBarrier();
     var tile_max = MASKED;
@@ -99,7 +120,7 @@ def _forward(s: AttentionShape, outs: list[str]) -> str:
       let c = tid + r * T;
       if (c < DV) {{
         var a = acc[r] * alpha;
-        for (var t = 0u; t < T && start + t < LK; t = t + 1u) {{
+        for (var t = 0u; t < T && start + t < key_to; t = t + 1u) {{
           a = a + tile_p[t] * load_v(b, h, start + t, c);
         }}
         acc[r] = a;
@@ -108,10 +129,25 @@ def _forward(s: AttentionShape, outs: list[str]) -> str:
     m = m_new;
     workgroupBarrier();
   }}
-{_store_columns(out, "select(acc[r] / l, 0.0, l == 0.0)", "DV")}
-  {"" if lse is None else f"if (tid == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}"}
+{_forward_stores(s, outs, plan, partial)}
 }}
 """
+
+
+def _forward_stores(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | None) -> str:
+    """WGSL: the forward's row normalised into ``out`` (and its log-sum-exp into ``lse``), or, cut into slices, the
+    slice's unnormalised row, running max and sum into ``partial``."""
+    if plan.splits > 1:
+        return f"""  let at = (split * ROWS + row) * (DV + 2u);
+  for (var r = 0u; r < PER_DV; r = r + 1u) {{
+    let c = tid + r * T;
+    if (c < DV) {{ {partial}[at + c] = acc[r]; }}
+  }}
+  if (tid == 0u) {{ {partial}[at + DV] = m; {partial}[at + DV + 1u] = l; }}"""
+    out, lse = forward_outputs(outs)
+    stores = _store_columns(out, "select(acc[r] / l, 0.0, l == 0.0)", "DV")
+    return stores + ("" if lse is None else
+                     f"\n  if (tid == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}")
 
 
 def _grad_q(s: AttentionShape, outs: list[str]) -> str:

@@ -95,10 +95,38 @@ class ChunkedPlan:
     chunk: int = 0  # keys per slice, a multiple of FLASH_KEYS (with splits > 1)
 
 
-def forward_plan(shape: AttentionShape, limits: dict) -> FlashPlan | ChunkedPlan | BlockPlan | None:
-    """The forward's form: the flash forward where it fits, the chunked one for long query sequences, else the
-    blocked one (None: the per-row kernel)."""
-    return flash_plan(shape, limits) or chunked_plan(shape, limits) or block_plan(shape, "forward", limits)
+def forward_plan(shape: AttentionShape, limits: dict) -> RowPlan | FlashPlan | ChunkedPlan | BlockPlan | None:
+    """The forward's form: one workgroup per query row for a decode step's few rows (``row_plan``), the flash
+    forward where it fits, the chunked one for long query sequences, else the blocked one (None: the per-row kernel,
+    unsliced)."""
+    return (row_plan(shape) or flash_plan(shape, limits) or chunked_plan(shape, limits)
+            or block_plan(shape, "forward", limits))
+
+
+# ---------------------------------------------------------------------------------------------- per-row forward
+# A forward of at most this many query rows per head (a decode step's one, a few speculative tokens) runs one
+# workgroup per query row with its keys across the threads (the per-row kernel), cut into slices of the keys: the
+# blocked and flash forms give a workgroup a block of 16 to 64 query rows, all but these few idle, and the blocked
+# form one thread per row. H100, SmolLM2's decode (9 heads, one row each, a 256-position cache): the blocked forward
+# took 642 us a token over 30 layers, the flash forward 360.
+ROW_FORWARD_MAX_ROWS = 4
+ROW_THREADS = 64  # threads of a per-row workgroup, and keys per tile
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    splits: int = 1  # slices of the keys, each a workgroup of its own (merged by a second dispatch)
+    chunk: int = 0  # keys per slice, a multiple of ROW_THREADS (with splits > 1)
+
+
+def row_plan(s: AttentionShape) -> RowPlan | None:
+    """The per-row forward's slices, for concrete shapes of at most ROW_FORWARD_MAX_ROWS query rows per head (None
+    otherwise): slices of at least one tile until the rows' workgroups reach SPLIT_TARGET_WORKGROUPS."""
+    if any(is_size(n) for n in (s.batch, s.lq, s.lk)) or s.lq > ROW_FORWARD_MAX_ROWS:
+        return None
+    tiles = ceil_div(s.lk, ROW_THREADS)
+    splits = _splits(s.batch * s.heads * s.lq, tiles, SPLIT_TARGET_WORKGROUPS, 1)
+    return RowPlan(splits, ceil_div(tiles, splits) * ROW_THREADS if splits > 1 else 0)
 
 
 def attention_splits(shape: AttentionShape, kind: str, limits: dict) -> int:

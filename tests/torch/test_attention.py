@@ -482,19 +482,24 @@ def _cache_masks(rows: int, keys: int) -> dict:
     return {"up to the position": up_to, "left-padded": padded, "two spans": holes, "additive": additive}
 
 
-@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("form", ["per_row", "flash", "blocked"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, flash, rows):
-    """A decode step (one query row, or a few) over a static cache of 700 positions: the forward narrows its loop
-    over keys to the span some row leaves unmasked (``common.key_range``), in the flash and the blocked forms, and
-    matches eager for every mask kind (grouped-query attention, head size 64)."""
+def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, form, rows):
+    """A decode step (one query row, or a few) over a static cache of 700 positions runs one workgroup per query row
+    and slice of the keys (``plans.row_plan``), and each form narrows its loop over keys to the span some row leaves
+    unmasked (``common.key_range``): the per-row form, and the flash and blocked forms (where the per-row one is
+    off), against eager for every mask kind (grouped-query attention, head size 64)."""
     import meganeura.kernels.attention.blocked as blocked_kernels
+    import meganeura.kernels.attention.per_row as per_row_kernels
 
-    if flash and not _flash_fits(64):
+    if form == "flash" and not _flash_fits(64):
         pytest.skip("the device's workgroup storage does not hold the flash forward's tiles")
-    if not flash:  # as under WebGPU's default 16 KiB of workgroup storage (a portable bundle's)
+    if form != "per_row":
+        monkeypatch.setattr(attention_plans, "row_plan", lambda shape: None)
+    if form == "blocked":  # as under WebGPU's default 16 KiB of workgroup storage (a portable bundle's)
         monkeypatch.setattr(attention_plans, "flash_plan", lambda shape, limits: None)
-    module, name = (flash_kernels, "flash_forward") if flash else (blocked_kernels, "blocked_forward")
+    module, name = {"per_row": (per_row_kernels, "sliced_forward"), "flash": (flash_kernels, "flash_forward"),
+                    "blocked": (blocked_kernels, "blocked_forward")}[form]
     sources, generate = [], getattr(module, name)
 
     def spy(*args, **kwargs):
