@@ -96,19 +96,20 @@ class ChunkedPlan:
 
 
 def forward_plan(shape: AttentionShape, limits: dict) -> RowPlan | FlashPlan | ChunkedPlan | BlockPlan | None:
-    """The forward's form: one workgroup per query row for a decode step's few rows (``row_plan``), the flash
-    forward where it fits, the chunked one for long query sequences, else the blocked one (None: the per-row kernel,
+    """The forward's form: the flash forward where it fits, else one workgroup per query row for a decode step's few
+    rows (``row_plan``), the chunked one for long query sequences, else the blocked one (None: the per-row kernel,
     unsliced)."""
-    return (row_plan(shape) or flash_plan(shape, limits) or chunked_plan(shape, limits)
+    return (flash_plan(shape, limits) or row_plan(shape) or chunked_plan(shape, limits)
             or block_plan(shape, "forward", limits))
 
 
 # ---------------------------------------------------------------------------------------------- per-row forward
-# A forward of at most this many query rows per head (a decode step's one, a few speculative tokens) runs one
-# workgroup per query row with its keys across the threads (the per-row kernel), cut into slices of the keys: the
-# blocked and flash forms give a workgroup a block of 16 to 64 query rows, all but these few idle, and the blocked
-# form one thread per row. H100, SmolLM2's decode (9 heads, one row each, a 256-position cache): the blocked forward
-# took 642 us a token over 30 layers, the flash forward 360.
+# Where the flash forward does not fit (WebGPU's default 16 KiB of workgroup storage: a portable bundle), a forward
+# of at most this many query rows per head (a decode step's one, a few speculative tokens) runs one workgroup per
+# query row with its keys across the threads (the per-row kernel), cut into slices of the keys, where the blocked
+# form gives a workgroup a block of 16 rows, one thread each, all but these few idle. H100, SmolLM2's decode (9 heads,
+# one row each, a 256-position cache), GPU us a token over 30 layers, two runs on two machines: blocked 643 and flash
+# 360 (adapter's limits) in one, per row 562 and 559 in the other; so flash comes first where it fits.
 ROW_FORWARD_MAX_ROWS = 4
 ROW_THREADS = 64  # threads of a per-row workgroup, and keys per tile
 

@@ -485,19 +485,19 @@ def _cache_masks(rows: int, keys: int) -> dict:
 @pytest.mark.parametrize("form", ["per_row", "flash", "blocked"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, form, rows):
-    """A decode step (one query row, or a few) over a static cache of 700 positions runs one workgroup per query row
-    and slice of the keys (``plans.row_plan``), and each form narrows its loop over keys to the span some row leaves
-    unmasked (``common.key_range``): the per-row form, and the flash and blocked forms (where the per-row one is
+    """A decode step (one query row, or a few) over a static cache of 700 positions: each forward form narrows its
+    loop over keys to the span some row leaves unmasked (``common.key_range``): the flash form where it fits, the
+    per-row form cut into slices of the keys (``plans.row_plan``) where it does not, and the blocked form (with both
     off), against eager for every mask kind (grouped-query attention, head size 64)."""
     import meganeura.kernels.attention.blocked as blocked_kernels
     import meganeura.kernels.attention.per_row as per_row_kernels
 
     if form == "flash" and not _flash_fits(64):
         pytest.skip("the device's workgroup storage does not hold the flash forward's tiles")
-    if form != "per_row":
-        monkeypatch.setattr(attention_plans, "row_plan", lambda shape: None)
-    if form == "blocked":  # as under WebGPU's default 16 KiB of workgroup storage (a portable bundle's)
+    if form != "flash":  # as under WebGPU's default 16 KiB of workgroup storage (a portable bundle's)
         monkeypatch.setattr(attention_plans, "flash_plan", lambda shape, limits: None)
+    if form == "blocked":
+        monkeypatch.setattr(attention_plans, "row_plan", lambda shape: None)
     module, name = {"per_row": (per_row_kernels, "sliced_forward"), "flash": (flash_kernels, "flash_forward"),
                     "blocked": (blocked_kernels, "blocked_forward")}[form]
     sources, generate = [], getattr(module, name)
