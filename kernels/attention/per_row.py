@@ -13,7 +13,7 @@ from __future__ import annotations
 import textwrap
 
 from ..matmul import fold_grid
-from .common import MASKED, PROB, entry, forward_outputs, key_range, key_range_arrays, slice_bounds
+from .common import MASKED, PROB, entry, forward_outputs, key_range, key_range_arrays, slice_bounds, vec4_loaders
 from .plans import ROW_THREADS, AttentionShape, RowPlan
 
 THREADS = ROW_THREADS  # threads per workgroup, and rows of the other sequence per tile
@@ -27,7 +27,7 @@ def per_row_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[st
     rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
     grid = fold_grid(rows * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     if kind == "forward":
-        body = _forward(shape, outs, plan, partial)
+        body = vec4_loaders(prelude, shape, "q", "k") + _forward(shape, outs, plan, partial)
     else:
         body = {"grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
     source = "\n".join([prelude, _constants(shape, rows, grid, plan), _helpers(shape), body])
@@ -87,14 +87,17 @@ def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | N
     (one key a thread) between ``key_from`` and ``key_to``; the output normalised into ``out`` (and the log-sum-exp
     into ``lse``), or, cut into slices, unnormalised with the running max and sum into the slice's row of
     ``partial`` (``merge``'s layout)."""
+    d4 = -(-s.d // 4)
     return f"""{key_range_arrays(s)}
+var<workgroup> row_q4: array<vec4<f32>, {d4}>;
+{TILE_FOLDS}
 {entry("T", "wid", "ROWS * SPLITS")}  let row = wid / SPLITS;
   let split = wid % SPLITS;
   let b = row / (H * LQ);
   let h = (row / LQ) % H;
   let i = row % LQ;
   let i0 = i;  // (the block of one row that key_range narrows over)
-  for (var c = tid; c < D; c = c + T) {{ row_a[c] = load_q(b, h, i, c); }}
+  for (var c4 = tid; c4 < {d4}u; c4 = c4 + T) {{ row_q4[c4] = load_q4(b, h, i, c4); }}
   workgroupBarrier();
 {slice_bounds("key", "LK")}
 {key_range(s, "T")}
@@ -104,26 +107,20 @@ def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | N
   for (var start = key_from; start < key_to; start = start + T) {{
     let j = start + tid;
     var sc = MASKED;
-    if (j < key_to) {{ sc = score_q(b, h, i, j); }}
+    if (j < key_to{" && j <= i" if s.causal else ""}) {{ sc = {_row_score(s, d4)}; }}
     tile_s[tid] = sc;
     workgroupBarrier();
-    var tile_max = MASKED;
-    for (var t = 0u; t < T; t = t + 1u) {{ tile_max = max(tile_max, tile_s[t]); }}
-    let m_new = max(m, tile_max);
+    let m_new = max(m, tile_max());
     tile_p[tid] = prob(sc, m_new);
     workgroupBarrier();
     let alpha = select(exp(m - m_new), 1.0, m <= MASKED);
-    var tile_sum = 0.0;
-    for (var t = 0u; t < T; t = t + 1u) {{ tile_sum = tile_sum + tile_p[t]; }}
-    l = l * alpha + tile_sum;
+    l = l * alpha + tile_sum();
+    let n = min(T, key_to - start);
     for (var r = 0u; r < PER_DV; r = r + 1u) {{
       let c = tid + r * T;
       if (c < DV) {{
-        var a = acc[r] * alpha;
-        for (var t = 0u; t < T && start + t < key_to; t = t + 1u) {{
-          a = a + tile_p[t] * load_v(b, h, start + t, c);
-        }}
-        acc[r] = a;
+{textwrap.indent(_values_times_probabilities(), "        ")}
+        acc[r] = acc[r] * alpha + (a0 + a1) + (a2 + a3);
       }}
     }}
     m = m_new;
@@ -131,6 +128,50 @@ def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | N
   }}
 {_forward_stores(s, outs, plan, partial)}
 }}
+"""
+
+
+def _row_score(s: AttentionShape, d4: int) -> str:
+    """WGSL: the scaled, biased score of the row's query (``row_q4``) against key row j, by vec4s of the key row
+    (two sums in flight)."""
+    bias = "load_bias(b, h, i, j)" if s.has_bias else "0.0"
+    halves = [" + ".join(f"row_q4[{c}u] * load_k4(b, h, j, {c}u)" for c in range(first, d4, 2)) or "vec4<f32>()"
+              for first in (0, 1)]
+    return f"dot(({halves[0]}) + ({halves[1]}), vec4<f32>(1.0)) * SCALE + {bias}"
+
+
+def _values_times_probabilities() -> str:
+    """WGSL: the tile's probabilities times column c of its value rows into a0..a3, four products in flight."""
+    return """var a0 = 0.0;
+var a1 = 0.0;
+var a2 = 0.0;
+var a3 = 0.0;
+var t = 0u;
+for (; t + 3u < n; t = t + 4u) {
+  a0 = fma(tile_p[t], load_v(b, h, start + t, c), a0);
+  a1 = fma(tile_p[t + 1u], load_v(b, h, start + t + 1u, c), a1);
+  a2 = fma(tile_p[t + 2u], load_v(b, h, start + t + 2u, c), a2);
+  a3 = fma(tile_p[t + 3u], load_v(b, h, start + t + 3u, c), a3);
+}
+for (; t < n; t = t + 1u) { a0 = fma(tile_p[t], load_v(b, h, start + t, c), a0); }"""
+
+
+# WGSL: a tile's largest score and its sum of probabilities, read four at a time (T is a multiple of 4).
+TILE_FOLDS = """fn tile_max() -> f32 {
+  var m4 = vec4<f32>(MASKED);
+  for (var t = 0u; t < T; t = t + 4u) {
+    m4 = max(m4, vec4<f32>(tile_s[t], tile_s[t + 1u], tile_s[t + 2u], tile_s[t + 3u]));
+  }
+  return max(max(m4.x, m4.y), max(m4.z, m4.w));
+}
+
+fn tile_sum() -> f32 {
+  var s4 = vec4<f32>(0.0);
+  for (var t = 0u; t < T; t = t + 4u) {
+    s4 = s4 + vec4<f32>(tile_p[t], tile_p[t + 1u], tile_p[t + 2u], tile_p[t + 3u]);
+  }
+  return (s4.x + s4.y) + (s4.z + s4.w);
+}
 """
 
 
