@@ -46,7 +46,7 @@ def wide_group(binding: str, start: str, c: str, kind: str, width: int) -> str:
 ATTENTION_ARGS = {"q": "bhic", "k": "bhjc", "v": "bhjc", "bias": "bhij", "dout": "bhic", "lse": "bhi", "delta": "bhi"}
 
 
-def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings: int) -> str:
+def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings: int, functions: str = "") -> str:
     """Binding declarations and one ``load_<operand>`` function per entry of ``loads``: (operand, its f32 expression,
     quads), quads being None or (slot, index of the row's first element in groups of 4, storage kind) for a head-size
     operand that reads
@@ -54,7 +54,8 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
     binding of the same value (``wide_binding_type``: vec4s of f32, vec2<u32>s of halves widened in registers;
     appended to ``bound`` and ``decl``), while the bindings stay within
     ``max_bindings``. H200: the flash forward of 6 heads x 1500 x 1500, d 64, 195 -> 183 us; 4 x 12 heads x 1024 x
-    1024 600 -> 585 us; 2 x 8 heads x 256 x 256, d 40 27.3 -> 24.9 us."""
+    1024 600 -> 585 us; 2 x 8 heads x 256 x 256, d 40 27.3 -> 24.9 us. ``functions``: further WGSL functions of the
+    kernel (an update's stores)."""
     loaders, aliases = [], set()
     for operand, e, quads in loads:
         args = ATTENTION_ARGS[operand]
@@ -72,7 +73,7 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
                 bound.append(bound[slot])
             loaders.append(wide_loader(f"load_{operand}4", tuple(args), args[-1], "",
                                        [(0, f"b{slot}_4", row, kind)], 4))
-    return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders]))
+    return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders, functions]))
 
 
 def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],
