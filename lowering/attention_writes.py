@@ -25,9 +25,12 @@ recompute (``fusion.PROLOGUE_OPS``: no transcendentals, no random numbers), and 
 limit with one to spare for the scratch of slices: where the update stores over its inputs it reads them through its
 outputs' bindings, and binds the status buffer. The merged node runs where the attention's other operands allow: at
 the update's place, or at the attention's where no node between them stores over an input (a counter's update
-after the caches' writes). A Llama layer with either cache binds 11 or 12 buffers so: the adapter's limits hold them
-(lavapipe's 32, a GPU's more), WebGPU's default 8 (a portable bundle's) do not, and that plan keeps its 6 dispatches
-a layer.
+after the caches' writes). A Llama layer's merged kernel binds 10 buffers with the default cache (the query, key and
+value, the rotary embedding's cosine and sine, the two caches and their concatenations, the output) and 11 with the
+static cache (the position, the mask and the status word in place of the concatenations' two), one more for the
+scratch of slices: the adapter's limits hold them (lavapipe's 32, a GPU's more), WebGPU's default 8 (a portable
+bundle's) do not, and such a plan keeps its 6 dispatches a layer (a GPT-2 layer, whose query, key and value are one
+tensor, fits them).
 """
 from __future__ import annotations
 
