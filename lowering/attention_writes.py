@@ -144,7 +144,7 @@ def _inverse(at: tuple, region_shape: tuple, shape: tuple) -> tuple[E.Expr, dict
         where, x = E.shift_coords(where, one), E.coord(d)
         if d in one and not _coords_of(where):  # one place along d (none to test where the output is one long)
             to_region[d] = E.const(0, E.I32)
-            conditions += [] if shape[d] == 1 else [E.binary("eq", x, where)]
+            conditions += [] if _same(shape[d], 1) else [E.binary("eq", x, where)]
             continue
         if where == x:
             offset = E.const(0, E.I32)
@@ -153,12 +153,19 @@ def _inverse(at: tuple, region_shape: tuple, shape: tuple) -> tuple[E.Expr, dict
         else:
             return None
         to_region[d] = E.binary("sub", x, offset)
-        if offset != E.const(0, E.I32) or n != shape[d]:
+        if offset != E.const(0, E.I32) or not _same(n, shape[d]):
             conditions += [E.binary("ge", x, offset), E.binary("lt", x, E.add(offset, _extent(n)))]
     inside = E.const(True, E.BOOL)
     for condition in conditions:
         inside = condition if inside == E.const(True, E.BOOL) else E.binary("and", inside, condition)
     return inside, to_region
+
+
+def _same(a, b) -> bool:
+    """Whether extents ``a`` and ``b`` are the same, comparing symbolic sizes by their form (no guard recorded)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return not isinstance(a, int) and not isinstance(b, int) and E.SizeLeaf(a) == E.SizeLeaf(b)
 
 
 def _other(args: tuple, x: E.Expr) -> E.Expr:

@@ -329,13 +329,29 @@ KERNELS = {Pointwise: _pointwise_kernels, Reduce: _reduce_kernels, Matmul: _matm
 def _attention_prelude(node: Attention, slots: Slots, max_bindings: int, functions: str = "") -> str:
     """``kernels.prelude.attention_prelude`` of ``node``: each operand expression read as f32, with the vec4 row
     reads of head-size operands (f32 or halves) where ``_quad_rows`` finds them (their bindings appended to the
-    slots); ``functions``: further WGSL functions of the kernel (an update's stores: ``_update_stores``)."""
+    slots); ``functions``: further WGSL functions of the kernel (an update's stores: ``_update_stores``). An operand
+    that reads a row from an update's expression or else plainly (``_row_branch``) branches between the two."""
     loads = []
     for operand, e in zip(node.operands(), slots.exprs):
         size = node.dv if operand in ("v", "dout") else node.d
         quads = _quad_rows(e, slots.decl, size, kinds=WIDE_KINDS) if ATTENTION_ARGS[operand][-1] == "c" else None
-        loads.append((operand, E.cast(e, E.F32), quads))
+        branch = _row_branch(e, slots.decl, size) if quads is None and ATTENTION_ARGS[operand][-1] == "c" else None
+        loads.append((operand, E.cast(e, E.F32), quads if branch is None else branch[0], branch))
     return attention_prelude(slots.decl, slots.bound, loads, max_bindings, functions)
+
+
+def _row_branch(e: E.Expr, decl, size: int) -> tuple[tuple, int] | None:
+    """(``_quad_rows`` of the plain read, its index in ``e.args``) where ``e`` is ``where(condition, a, b)`` over a
+    condition that does not read c (coordinate 3) and one side a plain read of rows that ``_quad_rows`` reads in
+    groups: an attention operand reading a cache that an update changes at a few rows, the update's values there
+    (``attention_writes``); None otherwise."""
+    if e.op != "where" or any(n.op == "coord" and n.args[0] == 3 for n in E.walk(e.args[0])):
+        return None
+    for side in (1, 2):
+        quads = _quad_rows(e.args[side], decl, size, kinds=WIDE_KINDS)
+        if quads is not None:
+            return quads, side
+    return None
 
 
 def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3, width: int = 4,
