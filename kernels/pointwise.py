@@ -18,7 +18,9 @@ evaluated per element (any other read stays a scalar load at the element's own c
 one vec4 store. A copy then moves 16 bytes a load instead of 4 (``QUAD_COPIES``): more bytes in flight per thread.
 
 ``scattered_kernel`` runs the same way over a region of its outputs (the elements an update changes), each element
-stored at an index that an expression computes, where another one says so.
+stored at an index that an expression computes, where another one says so. ``store_function`` is either kernel's
+work on one store unit as a function of its own, which another kernel's threads call (an attention pass storing the
+cache update it reads: ``meganeura.lowering.attention_writes``).
 """
 from __future__ import annotations
 
@@ -209,3 +211,30 @@ def _scattered_store(name: str, storage: str, results: list[str], where: list[st
     element = [f"({unit}) * {lanes}u + {lane}u" if lanes > 1 else unit for lane in range(lanes)]
     return "\n".join(f"  if ({element[lane]} < {end} && {kept[lane]} != 0u) {{ {name}[u32({where[lane]})] = {r}; }}"
                      for lane, r in enumerate(results))
+
+
+def store_function(name: str, *, outputs, shape, guarded: bool, index=None, keep=None) -> tuple[str, object]:
+    """(WGSL of ``fn name(first: u32)``, store units): the work of a ``pointwise_kernel`` over ``shape`` (or, given
+    ``index`` and ``keep``, of a ``scattered_kernel`` over that region) on store unit ``first`` (an element, or an
+    element pair where an output is stored in half precision), for the caller's threads to call for every unit below
+    the count; ``outputs`` and ``guarded`` as those kernels take them. The bindings are the caller's."""
+    total = product(shape)
+    lanes = 2 if any(storage in wgsl.HALF_STORAGE for *_, storage in outputs) else 1
+    places = [] if index is None else [("", "i32", index, ""), ("", "bool", keep, "")]
+    results = [[f"r{k}_{lane}" for lane in range(lanes)] for k in range(len(outputs) + len(places))]
+    declared = [f"  var {r}: {wgsl.STORAGE_TYPE[dtype]};"
+                for rs, (_, dtype, _, _) in zip(results, outputs + places) for r in rs]
+    computed = []
+    for lane in range(lanes):
+        element = f"first * {lanes}u + {lane}u" if lanes > 1 else "first"
+        at = f"min({element}, {wgsl.size_u32(size_max(total - 1, 0))})"
+        computed.append(_compute(outputs + places, [rs[lane] for rs in results], at, shape))
+    if index is None:
+        stored = [_store(out, storage, rs, "first", lanes, total) for rs, (out, _, _, storage) in zip(results, outputs)]
+    else:
+        stored = [_scattered_store(out, storage, rs, results[-2], results[-1], "first", lanes, total)
+                  for rs, (out, _, _, storage) in zip(results, outputs)]
+    if guarded:
+        stored = [f"  if (atomicLoad(&{wgsl.STATUS_VAR}[0]) == 0u) {{", *stored, "  }"]
+    body = "\n".join(declared + computed + stored)
+    return f"fn {name}(first: u32) {{\n{body}\n}}\n", ceil_div(total, lanes)

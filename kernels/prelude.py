@@ -46,7 +46,7 @@ def wide_group(binding: str, start: str, c: str, kind: str, width: int) -> str:
 ATTENTION_ARGS = {"q": "bhic", "k": "bhjc", "v": "bhjc", "bias": "bhij", "dout": "bhic", "lse": "bhi", "delta": "bhi"}
 
 
-def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings: int) -> str:
+def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings: int, functions: str = "") -> str:
     """Binding declarations and one ``load_<operand>`` function per entry of ``loads``: (operand, its f32 expression,
     quads), quads being None or (slot, index of the row's first element in groups of 4, storage kind) for a head-size
     operand that reads
@@ -54,25 +54,66 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
     binding of the same value (``wide_binding_type``: vec4s of f32, vec2<u32>s of halves widened in registers;
     appended to ``bound`` and ``decl``), while the bindings stay within
     ``max_bindings``. H200: the flash forward of 6 heads x 1500 x 1500, d 64, 195 -> 183 us; 4 x 12 heads x 1024 x
-    1024 600 -> 585 us; 2 x 8 heads x 256 x 256, d 40 27.3 -> 24.9 us."""
+    1024 600 -> 585 us; 2 x 8 heads x 256 x 256, d 40 27.3 -> 24.9 us. ``functions``: further WGSL functions of the
+    kernel (an update's stores).
+
+    An entry may hold a fourth item, a branch: (condition, index in ``e.args`` of the plain read that ``quads``
+    describes) where ``e`` is ``where(condition, a, b)`` over a condition that does not read c and one plain read of
+    a row (a cache that an update changes at a few rows: ``meganeura.lowering.attention_writes``). Its loaders then
+    branch on the condition, once per group in ``load_<operand>4``: the other side, computed element by element, only
+    where the condition takes it, the read's group otherwise."""
     loaders, aliases = [], set()
-    for operand, e, quads in loads:
+    for operand, e, quads, *branch in loads:
         args = ATTENTION_ARGS[operand]
-        head = ", ".join(f"{x}: u32" for x in args)
-        casts = "".join(f"  let {x}_ = i32({x});\n" for x in args)
-        em = wgsl.Emitter([f"{x}_" for x in args])
-        value = em.value(e)
-        loaders.append(f"fn load_{operand}({head}) -> f32 {{\n{casts}" + "\n".join(em.lines)
-                       + f"\n  return {value};\n}}")
+        side = branch[0][1] if branch and branch[0] is not None else None  # (the plain read's side of a branch)
+        if side is not None:
+            loaders.append(_branch_loaders(f"load_{operand}", args, e))
+        else:
+            loaders.append(_element_loader(f"load_{operand}", args, e, "f32"))
         if quads is not None and (quads[0] in aliases or len(bound) < max_bindings):
             slot, row, kind = quads
             if slot not in aliases:  # one vec4 binding per value, however many operands read it
                 aliases.add(slot)
                 decl.append((len(bound), f"b{slot}_4", wide_binding_type(kind, 4)))
                 bound.append(bound[slot])
-            loaders.append(wide_loader(f"load_{operand}4", tuple(args), args[-1], "",
-                                       [(0, f"b{slot}_4", row, kind)], 4))
-    return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders]))
+            name = f"load_{operand}" + (f"_{side}4" if side is not None else "4")
+            loaders.append(wide_loader(name, tuple(args), args[-1], "", [(0, f"b{slot}_4", row, kind)], 4))
+            if side is not None:
+                loaders.append(_branch_group(f"load_{operand}", args, side))
+    return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders, functions]))
+
+
+def _element_loader(name: str, args: str, e, dtype: str) -> str:
+    """``fn name(<args>: u32) -> dtype``: ``e`` over the arguments (each also as i32 ``<arg>_``)."""
+    head = ", ".join(f"{x}: u32" for x in args)
+    casts = "".join(f"  let {x}_ = i32({x});\n" for x in args)
+    em = wgsl.Emitter([f"{x}_" for x in args])
+    value = em.value(e)
+    return f"fn {name}({head}) -> {dtype} {{\n{casts}" + "\n".join(em.lines) + f"\n  return {value};\n}}"
+
+
+def _branch_loaders(name: str, args: str, e) -> str:
+    """``name``, the loader of ``e = where(condition, a, b)`` (``attention_prelude``'s branch), as a branch between
+    ``name_1`` (a) and ``name_2`` (b) on ``name_if``: only the side the condition takes is computed."""
+    condition, taken, other = e.args
+    call = f"({', '.join(args)})"
+    return "\n".join([_element_loader(f"{name}_if", args, condition, "bool"),
+                      _element_loader(f"{name}_1", args, taken, "f32"),
+                      _element_loader(f"{name}_2", args, other, "f32"),
+                      f"fn {name}({', '.join(f'{x}: u32' for x in args)}) -> f32 {{\n"
+                      f"  if ({name}_if{call}) {{ return {name}_1{call}; }}\n  return {name}_2{call};\n}}"])
+
+
+def _branch_group(name: str, args: str, read: int) -> str:
+    """``name4(<args but the last>, c4)``: group c4 of 4 elements of ``_branch_loaders``' ``name``: the plain read's
+    group (``name_<read>4``) on its side of the condition (which does not read c), the other side's 4 elements on
+    the other."""
+    row, head = ", ".join(args[:-1]), ", ".join(f"{x}: u32" for x in args[:-1])
+    wide = f"{name}_{read}4({row}, c4)"
+    elements = "vec4<f32>(" + ", ".join(f"{name}_{3 - read}({row}, 4u * c4 + {k}u)" for k in range(4)) + ")"
+    taken, otherwise = (wide, elements) if read == 1 else (elements, wide)
+    return (f"fn {name}4({head}, c4: u32) -> vec4<f32> {{\n  if ({name}_if({row}, 0u)) {{ return {taken}; }}\n"
+            f"  return {otherwise};\n}}")
 
 
 def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],

@@ -15,7 +15,9 @@ outputs, a layer's key and value cache writes, in one kernel: sibling_updates.py
 from the first in-place update on run first, in kernels of their own, those that read only inputs together at the
 front, and the index arithmetic they leave unchecked inlined into its readers: data_checks.py) -> hoist_writers
 (in-place updates moved up to just after their last dependency: in_place.py) -> run_over_regions (an update stored over
-its input, a KV cache's, computes only the elements it changes: regions.py) -> schedule (memory plan + WGSL +
+its input, a KV cache's, computes only the elements it changes: regions.py) -> fuse_attention_writes (a cache update
+that an attention pass reads stored by that pass's dispatch, the pass reading the update's expressions:
+attention_writes.py) -> schedule (memory plan + WGSL +
 dispatches; a decode attention's slices merged by the projection that reads them: slice_merges.py).
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
@@ -26,15 +28,17 @@ bodies), ``builder`` (``GraphBuilder``: the vocabulary op lowerings add nodes wi
 to linear reads, i32 simplification), ``bindings`` (each kernel within the adapter's storage-binding limit),
 ``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
 ``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``,
-``sibling_updates``, ``epilogues``, ``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs
-written over an input's buffer), ``data_checks`` (checks run before any input is overwritten), ``regions`` (updates
-run over the elements they change), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a
+``sibling_updates``, ``attention_writes`` (a cache update run by the attention that reads it), ``epilogues``,
+``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs written over an input's buffer),
+``data_checks`` (checks run before any input is overwritten), ``regions`` (updates run over the elements they
+change), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a
 fused graph to a ``Plan``: memory plan, WGSL, dispatches) with ``node_kernels`` (each node's kernels, by archetype),
 ``slice_merges`` (an attention pass's slices merged by the matrix-vector product that reads its output, in place of
 a merge dispatch), ``plan_cache`` (compiled plans kept on disk across processes).
 """
 from __future__ import annotations
 
+from .attention_writes import fuse_attention_writes
 from .bindings import fit_bindings
 from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
@@ -73,8 +77,10 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     separated = separate_checks(graph, max_bindings, report)
     hoisted = hoist_writers(graph)
     whole_updates = run_over_regions(graph)
+    attention_writes = fuse_attention_writes(graph, max_bindings, report)
     plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,
                                           "hoisted_writers": hoisted, "rematerialized": copies,
-                                          "separated_checks": separated, "whole_updates": whole_updates},
+                                          "separated_checks": separated, "whole_updates": whole_updates,
+                                          "attention_writes": attention_writes},
                     choose_matmuls=choose_matmuls, on_kernel=on_kernel)
     return plan, report

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 
 from . import expr as E
-from .ir import Attention, Graph, Node, Pointwise, Value, kernel_forms
+from .ir import Attention, Graph, Node, Pointwise, Scatter, Value, kernel_forms
 
 _LOGICAL = {E.F32: "float32", E.I32: "int32", E.BOOL: "bool"}  # a part's value type from its expression's
 
@@ -32,10 +32,14 @@ def checks(exprs) -> bool:
 
 def kernel_bindings(node: Node) -> int:
     """Storage bindings of ``node``'s kernel before any scratch: the values it reads and writes, and the status
-    buffer where an expression checks something (of its largest form: ``ir.kernel_forms``)."""
+    buffer where an expression checks something (of its largest form: ``ir.kernel_forms``). An attention pass that
+    stores an update over the inputs it reads (``Attention.writes``: a ``Scatter``) reads them through its outputs'
+    bindings, and binds the status buffer (where the plan checks data, it stores only while no check failed)."""
     outs = {v.id for v in node.outs}
-    return max(len({ld.args[0] for e in form for ld in E.loads_of(e)} | outs) + checks(form)
-               for form in kernel_forms(node))
+    writes = getattr(node, "writes", None)
+    shared = set(writes.region.bases) if isinstance(writes, Scatter) else set()
+    return max(len(({ld.args[0] for e in form for ld in E.loads_of(e)} - shared) | outs)
+               + (checks(form) or bool(shared)) for form in kernel_forms(node))
 
 
 def fit_bindings(graph: Graph, max_bindings: int) -> int:

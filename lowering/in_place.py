@@ -33,7 +33,7 @@ from meganeura.runtime.dtypes import STORAGE
 from . import expr as E
 from .bindings import checks
 from .indexing import linear_index, simplify
-from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, Scatter, Value, last_reads
+from .ir import Graph, Input, Matmul, Node, Pointwise, Reduce, Scatter, Value, last_reads, storing_node
 
 
 class StoredOver(NamedTuple):
@@ -89,6 +89,7 @@ def _refusal(v: Value, target: Input, producers: dict, step: dict, last_read: di
 def writer_refusal(v: Value, target: Input, writer: Node) -> str | None:
     """Why ``writer``'s output ``v`` cannot be stored over ``target``'s buffer whatever the kernels' order, or None:
     the rules of the module docstring but those on the kernels before and after it."""
+    writer = storing_node(writer, v.id)  # (an update an attention pass runs: its own rules, ``attention_writes``)
     old = target.out
     if target.role != "input":
         return "the input is a param buffer, which the plan does not rebind per run"

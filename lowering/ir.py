@@ -245,7 +245,11 @@ class Attention(Node):
 
     Operands are expressions: q over (b, h, i, c), k and v over (b, h, j, c) with h the query head (grouped-query
     attention maps it to its KV head in the expression), the additive ``bias`` over (b, h, i, j), and for the
-    backward passes dout over (b, h, i, c), lse and delta over (b, h, i). Unused operands are None."""
+    backward passes dout over (b, h, i, c), lse and delta over (b, h, i). Unused operands are None.
+
+    ``writes``: an update of the values the pass reads (a KV cache's new rows: a ``Scatter``, or a ``Pointwise``
+    concatenation) whose stores its dispatch runs too, its outputs after the pass's own in ``outs``; the pass reads
+    what the update stores from the update's own expressions (``attention_writes``)."""
 
     kind: str = "forward"
     batch: int = 1
@@ -265,23 +269,33 @@ class Attention(Node):
     lse: E.Expr | None = None
     delta: E.Expr | None = None
     label: str = "attention"
+    writes: Pointwise | Scatter | None = None
+
+    @property
+    def own_outs(self) -> list[Value]:
+        """The pass's own outputs: ``outs`` without those of ``writes``."""
+        return self.outs[:len(self.outs) - len(self.writes.outs)] if self.writes is not None else self.outs
 
     def operands(self) -> list[str]:
         """Names of the operands this pass uses, in ``exprs()`` order."""
         return [name for name in ATTENTION_OPERANDS if getattr(self, name) is not None]
 
     def exprs(self):
-        return [getattr(self, name) for name in self.operands()]
+        """The operands' expressions, then those of ``writes``."""
+        return [getattr(self, name) for name in self.operands()] + (self.writes.exprs() if self.writes else [])
 
     def domains(self):
         b, h, lq, lk = self.batch, self.heads, self.lq, self.lk
         shapes = {"q": (b, h, lq, self.d), "k": (b, h, lk, self.d), "v": (b, h, lk, self.dv),
                   "bias": (b, h, lq, lk), "dout": (b, h, lq, self.dv), "lse": (b, h, lq), "delta": (b, h, lq)}
-        return [shapes[name] for name in self.operands()]
+        return [shapes[name] for name in self.operands()] + (self.writes.domains() if self.writes else [])
 
     def set_exprs(self, exprs):
-        for name, e in zip(self.operands(), exprs):
+        names = self.operands()
+        for name, e in zip(names, exprs):
             setattr(self, name, e)
+        if self.writes is not None:
+            self.writes.set_exprs(list(exprs[len(names):]))
 
 
 @dataclass
@@ -301,6 +315,13 @@ class Scatter(Node):
 
     def set_exprs(self, exprs):
         self.region = self.region.with_exprs(exprs)
+
+
+def storing_node(node: Node, vid: int) -> Node:
+    """The node whose kernel code stores value ``vid`` of ``node``: the update an attention pass runs in its dispatch
+    (``Attention.writes``) for that update's outputs, else ``node`` itself."""
+    writes = getattr(node, "writes", None)
+    return writes if writes is not None and any(v.id == vid for v in writes.outs) else node
 
 
 def kernel_forms(node: Node, exprs: list[E.Expr] | None = None) -> list[list[E.Expr]]:

@@ -280,13 +280,45 @@ def _gemv_wide(node: Matmul, slots: Slots, decl: list, bound: list, limits: dict
 
 
 def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, variant) -> list[tuple]:
+    """The attention pass (and the merge of its slices); where it runs an update's stores (``Attention.writes``),
+    its first dispatch's threads run them too (``with_side_stores``)."""
     partial = slots.name(slots.bound.index(scratch[1])) if scratch is not None else None
     # (a vec4 binding needs its offset, a binding offset, on a 16-byte boundary)
     vec4_bindings = limits.get("min-storage-buffer-offset-alignment", 256) % 16 == 0
+    functions, units = _update_stores(node, slots)
     prelude = _attention_prelude(node, slots,
-                                 limits.get("max-storage-buffers-per-shader-stage", 8) if vec4_bindings else 0)
-    return [(src, groups, slots.bound) for src, groups in attention_kernels.attention_kernel(
-        prelude, node.kind, attention_shape(node), [slots.name(s) for s in slots.out_slots], limits, partial)]
+                                 limits.get("max-storage-buffers-per-shader-stage", 8) if vec4_bindings else 0,
+                                 functions)
+    outs = [slots.name(s) for s in slots.out_slots[:len(node.own_outs)]]
+    passes = [[src, groups, slots.bound] for src, groups in attention_kernels.attention_kernel(
+        prelude, node.kind, attention_shape(node), outs, limits, partial)]
+    if node.writes is not None:
+        passes[0][0] = attention_kernels.with_side_stores(passes[0][0], UPDATE_STORES, wgsl.size_u32(units))
+    return [tuple(p) for p in passes]
+
+
+UPDATE_STORES = "mg_update_store"  # the WGSL function of an attention pass's update's stores (``_update_stores``)
+
+
+def _update_stores(node: Attention, slots: Slots) -> tuple[str, object]:
+    """(WGSL of the function that stores one unit of ``node``'s update, ``UPDATE_STORES``, and the count of units)
+    of a pass that runs an update's stores (``Attention.writes``: ``pointwise.store_function`` as the update's own
+    kernel would store, over its region for a ``Scatter``), or ("", 0)."""
+    writes = node.writes
+    if writes is None:
+        return "", 0
+    exprs = slots.exprs[len(node.operands()):]
+    out_slots = slots.out_slots[len(node.own_outs):]
+    if isinstance(writes, Scatter):
+        region = writes.region
+        n = len(region.at)
+        at, keep, values = exprs[:n], exprs[n], exprs[n + 1:]
+        index = simplify(linear_index(at, writes.out.shape), dict(enumerate(region.shape)))
+        extra, shape = dict(index=index, keep=keep), region.shape
+    else:
+        values, extra, shape = exprs, {}, writes.out.shape
+    outputs = [(slots.name(s), v.compute_dtype, e, slots.storage[s]) for s, v, e in zip(out_slots, writes.outs, values)]
+    return pointwise_kernels.store_function(UPDATE_STORES, outputs=outputs, shape=shape, guarded=slots.guarded, **extra)
 
 
 # The kernel generator of each IR node type: (node, its Slots, limits, scratch, matmul variant) -> the passes.
@@ -294,16 +326,32 @@ KERNELS = {Pointwise: _pointwise_kernels, Reduce: _reduce_kernels, Matmul: _matm
            Attention: _attention_kernels, Scatter: _scatter_kernels}
 
 
-def _attention_prelude(node: Attention, slots: Slots, max_bindings: int) -> str:
+def _attention_prelude(node: Attention, slots: Slots, max_bindings: int, functions: str = "") -> str:
     """``kernels.prelude.attention_prelude`` of ``node``: each operand expression read as f32, with the vec4 row
     reads of head-size operands (f32 or halves) where ``_quad_rows`` finds them (their bindings appended to the
-    slots)."""
+    slots); ``functions``: further WGSL functions of the kernel (an update's stores: ``_update_stores``). An operand
+    that reads a row from an update's expression or else plainly (``_row_branch``) branches between the two."""
     loads = []
     for operand, e in zip(node.operands(), slots.exprs):
         size = node.dv if operand in ("v", "dout") else node.d
         quads = _quad_rows(e, slots.decl, size, kinds=WIDE_KINDS) if ATTENTION_ARGS[operand][-1] == "c" else None
-        loads.append((operand, E.cast(e, E.F32), quads))
-    return attention_prelude(slots.decl, slots.bound, loads, max_bindings)
+        branch = _row_branch(e, slots.decl, size) if quads is None and ATTENTION_ARGS[operand][-1] == "c" else None
+        loads.append((operand, E.cast(e, E.F32), quads if branch is None else branch[0], branch))
+    return attention_prelude(slots.decl, slots.bound, loads, max_bindings, functions)
+
+
+def _row_branch(e: E.Expr, decl, size: int) -> tuple[tuple, int] | None:
+    """(``_quad_rows`` of the plain read, its index in ``e.args``) where ``e`` is ``where(condition, a, b)`` over a
+    condition that does not read c (coordinate 3) and one side a plain read of rows that ``_quad_rows`` reads in
+    groups: an attention operand reading a cache that an update changes at a few rows, the update's values there
+    (``attention_writes``); None otherwise."""
+    if e.op != "where" or any(n.op == "coord" and n.args[0] == 3 for n in E.walk(e.args[0])):
+        return None
+    for side in (1, 2):
+        quads = _quad_rows(e.args[side], decl, size, kinds=WIDE_KINDS)
+        if quads is not None:
+            return quads, side
+    return None
 
 
 def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3, width: int = 4,

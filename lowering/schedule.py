@@ -23,7 +23,8 @@ from . import expr as E
 from .bindings import checks, kernel_bindings
 from .indexing import linear_index, simplify
 from .in_place import StoredOver, arena_aliases, in_place_outputs
-from .ir import Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Scatter, Value, last_reads
+from .ir import (Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Scatter, Value, last_reads,
+                 storing_node)
 from .node_kernels import (KERNELS, Slots, attention_shape, fast_axes, looped_operand, matmul_prelude_of,
                            matmul_quads, stores_pairs)
 from .planner import Interval, place
@@ -117,7 +118,7 @@ def _check_scatters(graph: Graph, kernels: list[Node], over: dict) -> None:
     """Raise where a ``Scatter``'s output is not stored over its base: its kernel stores only the elements it
     changes, so the rest would be garbage (``regions`` makes one only where the output is)."""
     stored = {graph.outputs[i].id: target.out.id for i, target in over.items()}
-    for node in kernels:
+    for node in (storing_node(n, n.outs[-1].id) for n in kernels):  # (an attention pass's update: ``writes``)
         if isinstance(node, Scatter) and any(stored.get(v.id) != b for v, b in zip(node.outs, node.region.bases)):
             raise ValueError(f"{node.label or 'scatter'} stores only the elements it changes, but an output of it "
                              "is not stored over the input it updates")
@@ -137,8 +138,9 @@ def _narrowed_outputs(graph: Graph) -> tuple[Graph, dict[str, str]]:
     by pairs of elements; the copy reads the producer's f32 result from the arena."""
     producers = graph.producers()
     in_place = {graph.outputs[i].id for i in graph.in_place}
-    why = {v.id: pair_refusal(producers[v.id], v.id, v.id in in_place) for v in graph.outputs
-           if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(producers[v.id], (Pointwise, Scatter, Input))}
+    stores = {v.id: storing_node(producers[v.id], v.id) for v in graph.outputs}
+    why = {v.id: pair_refusal(stores[v.id], v.id, v.id in in_place) for v in graph.outputs
+           if STORAGE[v.dtype] in HALF_STORAGE and not isinstance(stores[v.id], (Pointwise, Scatter, Input))}
     narrow = {vid for vid, reason in why.items() if reason is not None}
     if not narrow:
         return graph, {}
@@ -438,7 +440,8 @@ def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")
     if not isinstance(node, (Pointwise, Scatter)):  # (a scatter's pairs: ``regions``)
-        refused = [pair_refusal(node, v.id, False) for v in node.outs if stored.get(v.id) in HALF_STORAGE]
+        refused = [pair_refusal(node, v.id, False) for v in node.outs
+                   if stored.get(v.id) in HALF_STORAGE and storing_node(node, v.id) is node]
         if any(refused):
             raise TypeError(f"{type(node).__name__} node stores half precision: {next(filter(None, refused))}")
     return generate(node, slots, limits, scratch, variant)

@@ -46,7 +46,7 @@ def slice_merges(kernels: list[Node], placement: dict, limits: dict, variants: d
             readers.setdefault(vid, []).append(step)
     merges = {}
     for node in kernels:
-        if not (isinstance(node, Attention) and node.kind == "forward" and len(node.outs) == 1):
+        if not (isinstance(node, Attention) and node.kind == "forward" and len(node.own_outs) == 1):
             continue
         out = node.out
         steps = readers.get(out.id, [])

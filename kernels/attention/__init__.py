@@ -27,9 +27,9 @@ every score masked outputs zeros (like PyTorch's math attention).
 Tests that switch a form off patch the module that reads the name: ``plans.FLASH_MAX_HEAD``,
 ``plans.CHUNKED_MAX_HEAD``, ``flash.flash_forward``, ``chunked.chunked_forward``.
 """
-from .common import MASKED
+from .common import MASKED, with_side_stores
 from .dispatch import attention_kernel
 from .plans import AttentionShape, BlockPlan, FlashPlan, attention_splits, flash_forward_fits, partial_floats
 
 __all__ = ["MASKED", "AttentionShape", "BlockPlan", "FlashPlan", "attention_kernel", "attention_splits",
-           "flash_forward_fits", "partial_floats"]
+           "flash_forward_fits", "partial_floats", "with_side_stores"]

@@ -1,7 +1,10 @@
 """WGSL pieces shared by the attention passes: the masked-score convention (``MASKED``, ``PROB``), the kernel head
-over a folded grid (and over blocks of rows), u32 constants, vec4 loaders over the caller's element loads, and the
+over a folded grid (and over blocks of rows) and the stores of an update its threads run (``with_side_stores``), u32
+constants, vec4 loaders over the caller's element loads, and the
 constants and range of a pass cut into slices of the other sequence."""
 from __future__ import annotations
+
+import re
 
 from .. import wgsl
 from ..sizes import is_size
@@ -71,13 +74,34 @@ def forward_outputs(outs: list[str]) -> tuple[str, str | None]:
     return outs[0], (outs[1] if len(outs) > 1 else None)
 
 
+# The line of ``entry`` after which a pass's threads run the stores of an update (``with_side_stores``).
+EXIT = "{ return; }  // uniform: the whole workgroup leaves"
+_ENTRY = re.compile(r"@compute @workgroup_size\((?P<size>[^)]+)\)\nfn main\([^\n]*\n[^\n]*\n"
+                    r"  if \((?P<index>\w+) >= (?P<count>[^)]+)\) " + re.escape(EXIT)
+                    + "\n")
+
+
 def entry(size: str = "T", index: str = "row", count: str = "ROWS") -> str:
     """The kernel's head: ``index``, the linear workgroup id (folded grids), and an exit for ids past ``count``."""
     return f"""@compute @workgroup_size({size})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {{
   let {index} = wg.x + wg.y * GRID_X + wg.z * GRID_XY;
-  if ({index} >= {count}) {{ return; }}  // uniform: the whole workgroup leaves
+  if ({index} >= {count}) {EXIT}
 """
+
+
+def with_side_stores(source: str, function: str, units: str) -> str:
+    """``source``, a pass whose ``main`` starts with ``entry``, with every thread of its live workgroups calling
+    ``function(unit)`` for its share of the ``units`` (u32 text) store units, a workgroup's threads on neighbouring
+    units, before the pass's own work: the stores of an update that the pass reads from the update's expressions
+    (``meganeura.lowering.attention_writes``), without a barrier (the loop may take any number of turns)."""
+    head = _ENTRY.search(source)
+    if head is None:
+        raise ValueError("with_side_stores: no entry() head in the pass")
+    size, index, count = head.group("size"), head.group("index"), head.group("count")
+    loop = (f"  for (var mg_unit = {index} * ({size}) + tid; mg_unit < {units}; "
+            f"mg_unit = mg_unit + ({count}) * ({size})) {{ {function}(mg_unit); }}\n")
+    return source[:head.end()] + loop + source[head.end():]
 
 
 def u32_constants(**values) -> str:

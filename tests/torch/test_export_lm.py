@@ -29,9 +29,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 # decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own), then 9 (the rotary
 # embedding of the query, each cache write and the merge of the slices apart).
 LLAMA_DECODE_DISPATCHES_PER_LAYER = 6
-# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the same
-# kernels. Before decode fusion: 10, then 7 (the merge of the slices apart).
-LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE = 6
+# With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the cache
+# writes run by the attention's dispatch too (lowering/attention_writes.py: 12 bindings, more than the portable 8).
+# Before decode fusion: 10, then 7 (the merge of the slices apart), then 6 (the cache writes a kernel of their own).
+LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE = 5
+# A GPT-2 layer's, portable: the query, key and value projection, attention (+ the cache writes), the output
+# projection, the MLP's two products. Before: 6 (the cache writes a kernel of their own).
+GPT2_DECODE_DISPATCHES_PER_LAYER = 5
 WIDE_BINDINGS = 16  # an adapter with at least this many storage bindings per stage holds those kernels
 CACHE = 96  # positions: an 8-token prompt and 64 new tokens, and a 40-token prompt (two prefill runs of 32)
 # Positions enough that a decode step's attention is cut into slices of the keys (flash-decoding), merged by the output
@@ -292,3 +296,17 @@ def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, porta
     want = LLAMA_DECODE_DISPATCHES_PER_LAYER if portable else LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE
     assert second - first == want, labels
     assert "mean" not in labels[first:second], labels
+
+
+def test_a_gpt2_layer_writes_its_cache_in_the_attention_within_the_portable_limits(tmp_path):
+    """GPT-2's query, key and value are one tensor: the attention storing a layer's cache writes binds 7 buffers and
+    its scratch, within WebGPU's default 8, so a portable bundle's layer takes GPT2_DECODE_DISPATCHES_PER_LAYER
+    dispatches (lowering/attention_writes.py; its tokens equal HF's:
+    test_attention_slices_merged_by_the_output_projection_give_eager_tokens)."""
+    torch.manual_seed(0)
+    torch_meganeura.export_lm(_gpt2(), tmp_path / "lm", max_cache_len=SLICED_CACHE)
+    plan = read_lm_bundle(tmp_path / "lm").phases["decode"].plan
+    labels = [d.label for d in plan.dispatches]
+    first, second = [i for i, label in enumerate(labels) if label == "attention"]
+    assert second - first == GPT2_DECODE_DISPATCHES_PER_LAYER and plan.stats["attention_writes"] == 2, labels
+    assert "index_put" not in labels, labels

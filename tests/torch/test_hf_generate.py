@@ -238,14 +238,15 @@ def test_steady_decode_steps_build_no_bind_groups():
 
 
 
-# A decode step's dispatches per Llama layer, with either cache: the query/key/value projection, the key and value
-# cache writes in one kernel (the static cache's computing the position too; lowering/sibling_updates.py), attention,
-# the output projection, gate and up, down: as many as the generation bundle's
-# (test_export_lm.LLAMA_DECODE_DISPATCHES_PER_LAYER). Before: 11 with the static cache (the position's index
-# arithmetic, its int64 overflow and two bounds checks in kernels of each layer's, the counter's own overflow check
-# too, and the value write apart from the key's, the value cache's length a symbol of its own), 7 with the default
-# cache (the key's and the value's concatenations in kernels of their own).
-DECODE_DISPATCHES_PER_LAYER = 6
+# A decode step's dispatches per Llama layer, with either cache: the query/key/value projection, attention with the
+# key and value cache writes in its dispatch (the static cache's new rows, the default cache's concatenations; the
+# position computed there too; lowering/attention_writes.py), the output projection, gate and up, down: as many as the
+# generation bundle's for the adapter's limits (test_export_lm.LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE). Before: 11
+# with the static cache (the position's index arithmetic, its int64 overflow and two bounds checks in kernels of each
+# layer's, the counter's own overflow check too, and the value write apart from the key's, the value cache's length
+# a symbol of its own), 7 with the default cache (the key's and the value's concatenations in kernels of their own),
+# then 6 (the two cache writes in one kernel of their own: lowering/sibling_updates.py).
+DECODE_DISPATCHES_PER_LAYER = 5
 # Not a layer's, static cache: the position checks of every layer (one kernel at the front), the rotary embedding's
 # cosine and sine, the counters' update (one kernel after the last cache write) and the last norm with the head's
 # product; default cache: the rotary embedding's and the head's.
