@@ -4,7 +4,7 @@ scheduling (``compile_graph``).
 An entry is keyed by a fingerprint of the graph (every node's fields and expressions, value ids, shapes and
 dtypes, input names), the device limits the plan was compiled for (the only thing ``compile_graph`` reads about the
 adapter), what tuned its matmul variants if anything did (``tuned_for``: the tuner's adapter fingerprint) and a
-digest of the compiler's own source (``meganeura.lowering``, ``meganeura.kernels`` and the plan
+digest of the compiler's own source (``meganeura.lowering``, ``meganeura.kernels`` with its subpackages, and the plan
 format), so a changed compiler never reads an older plan. An entry is one JSON file holding its key, the plan,
 the fusion report and a SHA-256 of those; a file that does not parse, whose checksum or key does not match, or
 whose plan does not validate is ignored and replaced, never used.
@@ -89,16 +89,23 @@ def _key(graph: Graph, limits: dict, tuned_for: str | None = None) -> str | None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def compiler_sources() -> list[tuple[str, Path]]:
+    """(name, path) of every module that makes a plan: the lowering and kernel packages with their subpackages (the
+    attention kernels are ``kernels/attention``), and the plan's own module; each named by its path in its
+    package."""
+    sources = []
+    for package in (Path(__file__).parent, Path(kernels.__file__).parent):
+        sources += [(f"{package.name}/{f.relative_to(package).as_posix()}", f) for f in sorted(package.rglob("*.py"))]
+    return sources + [("plan", Path(plan_module.__file__))]
+
+
 def _compiler_digest() -> str:
     """SHA-256 over the source of the modules that make a plan (computed once per process)."""
     global _source_digest
     if _source_digest is None:
-        here = Path(__file__).parent
-        files = sorted(here.glob("*.py")) + sorted(Path(kernels.__file__).parent.glob("*.py"))
-        files.append(Path(plan_module.__file__))
         digest = hashlib.sha256()
-        for f in files:
-            digest.update(f.name.encode())
+        for name, f in compiler_sources():
+            digest.update(name.encode())
             digest.update(f.read_bytes())
         _source_digest = digest.hexdigest()
     return _source_digest

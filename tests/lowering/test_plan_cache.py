@@ -98,3 +98,17 @@ def test_unwritable_directory_only_loses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(plan_cache.CACHE_ENV, str(blocker / "plans"))  # a directory under a file: cannot exist
     plan, _, hit = plan_cache.cached_compile_graph(softmax_graph(), get_device().limits)
     assert not hit and plan.dispatches
+
+
+def test_the_compiler_digest_covers_every_kernel_module_by_its_path():
+    """A changed module anywhere in the kernel and lowering packages, the attention kernels' subpackage included,
+    changes the key: every such file is digested, under a name that tells same-named files apart."""
+    from pathlib import Path
+
+    import meganeura.kernels as kernels
+
+    names = [name for name, _ in plan_cache.compiler_sources()]
+    package = Path(kernels.__file__).parent
+    every = {f"kernels/{f.relative_to(package).as_posix()}" for f in package.rglob("*.py")}
+    assert every <= set(names) and "kernels/attention/flash.py" in names
+    assert len(names) == len(set(names))
