@@ -15,6 +15,10 @@ three shares are timed at a few entry points (a few calls a step, so the timing 
 - ``torch``: the rest of the phase: dynamo's guards and frame, aot_autograd's runtime wrappers, the autograd
   engine, the optimizer's ``step`` wrapper, and the garbage collector where it runs in them.
 
+The same workload's resident step (``compile_train_step``) is then timed in the same process, under the same load:
+the loop over it is issue 50's gate, and (torch's share + the device's) over it what the loop would take with no
+work of ours at all.
+
 With ``--samples N``, N more steps run under a sampling profiler (``signal.setitimer``'s CPU-time timer), which
 charges each sample to the module of the innermost Python frame (``classify``; code made at run time, to its
 caller's), garbage collection apart: the split of torch's share (guards, aot_autograd, autograd) and of ours by
@@ -172,9 +176,29 @@ def measure(name: str, steps: int, samples: int, smoke: bool) -> dict:
                     rows[phase, share].append(shares.seconds[phase, share] * 1e6)
         phases = {phase: _phase_row(rows, phase) for phase in PHASES}
         sampled = _sampled(runner, shares, samples, phases) if samples else {}
-    return {"workload": name, "steps": steps, "phases": phases,
-            "all": {key: sum(p[key] for p in phases.values()) for key in ("total", "torch", "ours", "device")},
-            "sampled": sampled}
+    every = {key: sum(p[key] for p in phases.values()) for key in ("total", "torch", "ours", "device")}
+    resident = _resident_step_us(name, steps, smoke)
+    return {"workload": name, "steps": steps, "phases": phases, "all": every, "sampled": sampled,
+            "resident_step_us": resident, "loop_over_resident": every["total"] / resident,
+            "torch_and_device_over_resident": (every["torch"] + every["device"]) / resident}
+
+
+def _resident_step_us(name: str, steps: int, smoke: bool) -> float:
+    """The median CPU microseconds of the same workload's resident step (``compile_train_step``), in this process
+    right after the loop: the reference of issue 50's gate, under the same load."""
+    workload = WORKLOADS[name]
+    torch.manual_seed(0)
+    base = workload.build(smoke)
+    batch = workload.batch("full", torch.Generator().manual_seed(0), smoke)
+    runner = Runner(WAYS["resident"], workload, base, "training", batch)
+    runner.first_call()
+    runner.step()
+    times = []
+    for _ in range(steps):
+        start = time.thread_time()
+        runner.step()
+        times.append((time.thread_time() - start) * 1e6)
+    return statistics.median(times)
 
 
 def _warm_runner(name: str, smoke: bool, shares: Shares) -> Runner:
@@ -217,6 +241,8 @@ def _print(row: dict) -> None:
     print(f"  {'phase':10s} {'total':>8s} {'torch':>8s} {'ours':>8s} {'device':>8s}")
     for phase, p in (*row["phases"].items(), ("all", row["all"])):
         print(f"  {phase:10s} {p['total']:8.0f} {p['torch']:8.0f} {p['ours']:8.0f} {p['device']:8.0f}")
+    print(f"  resident step {row['resident_step_us']:.0f} us: loop / resident {row['loop_over_resident']:.2f}, "
+          f"(torch's + device) / resident {row['torch_and_device_over_resident']:.2f}")
     for phase, split in row["sampled"].get("us_by_phase_and_category", {}).items():
         print(f"  sampled {phase}: " + ", ".join(f"{where} {us:.0f}" for where, us in split.items() if us >= 10))
 

@@ -1,5 +1,6 @@
 """``bench.host_breakdown`` on the null device at smoke scale: every phase of the loop's step split into torch's share,
-ours and the device API's, the entry points it times put back after, and the sampled split adding up to each phase."""
+ours and the device API's, the entry points it times put back after, the sampled split adding up to each phase, and
+the resident step timed beside it."""
 import pytest
 import torch
 
@@ -41,6 +42,8 @@ def test_each_phase_is_split_into_torch_ours_and_the_device(null_device):
         assert p["torch"] + p["ours"] + p["device"] == pytest.approx(p["total"]), phase
         assert p["ours"] >= 0 and p["device"] >= 0, (phase, p)
     assert row["all"]["total"] == pytest.approx(sum(p["total"] for p in phases.values()))
+    assert row["resident_step_us"] > 0 and row["loop_over_resident"] == pytest.approx(
+        row["all"]["total"] / row["resident_step_us"])
     split = row["sampled"]["us_by_phase_and_category"]
     assert row["sampled"]["samples"] > 0
     for phase, where in split.items():
