@@ -3,7 +3,8 @@
 ``python -m bench --help`` runs them and writes ``bench/results/<tag>.json``; ``python -m bench.report`` turns a
 results file into its markdown table and plot; ``bench.cold`` times cold first calls, ``bench.generate`` text
 generation, ``bench.decode_profile`` where a generation bundle's decode token goes, ``bench.ddp`` data
-parallel. See ``bench/results/README.md``.
+parallel, ``bench.host`` host work per step on the null device and ``bench.host_breakdown`` the loop's step split
+into torch's share and ours. See ``bench/results/README.md``.
 """
 import os
 import sys

@@ -51,7 +51,7 @@ from .errors import InputError, KernelStatusError, MeganeuraError
 from .native import command_encoder
 from .plan import SIZES_INPUT, Plan, TensorSpec
 from .program_plan import AHEAD_MIN_DISPATCHES, RunTensors
-from .program_recording import Recording, SwapsAhead, same_buffers
+from .program_recording import Recording, SwapsAhead, swaps_key
 from .program_checks import check_into, from_device_bytes, status_error, to_device_array
 from .program_resources import READ_ALONG_BYTES, ProgramResources
 from .in_flight import LaterRead
@@ -73,7 +73,8 @@ class Program(ProgramResources, Recording):
         self.runs = 0  # runs submitted
         self.host_seconds = 0.0  # of the last run: recording and submitting (see run)
         self._sized: tuple = ((), None)  # (sizes, the ``RunTensors`` at them) of the last run (``_plan_for``)
-        # bind groups and command lists over per-run buffers, by buffer (``Recording._with_swaps``)
+        # bind groups and command lists over per-run buffers, by buffer (``Recording._with_swaps``; the command lists
+        # by ``swaps_key``)
         self._swapped_groups: dict[tuple, tuple] = {}
         self._swapped_commands: dict[tuple, list] = {}
         self._ahead, self._swaps_ahead = None, SwapsAhead()  # the next run recorded ahead (see run), and over what
@@ -121,10 +122,11 @@ class Program(ProgramResources, Recording):
         swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
         kept.update(stored)
         self._upload(arrays, swaps)
-        commands = self._with_swaps(swaps)
+        key = swaps_key(swaps)
+        commands = self._with_swaps(swaps, key)
         profiler = dev.profiler if commands else None
-        ahead, self._ahead = self._ahead, None  # (buffers it was recorded over, command buffer)
-        ahead = ahead[1] if ahead is not None and profiler is None and same_buffers(ahead[0], swaps) else None
+        ahead, self._ahead = self._ahead, None  # (``swaps_key`` of the buffers it was recorded over, command buffer)
+        ahead = ahead[1] if ahead is not None and profiler is None and ahead[0] == key else None
         # A run with no host outputs returns once submitted; its status is read at the next wait (``in_flight``)
         waits = bool(self._output_offsets) or profiler is not None or dev.in_flight.sync
         copies = self._copies if waits or self._status_offsets or read_later else []
@@ -139,11 +141,11 @@ class Program(ProgramResources, Recording):
                                      read_later)
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
-        upcoming = self._swaps_ahead.next(swaps)  # the per-run buffers the next run will likely bind
-        upcoming_commands = self._commands_over(upcoming) if upcoming is not None else None
+        upcoming = self._swaps_ahead.next(swaps, key)  # the per-run buffers the next run will likely bind
+        upcoming_commands = self._commands_over(*upcoming) if upcoming is not None else None
         if upcoming_commands is not None and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             with dev.checked("recording the plan ahead"):
-                self._ahead = (upcoming, self._record_ahead(upcoming_commands))
+                self._ahead = (upcoming[1], self._record_ahead(upcoming_commands))
         self.host_seconds = time.perf_counter() - began
         data, self.read_along, self.later = self._finish(staging, waits, profiler, run, along, bool(read_later))
         if len(kept) == len(self._outputs):  # (every output on the device: an optimizer update's, in place)

@@ -6,8 +6,6 @@ first runs). A mixin of ``program.Program``, called by its run (``Program._run``
 the caches over per-run buffers, which the resources drop when the buffers under them change."""
 from __future__ import annotations
 
-import operator
-
 from .native import command_encoder, compute_pass, finish, record_dispatches
 from .program_plan import submission_parts
 
@@ -57,26 +55,26 @@ class Recording:
             compute.end()
         profiler.resolve(encoder, len(commands))
 
-    def _commands_over(self, swaps: dict):
-        """The command list over the per-run buffers ``swaps`` if it is built already (``_with_swaps`` built it for
-        an earlier run, over buffers live then), else None: what a run records ahead for the next."""
+    def _commands_over(self, swaps: dict, key: tuple):
+        """The command list over the per-run buffers ``swaps`` (``key``: their ``swaps_key``) if it is built already
+        (``_with_swaps`` built it for an earlier run, over buffers live then), else None: what a run records ahead
+        for the next."""
         if not swaps:
             return self._commands
-        cached = self._swapped_commands.get(tuple(map(id, swaps.values())))
-        return cached[0] if cached is not None and all(map(operator.is_, cached[1], swaps.values())) else None
+        return self._swapped_commands.get(key)
 
-    def _with_swaps(self, swaps: dict):
-        """The command list with bind groups over this run's per-run buffers (cached by buffer identity)."""
+    def _with_swaps(self, swaps: dict, key: tuple):
+        """The command list with bind groups over this run's per-run buffers (cached by ``key``, their
+        ``swaps_key``)."""
         if not swaps:
             return self._commands
-        key = tuple(map(id, swaps.values()))
-        cached = self._swapped_commands.get(key)
-        if cached is not None and all(map(operator.is_, cached[1], swaps.values())):
-            return cached[0]
+        commands = self._swapped_commands.get(key)
+        if commands is not None:
+            return commands
         commands = self._build_swapped(swaps)
         if len(self._swapped_commands) >= SWAPPED_COMMAND_LISTS:
             self._swapped_commands.pop(next(iter(self._swapped_commands)))
-        self._swapped_commands[key] = (commands, list(swaps.values()))  # the buffers keep their ids unique
+        self._swapped_commands[key] = commands  # (the key holds the buffers, so that none is another's now)
         return commands
 
     def _build_swapped(self, swaps: dict) -> list:
@@ -96,9 +94,12 @@ class Recording:
         return commands
 
 
-def same_buffers(a: dict, b: dict) -> bool:
-    """Whether the per-run buffers ``a`` and ``b`` (buffer name -> buffer) bind the same buffer objects."""
-    return a.keys() == b.keys() and all(map(operator.is_, a.values(), map(b.__getitem__, a)))
+def swaps_key(swaps: dict) -> tuple:
+    """What identifies a run's per-run buffers ``swaps`` (input buffer name -> buffer): its names, then the buffer
+    objects themselves, in order. Built once per run and compared, hashed and cached as it is: tuples compare their
+    items by identity first, so two keys of the same buffers compare in a loop run by C without a call per buffer,
+    and a cached key holds its buffers, so that no other buffer takes one's place (as ids of dead objects may)."""
+    return (*swaps, *swaps.values())
 
 
 class SwapsAhead:
@@ -109,14 +110,16 @@ class SwapsAhead:
     records the next ahead only on a likely hit: a miss records it twice)."""
 
     def __init__(self):
-        self._last: dict | None = None
-        self._before: dict | None = None
+        self._last: tuple | None = None  # (swaps, swaps_key) of the last run, and of the run before
+        self._before: tuple | None = None
 
-    def next(self, swaps: dict) -> dict | None:
+    def next(self, swaps: dict, key: tuple) -> tuple | None:
+        """(swaps, swaps_key) the next run will likely bind, after a run that bound ``swaps`` (``key``: their
+        ``swaps_key``); None where no pattern repeats yet."""
         last, before = self._last, self._before
-        self._before, self._last = last, swaps
-        if not swaps or last is not None and same_buffers(swaps, last):
-            return swaps
-        if last is not None and before is not None and same_buffers(swaps, before):
+        self._before, self._last = last, (swaps, key)
+        if not swaps or last is not None and last[1] == key:
+            return swaps, key
+        if last is not None and before is not None and before[1] == key:
             return last
         return None

@@ -1,0 +1,51 @@
+"""``bench.host_breakdown`` on the null device at smoke scale: every phase of the loop's step split into torch's share,
+ours and the device API's, the entry points it times put back after, the sampled split adding up to each phase, and
+the resident step timed beside it."""
+import pytest
+import torch
+
+import torch_meganeura.backend.entry as entry
+from bench.host_breakdown import PHASES, measure
+from helpers.recording_device import RecordingDevice
+
+SAMPLED_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def null_device():
+    """The process's devices replaced by one null device for the test, then restored (dynamo's graphs and the
+    backend's plans, made for it, are dropped either way)."""
+    import meganeura.runtime.device as runtime_device
+
+    real = runtime_device.get_device()
+    saved = dict(runtime_device._devices)
+    null = RecordingDevice(limits=real.limits, features=real.features, name="null device")
+    for key in saved:
+        runtime_device._devices[key] = null
+    torch._dynamo.reset()
+    try:
+        yield null
+    finally:
+        torch._dynamo.reset()
+        runtime_device._devices.clear()
+        runtime_device._devices.update(saved)
+
+
+def test_each_phase_is_split_into_torch_ours_and_the_device(null_device):
+    compile_graph_module, submit = entry.compile_graph_module, RecordingDevice.submit
+    row = measure("resnet50", steps=3, samples=SAMPLED_STEPS, smoke=True)
+    phases = row["phases"]
+    assert set(phases) == set(PHASES)
+    for phase in ("forward", "backward", "step"):  # (our compiled functions and the kept update were timed)
+        assert phases[phase]["ours"] > 0 and phases[phase]["device"] > 0, (phase, phases[phase])
+    for phase, p in phases.items():
+        assert p["torch"] + p["ours"] + p["device"] == pytest.approx(p["total"]), phase
+        assert p["ours"] >= 0 and p["device"] >= 0, (phase, p)
+    assert row["all"]["total"] == pytest.approx(sum(p["total"] for p in phases.values()))
+    assert row["resident_step_us"] > 0 and row["loop_over_resident"] == pytest.approx(
+        row["all"]["total"] / row["resident_step_us"])
+    split = row["sampled"]["us_by_phase_and_category"]
+    assert row["sampled"]["samples"] > 0
+    for phase, where in split.items():
+        assert sum(where.values()) == pytest.approx(phases[phase]["total"]), phase
+    assert entry.compile_graph_module is compile_graph_module and RecordingDevice.submit is submit
