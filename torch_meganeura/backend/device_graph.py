@@ -90,6 +90,7 @@ def _compiled(gm, example, param_indices, device, tune, f16_products, limits, in
     if in_place:
         lowered.graph.in_place = _in_place_request(lowered, in_place)
     plan, report, from_cache = compile_plan(lowered.graph, device, tune, f16_products, limits)
+    lowered.graph = None  # (the IR, compiled: see ``LoweredGraph.graph``)
     return DeviceGraph(lowered, plan, report, from_cache, device)
 
 

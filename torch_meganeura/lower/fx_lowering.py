@@ -33,7 +33,10 @@ SIZE_ARITHMETIC = {
 
 @dataclass
 class LoweredGraph:
-    graph: Graph
+    # The IR, until the plan is compiled from it (``backend.device_graph``), then None: its expressions, values and
+    # nodes were the bulk of a compiled model's Python objects (ResNet-50's training graphs: 49,000 expressions), and
+    # every full garbage collection of a long-lived process walks what it keeps.
+    graph: Graph | None
     inputs: list[tuple[int, str]]  # (placeholder index, plan input name)
     params: list[tuple[int, str]]  # (placeholder index, plan param name)
     outputs: list[tuple[str, object]]  # ("plan", output name) | ("const", python value)
