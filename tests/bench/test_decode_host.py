@@ -14,7 +14,6 @@ import torch
 
 from bench.host import call_counts
 from helpers.models import LLAMA
-from helpers.recording_device import RecordingDevice
 
 SHORT, LONG = 6, 14  # new tokens of the two generate calls
 # Compiling a tiny Llama's decode graph at two depths, each cache, takes 1.5 min on lavapipe: the slow stage.
@@ -36,26 +35,6 @@ STATIC_CACHE_WAITS = 1
 # the decode fusion of a layer's key and value cache writes: default cache 46, static cache 22.
 OUR_CALLS_PER_LAYER = {"dynamic": 46, "static": 22}
 ROOT = Path(__file__).resolve().parents[2]  # the repository: our code's files are under it
-
-
-@pytest.fixture(scope="module")
-def null_device():
-    """The process's devices replaced by one null device for the test, then restored (dynamo's graphs and the
-    backend's plans, made for it, are dropped either way)."""
-    import meganeura.runtime.device as runtime_device
-
-    real = runtime_device.get_device()  # (its limits and features: the plans are those it would run)
-    saved = dict(runtime_device._devices)
-    null = RecordingDevice(limits=real.limits, features=real.features, name="null device")
-    for key in saved:
-        runtime_device._devices[key] = null
-    torch._dynamo.reset()
-    try:
-        yield null
-    finally:
-        torch._dynamo.reset()
-        runtime_device._devices.clear()
-        runtime_device._devices.update(saved)
 
 
 def _per_token(depth: int, cache: str, device) -> dict:

@@ -2,33 +2,12 @@
 ours and the device API's, the entry points it times put back after, the sampled split adding up to each phase, and
 the resident step timed beside it."""
 import pytest
-import torch
 
 import torch_meganeura.backend.entry as entry
 from bench.host_breakdown import PHASES, measure
 from helpers.recording_device import RecordingDevice
 
 SAMPLED_STEPS = 40
-
-
-@pytest.fixture(scope="module")
-def null_device():
-    """The process's devices replaced by one null device for the test, then restored (dynamo's graphs and the
-    backend's plans, made for it, are dropped either way)."""
-    import meganeura.runtime.device as runtime_device
-
-    real = runtime_device.get_device()
-    saved = dict(runtime_device._devices)
-    null = RecordingDevice(limits=real.limits, features=real.features, name="null device")
-    for key in saved:
-        runtime_device._devices[key] = null
-    torch._dynamo.reset()
-    try:
-        yield null
-    finally:
-        torch._dynamo.reset()
-        runtime_device._devices.clear()
-        runtime_device._devices.update(saved)
 
 
 def test_each_phase_is_split_into_torch_ours_and_the_device(null_device):
