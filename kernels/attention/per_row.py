@@ -1,8 +1,10 @@
 """Per-row attention kernels, for head sizes the blocked form cannot hold in registers (d + dv above 160) or
-workgroup storage too small for its smallest tile: one workgroup per row, ``THREADS`` threads walking the other
-sequence in tiles of ``THREADS``:
-  forward  per query row (b, h, i): scores of a key tile, online softmax (running max and sum), the output
-           accumulated over value rows; writes out (b, h, i, :) and the row's log-sum-exp;
+workgroup storage too small for its smallest tile, and for the forward of a decode step's few query rows where the
+flash form does not fit (``plans.row_plan``): one workgroup per row, ``THREADS`` threads walking the other sequence in
+tiles of ``THREADS``:
+  forward  per query row (b, h, i), and per slice of the keys where the plan cuts them (``sliced_forward``): scores
+           of a key tile, online softmax (running max and sum), the output accumulated over value rows; writes out
+           (b, h, i, :) and the row's log-sum-exp, or the slice's partial results for ``merge``;
   grad_q   per query row: recomputes the tile's probabilities from the saved log-sum-exp, dS = P (dO.V - delta),
            dQ += dS K;
   grad_kv  per key row (b, g, j) of KV head g: walks every query head of its group and every query row,

@@ -2,8 +2,9 @@
 takes, and how many slices the other sequence is cut into; with the constants they weigh and the scratch the slices
 need.
 
-The forward runs flash where ``flash_plan`` gives a plan, else chunked flash where ``chunked_plan`` does (long query
-sequences), else the blocked form where ``block_plan`` does, else the per-row kernel (``forward_plan``); the
+The forward runs flash where ``flash_plan`` gives a plan, else the per-row kernel cut into slices of the keys for a
+decode step's few query rows (``row_plan``), else chunked flash where ``chunked_plan`` does (long query sequences),
+else the blocked form where ``block_plan`` does, else the per-row kernel unsliced (``forward_plan``); the
 gradient passes blocked or per row. A pass cut into slices (``splits`` above 1) writes per-slice partial results to
 scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them.
 """
