@@ -33,7 +33,9 @@ Two kernel families, chosen by shape:
   Variants, each a tuner candidate (``matmul_tuning``):
   - double-buffered (``double``; where twice the chunk fits the workgroup storage limit): two chunks in workgroup
     memory, each round's products read one while the next chunk is stored into the other, one barrier a chunk
-    instead of two;
+    instead of two; where two of the rule's chunks do not fit, two unpadded ones (``unpadded``: a 128x128 tile's
+    chunks of 8 in WebGPU's 16 KiB, a 128x256 tile's of 16 in 48 KiB; some transposed stores then conflict) or two
+    of a smaller chunk (``chunk`` caps it);
   - quad staging (``quads``) and thread patches (``patches``; where the thread grid is whole 4x8 patches): fewer
     staging instructions, vec4 stores into shared memory where the operand is contiguous along the tile's edge, and
     fewer distinct shared-memory reads per warp (PATCH_ROWS);
@@ -112,6 +114,7 @@ class TiledPlan:
     buffers: int = 1  # K chunks held in workgroup memory: 2 for the double-buffered variant
     quads: bool = False  # quad staging: each thread fetches 4 neighbouring elements (``matmul_staging``)
     patches: bool = False  # threads in patches of PATCH_ROWS x PATCH_COLS (see ``patches_fit``)
+    padded: bool = True  # shared rows padded (``matmul_staging``); false: two chunks fit where the pad would not
 
     @property
     def threads_m(self) -> int:
@@ -126,7 +129,8 @@ class TiledPlan:
         return self.threads_m * self.threads_n
 
     def shared_floats(self) -> int:
-        return self.buffers * self.chunk_k * (self.tile_m + self.tile_n + 8 * SHARED_PAD_VEC4)
+        pad = 8 * SHARED_PAD_VEC4 if self.padded else 0  # (floats per K step: a vec4 per row of A and of B)
+        return self.buffers * self.chunk_k * (self.tile_m + self.tile_n + pad)
 
     def patches_fit(self) -> bool:
         """Whether the threads can go in patches: each run of PATCH_THREADS neighbouring invocations (a warp on
@@ -153,7 +157,8 @@ F16_PRODUCTS = "meganeura-f16-products"
 class MatmulChoice:
     """A tiled matmul's variant: forced tile and register block (None: the generator's rule), K slices, whether
     products are formed in f16 (fast precision only), whether its K chunks are double-buffered (where they fit),
-    staged in quads, and its threads laid out in patches (where the thread grid allows)."""
+    staged in quads, and its threads laid out in patches (where the thread grid allows); ``chunk`` caps the K chunk
+    (0: the rule's) and ``unpadded`` leaves the shared rows unpadded (see ``matmul_kernel``)."""
     tile: tuple[int, int] | None
     block: tuple[int, int] | None
     split: int
@@ -161,6 +166,8 @@ class MatmulChoice:
     double: bool = False
     quads: bool = False
     patches: bool = False
+    chunk: int = 0
+    unpadded: bool = False
 
 
 def wide_tile_suits(batch, m, n, k, limits: dict) -> bool:
@@ -199,7 +206,8 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
                   split: int = 1, partial: str | None = None, f16: bool = False,
                   looped: str = "", double: bool = False, quads: bool = False, patches: bool = False,
                   vector_loads: str = "", products: int = 0, row_phases: int = 0,
-                  gemv_width: int = 0, pairs: bool = False, staged: bool = False) -> tuple[str, tuple[int, int, int]]:
+                  gemv_width: int = 0, pairs: bool = False, staged: bool = False,
+                  chunk: int = 0, unpadded: bool = False) -> tuple[str, tuple[int, int, int]]:
     """Return (wgsl_source, workgroups) for C[b, i, j] = sum_p A[b, i, p] * B[b, p, j]
     over b < batch, i < m, j < n, p < k.
 
@@ -216,10 +224,14 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     it in a loop, with one call of its loader. ``double`` double-buffers the tiled kernel's K chunks in workgroup
     memory where twice the chunk fits its storage limit (else it is ignored). ``quads`` stages the operands in quads
     (see ``matmul_staging``), ``patches`` lays the tiled kernel's threads out in patches (``TiledPlan.patches_fit``;
-    else it is ignored). ``vector_loads`` names the operands ("a", "b", both or none) whose prelude also defines
-    ``load_a4(b, i, c4)`` / ``load_b4(b, j, c4)`` (unit-stride axis K: elements 4 * c4 .. 4 * c4 + 3 along p) or
-    ``load_a4(b, p, c4)`` / ``load_b4(b, p, c4)`` (unit-stride axis i or j), for an axis whose length is a multiple
-    of 4: quad staging then loads each quad as one vec4.
+    else it is ignored). ``chunk`` > 0 caps the tiled kernel's K chunk (one of K_CHUNKS): the largest chunk up to it
+    that the rule would take (with ``double``, two buffers of a chunk of 8 where two of 16 do not fit, for example);
+    ``unpadded`` leaves its shared rows without their pad (``matmul_staging``: some stores then conflict), so that
+    two chunks fit where the pad would pass the storage limit (a 128x128 tile's two chunks of 8 in WebGPU's 16 KiB,
+    a 128x256 tile's two of 16 in 48 KiB). ``vector_loads`` names the operands ("a", "b", both or none) whose
+    prelude also defines ``load_a4(b, i, c4)`` / ``load_b4(b, j, c4)`` (unit-stride axis K: elements 4 * c4 ..
+    4 * c4 + 3 along p) or ``load_a4(b, p, c4)`` / ``load_b4(b, p, c4)`` (unit-stride axis i or j), for an axis whose
+    length is a multiple of 4: quad staging then loads each quad as one vec4.
     ``products`` > 0: the prelude defines ``load_b1`` ... as further B operands, each summed against A, and
     ``store_c`` takes their sums after ``acc`` (``acc1``, ...); ``row_phases`` > 0: it defines ``row_phase0`` ... (terms
     over (b, i, p) summed over K, each before the next) and private ``row_stat0`` ... that hold their sums, which
@@ -234,7 +246,23 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     It needs an even ``n`` and, unsplit, the kernel over columns (m == 1) or the tiled one.
     ``staged``: the gemv over columns computes A's row once per workgroup into workgroup memory, where its lanes read
     it (``kernels.matmul_gemv``'s ``staged``: for a costly ``load_a``; ``gemv_stage_fits`` says where it fits)."""
-    if (products or row_phases or staged) and (m != 1 or tile is not None or split > 1):
+    _check_arguments(batch, m, n, k, a_fast, b_fast, tile=tile, split=split, partial=partial, pairs=pairs,
+                     gemv_only=bool(products or row_phases or staged))
+    if tile is None and not is_tiled(m, n):
+        return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
+                            contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
+                            row_phases=row_phases, width=gemv_width, pairs=pairs, staged=staged)
+    return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
+                         block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
+                         quads=quads, patches=patches, vector_loads=vector_loads, pairs=pairs, chunk=chunk,
+                         unpadded=unpadded)
+
+
+def _check_arguments(batch, m, n, k, a_fast: str, b_fast: str, *, tile, split: int, partial, pairs: bool,
+                     gemv_only: bool) -> None:
+    """Refuse ``matmul_kernel`` arguments that no kernel serves (``gemv_only``: further products, a row prologue or
+    a staged row, which only the gemv over columns takes)."""
+    if gemv_only and (m != 1 or tile is not None or split > 1):
         raise ValueError("matmul_kernel: further products, a row prologue and a staged row need the gemv kernel over "
                          "columns (m == 1)")
     if split > 1 and (partial is None or m == 1 or n == 1):
@@ -245,13 +273,6 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
         raise ValueError(f"matmul_kernel: a_fast must be 'p' or 'i' and b_fast 'p' or 'j', got {a_fast=} {b_fast=}")
     if pairs and (is_size(n) or n % 2):
         raise ValueError(f"matmul_kernel: pairs of columns need an even column count, got {n=}")
-    if tile is None and not is_tiled(m, n):
-        return _gemv_kernel(prelude, batch=batch, m=m, n=n, k=k, threads=_thread_count(limits), limits=limits,
-                            contiguous_k=(b_fast if m == 1 else a_fast) == "p", products=products,
-                            row_phases=row_phases, width=gemv_width, pairs=pairs, staged=staged)
-    return _tiled_kernel(prelude, batch=batch, m=m, n=n, k=k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=tile,
-                         block=block, split=split, partial=partial, f16=f16, looped=looped, double=double,
-                         quads=quads, patches=patches, vector_loads=vector_loads, pairs=pairs)
 
 
 def split_k(batch, m, n, k, limits: dict) -> int:
@@ -333,18 +354,20 @@ def _tile_edge(size: int) -> int:
 
 def _choose_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int,
                        tile: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
-                       double: bool = False, quads: bool = False, patches: bool = False) -> TiledPlan:
-    """The tile, chunk and register block (see the module docstring); with ``double``, two buffers of that chunk
-    where they fit ``shared_limit``; with ``quads``, quad staging; with ``patches``, thread patches where they fit
-    the thread grid."""
-    chosen = replace(_single_tiled_plan(batch, m, n, k, shared_limit, max_threads, tile, block), quads=quads)
+                       double: bool = False, quads: bool = False, patches: bool = False,
+                       chunk: int = 0, unpadded: bool = False) -> TiledPlan:
+    """The tile, chunk and register block (see the module docstring), the chunk at most ``chunk`` where that is
+    given; with ``double``, two buffers of that chunk where they fit ``shared_limit``; with ``quads``, quad staging;
+    with ``patches``, thread patches where they fit the thread grid; with ``unpadded``, shared rows without pad."""
+    chosen = replace(_single_tiled_plan(batch, m, n, k, shared_limit, max_threads, tile, block, chunk), quads=quads,
+                     padded=not unpadded)
     chosen = replace(chosen, patches=patches and chosen.patches_fit())
     doubled = replace(chosen, buffers=2)
     return doubled if double and doubled.shared_floats() * 4 <= shared_limit else chosen
 
 
 def _single_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int, tile: tuple[int, int] | None,
-                       block: tuple[int, int] | None) -> TiledPlan:
+                       block: tuple[int, int] | None, chunk: int = 0) -> TiledPlan:
     # A symbolic size counts as a typical one: the tile and chunk serve every value (SYMBOLIC_CHOICE)
     batch, m, n, k = (SYMBOLIC_CHOICE[name] if is_size(x) else x
                       for name, x in (("batch", batch), ("m", m), ("n", n), ("k", k)))
@@ -367,8 +390,9 @@ def _single_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int, tile
     while plan(tile_m, tile_n, K_CHUNKS[-1]).threads > max_threads:
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
     chunk_cap = max(K_CHUNKS[-1], _pow2_ceil(k))  # (with a split K, slices are whole chunks of this size)
+    chunks = [c for c in K_CHUNKS if not chunk or c <= chunk] or K_CHUNKS[-1:]
     while True:
-        fitting = [chosen for chosen in (plan(tile_m, tile_n, min(chunk, chunk_cap)) for chunk in K_CHUNKS)
+        fitting = [chosen for chosen in (plan(tile_m, tile_n, min(c, chunk_cap)) for c in chunks)
                    if chosen.shared_floats() * 4 <= shared_limit]
         if fitting:
             return next((p for p in fitting if p.staged_per_thread() <= MAX_STAGED_PER_THREAD), fitting[-1])
@@ -384,9 +408,10 @@ def _halve_larger(tile_m: int, tile_n: int) -> tuple[int, int]:
 def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str, b_fast: str,
                   tile: tuple[int, int] | None, block: tuple[int, int] | None, split: int,
                   partial: str | None, f16: bool, looped: str, double: bool, quads: bool,
-                  patches: bool, vector_loads: str, pairs: bool) -> tuple[str, tuple[int, int, int]]:
+                  patches: bool, vector_loads: str, pairs: bool, chunk: int = 0,
+                  unpadded: bool = False) -> tuple[str, tuple[int, int, int]]:
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits), tile,
-                              block, double, quads, patches)
+                              block, double, quads, patches, chunk, unpadded)
     element = "f16" if f16 else "f32"
     tm, tn = plan.threads_m, plan.threads_n
     tiles_m, tiles_n = ceil_div(m, plan.tile_m), ceil_div(n, plan.tile_n)
@@ -396,7 +421,7 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     checks = Checks(live=is_size(total) or grid[0] * grid[1] * grid[2] != total,
                     rows=is_size(m) or m % plan.tile_m != 0, cols=is_size(n) or n % plan.tile_n != 0,
                     k=is_size(k) or k == 0 or k % (split * plan.chunk_k) != 0)
-    a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
+    a_row, b_row = shared_row(plan.tile_m, plan.padded), shared_row(plan.tile_n, plan.padded)
     stage_a = Staging(plan, True, a_fast, looped == "a", "a" in vector_loads)
     stage_b = Staging(plan, False, b_fast, looped == "b", "b" in vector_loads)
     vectors = "".join(name for name, stage in (("A", stage_a), ("B", stage_b)) if stage.vector)
@@ -417,6 +442,7 @@ def _tiled_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
 {plan.rows_per_thread}x{plan.cols_per_thread}, A along {a_fast}, B along {b_fast}\
 {f", K in {split} slices" if split > 1 else ""}{", double-buffered" if plan.buffers == 2 else ""}\
 {", quad staging" if plan.quads else ""}{", thread patches" if plan.patches else ""}\
+{"" if plan.padded else ", unpadded"}\
 {vector_note}
 {header}var<workgroup> tile_a: array<vec4<{element}>, {plan.buffers * plan.chunk_k * a_row}>;
 var<workgroup> tile_b: array<vec4<{element}>, {plan.buffers * plan.chunk_k * b_row}>;
@@ -482,7 +508,8 @@ def _double_k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: 
     chunk: the next one fetched, the products of this one (buffer ``half``), the next one stored into the other buffer
     (which no thread reads this round: all finished the round that read it before the last barrier), one barrier."""
     element = "f16" if f16 else "f32"
-    a_half, b_half = plan.chunk_k * shared_row(plan.tile_m), plan.chunk_k * shared_row(plan.tile_n)
+    a_half, b_half = (plan.chunk_k * shared_row(plan.tile_m, plan.padded),
+                      plan.chunk_k * shared_row(plan.tile_n, plan.padded))
     first = (f"{stage_a.fetch('k_begin', checks)}\n{stage_b.fetch('k_begin', checks)}\n"
              f"{stage_a.store(element)}\n{stage_b.store(element)}" if fetch_first else "")
     next_a, next_b = f"(1u - half) * {a_half}u + ", f"(1u - half) * {b_half}u + "
@@ -517,7 +544,7 @@ def _chunk_products(plan: TiledPlan, f16: bool, a_base: str = "", b_base: str = 
     chunk. ``a_base`` and ``b_base`` (WGSL text ending in " + ") offset the reads into the buffer of a double-buffered
     kernel."""
     tm, tn = plan.threads_m, plan.threads_n
-    a_row, b_row = shared_row(plan.tile_m), shared_row(plan.tile_n)
+    a_row, b_row = shared_row(plan.tile_m, plan.padded), shared_row(plan.tile_n, plan.padded)
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     sums = plan.sums()
     element, target = ("f16", "chunk") if f16 else ("f32", "acc")

@@ -8,7 +8,9 @@ vec4: no bank conflicts. The stores:
 - element staging (the default): each thread stages single elements, the operand's unit-stride axis fastest across
   threads (coalesced loads), and stores each as one component of a vec4. Where that axis is K (A row-major, B
   column-major) a warp stores 32 transposed elements: thread e at K step e % chunk, row e / chunk; the pad shifts
-  each K step by 4 banks, which makes them conflict-free for chunks of 8 (2-way at 16).
+  each K step by 4 banks, which makes them conflict-free for chunks of 8 (2-way at 16). An unpadded plan
+  (``TiledPlan.padded`` false: two buffers in a storage limit that the pad would pass) leaves them 4-way (8 rows
+  of a warp's elements or quads share the banks of one shared row).
 - quad staging (``TiledPlan.quads``): each thread stages 4 neighbouring elements along the unit-stride axis (the
   loads of a thread adjacent, its index math done once per 4); along the tile's edge (A column-major, B row-major)
   they go into shared memory as one vec4 store, along K as 4 component stores (conflict-free for a chunk of 8).
@@ -27,9 +29,10 @@ if TYPE_CHECKING:
 SHARED_PAD_VEC4 = 1  # vec4s of padding per shared-tile row: transposed stores spread over banks
 
 
-def shared_row(edge: int) -> int:
-    """vec4s per K step of a tile's operand in shared memory: ``edge`` rows (or columns), padded."""
-    return edge // 4 + SHARED_PAD_VEC4
+def shared_row(edge: int, padded: bool = True) -> int:
+    """vec4s per K step of a tile's operand in shared memory: ``edge`` rows (or columns), padded unless a plan says
+    otherwise (``TiledPlan.padded``)."""
+    return edge // 4 + (SHARED_PAD_VEC4 if padded else 0)
 
 
 QUAD = 4  # elements a thread stages together under quad staging: one vec4 register
@@ -190,7 +193,7 @@ class Staging:
     def store(self, element: str, base: str = "") -> str:
         """Store the staging registers into shared memory (``base``: WGSL text ending in " + ", the offset of the
         buffer written in a double-buffered kernel)."""
-        row = shared_row(self.edge)
+        row = shared_row(self.edge, self.plan.padded)
         lines = []
         for t in range(self.count):
             reg = f"stage_{self.name}{t}"

@@ -8,7 +8,9 @@ Its candidates are the generator's own variant (``default_choice``) and the tile
 ``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups (tiles past
 128x128 need MIN_WORKGROUPS_BIG of them unsplit), or partial sums too large for one binding; where f16 is allowed,
 also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower keeps f32),
-and of each shape unsplit in f32, its double-buffered variant where two chunks fit the workgroup storage limit.
+and of each shape unsplit in f32, its double-buffered variant where two chunks fit the workgroup storage limit (for
+tiles of TIGHT_DOUBLE_MIN_TILE outputs whose two padded chunks do not fit: two unpadded ones, and two of a smaller
+chunk, where those fit).
 Tiles of VECTOR_MIN_TILE outputs or more add, per split up to VECTOR_MAX_SPLIT, a variant with quad staging and
 thread patches, and its double-buffered one unsplit (``meganeura.kernels.matmul``'s module docstring says what each
 does).
@@ -18,8 +20,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from .matmul import (F16_PRODUCTS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan, _max_threads, default_choice,
-                     matmul_kernel, split_reduce_kernel)
+from .matmul import (F16_PRODUCTS, K_CHUNKS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan, _max_threads,
+                     default_choice, matmul_kernel, split_reduce_kernel)
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs found each of these the
 # fastest for some shape, and none of the others. 128x256: 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us. Tuned
@@ -36,6 +38,12 @@ SPLITS = (1, 2, 4, 8, 16)
 # reads may tell; below, the tile's loads are few either way and the candidates would only lengthen tuning.
 VECTOR_MIN_TILE = 64 * 64
 VECTOR_MAX_SPLIT = 4  # and only up to this many K slices: past it a slice's products are too few to tell
+# Tiles of at least this many outputs whose chunk does not fit twice in the workgroup storage get double-buffered
+# candidates that do: unpadded (128x256 at 48 KiB: two chunks of 16 in exactly 48 KiB; 128x128 at WebGPU's 16 KiB:
+# two of 8 in 16 KiB) and at a smaller chunk (128x256 at 48 KiB: two of 8 in 25 KiB), one barrier a chunk against the
+# single buffer's two. The big square GEMMs' tiles (issue 51); below, the rule's chunk fits twice from 32 KiB on.
+TIGHT_DOUBLE_MIN_TILE = 128 * 128
+MIN_DOUBLE_CHUNK = 8  # K steps between barriers at least: fewer, and a barrier a chunk costs more than it saves
 MIN_SLICE_K = 32  # each K slice at least this long
 MAX_WORKGROUPS = 4096  # more would only add partial sums to add up
 
@@ -99,7 +107,8 @@ def variants(p: MatmulProblem, limits: dict, max_binding: int) -> tuple[list[Mat
         passes.append([matmul_kernel(p.prelude, **shape, k=p.k, limits=limits, a_fast=p.a_fast, b_fast=p.b_fast,
                                      tile=c.tile, block=c.block, split=c.split,
                                      partial=p.partial if c.split > 1 else None, f16=c.f16, looped=p.looped,
-                                     double=c.double, quads=c.quads, patches=c.patches,
+                                     double=c.double, quads=c.quads, patches=c.patches, chunk=c.chunk,
+                                     unpadded=c.unpadded,
                                      vector_loads=p.vector_loads, pairs=p.pairs)])
         if c.split > 1:
             passes[-1].append(split_reduce_kernel(p.prelude, **shape, split=c.split, partial=p.partial, limits=limits,
@@ -136,13 +145,41 @@ def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulC
                     and (wide := _wide(plan, split)) not in seen):
                 seen.add(wide)
                 found.append(MatmulChoice(tile, block, split, quads=True, patches=True))
-        for quads in (False, True) if plan.tile_m * plan.tile_n >= VECTOR_MIN_TILE else (False,):
-            doubled = _choose_tiled_plan(batch, m, n, k, shared, threads, tile, block, double=True, quads=quads,
-                                         patches=quads)
-            if doubled.buffers == 2 and (doubled, 1, False) not in seen:
-                seen.add((doubled, 1, False))
-                found.append(MatmulChoice(tile, block, 1, double=True, quads=quads, patches=quads))
+        found += _double_buffered((batch, m, n, k), limits, tile, block, plan, seen)
     return found
+
+
+def _double_buffered(shape: tuple, limits: dict, tile, block, plan, seen: set) -> list[MatmulChoice]:
+    """The unsplit double-buffered candidates of a (tile, block) whose rule gives ``plan``: element staged, and quad
+    staged with patches where the tile has VECTOR_MIN_TILE outputs, each where two of its chunks fit the workgroup
+    storage. For a tile of TIGHT_DOUBLE_MIN_TILE outputs or more where they do not: two chunks of the rule's size
+    without the shared rows' pad, and two of the largest smaller chunk that fit, each chunk at least
+    MIN_DOUBLE_CHUNK. Those not in ``seen`` (which they join)."""
+    shared, threads = limits["max-compute-workgroup-storage-size"], _max_threads(limits)
+    outputs = plan.tile_m * plan.tile_n
+    found = []
+    for quads in (False, True) if outputs >= VECTOR_MIN_TILE else (False,):
+        variant = MatmulChoice(tile, block, 1, double=True, quads=quads, patches=quads)
+        tries = [[variant]]
+        if _doubled_plan(shape, shared, threads, variant).buffers == 1 and outputs >= TIGHT_DOUBLE_MIN_TILE:
+            smaller = [c for c in K_CHUNKS if MIN_DOUBLE_CHUNK <= c < plan.chunk_k]
+            unpadded = [replace(variant, unpadded=True)] if plan.chunk_k >= MIN_DOUBLE_CHUNK else []
+            tries = [unpadded, [replace(variant, chunk=c) for c in smaller]]
+        for options in tries:  # the first of each list of options that fits
+            for choice in options:
+                doubled = _doubled_plan(shape, shared, threads, choice)
+                if doubled.buffers == 2:
+                    if (doubled, 1, False) not in seen:
+                        seen.add((doubled, 1, False))
+                        found.append(choice)
+                    break
+    return found
+
+
+def _doubled_plan(shape: tuple, shared: int, threads: int, choice: MatmulChoice):
+    """The plan of a double-buffered ``choice`` (one buffer where two do not fit)."""
+    return _choose_tiled_plan(*shape, shared, threads, choice.tile, choice.block, double=True, quads=choice.quads,
+                              patches=choice.patches, chunk=choice.chunk, unpadded=choice.unpadded)
 
 
 def _wide(plan, split: int) -> tuple:

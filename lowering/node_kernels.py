@@ -173,7 +173,8 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
     dims = dict(batch=node.batch, m=node.rows, n=node.columns)  # (symbolic sizes too: the generators take them)
     shape = dict(k=node.k, limits=limits, a_fast=a_fast, b_fast=b_fast, tile=variant.tile, block=variant.block,
                  f16=variant.f16, looped=looped_operand(node), double=variant.double, quads=variant.quads,
-                 patches=variant.patches, vector_loads="".join(quad[0] for quad in quads),
+                 patches=variant.patches, chunk=variant.chunk, unpadded=variant.unpadded,
+                 vector_loads="".join(quad[0] for quad in quads),
                  products=len(node.products), row_phases=len(node.row_phases),
                  gemv_width=wide.width if wide is not None else 0, pairs=pairs,
                  staged=stages_row(node, slots, limits, tiled or scratch is not None))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from meganeura.kernels import matmul as matmul_generator
 from meganeura.kernels import matmul_common, matmul_staging, matmul_tuning
-from meganeura.kernels.matmul import SPLIT_MAX, TILE_SIZES, MatmulChoice
+from meganeura.kernels.matmul import K_CHUNKS, SPLIT_MAX, TILE_SIZES, MatmulChoice
 from meganeura.kernels.matmul_tuning import MatmulProblem, partial_bytes, variants
 
 from . import timing
@@ -140,13 +140,13 @@ def _choice(entry: dict) -> MatmulChoice:
     tile, block = entry["tile"], entry["block"]
     return MatmulChoice(tuple(tile) if tile else None, tuple(block) if block else None, entry["split"],
                         entry.get("f16", False), entry.get("double", False), entry.get("quads", False),
-                        entry.get("patches", False))
+                        entry.get("patches", False), entry.get("chunk", 0), entry.get("unpadded", False))
 
 
 def _entry(choice: MatmulChoice, seconds: float | None, default_seconds: float | None) -> dict:
     return {"tile": list(choice.tile) if choice.tile else None, "block": list(choice.block) if choice.block else None,
             "split": choice.split, "f16": choice.f16, "double": choice.double, "quads": choice.quads,
-            "patches": choice.patches,
+            "patches": choice.patches, "chunk": choice.chunk, "unpadded": choice.unpadded,
             "us": None if seconds is None else round(float(seconds) * 1e6, 2),
             "default_us": None if default_seconds is None else round(float(default_seconds) * 1e6, 2)}
 
@@ -162,4 +162,5 @@ def _valid(entry) -> bool:
     blocks = {4, 8, *(size for _, block in configs for size in block)}
     return (isinstance(split, int) and 1 <= split <= SPLIT_MAX and pair(entry.get("tile"), edges)
             and pair(entry.get("block"), blocks) and entry.get("f16", False) in (False, True)
-            and all(entry.get(flag, False) in (False, True) for flag in ("double", "quads", "patches")))
+            and all(entry.get(flag, False) in (False, True) for flag in ("double", "quads", "patches", "unpadded"))
+            and entry.get("chunk", 0) in (0, *K_CHUNKS))

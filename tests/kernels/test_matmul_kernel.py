@@ -580,3 +580,69 @@ def test_vec4_loads_only_under_quad_staging_and_not_for_a_looped_operand():
     assert "vec4 loads" not in header(1, 64, 64, 64, vector_loads="ab")
     assert header(1, 64, 64, 64, quads=True, vector_loads="ab").endswith(", quad staging, vec4 loads of AB")
     assert header(1, 64, 64, 64, quads=True, vector_loads="ab", looped="a").endswith("vec4 loads of B")
+
+
+# ---------------------------------------------------------------- tight double buffers (issue 51)
+
+PORTABLE = {STORAGE_LIMIT: 16384, "max-compute-invocations-per-workgroup": 256, "max-compute-workgroup-size-x": 256}
+
+
+@pytest.mark.parametrize("batch, m, n, k, layout, portable", [
+    (1, 128, 128, 64, {"tile": (128, 128), "block": (8, 8), "unpadded": True}, True),   # two chunks of 8 in 16 KiB
+    (2, 131, 133, 37, {"tile": (128, 128), "block": (8, 8), "unpadded": True}, True),   # ragged, batched, K not whole
+    (1, 133, 131, 45, {"tile": (128, 128), "block": (8, 8), "unpadded": True, "quads": True, "patches": True}, True),
+    (1, 130, 260, 37, {"tile": (128, 256), "block": (8, 16), "chunk": 8}, False),         # the wide tile, chunk of 8
+    (1, 130, 260, 70, {"tile": (128, 256), "block": (8, 16), "chunk": 8, "unpadded": True, "quads": True,
+                       "patches": True}, False),
+    (3, 40, 50, 100, {"tile": (64, 64), "unpadded": True, "chunk": 4}, True),            # a small tile, chunk of 4
+    (1, 40, 50, 700, {"tile": (64, 64), "unpadded": True, "chunk": 8, "split": 4}, True),  # unpadded K slices
+])
+@pytest.mark.parametrize("a_layout, b_layout", [("contiguous", "contiguous"), ("transposed", "transposed")])
+def test_unpadded_and_capped_chunk_double_buffers_match(device, batch, m, n, k, layout, portable, a_layout, b_layout):
+    """Double-buffered chunks without the shared rows' pad or at a capped chunk (the candidates that fit two chunks
+    where the rule's padded chunk would not): against f64 (rtol 1e-4, positive operands), each output stored once,
+    every index in range, within WebGPU's default limits where ``portable`` (else the adapter's), on both operand
+    layouts (stores along K into shared memory, and along the tile's edge)."""
+    rng = np.random.default_rng(m * 3 + n + k)
+    limits = dict(device.limits, **PORTABLE) if portable else device.limits
+    a_fast, b_fast = ("p", "j") if a_layout == "contiguous" else ("i", "p")
+    source, _ = check(device, make_operand(rng, batch, m, k, a_layout), make_operand(rng, batch, k, n, b_layout),
+                      a_fast=a_fast, b_fast=b_fast, limits=limits, double=True, **layout)
+    kernel = source[source.index("// ---- matmul"):]
+    assert ("unpadded" in kernel) == layout.get("unpadded", False)
+    if "chunk" in layout:
+        assert f"K chunk {layout['chunk']}," in kernel
+    if layout.get("split", 1) == 1:
+        assert "double-buffered" in kernel and kernel.count("workgroupBarrier()") == 2
+
+
+def test_unpadded_rows_fit_two_chunks_exactly_where_the_pad_would_not():
+    """Unpadded, a 128x128 tile's two chunks of 8 take WebGPU's 16 KiB exactly and a 128x256 tile's two of 16 an
+    NVIDIA adapter's 48 KiB exactly; padded, each keeps one buffer (the pad passes the limit by 512 bytes)."""
+    big = {**LIMITS, STORAGE_LIMIT: 49152}
+    for limits, tile, block, chunk in ((LIMITS, (128, 128), (8, 8), 8), (big, (128, 256), (8, 16), 16)):
+        def variant(**more):
+            source, _ = matmul_kernel("", batch=1, m=4096, n=4096, k=4096, limits=limits, tile=tile, block=block,
+                                      double=True, **more)
+            return re.search(r"// ---- matmul: (.*)", source).group(1), workgroup_storage_bytes(source)
+
+        unpadded, storage = variant(unpadded=True)
+        assert unpadded.startswith(f"tiled {tile[0]}x{tile[1]}, K chunk {chunk},") and storage == limits[STORAGE_LIMIT]
+        assert unpadded.endswith("double-buffered, unpadded")
+        padded, storage = variant()
+        assert "double-buffered" not in padded and storage <= limits[STORAGE_LIMIT]
+
+
+def test_chunk_caps_the_rule_s_chunk():
+    """``chunk`` caps the K chunk: the wide tile takes 8 (two buffers of it fit 48 KiB with the pad), a cap above
+    the rule's chunk changes nothing, and a short K still rounds the chunk down."""
+    big = {**LIMITS, STORAGE_LIMIT: 49152}
+
+    def forced(k=4096, **more):
+        source, _ = matmul_kernel("", batch=1, m=4096, n=4096, k=k, limits=big, tile=(128, 256), block=(8, 16), **more)
+        return re.search(r"// ---- matmul: (.*)", source).group(1)
+
+    assert forced(chunk=8, double=True).startswith("tiled 128x256, K chunk 8,")
+    assert forced(chunk=8, double=True).endswith("double-buffered")
+    assert forced(chunk=16) == forced()
+    assert forced(k=4, chunk=8).startswith("tiled 128x256, K chunk 4,")

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from meganeura.kernels import matmul_tuning
-from meganeura.kernels.matmul import MatmulChoice, default_choice
+from meganeura.kernels.matmul import MatmulChoice, default_choice, matmul_kernel
 from meganeura.kernels.matmul_tuning import candidates, partial_bytes, plain_problem, variants
 
 LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,
@@ -123,7 +123,7 @@ def test_no_candidate_exceeds_the_adapter_s_limits(storage, invocations):
         assert _workgroup_bytes(source) <= storage, choice
         assert int(re.search(r"@workgroup_size\((\d+)\)", source).group(1)) <= invocations, choice
     doubled = {c.tile for c in choices if c.double}
-    assert ((128, 128) in doubled) == (storage >= 2 * 8 * (128 + 128 + 8) * 4)
+    assert ((128, 128) in doubled) == (storage >= 2 * 8 * (128 + 128) * 4 and invocations >= 256)  # unpadded
 
 
 def test_the_wide_tile_is_the_default_only_where_the_limits_and_shape_suit_it():
@@ -138,3 +138,38 @@ def test_the_wide_tile_is_the_default_only_where_the_limits_and_shape_suit_it():
     assert default_choice(1, 4096, 4096, 4096, LIMITS).tile is None  # WebGPU's default 16 KiB
     assert default_choice(1, 4096, 4096, 4096, {**BIG, "max-compute-invocations-per-workgroup": 128}).tile is None
     assert candidates(1, 4096, 4096, 4096, BIG)[0] == wide
+
+
+@pytest.mark.parametrize("storage, tile, expected", [
+    (49152, (128, 256), {(16, True, False), (8, False, False), (16, True, True), (8, False, True)}),
+    (32768, (128, 128), {(16, True, False), (8, False, False), (16, True, True), (8, False, True)}),
+    (32768, (128, 256), {(8, False, False), (8, False, True)}),   # two unpadded chunks of 16 take 48 KiB
+    (16384, (128, 128), {(8, True, False), (8, True, True)}),     # WebGPU's default: unpadded, chunk of 8
+    (16384, (128, 256), set()),                                   # no two chunks of 8 in 16 KiB
+])
+def test_tight_double_buffered_candidates_where_the_rule_s_two_chunks_do_not_fit(storage, tile, expected):
+    """Tiles of TIGHT_DOUBLE_MIN_TILE outputs whose padded chunk does not fit twice get double-buffered candidates
+    that do, unsplit: the rule's chunk unpadded, and the largest smaller chunk (at least MIN_DOUBLE_CHUNK) padded,
+    each element staged and quad staged; (K chunk, unpadded, quads) of each, from the plan it builds."""
+    limits = {**LIMITS, "max-compute-workgroup-storage-size": storage}
+    found = [c for c in candidates(1, 4096, 4096, 4096, limits) if c.double and c.tile == tile]
+    if tile == (128, 128) and storage >= 2 * 16 * (128 + 128 + 8) * 4:
+        expected = set()
+    got = set()
+    for choice in found:
+        if choice.chunk or choice.unpadded:
+            source, _ = matmul_kernel("", batch=1, m=4096, n=4096, k=4096, limits=limits, tile=choice.tile,
+                                      block=choice.block, double=True, quads=choice.quads, chunk=choice.chunk,
+                                      unpadded=choice.unpadded)
+            header = re.search(r"// ---- matmul: (.*)", source).group(1)
+            assert "double-buffered" in header and choice.split == 1
+            got.add((int(re.search(r"K chunk (\d+)", header).group(1)), choice.unpadded, choice.quads))
+    assert got == expected
+
+
+def test_smaller_tiles_get_no_tight_double_buffered_candidates():
+    for storage in (16384, 32768, 49152):
+        limits = {**LIMITS, "max-compute-workgroup-storage-size": storage}
+        found = candidates(1, 1024, 1024, 1024, limits) + candidates(1, 128, 576, 1536, limits)
+        assert all(c.tile[0] * c.tile[1] >= matmul_tuning.TIGHT_DOUBLE_MIN_TILE
+                   for c in found if c.chunk or c.unpadded)

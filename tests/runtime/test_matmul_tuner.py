@@ -20,6 +20,7 @@ def test_every_candidate_survives_the_file():
     found = candidates(1, 4096, 4096, 4096, {**LIMITS, "max-compute-workgroup-storage-size": 49152})
     assert (128, 256) in {c.tile for c in found} and (8, 16) in {c.block for c in found}
     assert any(c.quads and c.patches and c.double for c in found)
+    assert any(c.unpadded for c in found) and any(c.chunk for c in found)
     for choice in found:
         entry = json.loads(json.dumps(matmul_tuner._entry(choice, 1e-4, 2e-4)))
         assert matmul_tuner._valid(entry) and matmul_tuner._choice(entry) == choice
@@ -111,7 +112,8 @@ def test_entries_naming_impossible_variants_are_dropped(tmp_path):
     tuner = MatmulTuner(device, tmp_path)
     good = {"tile": [32, 64], "block": [4, 8], "split": 4, "us": 1.0, "default_us": 2.0}
     problems = {"1x2x3x4:pp": good, "1x5x6x7:pp": {**good, "tile": [3, 5]}, "1x8x9x10:pp": {**good, "split": 0},
-                "1x8x9x11:pp": {**good, "block": [4, 6]}}
+                "1x8x9x11:pp": {**good, "block": [4, 6]}, "1x8x9x12:pp": {**good, "chunk": 12},
+                "1x8x9x13:pp": {**good, "unpadded": 1.5}}
     tuner.path.write_text(json.dumps({"version": matmul_tuner.FILE_VERSION, "adapter": tuner.adapter,
                                       "kernels": tuner.kernels, "problems": problems}))
     assert list(MatmulTuner(device, tmp_path).entries) == ["1x2x3x4:pp"]

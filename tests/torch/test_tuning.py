@@ -31,6 +31,9 @@ class ForcingTuner:
     MatmulChoice((64, 64), (8, 8), 1, quads=True, patches=True),
     MatmulChoice((32, 64), (4, 4), 2, quads=True, patches=True),
     MatmulChoice((64, 64), (4, 4), 1, double=True, quads=True, patches=True),
+    # double-buffered unpadded (two chunks in exactly WebGPU's 16 KiB for this tile) and at a capped chunk
+    MatmulChoice((128, 128), (8, 8), 1, double=True, unpadded=True),
+    MatmulChoice((128, 128), (8, 8), 1, double=True, quads=True, patches=True, chunk=8),
 ])
 def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     torch._dynamo.reset()  # dynamo would reuse the graph compiled for another model of the same shapes
@@ -44,7 +47,7 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
 
     def recording(prelude, **kw):
         built.append((kw["tile"], kw["block"], kw.get("split", 1), kw["double"], kw["quads"], kw["patches"],
-                      kw["vector_loads"]))
+                      kw["vector_loads"], kw["chunk"], kw["unpadded"]))
         return generate(prelude, **kw)
 
     monkeypatch.setattr(matmul, "matmul_kernel", recording)
@@ -54,7 +57,7 @@ def test_tuned_variants_reach_the_plan_and_match_eager(monkeypatch, choice):
     shapes = sorted((p.batch, p.m, p.n, p.k, p.a_fast, p.b_fast, p.f16) for p in tuner.asked)
     assert shapes == [(1, 50, 40, 72, "p", "p", False), (1, 50, 72, 96, "p", "p", False)]  # once each
     assert built and all(b == (choice.tile, choice.block, choice.split, choice.double, choice.quads, choice.patches,
-                               "ab" if choice.quads else "") for b in built)
+                               "ab" if choice.quads else "", choice.chunk, choice.unpadded) for b in built)
 
 
 def _functions(prelude: str) -> str:
