@@ -75,9 +75,7 @@ class MatmulTuner:
         if new:
             start = time.perf_counter()
             built = [variants(p, self.device.limits, self.device.max_binding_size) for p in new]
-            requests = [(source, len(p.bindings) + 1 + len(p.aliases), "matmul tuning")
-                        for p, (_, passes) in zip(new, built) for variant in passes for source, _ in variant]
-            pipelines = dict(zip((source for source, _, _ in requests), self.device.pipelines(requests)))
+            pipelines = self._pipelines(new, built)
             warm = False  # the first timed problem warms the GPU up; the rest follow it closely
             for problem, (choices, passes) in zip(new, built):
                 self.entries[problem.key()] = self._time(problem, choices, passes, pipelines, warm)
@@ -87,25 +85,42 @@ class MatmulTuner:
             self._save()
         return [_choice(self.entries[p.key()]) for p in problems]
 
+    def time_candidates(self, problem: MatmulProblem) -> tuple[list[MatmulChoice], list[float] | None]:
+        """Every candidate of ``problem`` and its seconds a run as the tuner times it (None where the problem is not
+        timed), remembering nothing: what ``choose_all`` would weigh (``pick`` says which it keeps), for benchmarks
+        that show every candidate."""
+        choices, passes = built = variants(problem, self.device.limits, self.device.max_binding_size)
+        if not passes:
+            return choices, None
+        return choices, self._seconds(problem, choices, passes, self._pipelines([problem], [built]), False)
+
     # ---- timing
+
+    def _pipelines(self, problems: list[MatmulProblem], built: list[tuple]) -> dict:
+        """Source -> pipeline of every pass of the problems' candidates (``variants``), compiled in one batch."""
+        requests = [(source, len(p.bindings) + 1 + len(p.aliases), "matmul tuning")
+                    for p, (_, passes) in zip(problems, built) for variant in passes for source, _ in variant]
+        return dict(zip((source for source, _, _ in requests), self.device.pipelines(requests)))
 
     def _time(self, problem: MatmulProblem, choices, passes, pipelines, warm: bool) -> dict:
         if not passes:
             return _entry(choices[0], None, None)
+        seconds = self._seconds(problem, choices, passes, pipelines, warm)
+        best = pick(seconds)
+        return _entry(choices[best], seconds[best], seconds[0])
+
+    def _seconds(self, problem: MatmulProblem, choices, passes, pipelines, warm: bool) -> list[float]:
+        """Seconds a run of each candidate's passes, on zero-filled scratch buffers of the problem's bindings."""
         dev = self.device
         sizes = [*problem.bindings, partial_bytes(problem, choices), *problem.aliases]
         buffers = [dev.storage_buffer(max(4, -(-size // 4) * 4), "tuning scratch") for size in sizes]  # zeros
         try:
             group = dev.bind_group([(buffer, 0, buffer.size) for buffer in buffers], "matmul tuning")
-            seconds = time_sequences(dev, [[(pipelines[s], group, g) for s, g in p] for p in passes],
-                                     0.0 if warm else WARMUP_SECONDS)
+            return time_sequences(dev, [[(pipelines[s], group, g) for s, g in p] for p in passes],
+                                  0.0 if warm else WARMUP_SECONDS)
         finally:
             for buffer in buffers:
                 dev.destroy_buffer(buffer)
-        best = min(range(len(choices)), key=seconds.__getitem__)
-        if seconds[best] > (1 - MIN_GAIN) * seconds[0]:
-            best = 0
-        return _entry(choices[best], seconds[best], seconds[0])
 
     # ---- the file
 
@@ -134,6 +149,13 @@ class MatmulTuner:
             os.replace(temporary, self.path)  # readers see the old file or the new one, never half of one
         except OSError:
             pass
+
+
+def pick(seconds: list[float]) -> int:
+    """The candidate the tuner keeps, by index into ``seconds`` (the default's first): the fastest, where it beats
+    the default by MIN_GAIN, else the default."""
+    best = min(range(len(seconds)), key=seconds.__getitem__)
+    return best if seconds[best] <= (1 - MIN_GAIN) * seconds[0] else 0
 
 
 def _choice(entry: dict) -> MatmulChoice:

@@ -157,3 +157,9 @@ def test_f16_problems_are_timed_and_remembered_apart(tmp_path, small_family):
     saved = json.loads(tuner.path.read_text())["problems"]
     fast_key = plain_problem(1, 40, 48, 96, "p", "j", True).key()
     assert set(saved) == {plain_problem(1, 40, 48, 96, "p", "j").key(), fast_key} and saved[fast_key]["f16"] == fast.f16
+
+
+def test_pick_keeps_the_default_unless_a_candidate_beats_it_by_min_gain():
+    assert matmul_tuner.pick([1.0, 0.97, 0.99]) == 0  # 3% faster: within MIN_GAIN (5%)
+    assert matmul_tuner.pick([1.0, 0.97, 0.9]) == 2
+    assert matmul_tuner.pick([1.0, 1.2]) == 0
