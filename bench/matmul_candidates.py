@@ -152,6 +152,8 @@ def cublas_row(size: int, a, b) -> Row:
 
 def size_rows(size: int, device, tuner, gen) -> list[Row]:
     """Every candidate's row at ``size``, the default's again, and cuBLAS's where CUDA exists."""
+    from meganeura.runtime.matmul_tuner import pick
+
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
     cuda = torch.cuda.is_available()
     exact = (a.cuda().double() @ b.cuda().double()).cpu() if cuda else a.double() @ b.double()
@@ -171,12 +173,6 @@ def size_rows(size: int, device, tuner, gen) -> list[Row]:
             row.vs_cublas = row.tflops / reference.tflops if row.tflops else None
         rows.append(reference)
     return rows
-
-
-def pick(seconds):
-    from meganeura.runtime.matmul_tuner import pick as tuner_pick
-
-    return tuner_pick(seconds)
 
 
 def _cell(value, digits: int) -> str:
@@ -229,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Each size's rows printed as they are done, and the files (with ``--out``) rewritten after each size: a run cut
+    short by a time limit keeps the sizes it finished."""
     from meganeura.runtime.device import get_device
     from meganeura.runtime.matmul_tuner import MatmulTuner
 
@@ -236,23 +234,27 @@ def main(argv=None) -> int:
     device = get_device(limits=args.limits)
     tuner = MatmulTuner(device, None)
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for size in (int(s) for s in args.sizes.split(",") if s):
-        rows += size_rows(size, device, tuner, gen)
     adapter = dict(device.adapter.info)
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     head = (f"adapter: {adapter.get('device', '?')} ({args.limits} limits); cuda: {cuda}; "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    text = "\n\n".join([head, table(rows), summary(rows)])
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".md").write_text(text + "\n")
-        out.with_suffix(".json").write_text(json.dumps(
-            {"adapter": adapter, "limits": args.limits, "cuda": cuda, "torch": torch.__version__,
-             "rows": [dataclasses.asdict(r) for r in rows]}, indent=1, default=str))
+    print(head, flush=True)
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",") if s):
+        done = size_rows(size, device, tuner, gen)
+        rows += done
+        print(f"\n{table(done)}\n\n{summary(done)}", flush=True)
+        if args.out:
+            _write(Path(args.out), "\n\n".join([head, table(rows), summary(rows)]),
+                   {"adapter": adapter, "limits": args.limits, "cuda": cuda, "torch": torch.__version__,
+                    "rows": [dataclasses.asdict(r) for r in rows]})
     return 0
+
+
+def _write(out: Path, text: str, data: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":
