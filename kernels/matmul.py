@@ -34,7 +34,7 @@ Two kernel families, chosen by shape:
   - double-buffered (``double``; where twice the chunk fits the workgroup storage limit): two chunks in workgroup
     memory, each round's products read one while the next chunk is stored into the other, one barrier a chunk
     instead of two; where two of the rule's chunks do not fit, two unpadded ones (``unpadded``: a 128x128 tile's
-    chunks of 8 in WebGPU's 16 KiB, a 128x256 tile's of 16 in 48 KiB; some transposed stores then conflict) or two
+    chunks of 8 in WebGPU's 16 KiB, a 128x256 tile's of 16 in 48 KiB; an operand stored along K swizzled) or two
     of a smaller chunk (``chunk`` caps it);
   - quad staging (``quads``) and thread patches (``patches``; where the thread grid is whole 4x8 patches): fewer
     staging instructions, vec4 stores into shared memory where the operand is contiguous along the tile's edge, and
@@ -226,7 +226,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     (see ``matmul_staging``), ``patches`` lays the tiled kernel's threads out in patches (``TiledPlan.patches_fit``;
     else it is ignored). ``chunk`` > 0 caps the tiled kernel's K chunk (one of K_CHUNKS): the largest chunk up to it
     that the rule would take (with ``double``, two buffers of a chunk of 8 where two of 16 do not fit, for example);
-    ``unpadded`` leaves its shared rows without their pad (``matmul_staging``: some stores then conflict), so that
+    ``unpadded`` leaves its shared rows without their pad (``matmul_staging``: swizzled instead), so that
     two chunks fit where the pad would pass the storage limit (a 128x128 tile's two chunks of 8 in WebGPU's 16 KiB,
     a 128x256 tile's two of 16 in 48 KiB). ``vector_loads`` names the operands ("a", "b", both or none) whose
     prelude also defines ``load_a4(b, i, c4)`` / ``load_b4(b, j, c4)`` (unit-stride axis K: elements 4 * c4 ..
@@ -498,7 +498,7 @@ def _k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: Checks,
 {stage_a.fetch("k_next", checks)}
 {stage_b.fetch("k_next", checks)}
         }}
-{_chunk_products(plan, f16)}
+{_chunk_products(plan, f16, a_span=stage_a.swizzle, b_span=stage_b.swizzle)}
     }}"""
 
 
@@ -527,7 +527,7 @@ def _double_k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: 
         }}
         let a_base = half * {a_half}u;
         let b_base = half * {b_half}u;
-{_chunk_products(plan, f16, "a_base + ", "b_base + ")}
+{_chunk_products(plan, f16, "a_base + ", "b_base + ", stage_a.swizzle, stage_b.swizzle)}
         if (more) {{
 {stage_a.store(element, next_a)}
 {stage_b.store(element, next_b)}
@@ -537,26 +537,33 @@ def _double_k_loop(plan: TiledPlan, stage_a: Staging, stage_b: Staging, checks: 
     }}"""
 
 
-def _chunk_products(plan: TiledPlan, f16: bool, a_base: str = "", b_base: str = "") -> str:
+def _chunk_products(plan: TiledPlan, f16: bool, a_base: str = "", b_base: str = "", a_span: int = 0,
+                    b_span: int = 0) -> str:
     """The tiled kernel's products of one K chunk staged in shared memory: each thread's register block of sums.
     One vec4 read of shared memory per group of 4 rows or columns, the reads of neighbouring threads adjacent (B) or
     identical (A, a broadcast). With ``f16`` the chunk's products go to f16 sums, added to the f32 ones after the
     chunk. ``a_base`` and ``b_base`` (WGSL text ending in " + ") offset the reads into the buffer of a double-buffered
-    kernel."""
+    kernel; ``a_span`` and ``b_span`` (``Staging.swizzle``) XOR the index of a swizzled operand's reads."""
     tm, tn = plan.threads_m, plan.threads_n
     a_row, b_row = shared_row(plan.tile_m, plan.padded), shared_row(plan.tile_n, plan.padded)
     row_groups, col_groups = plan.rows_per_thread // 4, plan.cols_per_thread // 4
     sums = plan.sums()
     element, target = ("f16", "chunk") if f16 else ("f32", "acc")
-    a_regs = "\n".join(f"            let a{g} = tile_a[{a_base}p * {a_row}u + ty + {tm * g}u];"
-                       for g in range(row_groups))
-    b_regs = "\n".join(f"            let b{h} = tile_b[{b_base}p * {b_row}u + tx + {tn * h}u];"
-                       for h in range(col_groups))
+    def reads(name: str, base: str, row: int, thread: str, spread: int, groups: int, span: int, p: int) -> str:
+        lines = []
+        for g in range(groups):
+            index = f"{thread} + {spread * g}u"
+            index = f"(({index}) ^ {p % span}u)" if span and p % span else index  # (a swizzled operand)
+            lines.append(f"            let {name}{g} = tile_{name}[{base}p * {row}u + {index}];")
+        return "\n".join(lines)
+
     fmas = "\n".join(f"            {target}_{g}_{i}_{h} = fma(vec4<{element}>(a{g}[{i}]), b{h}, {target}_{g}_{i}_{h});"
                      for g, i, h in sums)
     # The chunk's K steps written out one by one (constant shared-memory offsets): 1024^3 0.219 -> 0.161 ms and
     # 4096^3 5.30 -> 4.84 ms on an H200 against the same code in a loop, which the driver did not unroll.
-    inner = "\n".join(f"        {{\n            let p = {p}u;\n{a_regs}\n{b_regs}\n{fmas}\n        }}"
+    inner = "\n".join(f"        {{\n            let p = {p}u;\n"
+                      f"{reads('a', a_base, a_row, 'ty', tm, row_groups, a_span, p)}\n"
+                      f"{reads('b', b_base, b_row, 'tx', tn, col_groups, b_span, p)}\n{fmas}\n        }}"
                       for p in range(plan.chunk_k))
     if not f16:
         return inner

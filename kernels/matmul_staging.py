@@ -9,8 +9,10 @@ vec4: no bank conflicts. The stores:
   threads (coalesced loads), and stores each as one component of a vec4. Where that axis is K (A row-major, B
   column-major) a warp stores 32 transposed elements: thread e at K step e % chunk, row e / chunk; the pad shifts
   each K step by 4 banks, which makes them conflict-free for chunks of 8 (2-way at 16). An unpadded plan
-  (``TiledPlan.padded`` false: two buffers in a storage limit that the pad would pass) leaves them 4-way (8 rows
-  of a warp's elements or quads share the banks of one shared row).
+  (``TiledPlan.padded`` false: two buffers in a storage limit that the pad would pass) swizzles such an operand
+  instead: at K step p, row vec4 v lies at v ^ (p % SWIZZLE_SPAN) (``swizzled``), which spreads the K steps over
+  banks as the pad did (unswizzled, a chunk of 16 would store 16-way) at no cost in storage; the products' reads
+  XOR their index by the step's constant.
 - quad staging (``TiledPlan.quads``): each thread stages 4 neighbouring elements along the unit-stride axis (the
   loads of a thread adjacent, its index math done once per 4); along the tile's edge (A column-major, B row-major)
   they go into shared memory as one vec4 store, along K as 4 component stores (conflict-free for a chunk of 8).
@@ -36,6 +38,23 @@ def shared_row(edge: int, padded: bool = True) -> int:
 
 
 QUAD = 4  # elements a thread stages together under quad staging: one vec4 register
+SWIZZLE_SPAN = 8  # vec4s: an unpadded row's K step XORs the vec4 index of an operand staged along K in groups of this
+
+
+def swizzle_span(edge: int) -> int:
+    """The span of the XOR (see the module docstring) in a shared row of ``edge`` rows or columns: SWIZZLE_SPAN, or
+    the largest power of two below it that divides the row's vec4s (rows of whole spans keep each index in its
+    row)."""
+    span = SWIZZLE_SPAN
+    while (edge // 4) % span:
+        span //= 2
+    return span
+
+
+def swizzled(index: str, step: str, span: int) -> str:
+    """WGSL of the vec4 ``index`` of a shared row at K step ``step`` (WGSL) where the row is swizzled in ``span``s
+    (0: not swizzled)."""
+    return f"(({index}) ^ (({step}) % {span}u))" if span else index
 
 
 class Staging:
@@ -56,6 +75,8 @@ class Staging:
         self.name = "a" if a_side else "b"
         self.along_k = fast == "p"  # p varies fastest across threads
         self.vector = vector and self.quads  # a quad is one call of the prelude's vec4 loader
+        # unpadded rows of an operand stored along K: the vec4 index XORed with the K step (module docstring)
+        self.swizzle = swizzle_span(self.edge) if self.along_k and not plan.padded else 0
 
     def _decode(self, t: int) -> str:
         """``p{t}`` and ``r{t}``: the K step and row (column) of unit t's first element."""
@@ -200,10 +221,12 @@ class Staging:
             guard = f"if (lid + {t * self.plan.threads}u < {self.units}u) " if self._partial_unit(t) else ""
             if not self.quads:
                 value = reg if element == "f32" else f"{element}({reg})"
-                stores = f"tile_{self.name}[{base}p{t} * {row}u + r{t} / 4u][r{t} % 4u] = {value};"
+                column = swizzled(f"r{t} / 4u", f"p{t}", self.swizzle)
+                stores = f"tile_{self.name}[{base}p{t} * {row}u + {column}][r{t} % 4u] = {value};"
             elif self.along_k:  # 4 K steps of one row: a component of 4 shared rows
                 stores = "\n        ".join(
-                    f"tile_{self.name}[{base}(p{t} + {q}u) * {row}u + r{t} / 4u][r{t} % 4u] = "
+                    f"tile_{self.name}[{base}(p{t} + {q}u) * {row}u + "
+                    f"{swizzled(f'r{t} / 4u', f'p{t} + {q}u', self.swizzle)}][r{t} % 4u] = "
                     + (f"{reg}[{q}];" if element == "f32" else f"{element}({reg}[{q}]);") for q in range(QUAD))
             else:  # 4 neighbouring rows of one K step: one vec4 of shared memory (r{t} is a multiple of 4)
                 value = reg if element == "f32" else f"vec4<{element}>({reg})"

@@ -610,6 +610,11 @@ def test_unpadded_and_capped_chunk_double_buffers_match(device, batch, m, n, k, 
                       a_fast=a_fast, b_fast=b_fast, limits=limits, double=True, **layout)
     kernel = source[source.index("// ---- matmul"):]
     assert ("unpadded" in kernel) == layout.get("unpadded", False)
+    # unpadded: an operand stored along K (A contiguous, B transposed) is swizzled, in its stores and reads
+    along_k = "tile_a[" if a_fast == "p" else "tile_b["
+    assert bool(re.search(re.escape(along_k) + r"[^\]]*\^", kernel)) == layout.get("unpadded", False)
+    other = "tile_b[" if a_fast == "p" else "tile_a["
+    assert not re.search(re.escape(other) + r"[^\]]*\^", kernel)
     if "chunk" in layout:
         assert f"K chunk {layout['chunk']}," in kernel
     if layout.get("split", 1) == 1:
@@ -646,3 +651,30 @@ def test_chunk_caps_the_rule_s_chunk():
     assert forced(chunk=8, double=True).endswith("double-buffered")
     assert forced(chunk=16) == forced()
     assert forced(k=4, chunk=8).startswith("tiled 128x256, K chunk 4,")
+
+
+def _store_banks(edge: int, chunk: int, padded: bool, quads: bool) -> int:
+    """The most threads of a warp whose store of an operand staged along K falls in one of 32 banks, under the
+    layout of ``matmul_staging`` (one store instruction: each element, or component q of each quad)."""
+    from meganeura.kernels.matmul_staging import shared_row, swizzle_span
+
+    row, span = 4 * shared_row(edge, padded), 0 if padded else swizzle_span(edge)
+    width = 4 if quads else 1
+    worst = 0
+    for q in range(width):
+        banks = []
+        for lane in range(32):
+            p, r = width * (lane % (chunk // width)) + q, lane // (chunk // width)
+            vec = (r // 4) ^ (p % span) if span else r // 4
+            banks.append((p * row + 4 * vec + r % 4) % 32)
+        worst = max(worst, max(banks.count(b) for b in set(banks)))
+    return worst
+
+
+@pytest.mark.parametrize("edge", [64, 128, 256])
+@pytest.mark.parametrize("chunk, quads", [(8, False), (16, False), (8, True), (16, True)])
+def test_swizzle_spreads_transposed_stores_as_the_pad_does(edge, chunk, quads):
+    """Unpadded and swizzled, a warp's stores of an operand staged along K conflict no more than padded (at most
+    2-way); unpadded and not swizzled, a chunk of 16 would store 16-way (elements) or 4-way (quads)."""
+    padded = _store_banks(edge, chunk, True, quads)
+    assert _store_banks(edge, chunk, False, quads) <= padded <= 2
