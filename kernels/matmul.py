@@ -553,7 +553,9 @@ def _chunk_products(plan: TiledPlan, f16: bool, a_base: str = "", b_base: str = 
         lines = []
         for g in range(groups):
             index = f"{thread} + {spread * g}u"
-            index = f"(({index}) ^ {p % span}u)" if span and p % span else index  # (a swizzled operand)
+            if span and p % span:  # a swizzled operand: (thread ^ c) + spread * g where spread is whole spans (the
+                index = (f"({thread} ^ {p % span}u) + {spread * g}u" if spread % span == 0  # same, and the XOR
+                         else f"(({index}) ^ {p % span}u)")  # of the thread's position is shared by its groups)
             lines.append(f"            let {name}{g} = tile_{name}[{base}p * {row}u + {index}];")
         return "\n".join(lines)
 

@@ -595,6 +595,7 @@ PORTABLE = {STORAGE_LIMIT: 16384, "max-compute-invocations-per-workgroup": 256, 
     (1, 130, 260, 70, {"tile": (128, 256), "block": (8, 16), "chunk": 8, "unpadded": True, "quads": True,
                        "patches": True}, False),
     (3, 40, 50, 100, {"tile": (64, 64), "unpadded": True, "chunk": 4}, True),            # a small tile, chunk of 4
+    (1, 40, 70, 50, {"tile": (32, 64), "block": (8, 8), "unpadded": True}, True),       # 4 threads span 8 vec4s
     (1, 40, 50, 700, {"tile": (64, 64), "unpadded": True, "chunk": 8, "split": 4}, True),  # unpadded K slices
 ])
 @pytest.mark.parametrize("a_layout, b_layout", [("contiguous", "contiguous"), ("transposed", "transposed")])
