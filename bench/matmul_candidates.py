@@ -3,6 +3,7 @@ timed on the GPU, beside PyTorch's CUDA f32 matmul (cuBLAS, TF32 off) where CUDA
 
     python -m bench.matmul_candidates --sizes 1024,2048,4096 --out bench/results/h100-sgemm-candidates
     python -m bench.matmul_candidates --sizes 64,96 --limits webgpu-default      # the path at small sizes
+    python -m bench.matmul_candidates --sizes 4096 --tiles 128x256,128x128      # those tiles' candidates alone
 
 For each size n, ``a @ b`` of two (n, n) float32 tensors is traced and lowered as the backend lowers it; its
 matmul's tuning problem (the plan's own loads, vec4 loaders and store) gives the candidates the tuner weighs on this
@@ -150,8 +151,9 @@ def cublas_row(size: int, a, b) -> Row:
     return Row(size, -1, "cuBLAS (torch CUDA eager, TF32 off)", gpu_us=us, tflops=2.0 * size**3 / (us * 1e-6) / 1e12)
 
 
-def size_rows(size: int, device, tuner, gen) -> list[Row]:
-    """Every candidate's row at ``size``, the default's again, and cuBLAS's where CUDA exists."""
+def size_rows(size: int, device, tuner, gen, tiles=None) -> list[Row]:
+    """Every candidate's row at ``size`` (with ``tiles``, a set of (rows, columns): the default and the candidates
+    of those forced tiles alone; the tuner still weighs all), the default's again, and cuBLAS's where CUDA exists."""
     from meganeura.runtime.matmul_tuner import pick
 
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
@@ -161,6 +163,8 @@ def size_rows(size: int, device, tuner, gen) -> list[Row]:
     kept = pick(seconds) if seconds else 0
     rows = []
     for index, choice in enumerate(choices):
+        if index and tiles is not None and choice.tile not in tiles:
+            continue
         rows.append(candidate_row(size, index, choice, a, b, exact, device))
         rows[-1].tuner_us = seconds[index] * 1e6 if seconds else None
         rows[-1].kept = index == kept
@@ -220,6 +224,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="1024,2048,4096", help="comma-separated square sizes n (a (n, n) @ (n, n))")
     p.add_argument("--limits", default="adapter", choices=("adapter", "webgpu-default"),
                    help="the device's limits (webgpu-default: the candidates a portable plan weighs)")
+    p.add_argument("--tiles", default=None,
+                   help="comma-separated forced tiles, e.g. 128x256,128x128: only their candidates (and the default)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md (rows, adapter, date)")
     return p
 
@@ -240,8 +246,9 @@ def main(argv=None) -> int:
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(head, flush=True)
     rows = []
+    tiles = None if args.tiles is None else {tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t}
     for size in (int(s) for s in args.sizes.split(",") if s):
-        done = size_rows(size, device, tuner, gen)
+        done = size_rows(size, device, tuner, gen, tiles)
         rows += done
         print(f"\n{table(done)}\n\n{summary(done)}", flush=True)
         if args.out:

@@ -52,6 +52,14 @@ def test_main_writes_the_table_and_the_results_under_webgpu_default_limits(few_c
     assert written.splitlines()[0] == printed.splitlines()[0] and "| 40 | 0" in written and "n=40: fastest #" in written
 
 
+def test_tiles_keep_the_default_and_those_tiles_candidates_alone(few_candidates, capsys):
+    assert matmul_candidates.main(["--sizes", "72", "--tiles", "32x32"]) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| 72 |")]
+    assert rows[0].startswith("| 72 | 0") and rows[-1].startswith("| 72 | 0") and "default, again" in rows[-1]
+    assert len(rows) > 3 and all("tiled 32x32" in line for line in rows[1:-1])
+
+
 def test_a_wrong_result_is_marked_and_left_out_of_the_summary():
     good = matmul_candidates.Row(8, 0, "tiled a", gpu_us=2.0, tflops=1.0, rel_l2=1e-7, kept=True)
     wrong = matmul_candidates.Row(8, 1, "tiled b", gpu_us=1.0, tflops=2.0, rel_l2=0.5)
