@@ -56,14 +56,20 @@ class Row:
     error: str | None = None
 
 
-def _lowered(a, b):
+def traced(a, b):
+    """``a @ b`` traced to aten once (fake tensors: no product computed); each compile lowers it again (a compile
+    fuses its lowered graph in place)."""
+    return make_fx(_matmul, tracing_mode="fake")(a, b)
+
+
+def _lowered(gm, a, b):
     from torch_meganeura.lower.fx_lowering import lower_graph
 
-    return lower_graph(make_fx(_matmul)(a, b), [a, b], {0, 1})
+    return lower_graph(gm, [a, b], {0, 1})
 
 
-def matmul_problem(a, b, limits: dict):
-    """The tuning problem of ``a @ b``'s matmul, as a tuned plan for ``limits`` would ask it."""
+def matmul_problem(gm, a, b, limits: dict):
+    """The tuning problem of the matmul of ``gm`` (``traced``), as a tuned plan for ``limits`` would ask it."""
     from meganeura.lowering import compile_graph
 
     asked = []
@@ -72,20 +78,20 @@ def matmul_problem(a, b, limits: dict):
         asked.extend(problems)
         return [None] * len(problems)
 
-    compile_graph(_lowered(a, b).graph, limits, keep_default)
+    compile_graph(_lowered(gm, a, b).graph, limits, keep_default)
     if len(asked) != 1:
         raise RuntimeError(f"expected one tiled matmul problem, got {len(asked)}")
     return asked[0]
 
 
-def _program(a, b, device, choice):
-    """A program of ``a @ b`` whose matmul takes ``choice``, its operands uploaded; (program, output name, kernel
-    description)."""
+def _program(gm, a, b, device, choice):
+    """A program of ``gm`` (``traced``) whose matmul takes ``choice``, its operands uploaded; (program, output name,
+    kernel description)."""
     from meganeura.lowering import compile_graph
     from meganeura.runtime.program import Program
     from torch_meganeura.tensors.params import host_form
 
-    lowered = _lowered(a, b)
+    lowered = _lowered(gm, a, b)
     plan, _ = compile_graph(lowered.graph, device.limits, lambda problems: [choice] * len(problems))
     headers = [m.group(1) for d in plan.dispatches if (m := _HEADER.search(plan.kernels[d.kernel]))]
     output = plan.outputs[0].name
@@ -122,12 +128,13 @@ def _gpu_us(device, program) -> float | None:
     return statistics.median(_profiled_ms(device, lambda: _run(program), GPU_CALLS)) * 1e3
 
 
-def candidate_row(size: int, index: int, choice, a, b, exact, device) -> Row:
-    """One candidate's row: its plan built, checked against ``exact`` and timed (an error is reported in the row)."""
+def candidate_row(size: int, index: int, choice, operands: tuple, exact, device) -> Row:
+    """One candidate's row: its plan built from ``operands`` (the traced graph, a, b), checked against ``exact`` and
+    timed (an error is reported in the row)."""
     row = Row(size, index, "", dataclasses.asdict(choice))
     program = None
     try:
-        program, output, row.variant = _program(a, b, device, choice)
+        program, output, row.variant = _program(*operands, device, choice)
         row.rel_l2 = float(rel_l2(_result(program, output).double(), exact))
         row.gpu_us = _gpu_us(device, program)
         if row.gpu_us:
@@ -159,16 +166,17 @@ def size_rows(size: int, device, tuner, gen, tiles=None) -> list[Row]:
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
     cuda = torch.cuda.is_available()
     exact = (a.cuda().double() @ b.cuda().double()).cpu() if cuda else a.double() @ b.double()
-    choices, seconds = tuner.time_candidates(matmul_problem(a, b, device.limits))
+    operands = (traced(a, b), a, b)
+    choices, seconds = tuner.time_candidates(matmul_problem(*operands, device.limits))
     kept = pick(seconds) if seconds else 0
     rows = []
     for index, choice in enumerate(choices):
         if index and tiles is not None and choice.tile not in tiles:
             continue
-        rows.append(candidate_row(size, index, choice, a, b, exact, device))
+        rows.append(candidate_row(size, index, choice, operands, exact, device))
         rows[-1].tuner_us = seconds[index] * 1e6 if seconds else None
         rows[-1].kept = index == kept
-    again = candidate_row(size, 0, choices[0], a, b, exact, device)
+    again = candidate_row(size, 0, choices[0], operands, exact, device)
     again.variant = "default, again: " + again.variant
     rows.append(again)
     if cuda:

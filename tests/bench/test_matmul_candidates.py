@@ -24,8 +24,9 @@ def few_candidates(monkeypatch):
 
 def test_every_candidate_runs_correctly_and_is_timed(few_candidates):
     device = get_device()
+    a = b = torch.zeros(72, 72)
     choices, _ = MatmulTuner(device, None).time_candidates(
-        matmul_candidates.matmul_problem(torch.zeros(72, 72), torch.zeros(72, 72), device.limits))
+        matmul_candidates.matmul_problem(matmul_candidates.traced(a, b), a, b, device.limits))
     rows = matmul_candidates.size_rows(72, device, MatmulTuner(device, None), torch.Generator().manual_seed(0))
     ours = rows[:len(choices)]
     assert len(choices) > 4 and any(c.double for c in choices) and any(c.quads for c in choices)
