@@ -16,6 +16,8 @@ kernel each, placed as early as what they read allows.
 """
 from __future__ import annotations
 
+import operator
+
 from meganeura.runtime.dtypes import STORAGE
 
 from . import expr as E
@@ -25,7 +27,12 @@ from .indexing import simplify
 from .ir import Graph, Input, Pointwise, Reduce, RowOutput, Value
 from .remat import recomputed
 
+# Storage of index arithmetic (``_index_arithmetic``): integers, and booleans (u32) compared from them.
+INDEX_STORAGE = ("i32", "u32")
 CHECK_KERNEL_BINDINGS = 2  # a check kernel binds its (unused) result and the status buffer besides what it reads
+# A comparison op -> its Python operator (``_always`` evaluates a comparison of two constants).
+_COMPARE = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
+            "ge": operator.ge}
 
 
 def separate_checks(graph: Graph, max_bindings: int, report: FusionReport) -> int:
@@ -71,9 +78,11 @@ def separate_checks(graph: Graph, max_bindings: int, report: FusionReport) -> in
 
 def _sort(domain: tuple, conditions: tuple, inputs: set[int], front: dict, apart: dict) -> None:
     """File one expression's checks: those read from inputs under ``front`` (by their reduced domain), the rest
-    together under ``apart``."""
+    together under ``apart``; those that hold whatever they read (``_always``) nowhere."""
     rest = []
     for condition, code in conditions:
+        if _always(condition):
+            continue
         if _reads_only(condition, inputs):
             reduced, small = _reduced(condition, domain)
             front.setdefault(small, {})[reduced, code] = None
@@ -84,11 +93,12 @@ def _sort(domain: tuple, conditions: tuple, inputs: set[int], front: dict, apart
 
 
 def _index_arithmetic(node, outputs: set[int]) -> bool:
-    """Whether ``node`` is integer index arithmetic: a pointwise integer value of one output, not a graph output, whose
-    expression is plain arithmetic once its checks are out (``fusion.PROLOGUE_OPS``): its readers may compute it
-    again. (A float value such as an embedding lookup is data: it keeps its checks and its kernel.)"""
+    """Whether ``node`` is index arithmetic: a pointwise integer or boolean value of one output (a position, or a mask
+    compared from positions: a decode step's causal mask), not a graph output, whose expression is plain arithmetic
+    once its checks are out (``fusion.PROLOGUE_OPS``): its readers may compute it again. (A float value such as an
+    embedding lookup is data: it keeps its checks and its kernel.)"""
     return (isinstance(node, Pointwise) and not node.also and node.out.id not in outputs
-            and STORAGE[node.out.dtype] == "i32"
+            and STORAGE[node.out.dtype] in INDEX_STORAGE
             and all(n.op in PROLOGUE_OPS for n in E.walk(_without_checks(node.expr))))
 
 
@@ -98,6 +108,22 @@ def _from_inputs(condition: E.Expr, domain: tuple, producers: dict, inputs: set[
     so that its check kernel can run before every in-place writer; else ``condition`` as it is."""
     direct = recomputed(condition, producers, lambda vid: vid in inputs)
     return condition if direct is None else simplify(direct, dict(enumerate(domain)))
+
+
+def _always(condition: E.Expr) -> bool:
+    """Whether ``condition`` holds whatever it reads: comparisons of an expression with itself or of two constants,
+    joined by ``and`` and ``or`` (the int64 overflow check of a flat index that adds 0: ``x + 0 >= x``, a causal
+    mask's over its coordinates)."""
+    if condition.op == "and":
+        return all(map(_always, condition.args))
+    if condition.op == "or":
+        return any(map(_always, condition.args))
+    if condition.op in _COMPARE:
+        x, y = condition.args
+        if E.is_const(x) and E.is_const(y):
+            return _COMPARE[condition.op](x.args[0], y.args[0])
+        return x == y and condition.op in ("eq", "le", "ge")
+    return E.is_const(condition, True)
 
 
 def _reads_only(condition: E.Expr, inputs: set[int]) -> bool:

@@ -95,3 +95,46 @@ def test_a_failed_position_check_leaves_the_caches_and_the_counter_as_they_were(
     for name in "kv":
         np.testing.assert_array_equal(arrays[f"{name}0"].numpy(), starts[f"{name}0"])
     np.testing.assert_array_equal(arrays["pos0"].numpy(), [ROWS])
+
+
+def masked_graph():
+    """A causal mask over the cache's rows (row <= pos, as HF builds it: the flat row index's int64 overflow checked,
+    a check that holds whatever it reads, x + 0 >= x, and the position's bounds), then the cache's write of a new row
+    at pos (requested in place), then a kernel that reads the mask and the written cache (the rows past pos zeroed)."""
+    b = GraphBuilder()
+    pos = b.input("pos", (1,), "int32")
+    new = b.input("new", (1, WIDTH), "float32")
+    cache = b.input("k", (ROWS, WIDTH), "float32")
+    at = b.check(b.load(pos, [E.const(0, E.I32)]), _inside(b.load(pos, [E.const(0, E.I32)])), "index out of range")
+    row = E.coord(0)
+    zero = E.const(0, E.I32)
+    added = E.binary("or", E.binary("and", E.binary("ge", zero, zero), E.binary("ge", row, row)),
+                     E.binary("and", E.binary("lt", zero, zero), E.binary("lt", row, row)))
+    mask = b.pointwise((ROWS,), "bool", E.binary("le", b.check(row, added, "position overflowed"), at), "mask")
+    written = b.pointwise((ROWS, WIDTH), "float32",
+                          E.where(E.binary("eq", E.coord(0), at), b.load(new, [zero, E.coord(1)]),
+                                  b.load(cache, [E.coord(0), E.coord(1)])))
+    b.output(written)
+    b.graph.in_place = {0: "k"}
+    b.output(b.pointwise((ROWS, WIDTH), "float32", E.where(b.load(mask, [E.coord(0)]), b.load(written, [
+        E.coord(0), E.coord(1)]), E.const(0.0, E.F32))))
+    return b.graph
+
+
+def test_a_mask_compared_from_the_position_is_computed_by_its_readers():
+    """The mask is index arithmetic too: its position check runs at the front, the check that always holds nowhere,
+    and its readers compute it (no kernel of its own: the checks, then the write stored by its reader). The reader's
+    output is the written cache with the rows past pos zeroed."""
+    plan, _ = compile_graph(masked_graph(), RecordingDevice().limits)
+    assert [d.label for d in plan.dispatches] == ["checks", "pointwise"], plan.dispatches
+    device = get_device()
+    plan, _ = compile_graph(masked_graph(), device.limits)
+    start, new = (RNG.standard_normal(shape, dtype=np.float32) for shape in ((ROWS, WIDTH), (1, WIDTH)))
+    arrays = {"k": DeviceArray.upload(device, start, "float32")}
+    got = Program(device, plan, device_only_inputs=["k"]).run({"pos": np.array([3], np.int32), "new": new},
+                                                              device_inputs=arrays)["out1"]
+    want = start.copy()
+    want[3] = new[0]
+    np.testing.assert_array_equal(arrays["k"].numpy(), want)
+    want[4:] = 0
+    np.testing.assert_array_equal(got, want)
