@@ -16,9 +16,10 @@ from the first in-place update on run first, in kernels of their own, those that
 front, and the index arithmetic they leave unchecked inlined into its readers: data_checks.py) -> hoist_writers
 (in-place updates moved up to just after their last dependency: in_place.py) -> run_over_regions (an update stored over
 its input, a KV cache's, computes only the elements it changes: regions.py) -> fuse_attention_writes (a cache update
-that an attention pass reads stored by that pass's dispatch, the pass reading the update's expressions:
-attention_writes.py) -> schedule (memory plan + WGSL +
-dispatches; a decode attention's slices merged by the projection that reads them: slice_merges.py).
+that an attention pass reads stored by that pass's dispatch, the pass reading the update's expressions, and where the
+binding limit asks, several outputs of one node that it reads side by side, bound once: attention_writes.py,
+packed.py) -> schedule (memory plan + WGSL + dispatches; a decode attention's slices merged by the projection that
+reads them: slice_merges.py).
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
 symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).
@@ -28,7 +29,8 @@ bodies), ``builder`` (``GraphBuilder``: the vocabulary op lowerings add nodes wi
 to linear reads, i32 simplification), ``bindings`` (each kernel within the adapter's storage-binding limit),
 ``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
 ``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``,
-``sibling_updates``, ``attention_writes`` (a cache update run by the attention that reads it), ``epilogues``,
+``sibling_updates``, ``attention_writes`` (a cache update run by the attention that reads it), ``packed`` (a node's
+outputs side by side in the arena, bound once by a kernel that reads several), ``epilogues``,
 ``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs written over an input's buffer),
 ``data_checks`` (checks run before any input is overwritten), ``regions`` (updates run over the elements they
 change), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a

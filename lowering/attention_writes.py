@@ -26,11 +26,14 @@ limit with one to spare for the scratch of slices: where the update stores over 
 outputs' bindings, and binds the status buffer. The merged node runs where the attention's other operands allow: at
 the update's place, or at the attention's where no node between them stores over an input (a counter's update
 after the caches' writes). A Llama layer's merged kernel binds 10 buffers with the default cache (the query, key and
-value, the rotary embedding's cosine and sine, the two caches and their concatenations, the output) and 11 with the
-static cache (the position, the mask and the status word in place of the concatenations' two), one more for the
-scratch of slices: the adapter's limits hold them (lavapipe's 32, a GPU's more), WebGPU's default 8 (a portable
-bundle's) do not, and such a plan keeps its 6 dispatches a layer (a GPT-2 layer, whose query, key and value are one
-tensor, fits them).
+value, the rotary embedding's cosine and sine, the two caches and their concatenations, the output) and 10 with the
+static cache (the position and the status word in place of the concatenations' two; the causal mask it computes from
+the position: ``data_checks``), one more for the scratch of slices: the adapter's limits hold them (lavapipe's 32, a
+GPU's more). Where the limit does not (WebGPU's default 8, a portable bundle's), the nodes of which the merged kernel
+reads several outputs lay them side by side, each group bound once (``packed``): the layer's query, key and value
+(one matmul: ``sibling_matmuls``), and the cosine and sine, 5 bindings in 2, so that the static cache's kernel binds
+7 and a layer takes 5 dispatches (a GPT-2 layer's query, key and value are one tensor already). Where even that does
+not fit, the update keeps a kernel of its own.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from .bindings import checks
 from .fusion import MAX_EXPR_NODES, PROLOGUE_OPS, FusionReport, _name
 from .indexing import simplify
 from .ir import Attention, Graph, Node, Pointwise, Scatter
+from .packed import binding_count, groups, packable
 
 # What an update's expressions may hold besides ``fusion.PROLOGUE_OPS``: a dynamic graph's sizes (a concatenation's
 # offset is the cache's length).
@@ -53,7 +57,7 @@ def fuse_attention_writes(graph: Graph, max_bindings: int, report: FusionReport)
         writer = _writer(graph, attention)
         if writer is None:
             continue
-        operands, reason = _merged_operands(graph, attention, writer, max_bindings)
+        merged, reason = _merged_operands(graph, attention, writer, max_bindings)
         place = None
         if reason is None:
             place, reason = _place(graph, attention, writer)
@@ -61,6 +65,9 @@ def fuse_attention_writes(graph: Graph, max_bindings: int, report: FusionReport)
             report.refused.append((_name(writer), _name(attention), reason))
             continue
         report.fused.append((_name(writer), _name(attention)))
+        operands, packing = merged
+        for node in packing:
+            node.side_by_side = True
         graph.nodes.remove(writer)
         graph.nodes.remove(attention)
         graph.nodes.insert(place, attention)
@@ -88,9 +95,10 @@ def _writer(graph: Graph, attention: Attention) -> Pointwise | Scatter | None:
 
 
 def _merged_operands(graph: Graph, attention: Attention, writer: Node,
-                     max_bindings: int) -> tuple[list[E.Expr] | None, str | None]:
-    """(``attention``'s operands reading the update's expressions in place of its outputs, None) where ``writer`` may
-    run in ``attention``'s dispatch (the module docstring), else (None, why not)."""
+                     max_bindings: int) -> tuple[tuple[list[E.Expr], list[Node]] | None, str | None]:
+    """((``attention``'s operands reading the update's expressions in place of its outputs, the nodes whose outputs
+    it then needs side by side to stay within ``max_bindings``: ``packed``), None) where ``writer`` may run in
+    ``attention``'s dispatch (the module docstring), else (None, why not)."""
     own = {v.id for v in writer.outs}
     if any(n is not attention for vid in own for n in graph.users().get(vid, [])):
         return None, "another node reads the update"
@@ -109,9 +117,19 @@ def _merged_operands(graph: Graph, attention: Attention, writer: Node,
     bases = set(writer.region.bases) if isinstance(writer, Scatter) else set()
     loaded = {ld.args[0] for e in operands + writer.exprs() for ld in E.loads_of(e)} - bases
     status = 1 if bases else 0  # (a writer over inputs binds the status buffer where the plan checks data)
-    if len(loaded) + len(attention.outs) + len(writer.outs) + status + 1 > max_bindings:
+    others = len(attention.outs) + len(writer.outs) + status + 1
+    grouped = groups(graph.nodes)
+    if binding_count(loaded, grouped) + others <= max_bindings:
+        return (operands, []), None
+    packing = packable(graph, loaded)
+    if binding_count(loaded, grouped | groups([_side_by_side(n) for n in packing])) + others > max_bindings:
         return None, f"more than {max_bindings} storage bindings"
-    return operands, None
+    return (operands, packing), None
+
+
+def _side_by_side(node: Node) -> Node:
+    """A stand-in for ``node`` with its outputs side by side (``packed``), to count bindings with."""
+    return Node(node.outs, side_by_side=True)
 
 
 def _updated_values(writer: Node) -> dict[int, E.Expr] | None:

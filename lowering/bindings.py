@@ -1,10 +1,11 @@
 """Storage bindings of a kernel, and passes that keep every kernel within the adapter's limit of them.
 
-A kernel binds each value it reads or writes, the status buffer where an expression checks something, and the
-scratch of partial results where it is cut into slices; the scheduler cuts a kernel into slices only where a binding
-is left for that scratch, and the fusion passes keep one spare for it. WebGPU's default limit is 8 storage buffers
-per shader stage; ``fit_bindings`` (before fusion) brings the nodes that lowering made wider within it, and does
-nothing on an adapter with room for them (its plans stay as they were):
+A kernel binds each value it reads or writes (several outputs of one node laid side by side once: ``packed``), the
+status buffer where an expression checks something, and the scratch of partial results where it is cut into slices;
+the scheduler cuts a kernel into slices only where a binding is left for that scratch, and the fusion passes keep one
+spare for it. WebGPU's default limit is 8 storage buffers per shader stage; ``fit_bindings`` (before fusion) brings
+the nodes that lowering made wider within it, and does nothing on an adapter with room for them (its plans stay as
+they were):
 
 - a pointwise node reading more values (a concatenation of many tensors) computes a part of its expression, the
   widest that fits, as a node of its own first, until it fits;
@@ -21,6 +22,7 @@ import itertools
 
 from . import expr as E
 from .ir import Attention, Graph, Node, Pointwise, Scatter, Value, kernel_forms
+from .packed import binding_count
 
 _LOGICAL = {E.F32: "float32", E.I32: "int32", E.BOOL: "bool"}  # a part's value type from its expression's
 
@@ -30,16 +32,17 @@ def checks(exprs) -> bool:
     return any(n.op == "check" for e in exprs for n in E.walk(e))
 
 
-def kernel_bindings(node: Node) -> int:
+def kernel_bindings(node: Node, grouped: dict | None = None) -> int:
     """Storage bindings of ``node``'s kernel before any scratch: the values it reads and writes, and the status
     buffer where an expression checks something (of its largest form: ``ir.kernel_forms``). An attention pass that
     stores an update over the inputs it reads (``Attention.writes``: a ``Scatter``) reads them through its outputs'
-    bindings, and binds the status buffer (where the plan checks data, it stores only while no check failed)."""
+    bindings, and binds the status buffer (where the plan checks data, it stores only while no check failed).
+    ``grouped``: outputs that lie side by side (``packed.groups``), several of which one binding reads."""
     outs = {v.id for v in node.outs}
     writes = getattr(node, "writes", None)
     shared = set(writes.region.bases) if isinstance(writes, Scatter) else set()
-    return max(len(({ld.args[0] for e in form for ld in E.loads_of(e)} - shared) | outs)
-               + (checks(form) or bool(shared)) for form in kernel_forms(node))
+    return max(binding_count({ld.args[0] for e in form for ld in E.loads_of(e)} - shared - outs, grouped or {})
+               + len(outs) + (checks(form) or bool(shared)) for form in kernel_forms(node))
 
 
 def fit_bindings(graph: Graph, max_bindings: int) -> int:

@@ -56,6 +56,8 @@ class Value:
 @dataclass
 class Node:
     outs: list[Value]
+    # Its outputs placed side by side in the arena, so that a kernel reading several binds them once (``packed``).
+    side_by_side: bool = field(default=False, kw_only=True)
 
     @property
     def out(self) -> Value:

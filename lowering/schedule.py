@@ -27,6 +27,7 @@ from .ir import (Attention, Graph, Input, Matmul, Node, Pointwise, Reduce, Scatt
                  storing_node)
 from .node_kernels import (KERNELS, Slots, attention_shape, fast_axes, looped_operand, matmul_prelude_of,
                            matmul_quads, stores_pairs)
+from .packed import PackedLayout, binding_keys
 from .planner import Interval, place
 from .sibling_updates import split_overfull_updates
 from .slice_merges import ReaderMerge, SliceMerge, slice_merges
@@ -62,17 +63,20 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
     _check_scatters(graph, kernels, over)
     buffers, inputs, params, outputs, placement = _own_buffers(graph, over)
     stored = {vid: STORAGE[values[vid].dtype] for vid in placement}
-    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls)
-    aliases = arena_aliases(kernels, placement, values)
-    merges = slice_merges(kernels, placement, limits, variants, lambda n: _slices(n, limits, variants.get(id(n)))[0])
-    intervals, scratch = _arena_intervals(kernels, placement, limits, variants, aliases, merges)
+    alignment = limits.get("min-storage-buffer-offset-alignment", 256)
+    packed = PackedLayout.of(kernels, alignment, lambda v: upper(tensor_bytes(v)))
+    variants = _matmul_variants([n for n in kernels if isinstance(n, Matmul)], values, stored, limits, choose_matmuls,
+                                packed)
+    aliases = {old: new for old, new in arena_aliases(kernels, placement, values).items()
+               if old not in packed.group}  # (no kernel stores over side-by-side outputs: ``packed``)
+    merges = slice_merges(kernels, placement, limits, variants,
+                          lambda n: _slices(n, limits, variants.get(id(n)), packed)[0])
+    intervals, scratch = _arena_intervals(kernels, placement, limits, variants, aliases, merges, packed)
     sizes = {iv.key: iv.size for iv in intervals if iv.key < 0}
-    offsets, arena_size = place(intervals, limits.get("min-storage-buffer-offset-alignment", 256))
+    offsets, arena_size = place(intervals, alignment)
     if intervals:
         buffers.append(BufferSpec("arena", arena_size, "arena"))
-        placement.update({key: ("arena", off) for key, off in offsets.items()})
-        for old, new in aliases.items():  # (in kernel order: a chain's first is placed first)
-            placement[new] = placement[old]
+        _place_in_arena(placement, offsets, aliases, packed)
     if graph.status_messages:
         buffers.append(BufferSpec("status", STATUS_BYTES, "status"))
     symbols = symbol_count()
@@ -80,11 +84,11 @@ def schedule(graph: Graph, limits: dict, input_names=None, stats=None, choose_ma
         buffers.append(BufferSpec(f"input:{SIZES_INPUT}", 16 * wgsl.sizes_vec4s(symbols), "input"))
         inputs.append(TensorSpec(SIZES_INPUT, f"input:{SIZES_INPUT}", 0, (symbols,), "int32"))
 
-    binding_of = _binding_table(placement, sizes, values, stored)
+    binding_of = _binding_table(placement, sizes, values, stored, packed)
     stored_over = StoredOver({target.out.id: graph.outputs[i].id for i, target in over.items()},
                              bool(graph.status_messages), aliases)
     sources, dispatches = _emit_dispatches(kernels, values, stored, limits, scratch, variants, binding_of, on_kernel,
-                                           stored_over, merges)
+                                           stored_over, merges, packed)
     plan_stats = dict(stats or {})
     plan_stats.update(arena_bytes=arena_size if intervals else 0, unplanned_bytes=sum(iv.size for iv in intervals),
                       dispatches=len(dispatches), kernels=len(sources), arena_aliases=len(aliases),
@@ -211,12 +215,14 @@ def _own_buffers(graph: Graph, over: dict[int, Input]) -> tuple[list[BufferSpec]
 
 
 def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variants: dict, aliases: dict[int, int],
-                     merges: dict[int, SliceMerge]) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
+                     merges: dict[int, SliceMerge],
+                     packed: PackedLayout) -> tuple[list[Interval], dict[int, tuple[int, int]]]:
     """The lifetimes the arena holds, and node id -> (slices, arena key of their partial results) of each node cut
     into slices. Each value without a buffer of its own lives from the step that writes it to its last read, and a
     value stored over an operand (``aliases``: operand id -> value id) extends the operand's range, keyed by the
-    first of the chain; the partial results of a sliced node, keyed -1 - step (no value id collides), during its
-    step, or until its reader's where the reader merges them (``merges``)."""
+    first of the chain; outputs side by side (``packed``) are one range, keyed by the first; the partial results of
+    a sliced node, keyed -1 - step (no value id collides), during its step, or until its reader's where the reader
+    merges them (``merges``)."""
     last_use = last_reads(kernels)
     first_of: dict[int, int] = {}
     for old, new in aliases.items():  # (in kernel order)
@@ -227,13 +233,15 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variant
             if v.id not in placement:
                 key = first_of.get(v.id, v.id)
                 size, last = upper(tensor_bytes(v)), last_use.get(v.id, step)
+                if v.id in packed.group:
+                    key, size = packed.group[v.id][0], packed.size[packed.group[v.id]]
                 span = spans.get(key)
                 spans[key] = (Interval(key, size, step, last) if span is None
                               else Interval(key, max(size, span.size), span.first, max(last, span.last)))
     intervals = list(spans.values())
     scratch: dict[int, tuple[int, int]] = {}
     for step, node in enumerate(kernels):
-        split, floats = _slices(node, limits, variants.get(id(node)))
+        split, floats = _slices(node, limits, variants.get(id(node)), packed)
         if split > 1:
             scratch[id(node)] = (split, -1 - step)
             last = merges[id(node)].reader_step if id(node) in merges else step
@@ -241,18 +249,29 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variant
     return intervals, scratch
 
 
-def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict) -> dict:
-    """Bound value id (or "status", or the arena key of partial results) -> its ``Binding``: bindings of symbolic
-    sizes span the most they hold (``upper``)."""
+def _place_in_arena(placement: dict, offsets: dict[int, int], aliases: dict[int, int], packed: PackedLayout) -> None:
+    """Add the arena's values to ``placement``: each at its interval's offset (``_arena_intervals``), a value
+    stored over an operand at the operand's, and outputs side by side at their group's plus their own offset."""
+    placement.update({key: ("arena", off) for key, off in offsets.items()})
+    for old, new in aliases.items():  # (in kernel order: a chain's first is placed first)
+        placement[new] = placement[old]
+    for vid, group in packed.group.items():
+        placement[vid] = ("arena", offsets[group[0]] + packed.offset[vid])
+
+
+def _binding_table(placement: dict, sizes: dict, values: dict, stored: dict, packed: PackedLayout) -> dict:
+    """Bound value id (or "status", or the arena key of partial results, or a group of outputs side by side) -> its
+    ``Binding``: bindings of symbolic sizes span the most they hold (``upper``)."""
     table = {vid: Binding(buf, off, sizes[vid] if vid in sizes else upper(tensor_bytes(values[vid], stored)))
              for vid, (buf, off) in placement.items()}
+    table.update({group: Binding("arena", placement[group[0]][1], size) for group, size in packed.size.items()})
     table["status"] = Binding("status", 0, STATUS_BYTES)
     return table
 
 
 def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: dict, scratch: dict, variants: dict,
-                     binding_of: dict, on_kernel, stored_over: StoredOver,
-                     merges: dict[int, SliceMerge]) -> tuple[dict[str, str], list[Dispatch]]:
+                     binding_of: dict, on_kernel, stored_over: StoredOver, merges: dict[int, SliceMerge],
+                     packed: PackedLayout) -> tuple[dict[str, str], list[Dispatch]]:
     """(WGSL by kernel key, dispatches in order) of the nodes that write anything; ``on_kernel`` hears of each new
     kernel as it is generated. ``stored_over``: the outputs stored over inputs (``in_place``); ``merges``: the sliced
     attention passes whose reader merges their slices (their own merge pass left out)."""
@@ -266,7 +285,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         merged = next((ReaderMerge.of(m, scratch[id(m.attention)]) for m in merges.values()
                        if m.reader is node), None)
         passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over,
-                         merged)
+                         merged, packed)
         if id(node) in merges:
             passes = passes[:1]
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
@@ -294,15 +313,15 @@ def _label(node: Node) -> str:
     return label
 
 
-def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: dict,
-                     choose) -> dict[int, matmul_kernels.MatmulChoice]:
+def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: dict, choose,
+                     packed: PackedLayout) -> dict[int, matmul_kernels.MatmulChoice]:
     """Node id -> kernel variant of each matmul node: ``choose``'s for a tiled problem where it gives one, else the
     default."""
     variants = {id(n): matmul_kernels.default_choice(n.batch, n.rows, n.columns, n.k, limits) for n in nodes}
     if choose is None:
         return variants
     f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
-    problems = {id(n): _matmul_problem(n, values, stored, f16, limits) for n in nodes
+    problems = {id(n): _matmul_problem(n, values, stored, f16, limits, packed) for n in nodes
                 if matmul_kernels.is_tiled(n.rows, n.columns)
                 and not any(map(is_size, (n.batch, n.rows, n.columns, n.k)))}
     distinct = list(dict.fromkeys(problems.values()))
@@ -316,14 +335,17 @@ def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: di
 _TUNING_PARTIAL = "tuning partial sums"  # the bound key of a problem's partial-sum binding
 
 
-def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool, limits: dict) -> MatmulProblem:
+def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool, limits: dict,
+                    packed: PackedLayout) -> MatmulProblem:
     """The tuning problem of a tiled matmul node: its shape and layouts, and its kernel's prelude with a partial-sum
     binding after the node's own (as a split variant's kernel has it), then the vec4 bindings of the operands that
     quad-staged variants read as vec4s (``node_kernels.matmul_quads``)."""
-    slots = _bindings(node, values, stored, _TUNING_PARTIAL)
+    slots = _bindings(node, values, stored, _TUNING_PARTIAL, packed=packed)
     a_fast, b_fast = fast_axes(slots.exprs)
 
     def size(vid) -> int:
+        if isinstance(vid, tuple):  # (outputs side by side)
+            return packed.size[vid]
         return STATUS_BYTES if vid == "status" else tensor_bytes(values[vid], stored)
 
     decl, bound = list(slots.decl), list(slots.bound)
@@ -335,17 +357,21 @@ def _matmul_problem(node: Matmul, values: dict, stored: dict, f16: bool, limits:
                          stores_pairs(slots))
 
 
-def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: dict | None = None) -> E.Expr:
+def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: dict | None = None,
+               shift: dict | None = None) -> E.Expr:
     """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index (widened
     from half precision where the value is ``stored`` so), a rounding of such a read to its own half precision left
     out: it is exact (a repeated KV head of a bf16 cache, rounded to bf16 as its copy, stays a plain read, which
-    attention then reads by groups). A value of ``calls`` (value id -> its read at a linear index) is read so."""
+    attention then reads by groups). A value of ``calls`` (value id -> its read at a linear index) is read so; one of
+    ``shift`` (value id -> elements) that many elements further (an output side by side with others: ``packed``)."""
     bounds = dict(enumerate(domain))
+    shift = shift or {}
 
     def rewrite(n: E.Expr):
         if n.op == "load":
             vid, coords = n.args
-            index = simplify(linear_index(coords, values[vid].shape), bounds)
+            index = linear_index(coords, values[vid].shape)
+            index = simplify(E.add(index, E.const(shift[vid], E.I32)) if vid in shift else index, bounds)
             if calls and vid in calls:
                 return calls[vid](index)
             half = stored.get(vid) if stored.get(vid) in HALF_STORAGE else ""
@@ -357,10 +383,11 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: di
     return E.substitute(e, rewrite)
 
 
-def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None) -> tuple[int, int]:
+def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None,
+            packed: PackedLayout) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
-    if kernel_bindings(node) >= limits.get("max-storage-buffers-per-shader-stage", 8):
+    if kernel_bindings(node, packed.group) >= limits.get("max-storage-buffers-per-shader-stage", 8):
         return 1, 0  # no binding left for the partial results: one pass
     if isinstance(node, Matmul):
         return variant.split, variant.split * node.batch * node.rows * node.columns
@@ -374,21 +401,26 @@ def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | Non
     return 1, 0
 
 
-def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
-              stored_over: StoredOver | None = None, merged: ReaderMerge | None = None) -> Slots:
+def _bindings(node: Node, values: dict, stored: dict, scratch_key=None, stored_over: StoredOver | None = None,
+              merged: ReaderMerge | None = None, packed: PackedLayout | None = None) -> Slots:
     """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
     ``scratch_key`` (f32 partial results) comes last. ``merged``: an attention output the node reads merged from the
     slices' partial results (``slice_merges``), whose scratch it binds in the output's place. The node reads an
     input that one of its outputs is stored over (``in_place``), or an arena operand it stores over
     (``arena_aliases``), through the output's binding: one buffer range is bound once (WebGPU forbids a writable
     binding that overlaps another in one dispatch); a node storing over an input binds the status buffer too where
-    ``stored_over.guarded``."""
+    ``stored_over.guarded``. Outputs side by side (``packed``) of which it reads several it reads through one
+    binding of their range, each at its offset."""
     bound: list = []
     outs = {v.id for v in node.outs}
     stored_over = stored_over or StoredOver({}, False)
     same = {old: new for old, new in stored_over.values.items() if new in outs}
     guarded = bool(same) and stored_over.guarded
     same.update({old: new for old, new in stored_over.arena.items() if new in outs})  # (arena_aliases)
+    read = {ld.args[0] for e in node.exprs() for ld in E.loads_of(e)} - outs
+    grouped = {vid: key for vid, key in binding_keys(read, packed.group if packed else {}).items() if vid != key}
+    same.update(grouped)
+    shift = {vid: packed.offset[vid] // 4 for vid in grouped}  # (arena elements are 4 bytes: ``tensor_bytes``)
 
     def slot_of(vid) -> int:
         vid = same.get(vid, vid)
@@ -400,7 +432,7 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
     if own:  # other threads may not have written it yet: a race on GPUs that a serial CPU driver hides
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
     calls = {} if merged is None else {merged.vid: lambda index: merged.read(slot_of(merged.key), index)}
-    exprs = [_linearise(e, d, values, stored, slot_of, calls) for e, d in zip(node.exprs(), node.domains())]
+    exprs = [_linearise(e, d, values, stored, slot_of, calls, shift) for e, d in zip(node.exprs(), node.domains())]
     out_slots = [slot_of(v.id) for v in node.outs]
     if checks(exprs) or guarded:
         slot_of("status")
@@ -413,7 +445,7 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None,
     decl, storage = [], []
     for slot, vid in enumerate(bound):
         plain = vid == "status" or (vid in (scratch_key, merged and merged.key) and vid is not None)
-        kind = "" if plain else _storage(values[vid], stored)
+        kind = "" if plain else _storage(values[vid[0] if isinstance(vid, tuple) else vid], stored)
         storage.append(kind)
         if vid == "status":
             decl.append((slot, wgsl.STATUS_VAR, "atomic<u32>"))
@@ -430,12 +462,12 @@ def _storage(v: Value, stored: dict) -> str:
 
 def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple[int, int] | None = None,
             variant: matmul_kernels.MatmulChoice | None = None, stored_over: StoredOver | None = None,
-            merged: ReaderMerge | None = None) -> list[tuple]:
+            merged: ReaderMerge | None = None, packed: PackedLayout | None = None) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut
     into slices (``scratch``: slices and the arena key of their partial results). A matmul node's kernel is
     ``variant``; ``merged``, an attention output it reads merged from slices. ``KERNELS`` holds the generator of each
     node type."""
-    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over, merged)
+    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over, merged, packed)
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")

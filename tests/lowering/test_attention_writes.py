@@ -20,6 +20,7 @@ from helpers.recording_device import RecordingDevice
 
 RNG = np.random.default_rng(7)
 HEADS, KV_HEADS, LENGTH, HEAD = 4, 2, 6, 8  # query heads, key/value heads, cache positions, head size
+WIDTH = 12  # the row that ``projected_graph`` projects to the query, key and value
 NEW = 2  # the new rows of a step that writes several at once
 
 
@@ -62,6 +63,34 @@ def static_graph(rows: int = 1):
         requests[len(b.graph.outputs)] = name
         b.output(updated[-1])
     b.output(_attention(b, q, *updated, LENGTH))
+    b.graph.in_place = requests
+    return b.graph
+
+
+def projected_graph():
+    """As ``static_graph``, one row a step, but the query and the new key and value rows are one row's products by
+    three weights (a layer's projections: one matmul once fusion merges them, its three outputs intermediates)."""
+    b = GraphBuilder()
+    x = b.input("x", (1, WIDTH), "float32")
+    products = {name: b.matmul(x, b.input(f"w{name}", (WIDTH, heads * HEAD), "float32"))
+                for name, heads in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
+    rows = {name: b.reshape(products[name], (1, HEADS if name == "q" else KV_HEADS, 1, HEAD)) for name in "qkv"}
+    pos = b.input("pos", (1,), "int32")
+    at = b.load(pos, _c(0))
+    checked = b.check(at, E.binary("and", E.binary("ge", at, E.const(0, E.I32)),
+                                   E.binary("lt", at, E.const(LENGTH, E.I32))), "index out of range")
+    c = [E.coord(d) for d in range(4)]
+    updated, requests = [], {}
+    for name in "kv":
+        cache = b.input(name, (1, KV_HEADS, LENGTH, HEAD), "float32")
+        whole = E.where(E.binary("eq", c[2], checked), b.load(rows[name], [c[0], c[1], E.const(0, E.I32), c[3]]),
+                        b.load(cache, c))
+        region = Region((1, KV_HEADS, 1, HEAD), (c[0], c[1], E.add(c[2], checked), c[3]), E.const(True, E.BOOL),
+                        [b.load(rows[name], c)], [cache.id])
+        updated.append(b.pointwise(cache.shape, "float32", whole, "index_put", region=region))
+        requests[len(b.graph.outputs)] = name
+        b.output(updated[-1])
+    b.output(_attention(b, rows["q"], *updated, LENGTH))
     b.graph.in_place = requests
     return b.graph
 
@@ -140,6 +169,36 @@ def test_the_attention_stores_the_concatenated_caches_it_reads():
     np.testing.assert_array_equal(got["out0"], want["k"])
     np.testing.assert_array_equal(got["out1"], want["v"])
     np.testing.assert_allclose(got["out2"], _attend(inputs["q"], want["k"], want["v"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("limits", ["default", "adapter"])
+def test_within_webgpus_default_bindings_the_projections_outputs_side_by_side_are_bound_once(limits):
+    """The query, key and value of one matmul: within WebGPU's default 8 storage bindings the attention storing the
+    rows reads them through one binding of their range (lowering/packed.py), each at its offset (the recording
+    device's 256-byte alignment; the adapter's own, held to 8 bindings); with the checks and the projection, three
+    dispatches. Outputs and caches equal float64 numpy's."""
+    device = get_device()
+    limits = RecordingDevice().limits if limits == "default" else {
+        **device.limits, "max-storage-buffers-per-shader-stage": 8}
+    plan, report = compile_graph(projected_graph(), limits)
+    assert [d.label.split()[0] for d in plan.dispatches] == ["checks", "matmul", "attention"], report.refused
+    assert plan.stats["attention_writes"] == 1 and max(len(d.bindings) for d in plan.dispatches) <= 8
+    qkv = {(b.offset, b.size) for b in plan.dispatches[2].bindings if b.buffer == "arena"}  # (a vec4 binding too)
+    assert len(qkv) == 1 and min(qkv)[1] >= 4 * (HEADS + 2 * KV_HEADS) * HEAD, plan.dispatches[2]
+    program = Program(device, plan, device_only_inputs=["k", "v"])
+    starts = {name: RNG.standard_normal((1, KV_HEADS, LENGTH, HEAD), dtype=np.float32) for name in "kv"}
+    arrays = {name: DeviceArray.upload(device, start, "float32") for name, start in starts.items()}
+    inputs = {"x": RNG.standard_normal((1, WIDTH), dtype=np.float32), "pos": np.array([4], np.int32),
+              **{f"w{name}": RNG.standard_normal((WIDTH, heads * HEAD), dtype=np.float32)
+                 for name, heads in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}}
+    rows = {name: (inputs["x"].astype(np.float64) @ inputs[f"w{name}"]).reshape(1, -1, 1, HEAD) for name in "qkv"}
+    out = program.run(inputs, device_inputs=arrays)["out2"]
+    for name in "kv":
+        want = starts[name].astype(np.float64)
+        want[:, :, 4:5] = rows[name]
+        np.testing.assert_allclose(arrays[name].numpy(), want, rtol=1e-5, atol=1e-5)
+        starts[name] = want
+    np.testing.assert_allclose(out, _attend(rows["q"], starts["k"], starts["v"]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("graph", [static_graph, dynamic_graph], ids=["static", "dynamic"])

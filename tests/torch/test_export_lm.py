@@ -21,14 +21,16 @@ from meganeura.runtime.lm_bundle import read_lm_bundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 # A Llama layer's decode dispatches (portable limits: 8 storage bindings; lowering/row_prologues.py,
-# paired_matmuls.py and sibling_updates.py): the query, key and value projection (+ RMS norm), the key and value
-# cache writes in one kernel (+ the key's rotary embedding), attention (+ the query's rotary embedding as a prologue,
-# in the binding its unread log-sum-exp leaves), the output projection (+ residual), gate and up (+ RMS norm, SiLU,
+# paired_matmuls.py and attention_writes.py): the query, key and value projection (+ RMS norm), attention (+ the
+# rotary embedding of the query and the key as a prologue, the key and value cache writes, the causal mask computed
+# from the position; it reads the projection's three outputs through one binding, and the rotary embedding's cosine
+# and sine through another: lowering/packed.py), the output projection (+ residual), gate and up (+ RMS norm, SiLU,
 # product) and down (+ residual), with a cache long enough that attention is cut into slices of the keys
 # (``SLICED_CACHE``), whose merge the output projection does as it loads its row (lowering/slice_merges.py). Before
 # decode fusion: 11 (the two RMS norms and the up projection had dispatches of their own), then 9 (the rotary
-# embedding of the query, each cache write and the merge of the slices apart).
-LLAMA_DECODE_DISPATCHES_PER_LAYER = 6
+# embedding of the query, each cache write and the merge of the slices apart), then 6 (the cache writes a kernel of
+# their own: the merged kernel bound 12 buffers).
+LLAMA_DECODE_DISPATCHES_PER_LAYER = 5
 # With an adapter's own limits (``portable=False``; lavapipe's 32 bindings, as the backend compiles for): the cache
 # writes run by the attention's dispatch too (lowering/attention_writes.py: 12 bindings, more than the portable 8).
 # Before decode fusion: 10, then 7 (the merge of the slices apart), then 6 (the cache writes a kernel of their own).
