@@ -285,19 +285,25 @@ def test_a_bundle_loaded_over_buffers_another_model_left_generates_eager_tokens(
 def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, portable):
     """From one layer's attention to the next layer's, the decode plan has LLAMA_DECODE_DISPATCHES_PER_LAYER
     dispatches (_WIDE with the adapter's own limits: a per-layer count that cannot silently grow; the steps before
-    the first layer and after the last, the position checks, the mask and the sampler, are not a layer's), none of
-    them a norm's reduction."""
+    the first layer and after the last, the position checks and the sampler, are not a layer's), none of them a
+    norm's reduction; within the limit's storage bindings, each dispatch's arena ranges the same or apart (a range
+    of outputs side by side, lowering/packed.py, overlaps no other binding)."""
     from meganeura.runtime.device import get_device
 
     if not portable and get_device().limits["max-storage-buffers-per-shader-stage"] < WIDE_BINDINGS:
         pytest.skip(f"the adapter has fewer than {WIDE_BINDINGS} storage bindings per stage")
     torch.manual_seed(0)
     torch_meganeura.export_lm(_llama(), tmp_path / "lm", max_cache_len=SLICED_CACHE, portable=portable)
-    labels = [d.label for d in read_lm_bundle(tmp_path / "lm").phases["decode"].plan.dispatches]
+    plan = read_lm_bundle(tmp_path / "lm").phases["decode"].plan
+    labels = [d.label for d in plan.dispatches]
     first, second = [i for i, label in enumerate(labels) if label == "attention"]
     want = LLAMA_DECODE_DISPATCHES_PER_LAYER if portable else LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE
     assert second - first == want, labels
     assert "mean" not in labels[first:second], labels
+    assert not portable or max(len(d.bindings) for d in plan.dispatches) <= 8
+    for d in plan.dispatches:
+        ranges = sorted({(b.offset, b.offset + b.size) for b in d.bindings if b.buffer == "arena"})
+        assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:])), d
 
 
 def test_a_gpt2_layer_writes_its_cache_in_the_attention_within_the_portable_limits(tmp_path):
