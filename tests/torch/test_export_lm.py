@@ -286,8 +286,8 @@ def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, porta
     """From one layer's attention to the next layer's, the decode plan has LLAMA_DECODE_DISPATCHES_PER_LAYER
     dispatches (_WIDE with the adapter's own limits: a per-layer count that cannot silently grow; the steps before
     the first layer and after the last, the position checks and the sampler, are not a layer's), none of them a
-    norm's reduction; within the limit's storage bindings, each dispatch's arena ranges the same or apart (a range
-    of outputs side by side, lowering/packed.py, overlaps no other binding)."""
+    norm's reduction; the layers' attentions one kernel; within the limit's storage bindings, each dispatch's arena
+    ranges the same or apart (a range of outputs side by side, lowering/packed.py, overlaps no other binding)."""
     from meganeura.runtime.device import get_device
 
     if not portable and get_device().limits["max-storage-buffers-per-shader-stage"] < WIDE_BINDINGS:
@@ -300,6 +300,7 @@ def test_a_llama_layer_decodes_in_a_counted_number_of_dispatches(tmp_path, porta
     want = LLAMA_DECODE_DISPATCHES_PER_LAYER if portable else LLAMA_DECODE_DISPATCHES_PER_LAYER_WIDE
     assert second - first == want, labels
     assert "mean" not in labels[first:second], labels
+    assert plan.dispatches[first].kernel == plan.dispatches[second].kernel  # (the layers' kernels shared)
     assert not portable or max(len(d.bindings) for d in plan.dispatches) <= 8
     for d in plan.dispatches:
         ranges = sorted({(b.offset, b.offset + b.size) for b in d.bindings if b.buffer == "arena"})
