@@ -12,7 +12,8 @@ to their last reader, and no kernel stores over them (``schedule`` leaves them o
 
 Packing lengthens what the arena holds (every output lives as long as the longest-lived), so only a pass that would
 otherwise exceed the storage-binding limit asks for it (``attention_writes``: a portable plan's Llama attention that
-runs its layer's cache writes reads the query, key and value and the cosine and sine, four bindings in two).
+runs its layer's cache writes reads the query, key and value and the cosine and sine, five values, through two
+bindings).
 """
 from __future__ import annotations
 
