@@ -299,10 +299,13 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)
               if mode == "forward" else [])
 
+    take_watched = operator.itemgetter(*watched) if len(watched) > 1 else None  # (the static inputs, in C)
+
     def run(args):
         if watched:
-            kept.kept = _all_kept(args, watched)
-            kept.params = [args[i] for i in watched] if kept.kept else []
+            statics = take_watched(args) if take_watched is not None else (args[watched[0]],)
+            kept.kept = _all_kept(statics)
+            kept.params = statics if kept.kept else ()
         for i in shared:  # uploaded once, for the forward's partitions and the backward's
             if type(args[i]) is torch.Tensor:  # (a resident or kept tensor is bound as it is)
                 args[i] = ResidentTensor(upload_array(context.device(), args[i]))
@@ -367,17 +370,14 @@ def _mark_updated(placeholders: list[fx.Node], updated: set[fx.Node], graph_inpu
             mark_updated(t)
 
 
-def _all_kept(args, static: list[int]) -> bool:
+def _all_kept(statics: tuple) -> bool:
     """Whether the static inputs (parameters and buffers) of a forward call hold a parameter kept on the device
-    and no trainable parameter that is not."""
-    kept = False
-    for i in static:
-        cls = type(args[i])
-        if cls is DeviceParameter:
-            kept = True
-        elif cls is torch.nn.Parameter and args[i].requires_grad:
-            return False
-    return kept
+    and no trainable parameter that is not: their classes read in a loop run by C, each one's ``requires_grad`` only
+    where some are plain parameters."""
+    classes = set(map(type, statics))
+    if torch.nn.Parameter in classes and any(type(t) is torch.nn.Parameter and t.requires_grad for t in statics):
+        return False
+    return DeviceParameter in classes
 
 
 def _warn_about_fallbacks(gm: fx.GraphModule, context: BackendContext) -> dict[str, str]:
