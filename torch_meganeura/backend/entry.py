@@ -11,7 +11,7 @@ import itertools
 import logging
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch._functorch._aot_autograd.schemas import OutputType
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
+from .bound_plan import taker
 from .per_call import DevicePartition
 from .signatures import SHARED_GRAPHS
 from ..lower.decompositions import aot_decomposition_table
@@ -299,13 +300,11 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)
               if mode == "forward" else [])
 
-    take_watched = operator.itemgetter(*watched) if len(watched) > 1 else None  # (the static inputs, in C)
+    statics_of = taker(watched) if watched else None  # (a forward's static inputs, taken in C)
 
     def run(args):
-        if watched:
-            statics = take_watched(args) if take_watched is not None else (args[watched[0]],)
-            kept.kept = _all_kept(statics)
-            kept.params = statics if kept.kept else ()
+        if statics_of is not None:
+            kept.note(statics_of(args))
         for i in shared:  # uploaded once, for the forward's partitions and the backward's
             if type(args[i]) is torch.Tensor:  # (a resident or kept tensor is bound as it is)
                 args[i] = ResidentTensor(upload_array(context.device(), args[i]))
@@ -404,7 +403,12 @@ class KeptGradients:
     finds it."""
 
     kept: bool = False
-    params: list = field(default_factory=list)
+    params: tuple = ()
+
+    def note(self, statics: tuple) -> None:
+        """Note a forward call's static inputs: whether all its parameters are kept (``_all_kept``), and if so them."""
+        self.kept = _all_kept(statics)
+        self.params = statics if self.kept else ()
 
     @staticmethod
     def of_this_graph(create: bool) -> "KeptGradients | None":

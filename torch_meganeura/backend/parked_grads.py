@@ -30,6 +30,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from ..tensors.device_tensor import unpark_grad
 from ..tensors.resident import ResidentTensor
+from .bound_plan import taker
 
 _KEPT, _ACCUMULATOR = operator.attrgetter("_meganeura_kept"), operator.attrgetter("accumulator")
 _GRAD, _PARKED = operator.attrgetter("grad"), operator.attrgetter("_meganeura_kept.grad")
@@ -45,7 +46,7 @@ class GradientParking:
     def __init__(self, static: list[int], kept):
         self.slots, self.kept = list(zip(static, range(len(static)))), kept
         self.positions = static
-        self._gradients = _taker(static)  # (the backward's outputs at ``positions``, in C)
+        self._gradients = taker(static)  # (the backward's outputs at ``positions``, in C)
 
     def __call__(self, result) -> list:
         """``result`` (the backward's outputs) with each kept gradient parked (None) or as a ``ResidentTensor``."""
@@ -95,15 +96,6 @@ def _all_parkable(params) -> bool:
             and all(map(operator.is_, map(_PARKED, params), repeat(None)))
             and all(map(operator.is_, map(_HOOKS, params), repeat(None)))
             and all(map(operator.is_, map(_POST_HOOKS, params), repeat(None))))
-
-
-def _taker(positions: list[int]):
-    """A function of a sequence returning its items at ``positions`` as a tuple (``operator.itemgetter``, which
-    returns one item alone)."""
-    if len(positions) == 1:
-        only = positions[0]
-        return lambda items: (items[only],)
-    return operator.itemgetter(*positions) if positions else lambda items: ()
 
 
 def _parkable(params: list) -> list[bool]:
