@@ -40,6 +40,7 @@ and the next run recorded ahead, stay the same whatever the sizes.
 """
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from functools import lru_cache, partial
@@ -59,6 +60,7 @@ from .resident import BufferSet, DeviceArray, buffer_bytes
 
 RECENT_OUTPUT_BUFFERS = 2  # an output that comes back as the next run's input alternates between two buffers
 OUTPUT_SHAPES_KEPT = 64  # output shapes whose bytes are remembered (``_shape_bytes``): those of recent runs
+_BUFFER = operator.attrgetter("buffer")  # (an array's buffer; a spec's buffer name)
 
 
 class Program(ProgramResources, Recording):
@@ -78,6 +80,8 @@ class Program(ProgramResources, Recording):
         self._swapped_groups: dict[tuple, tuple] = {}
         self._swapped_commands: dict[tuple, list] = {}
         self._ahead, self._swaps_ahead = None, SwapsAhead()  # the next run recorded ahead (see run), and over what
+        # the last run's input swaps, its outputs' buffers and names, and the swaps and key made of them
+        self._last_swaps: tuple | None = None  # (``_with_outputs``)
         # each resident output's latest buffers, its room and, in a plan without symbols, its buffers' size
         self._recent_outputs: dict[str, tuple[deque, int, int | None]] = {}  # (``_new_output``)
         self.read_along: dict[str, np.ndarray] = {}  # the last run's (``run``); empty if it did not wait
@@ -119,10 +123,9 @@ class Program(ProgramResources, Recording):
         check_into(into, device_inputs, self._unsaved, run.shapes, self.device)
         dev = self.device
         kept = self._resident_outputs(into, run)
-        swaps.update({self._resident[name].buffer: array.buffer for name, array in kept.items()})
+        swaps, key = self._with_outputs(swaps, kept)
         kept.update(stored)
         self._upload(arrays, swaps)
-        key = swaps_key(swaps)
         commands = self._with_swaps(swaps, key)
         profiler = dev.profiler if commands else None
         ahead, self._ahead = self._ahead, None  # (``swaps_key`` of the buffers it was recorded over, command buffer)
@@ -180,6 +183,21 @@ class Program(ProgramResources, Recording):
             names, sizes, shapes, dtypes = self._saved_set
             kept.update(zip(names, BufferSet(self.device.pool, sizes).arrays(shapes, dtypes)))
         return kept
+
+    def _with_outputs(self, swaps: dict, kept: dict) -> tuple[dict, tuple]:
+        """The run's per-run buffers: ``swaps`` (the device inputs', which the run does not change) with the buffers
+        of the resident outputs ``kept``, and their ``swaps_key``. Those of the last run where its input swaps were
+        the same dict (``DeviceInputs.bind``: a repeated binding) and its outputs' buffers the same, compared in loops
+        run by C: a training forward's saved activations come back in the same pool buffers at every step."""
+        buffers, names = tuple(map(_BUFFER, kept.values())), tuple(kept)
+        last = self._last_swaps
+        if last is not None and last[0] is swaps and last[1] == buffers and last[2] == names:
+            return last[3], last[4]
+        every = dict(swaps)
+        every.update(zip(map(_BUFFER, map(self._resident.__getitem__, names)), buffers))
+        key = swaps_key(every)
+        self._last_swaps = (swaps, buffers, names, every, key)
+        return every, key
 
     def _new_output(self, name: str, shape: tuple, spec: TensorSpec) -> DeviceArray:
         """A resident output's array, in a buffer of its size at the plan's bounds (``spec``'s): the one this output

@@ -349,6 +349,7 @@ class ProgramResources:
         self._read_back.release()
         self._owned, self._bind_groups, self._commands, self._copies, self._ahead = {}, {}, [], [], None
         self._swapped_groups, self._swapped_commands, self._swaps_ahead = {}, {}, SwapsAhead()
+        self._last_swaps = None
         self._uploaded_params = set()
         self._device_inputs.keep({}, {})  # (lets go of the arrays kept bound)
         self._released = True

@@ -7,6 +7,8 @@ collected, so a training loop reuses the same buffers step after step instead of
 """
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from math import prod
 
 import numpy as np
@@ -23,6 +25,12 @@ def _alive(buffer) -> bool:
     """False for a buffer wgpu-py has released: when an array and its buffer die in one garbage cycle, the
     buffer's finalizer may run before or after the array's returns it here; such a buffer is never handed out."""
     return getattr(buffer, "_internal", True) is not None
+
+
+def _all_alive(buffers) -> bool:
+    """``_alive`` of each of ``buffers``, read in loops run by C: a training step's sets of saved activations and
+    kept gradients hold hundreds, each taken and given back once a step."""
+    return all(map(operator.is_not, map(getattr, buffers, repeat("_internal"), repeat(True)), repeat(None)))
 
 
 class BufferPool:
@@ -65,7 +73,7 @@ class BufferPool:
         buffers = None
         while buffers is None and free:
             buffers = free.pop()
-            buffers = buffers if all(map(_alive, buffers)) else None
+            buffers = buffers if _all_alive(buffers) else None
         if buffers is None:
             buffers = tuple(self.device.storage_buffer(n, "resident") for n in sizes)
         self.live += len(buffers)
@@ -73,7 +81,7 @@ class BufferPool:
 
     def release_set(self, sizes: tuple[int, ...], buffers: tuple) -> None:
         self.live -= len(buffers)
-        if self.device.lost or not all(map(_alive, buffers)):
+        if self.device.lost or not _all_alive(buffers):
             return
         self._free_sets.setdefault(sizes, []).append(buffers)
 

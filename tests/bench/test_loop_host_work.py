@@ -239,12 +239,14 @@ def step_binding(depth: int, monkeypatch) -> dict[str, int]:
 
 def test_a_kept_optimizer_step_binds_only_the_gradients(monkeypatch):
     """A replayed ``opt.step()``'s plan keeps the parameters' and AdamW state's arrays bound from the step before
-    (``RoleProgram.keep_named``): its run checks and binds one array per parameter, its gradient (before: four, and
-    the parameter and state arrays read again at every step)."""
+    (``RoleProgram.keep_named``), and its gradients come back in the buffers of the step before (the backward's
+    set from the pool): its run repeats the last one's binding (``DeviceInputs.bind``) and checks no array one by
+    one (before: one per parameter, its gradient; before that, four, and the parameter and state arrays read again
+    at every step)."""
     for depth in DEPTHS:
         binding = step_binding(depth, monkeypatch)
         monkeypatch.undo()
-        assert binding == {"arrays": binding["parameters"], "keeps": 0, "parameters": binding["parameters"]}, depth
+        assert binding == {"arrays": 0, "keeps": 0, "parameters": binding["parameters"]}, depth
 
 
 def test_zero_grad_of_the_loop_makes_no_per_parameter_call():

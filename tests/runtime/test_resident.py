@@ -94,6 +94,36 @@ def test_device_inputs_are_checked():
         affine_program(1.0, 0.0, 30, resident=["nope"])
 
 
+def test_a_run_over_the_last_runs_buffers_binds_as_it_did_and_still_checks_its_arrays():
+    """``DeviceInputs.bind``: a run whose device array is another object over the last run's buffer (what a kept
+    optimizer's gradients and a backward's saved activations are at every step) binds the last run's swaps, and
+    computes over the buffer's current values; an array of another shape or dtype over that buffer, or a released
+    one, is refused all the same."""
+    program = affine_program(2.0, 1.0, 32, device_only=["x"])
+    dev = get_device()
+    x = RNG.standard_normal(32, dtype=np.float32)
+    base = DeviceArray.upload(dev, x, "float32")
+    np.testing.assert_allclose(program.run({}, device_inputs={"x": base.reshaped((32,))})["out0"], x * 2 + 1,
+                               rtol=1e-6)
+    swaps = program._device_inputs._last.swaps
+    dev.write(base.buffer, 0, -x, "new values")
+    np.testing.assert_allclose(program.run({}, device_inputs={"x": base.reshaped((32,))})["out0"], -x * 2 + 1,
+                               rtol=1e-6)
+    assert program._device_inputs._last.swaps is swaps  # (repeated, not bound again)
+    with pytest.raises(InputError, match=r"expects float32\[32\], got float32\[4, 8\]"):
+        program.run({}, device_inputs={"x": base.reshaped((4, 8))})
+    other = DeviceArray.__new__(DeviceArray)
+    other.device, other.shape, other.dtype, other.buffer, other._pool = dev, (32,), "int32", base.buffer, None
+    with pytest.raises(InputError, match=r"expects float32\[32\], got int32\[32\]"):
+        program.run({}, device_inputs={"x": other})
+    other.buffer = None  # (not given back: it was never its own)
+    view = base.reshaped((32,))
+    view.release()
+    with pytest.raises(InputError, match="live DeviceArray"):
+        program.run({}, device_inputs={"x": view})
+    np.testing.assert_allclose(program.run({}, device_inputs={"x": base})["out0"], -x * 2 + 1, rtol=1e-6)
+
+
 def test_device_only_input_has_no_buffer_of_its_own_and_refuses_host_data():
     n = 1 << 14
     dev = get_device()

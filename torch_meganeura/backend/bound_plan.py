@@ -59,7 +59,7 @@ class BoundPlan:
 
     def __post_init__(self):
         self._param_positions = [i for i, _ in self.lowered.params]
-        self._updated_of = _taker(list(self.updated)) if self.updated else _none  # (in C, not a loop per argument)
+        self._updated_of = taker(list(self.updated)) if self.updated else _none  # (in C, not a loop per argument)
         params = set(self._param_positions) | set(self.updated)
         dims = dict(self.dynamic.dynamic) if self.dynamic is not None else {}
         free = [(i, item) for i, item in enumerate(self.key) if i not in params and i not in dims]
@@ -185,7 +185,7 @@ class SteadyUpdates:
         none."""
         if not entry.update_inputs:
             return None
-        take = _taker([i for i, *_ in entry.update_inputs])
+        take = taker([i for i, *_ in entry.update_inputs])
         tensors = take(args)
         with torch._C.DisableTorchFunctionSubclass():
             versions = tuple(map(_VERSION, tensors))
@@ -225,7 +225,7 @@ class ArraySignatures:
 
     def __init__(self, items: list):
         self.items = items  # (argument index, signature item)
-        self.take = _taker([i for i, _ in items]) if items else _none
+        self.take = taker([i for i, _ in items]) if items else _none
         self.classes = None
 
     def hold(self, args) -> bool:
@@ -243,7 +243,7 @@ class ArraySignatures:
         torch dtypes."""
         arrays = [item for item, cls in zip(self.items, classes) if cls is DeviceArray]
         self.classes, self.others = classes, [item for item, cls in zip(self.items, classes) if cls is not DeviceArray]
-        self.take_arrays = _taker([i for i, _ in arrays]) if arrays else _none
+        self.take_arrays = taker([i for i, _ in arrays]) if arrays else _none
         self.shapes = tuple(tuple(item[0]) for _, item in arrays)
         self.dtypes = tuple(item[1] for _, item in arrays)
 
@@ -258,9 +258,11 @@ def _none(args) -> tuple:
     return ()
 
 
-def _taker(positions: list[int]):
-    """A function of the arguments returning those at ``positions`` as a tuple (``operator.itemgetter``: one
-    position returns the item alone)."""
+def taker(positions: list[int]):
+    """A function of the arguments returning those at ``positions`` as a tuple, in C (``operator.itemgetter``, which
+    returns one item alone; no positions: an empty tuple)."""
+    if not positions:
+        return _none
     if len(positions) == 1:
         only = positions[0]
         return lambda args: (args[only],)

@@ -11,7 +11,7 @@ import itertools
 import logging
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch._functorch._aot_autograd.schemas import OutputType
 from meganeura.runtime.device import get_device, prepare_device
 from meganeura.runtime.profiler import attach as attach_profiler
 
+from .bound_plan import taker
 from .per_call import DevicePartition
 from .signatures import SHARED_GRAPHS
 from ..lower.decompositions import aot_decomposition_table
@@ -299,10 +300,11 @@ def compile_graph_module(gm: fx.GraphModule, example_inputs, *, context: Backend
     shared = (_shared_inputs(fused, saved - set(mutated.values()), param_indices, partitions)
               if mode == "forward" else [])
 
+    statics_of = taker(watched) if watched else None  # (a forward's static inputs, taken in C)
+
     def run(args):
-        if watched:
-            kept.kept = _all_kept(args, watched)
-            kept.params = [args[i] for i in watched] if kept.kept else []
+        if statics_of is not None:
+            kept.note(statics_of(args))
         for i in shared:  # uploaded once, for the forward's partitions and the backward's
             if type(args[i]) is torch.Tensor:  # (a resident or kept tensor is bound as it is)
                 args[i] = ResidentTensor(upload_array(context.device(), args[i]))
@@ -367,17 +369,14 @@ def _mark_updated(placeholders: list[fx.Node], updated: set[fx.Node], graph_inpu
             mark_updated(t)
 
 
-def _all_kept(args, static: list[int]) -> bool:
+def _all_kept(statics: tuple) -> bool:
     """Whether the static inputs (parameters and buffers) of a forward call hold a parameter kept on the device
-    and no trainable parameter that is not."""
-    kept = False
-    for i in static:
-        cls = type(args[i])
-        if cls is DeviceParameter:
-            kept = True
-        elif cls is torch.nn.Parameter and args[i].requires_grad:
-            return False
-    return kept
+    and no trainable parameter that is not: their classes read in a loop run by C, each one's ``requires_grad`` only
+    where some are plain parameters."""
+    classes = set(map(type, statics))
+    if torch.nn.Parameter in classes and any(type(t) is torch.nn.Parameter and t.requires_grad for t in statics):
+        return False
+    return DeviceParameter in classes
 
 
 def _warn_about_fallbacks(gm: fx.GraphModule, context: BackendContext) -> dict[str, str]:
@@ -404,7 +403,12 @@ class KeptGradients:
     finds it."""
 
     kept: bool = False
-    params: list = field(default_factory=list)
+    params: tuple = ()
+
+    def note(self, statics: tuple) -> None:
+        """Note a forward call's static inputs: whether all its parameters are kept (``_all_kept``), and if so them."""
+        self.kept = _all_kept(statics)
+        self.params = statics if self.kept else ()
 
     @staticmethod
     def of_this_graph(create: bool) -> "KeptGradients | None":

@@ -20,6 +20,7 @@ stored it:
 from __future__ import annotations
 
 import operator
+from itertools import compress, repeat
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,11 @@ from meganeura.runtime.resident import DeviceArray
 
 from ..tensors.device_tensor import unpark_grad
 from ..tensors.resident import ResidentTensor
+from .bound_plan import taker
 
 _KEPT, _ACCUMULATOR = operator.attrgetter("_meganeura_kept"), operator.attrgetter("accumulator")
+_GRAD, _PARKED = operator.attrgetter("grad"), operator.attrgetter("_meganeura_kept.grad")
+_HOOKS, _POST_HOOKS = operator.attrgetter("_backward_hooks"), operator.attrgetter("_post_accumulate_grad_hooks")
 
 _executes = torch._C._will_engine_execute_node
 
@@ -41,10 +45,14 @@ class GradientParking:
 
     def __init__(self, static: list[int], kept):
         self.slots, self.kept = list(zip(static, range(len(static)))), kept
+        self.positions = static
+        self._gradients = taker(static)  # (the backward's outputs at ``positions``, in C)
 
     def __call__(self, result) -> list:
         """``result`` (the backward's outputs) with each kept gradient parked (None) or as a ``ResidentTensor``."""
         result, params = list(result), self.kept.params
+        if self.positions and len(params) == len(self.positions) and self._parked_all(result, params):
+            return result
         slots = [(i, params[k]) for i, k in self.slots if type(result[i]) is DeviceArray]
         if not slots:
             return result
@@ -57,6 +65,37 @@ class GradientParking:
                     unpark_grad(p)  # (a second backward: autograd adds to the first's gradient)
                     result[i] = ResidentTensor(result[i])
         return result
+
+    def _parked_all(self, result: list, params) -> bool:
+        """Park every gradient at once where each is a device array (the positions of parameters without one, a
+        buffer's, hold None) and every parameter with one may have it parked (the ordinary loop's backward), in loops
+        run by C, setting their positions of ``result`` to None; whether it did (else nothing changed)."""
+        gradients = self._gradients(result)
+        given = list(map(operator.is_not, gradients, repeat(None)))
+        gradients = list(compress(gradients, given))
+        if not all(map(operator.is_, map(type, gradients), repeat(DeviceArray))):
+            return False
+        params = list(compress(params, given))
+        with torch._C.DisableTorchFunctionSubclass():  # (metadata of kept parameters)
+            if not _all_parkable(params):
+                return False
+            any(map(setattr, map(_KEPT, params), repeat("grad"), gradients))  # (setattr returns None: all run)
+        any(map(result.__setitem__, compress(self.positions, given), repeat(None)))
+        return True
+
+
+def _all_parkable(params) -> bool:
+    """``all(_parkable(params))``, read in loops run by C (call with subclass overrides off)."""
+    if dist.is_available() and dist.is_initialized():
+        return False
+    try:
+        runs = all(map(_executes, _accumulators(params)))
+    except (RuntimeError, AttributeError):  # (``torch.autograd.grad``, as in ``_parkable``; a parameter not kept)
+        return False
+    return (runs and all(map(operator.is_, map(_GRAD, params), repeat(None)))
+            and all(map(operator.is_, map(_PARKED, params), repeat(None)))
+            and all(map(operator.is_, map(_HOOKS, params), repeat(None)))
+            and all(map(operator.is_, map(_POST_HOOKS, params), repeat(None))))
 
 
 def _parkable(params: list) -> list[bool]:

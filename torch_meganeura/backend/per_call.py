@@ -437,6 +437,8 @@ class _Layout:
         return list(map(pool.__getitem__, self.index))
 
 
+_RETURNABLE = frozenset({torch.Tensor, DeviceTensor})  # the classes of outputs that may come back (``_may_come_back``)
+
 # How an output of a run returns (``DevicePartition._returns``)
 ADOPTED, CONST, SAVED, LAZY, READ = "adopted", "const", "saved", "lazy", "read"
 
@@ -456,10 +458,13 @@ def _may_come_back(t: DeviceTensor, partition: DevicePartition, position: int) -
 
 def _note_returned(args, positions: list[int]) -> None:
     """Tell the partitions whose read-back outputs are among ``args`` (at ``positions``: not the static inputs) that
-    those positions come back as inputs."""
+    those positions come back as inputs. The arguments' classes are read in loops run by C first: a backward's
+    hundreds of saved activations are device arrays, none of them an output read back."""
+    if _RETURNABLE.isdisjoint(map(type, map(args.__getitem__, positions))):
+        return
     for i in positions:
         a = args[i]
-        source = getattr(a, "_meganeura_returned", None) if type(a) in (torch.Tensor, DeviceTensor) else None
+        source = getattr(a, "_meganeura_returned", None) if type(a) in _RETURNABLE else None
         if source is not None:
             partition, position = source[0](), source[1]
             if partition is not None:

@@ -178,8 +178,7 @@ class BoundUpdate:
             self.store.replace(self.updated[k], array)
             param_arrays[k] = array
             self.kept_lists = None  # (the plan keeps the arrays it read: bound again at the next step)
-        for kept in self.kept:
-            kept.stale = True
+        any(map(setattr, self.kept, repeat("stale"), repeat(True)))  # (setattr returns None: all run, in C)
         tensors, n = self.state_tensors, len(self.states)
         for i, array in _moved(results, self.state_moving, state_arrays):
             slot, k = divmod(i, n)
