@@ -7,6 +7,7 @@ to a slice or a position of a cache likewise. A generation bundle's cache-write 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -148,22 +149,31 @@ def _llama(dtype):
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "max_position_embeddings": 512})).eval().to(dtype)
 
 
+def _side_store_units(plan) -> list[str]:
+    """The store units of each attention pass that runs a cache write in its own dispatch (``with_side_stores``'s
+    loop, ``lowering/attention_writes.py``)."""
+    return [m.group(1) for d in plan.dispatches if d.label.startswith("attention")
+            for m in re.finditer(r"mg_unit < ([^;]+);", plan.kernels[d.kernel])]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_bundles_cache_write_does_not_grow_with_the_cache(tmp_path, dtype):
-    """A decode step's cache write (a layer's key and value, one kernel) takes the same workgroups with 32 cache
-    positions as with 512: one thread per new element (per pair in bf16), over the new token's keys and values; a
-    prefill run's, over its tokens'. No per-position lookup is left in the decode plan."""
+    """A prefill run's cache write (a layer's key and value, one kernel) takes the same workgroups with 32 cache
+    positions as with 512: one thread per new element (per pair in bf16), over its tokens' keys and values. A decode
+    step's runs inside its attention's dispatch, over the new token's keys and values alone: the same store units at
+    both lengths. No per-position lookup is left in the decode plan."""
     model = _llama(dtype)
-    writes = {}
+    writes, units = {}, {}
     for length in (32, 512):
         torch_meganeura.export_lm(model, tmp_path / str(length), max_cache_len=length, prefill_tokens=8)
         phases = read_lm_bundle(tmp_path / str(length)).phases
         writes[length] = {name: [d.workgroups for d in _cache_writes(phases[name].plan)] for name in phases}
+        units[length] = _side_store_units(phases["decode"].plan)
         assert "index_put_rep" not in [d.label for d in phases["decode"].plan.dispatches]
-    assert writes[32] == writes[512]
+    assert writes[32] == writes[512] and units[32] == units[512], (writes, units)
     layers, kv_heads = LLAMA["num_hidden_layers"], LLAMA["num_key_value_heads"]
     head = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
     lanes = 2 if dtype is torch.bfloat16 else 1
-    for name, tokens in (("decode", 1), ("prefill", 8)):
-        threads = math.ceil(kv_heads * tokens * head / lanes)
-        assert writes[512][name] == [(math.ceil(threads / WORKGROUP), 1, 1)] * layers, writes
+    threads = math.ceil(kv_heads * 8 * head / lanes)
+    assert writes[512] == {"prefill": [(math.ceil(threads / WORKGROUP), 1, 1)] * layers, "decode": []}, writes
+    assert len(units[512]) == layers, units
