@@ -45,7 +45,8 @@ from .memory import use_null_device
 from .workloads import WORKLOADS
 
 TIMED = ("generate", "forward", "aot", "ours", "partition", "program", "device", "device_in_program", "gc")
-CACHES = {"default": HF_CACHES["hf-generate"], "static": HF_CACHES["hf-generate-static"]}
+CACHES = {"default": HF_CACHES["hf-generate"], "static": HF_CACHES["hf-generate-static"],
+          "static-one-length": HF_CACHES["hf-generate-static-one-length"]}
 LENGTHS = (8, 40)  # new tokens of the two timed generate calls
 
 
@@ -172,7 +173,7 @@ def measure(cache: str, rounds: int, smoke: bool) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode_breakdown", description=__doc__.split("\n\n")[0])
-    p.add_argument("--caches", default="default,static", help="comma-separated, from default, static")
+    p.add_argument("--caches", default="default,static", help=f"comma-separated, from {', '.join(CACHES)}")
     p.add_argument("--rounds", type=int, default=5, help="timed pairs of generate calls per cache")
     p.add_argument("--eager", action="store_true", help="also eager PyTorch's generate (HF's own share alone)")
     p.add_argument("--smoke", action="store_true", help="the model at smoke scale")

@@ -37,6 +37,11 @@ MOVED = ("waits", "submits", "bytes_uploaded", "bytes_downloaded")  # the device
 # HF ``generate``'s caches through the backend: its default (dynamic) cache, and its static cache without the
 # compile HF would otherwise make of the forward (Inductor's), so that the forward is ours
 HF_CACHES = {"hf-generate": {}, "hf-generate-static": {"cache_implementation": "static", "disable_compile": True}}
+# and the static cache at one length for every call (HF's ``max_cache_len``: sized for the longest, as a static cache
+# is meant to be): at the lengths of each call, the second length made dynamo trace the forward again with the cache's
+# length symbolic, and every decode step then checked it in guards run as Python (2 to 4 a cache tensor)
+STATIC_CACHE_LENGTH = 64  # at least the prompt and the longest generate's new tokens
+HF_CACHES["hf-generate-static-one-length"] = {**HF_CACHES["hf-generate-static"], "max_cache_len": STATIC_CACHE_LENGTH}
 INTERCEPTIONS = ("__torch_function__", "__torch_dispatch__", "_torch_function")  # (device_tensor's override)
 # torch's CPU ops (HF's logits processors over the 49,152 logits of a decode token) in one thread: on a machine shared
 # with other processes, the threads of a parallel op wait for each other to be scheduled, which made those ops
