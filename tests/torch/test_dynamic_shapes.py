@@ -127,7 +127,9 @@ def test_bert_on_batches_of_varying_length_and_size_compiles_kernels_only_for_ne
 
 def test_equal_dynamic_sizes_share_their_kernels():
     """Dynamo gives each layer's cache a symbol of its own; the plan takes symbols of equal values as one (guarded),
-    so the layers' identical work is one kernel, not one per layer. A call where they differ plans again, right."""
+    so the layers' identical work is one kernel, not one per layer. A call where they differ plans again, right.
+    (Three layers: their caches, the new row and their outputs bind 7 buffers, within WebGPU's default 8, so the
+    concatenations fit one kernel on any adapter.)"""
     def f(*caches_and_x):
         *caches, x = caches_and_x
         return [torch.cat([c, x], dim=1) * 2 for c in caches]
@@ -135,16 +137,16 @@ def test_equal_dynamic_sizes_share_their_kernels():
     torch._dynamo.reset()
     compiled = torch.compile(f, backend="meganeura")
     with torch.no_grad():
-        compiled(*[torch.randn(1, 3, 4) for _ in range(4)], torch.randn(1, 1, 4))
+        compiled(*[torch.randn(1, 3, 4) for _ in range(3)], torch.randn(1, 1, 4))
         with Compiles() as first:
-            compiled(*[torch.randn(1, 5, 4) for _ in range(4)], torch.randn(1, 1, 4))  # dynamic from here
-        assert first.dynamic and first.kernels == 1, (first.dynamic, first.kernels)  # one for the four layers
+            compiled(*[torch.randn(1, 5, 4) for _ in range(3)], torch.randn(1, 1, 4))  # dynamic from here
+        assert first.dynamic and first.kernels == 1, (first.dynamic, first.kernels)  # one for the three layers
         with Compiles() as compiles:
-            args = [torch.randn(1, 6, 4) for _ in range(4)] + [torch.randn(1, 1, 4)]
+            args = [torch.randn(1, 6, 4) for _ in range(3)] + [torch.randn(1, 1, 4)]
             for got, want in zip(compiled(*args), f(*args)):
                 torch.testing.assert_close(got, want)
         assert (compiles.plans, compiles.pipelines) == (0, 0)
-        args = [torch.randn(1, n, 4) for n in (2, 3, 4, 5)] + [torch.randn(1, 1, 4)]  # unequal: another plan
+        args = [torch.randn(1, n, 4) for n in (2, 3, 4)] + [torch.randn(1, 1, 4)]  # unequal: another plan
         for got, want in zip(compiled(*args), f(*args)):
             torch.testing.assert_close(got, want)
 
