@@ -40,8 +40,8 @@ Two kernel families, chosen by shape:
     staging instructions, vec4 stores into shared memory where the operand is contiguous along the tile's edge, and
     fewer distinct shared-memory reads per warp (PATCH_ROWS);
   - split K (``split``; by default where the output tiles make too few workgroups for a long K: ``split_k``): each
-    workgroup sums one slice of K into partial sums, and a second pass (``split_reduce_kernel``) adds the slices in
-    a fixed order, for skinny shapes (small M * N, long K).
+    workgroup sums one slice of K into partial sums, and a second pass (``matmul_split_sum.split_reduce_kernel``)
+    adds the slices in a fixed order, for skinny shapes (small M * N, long K).
 - gemv (m == 1 or n == 1): a workgroup owns a few output columns (rows) and splits K over its threads ("lanes", as
   many as give each a short run of K: GEMV_PER_LANE), then reduces the partial sums with a workgroup tree reduction.
   A lane loads GEMV_UNROLL products before adding them (in the order of a plain loop): loads in flight, not one
@@ -66,8 +66,7 @@ accumulators does not fit the registers (an H200 4096^3 took 7.98 ms against 3.9
 
 from dataclasses import dataclass, replace
 
-from . import wgsl
-from .matmul_common import (LINEAR_WORKGROUP, SYMBOLIC_CHOICE, THREADS_WANTED, ENTRY, _header, _max_threads,
+from .matmul_common import (LINEAR_WORKGROUP, SYMBOLIC_CHOICE, ENTRY, _header, _max_threads,
                             _pow2_ceil, _thread_count, fold_grid)
 from .matmul_gemv import _gemv_kernel
 from .matmul_staging import SHARED_PAD_VEC4, Checks, Staging, shared_row
@@ -218,7 +217,7 @@ def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: d
     each, default 8 along an edge of 128, else 4), e.g. for tuning.
     With ``split`` > 1 (see ``split_k``) the kernel sums one of ``split`` slices of K and writes its partial
     sums into the array named ``partial`` (split * batch * m * n floats, slice-major) instead of calling
-    store_c; ``split_reduce_kernel`` then adds the slices up and stores. ``f16`` forms the tiled kernel's products
+    store_c; ``matmul_split_sum``'s pass then adds the slices up and stores. ``f16`` forms the tiled kernel's products
     in f16 (see the module docstring; the WGSL then enables f16). ``looped`` ("a", "b" or "") names an operand whose
     loader is costly to write out many times (sibling matmuls' chain over their tensors): the tiled kernel fetches
     it in a loop, with one call of its loader. ``double`` double-buffers the tiled kernel's K chunks in workgroup
@@ -293,56 +292,6 @@ def split_k(batch, m, n, k, limits: dict) -> int:
            and split * 2 <= SPLIT_MAX):
         split *= 2
     return split
-
-
-def split_reduce_kernel(prelude: str, *, batch, m, n, split: int, partial: str, limits: dict,
-                        pairs: bool = False) -> tuple[str, tuple[int, int, int]]:
-    """Return (wgsl_source, workgroups) that sums the ``split`` slices of ``partial`` and calls store_c once per
-    output element; with ``pairs`` (``matmul_kernel``'s), store_c2 once per pair of columns, a thread per pair."""
-    total = batch * m * n
-    if pairs:
-        return _split_reduce_pairs(prelude, batch=batch, m=m, n=n, split=split, partial=partial, limits=limits)
-    grid = fold_grid(ceil_div(total, THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
-    sizes = "".join(wgsl.size_constant(name, value) for name, value in (("OUTPUTS", total), ("M", m), ("N", n)))
-    kernel = f"""
-// ---- matmul: sum of {split} K slices
-{sizes}{wgsl.grid_constants(grid)}
-@compute @workgroup_size({THREADS_WANTED})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-    let e = (wg.x + wg.y * GRID_X + wg.z * GRID_XY) * {THREADS_WANTED}u + lid;
-    if (e >= OUTPUTS) {{ return; }}
-    var acc = 0.0;
-    for (var s = 0u; s < {split}u; s++) {{ acc += {partial}[s * OUTPUTS + e]; }}
-    store_c(e / (M * N), (e / N) % M, e % N, acc);
-}}
-"""
-    return prelude + kernel, grid
-
-
-def _split_reduce_pairs(prelude: str, *, batch, m, n, split: int, partial: str,
-                        limits: dict) -> tuple[str, tuple[int, int, int]]:
-    """``split_reduce_kernel`` by pairs of neighbouring columns (n even): each thread adds up elements e and e + 1
-    of the slices, each in the slices' order, and stores both through ``store_c2``."""
-    total = batch * m * n
-    grid = fold_grid(ceil_div(total, 2 * THREADS_WANTED), limits["max-compute-workgroups-per-dimension"])
-    sizes = "".join(wgsl.size_constant(name, value) for name, value in (("OUTPUTS", total), ("M", m), ("N", n)))
-    kernel = f"""
-// ---- matmul: sum of {split} K slices, by pairs of columns
-{sizes}{wgsl.grid_constants(grid)}
-@compute @workgroup_size({THREADS_WANTED})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-    let e = 2u * ((wg.x + wg.y * GRID_X + wg.z * GRID_XY) * {THREADS_WANTED}u + lid);
-    if (e >= OUTPUTS) {{ return; }}
-    var acc = vec2<f32>();
-    for (var s = 0u; s < {split}u; s++) {{
-        acc += vec2<f32>({partial}[s * OUTPUTS + e], {partial}[s * OUTPUTS + e + 1u]);
-    }}
-    store_c2(e / (M * N), (e / N) % M, e % N, acc);
-}}
-"""
-    return prelude + kernel, grid
-
-
 
 
 # ---------------------------------------------------------------- tiled

@@ -21,7 +21,8 @@ import hashlib
 from dataclasses import dataclass, replace
 
 from .matmul import (F16_PRODUCTS, K_CHUNKS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan, _max_threads,
-                     default_choice, matmul_kernel, split_reduce_kernel)
+                     default_choice, matmul_kernel)
+from .matmul_split_sum import split_reduce_kernel
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs found each of these the
 # fastest for some shape, and none of the others. 128x256: 4096^3 3.53 -> 3.17 ms, 2048^3 452 -> 418 us. Tuned

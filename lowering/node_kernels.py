@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple
 from meganeura.kernels import attention as attention_kernels
 from meganeura.kernels import matmul as matmul_kernels
 from meganeura.kernels.matmul_gemv import gemv_stage_fits
+from meganeura.kernels.matmul_split_sum import split_reduce_kernel
 from meganeura.kernels import pointwise as pointwise_kernels
 from meganeura.kernels.prelude import (ATTENTION_ARGS, GemvWide, attention_prelude, matmul_prelude, wide_binding_type,
                                        wide_unit)
@@ -182,8 +183,7 @@ def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
         return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape), bound)]
     split, partial = scratch[0], slots.name(slots.bound.index(scratch[1]))
     return [(*matmul_kernels.matmul_kernel(prelude, **dims, **shape, split=split, partial=partial), bound),
-            (*matmul_kernels.split_reduce_kernel(prelude, **dims, split=split, partial=partial, limits=limits,
-                                                 pairs=pairs), bound)]
+            (*split_reduce_kernel(prelude, **dims, split=split, partial=partial, limits=limits, pairs=pairs), bound)]
 
 
 def stages_row(node: Matmul, slots: Slots, limits: dict, tiled_or_split: bool) -> bool:
