@@ -31,10 +31,12 @@ LOOPED_FETCH_BLOCKS = 4
 # Storage kinds that matmul and attention operands read in groups (``_quad_rows``): f32, and the halves, widened in
 # registers from a vec2<u32> (4) or vec4<u32> (8) load rather than one 32-bit load and select per element.
 WIDE_KINDS = ("f32", *HALF_STORAGE)
-# Elements of a group that the gemv reads of a half precision matrix at once (one vec4<u32>: 16 bytes, as a vec4 of
-# f32 is), and the matrices it reads so: a decode step's weights. f32 matrices keep the scalar gemv.
+# Elements of a group that the gemv reads of a matrix at once (one vec4<u32> of halves, two vec4<f32> of f32), and
+# the matrices it reads so: a decode step's weights. H100, SmolLM2's f32 portable decode, median step 1.94 -> 1.91 ms
+# (QKV's 1x960x576 318 -> 270 us a token); 2 outputs per staged workgroup in place of 8 gained 1.91 -> 1.86 there
+# but lost 1.60 -> 1.85 ms on Llama-3.2-1B in bf16, so ``matmul_gemv.STAGED_MIN_COLUMNS`` stays.
 GEMV_WIDTH = 8
-GEMV_WIDE_KINDS = HALF_STORAGE
+GEMV_WIDE_KINDS = WIDE_KINDS
 
 
 class Slots(NamedTuple):
