@@ -60,26 +60,28 @@ def attention_prelude(decl: list, bound: list, loads: list[tuple], max_bindings:
     An entry may hold a fourth item, a branch: (condition, index in ``e.args`` of the plain read that ``quads``
     describes) where ``e`` is ``where(condition, a, b)`` over a condition that does not read c and one plain read of
     a row (a cache that an update changes at a few rows: ``meganeura.lowering.attention_writes``). Its loaders then
-    branch on the condition, once per group in ``load_<operand>4``: the other side, computed element by element, only
-    where the condition takes it, the read's group otherwise."""
+    branch on the condition (``_branch_loaders``): ``load_<operand>_if`` holds where a row takes the other side,
+    ``load_<operand>_1`` computes that side element by element, ``load_<operand>_2`` is the plain read; by groups of
+    4, ``load_<operand>_14``, ``load_<operand>_24`` and ``load_<operand>4`` (``_branch_groups``)."""
     loaders, aliases = [], set()
     for operand, e, quads, *branch in loads:
         args = ATTENTION_ARGS[operand]
         side = branch[0][1] if branch and branch[0] is not None else None  # (the plain read's side of a branch)
         if side is not None:
-            loaders.append(_branch_loaders(f"load_{operand}", args, e))
+            loaders.append(_branch_loaders(f"load_{operand}", args, e, side))
         else:
             loaders.append(_element_loader(f"load_{operand}", args, e, "f32"))
-        if quads is not None and (quads[0] in aliases or len(bound) < max_bindings):
+        wide = quads is not None and (quads[0] in aliases or len(bound) < max_bindings)
+        if wide:
             slot, row, kind = quads
             if slot not in aliases:  # one vec4 binding per value, however many operands read it
                 aliases.add(slot)
                 decl.append((len(bound), f"b{slot}_4", wide_binding_type(kind, 4)))
                 bound.append(bound[slot])
-            name = f"load_{operand}" + (f"_{side}4" if side is not None else "4")
+            name = f"load_{operand}" + ("_24" if side is not None else "4")
             loaders.append(wide_loader(name, tuple(args), args[-1], "", [(0, f"b{slot}_4", row, kind)], 4))
-            if side is not None:
-                loaders.append(_branch_group(f"load_{operand}", args, side))
+        if side is not None:
+            loaders.append(_branch_groups(f"load_{operand}", args, wide))
     return _with_helpers("\n".join([wgsl.binding_decls(decl), *loaders, functions]))
 
 
@@ -92,28 +94,33 @@ def _element_loader(name: str, args: str, e, dtype: str) -> str:
     return f"fn {name}({head}) -> {dtype} {{\n{casts}" + "\n".join(em.lines) + f"\n  return {value};\n}}"
 
 
-def _branch_loaders(name: str, args: str, e) -> str:
-    """``name``, the loader of ``e = where(condition, a, b)`` (``attention_prelude``'s branch), as a branch between
-    ``name_1`` (a) and ``name_2`` (b) on ``name_if``: only the side the condition takes is computed."""
-    condition, taken, other = e.args
+def _branch_loaders(name: str, args: str, e, read: int) -> str:
+    """``name``, the loader of ``e = where(condition, a, b)`` (``attention_prelude``'s branch), whose side ``read``
+    (1: a, 2: b) is the plain read: ``name_if``, true where the row takes the other side, ``name_1``, that side,
+    and ``name_2``, the plain read; ``name`` branches between them, computing only the side the row takes."""
+    condition, *sides = e.args
     call = f"({', '.join(args)})"
-    return "\n".join([_element_loader(f"{name}_if", args, condition, "bool"),
-                      _element_loader(f"{name}_1", args, taken, "f32"),
-                      _element_loader(f"{name}_2", args, other, "f32"),
+    test = _element_loader(f"{name}_if", args, condition, "bool")
+    if read == 1:  # (the plain read is taken where the condition holds: name_if is its negation)
+        test = test.replace("\n  return ", "\n  return !", 1)
+    return "\n".join([test, _element_loader(f"{name}_1", args, sides[2 - read], "f32"),
+                      _element_loader(f"{name}_2", args, sides[read - 1], "f32"),
                       f"fn {name}({', '.join(f'{x}: u32' for x in args)}) -> f32 {{\n"
                       f"  if ({name}_if{call}) {{ return {name}_1{call}; }}\n  return {name}_2{call};\n}}"])
 
 
-def _branch_group(name: str, args: str, read: int) -> str:
-    """``name4(<args but the last>, c4)``: group c4 of 4 elements of ``_branch_loaders``' ``name``: the plain read's
-    group (``name_<read>4``) on its side of the condition (which does not read c), the other side's 4 elements on
-    the other."""
+def _branch_groups(name: str, args: str, wide: bool) -> str:
+    """Group loaders of ``_branch_loaders``' ``name``: ``name_14`` and ``name_24(<args but the last>, c4)``, group
+    c4 of 4 elements of each side (the plain read's ``name_24`` already defined as one wide read where ``wide``),
+    and ``name4``, the group of the side the row takes (the condition does not read c). A kernel that walks a whole
+    row may branch once on ``name_if`` and read the row by its side's groups (``kernels.attention``'s per-row
+    forward)."""
     row, head = ", ".join(args[:-1]), ", ".join(f"{x}: u32" for x in args[:-1])
-    wide = f"{name}_{read}4({row}, c4)"
-    elements = "vec4<f32>(" + ", ".join(f"{name}_{3 - read}({row}, 4u * c4 + {k}u)" for k in range(4)) + ")"
-    taken, otherwise = (wide, elements) if read == 1 else (elements, wide)
-    return (f"fn {name}4({head}, c4: u32) -> vec4<f32> {{\n  if ({name}_if({row}, 0u)) {{ return {taken}; }}\n"
-            f"  return {otherwise};\n}}")
+    lines = [f"fn {name}_{side}4({head}, c4: u32) -> vec4<f32> {{\n  return vec4<f32>("
+             + ", ".join(f"{name}_{side}({row}, 4u * c4 + {k}u)" for k in range(4)) + ");\n}"
+             for side in ((1,) if wide else (1, 2))]
+    return "\n".join(lines + [f"fn {name}4({head}, c4: u32) -> vec4<f32> {{\n  if ({name}_if({row}, 0u)) "
+                               f"{{ return {name}_14({row}, c4); }}\n  return {name}_24({row}, c4);\n}}"])
 
 
 def matmul_prelude(decl: list, axis: str, a_blocks: list[tuple], b_blocks: list[tuple], stores: list[tuple],

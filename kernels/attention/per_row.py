@@ -29,7 +29,8 @@ def per_row_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[st
     rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
     grid = fold_grid(rows * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
     if kind == "forward":
-        body = vec4_loaders(prelude, shape, "q", "k") + _forward(shape, outs, plan, partial)
+        branches = {x for x in ("k", "v") if f"fn load_{x}_if(" in prelude}
+        body = vec4_loaders(prelude, shape, "q", "k") + _forward(shape, outs, plan, partial, branches)
     else:
         body = {"grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
     source = "\n".join([prelude, _constants(shape, rows, grid, plan), _helpers(shape), body])
@@ -84,14 +85,16 @@ fn score_k(b: u32, h: u32, i: u32, j: u32) -> f32 {{
 """
 
 
-def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | None) -> str:
+def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | None, branches: set) -> str:
     """Each workgroup: one query row (b, h, i) and slice ``split`` of the keys, walked a tile of T keys at a time
     (one key a thread) between ``key_from`` and ``key_to``; the output normalised into ``out`` (and the log-sum-exp
     into ``lse``), or, cut into slices, unnormalised with the running max and sum into the slice's row of
-    ``partial`` (``merge``'s layout)."""
+    ``partial`` (``merge``'s layout). ``branches``: the operands (of "k", "v") that branch between a plain read and
+    an update's row (``prelude.attention_prelude``)."""
     d4 = -(-s.d // 4)
     return f"""{key_range_arrays(s)}
 var<workgroup> row_q4: array<vec4<f32>, {d4}>;
+{FRESH_ARRAYS if "v" in branches else ""}
 {TILE_FOLDS}
 {entry("T", "wid", "ROWS * SPLITS")}  let row = wid / SPLITS;
   let split = wid % SPLITS;
@@ -106,11 +109,14 @@ var<workgroup> row_q4: array<vec4<f32>, {d4}>;
   var m = MASKED;
   var l = 0.0;
   var acc: array<f32, PER_DV>;
+{"  var fresh_seen = 0u;" if "v" in branches else ""}
   for (var start = key_from; start < key_to; start = start + T) {{
     let j = start + tid;
     var sc = MASKED;
-    if (j < key_to{" && j <= i" if s.causal else ""}) {{ sc = {_row_score(s, d4)}; }}
-    tile_s[tid] = sc;
+    if (j < key_to{" && j <= i" if s.causal else ""}) {{
+{textwrap.indent(_row_score(s, d4, "k" in branches), "      ")}
+    }}
+{_fresh_flags("v" in branches)}    tile_s[tid] = sc;
     workgroupBarrier();
     let m_new = max(m, tile_max());
     tile_p[tid] = prob(sc, m_new);
@@ -118,10 +124,10 @@ var<workgroup> row_q4: array<vec4<f32>, {d4}>;
     let alpha = select(exp(m - m_new), 1.0, m <= MASKED);
     l = l * alpha + tile_sum();
     let n = min(T, key_to - start);
-    for (var r = 0u; r < PER_DV; r = r + 1u) {{
+{_fresh_seen("v" in branches)}    for (var r = 0u; r < PER_DV; r = r + 1u) {{
       let c = tid + r * T;
       if (c < DV) {{
-{textwrap.indent(_values_times_probabilities(), "        ")}
+{textwrap.indent(_values_times_probabilities("v" in branches), "        ")}
         acc[r] = acc[r] * alpha + (a0 + a1) + (a2 + a3);
       }}
     }}
@@ -133,29 +139,77 @@ var<workgroup> row_q4: array<vec4<f32>, {d4}>;
 """
 
 
-def _row_score(s: AttentionShape, d4: int) -> str:
-    """WGSL: the scaled, biased score of the row's query (``row_q4``) against key row j, by vec4s of the key row
-    (two sums in flight)."""
+def _row_score(s: AttentionShape, d4: int, branch: bool) -> str:
+    """WGSL: ``sc``, the scaled, biased score of the row's query (``row_q4``) against key row j, by vec4s of the
+    key row (two sums in flight); where the keys branch, once per row between the two sides' groups, so that a
+    row's group reads are all in flight together."""
     bias = "load_bias(b, h, i, j)" if s.has_bias else "0.0"
-    halves = [" + ".join(f"row_q4[{c}u] * load_k4(b, h, j, {c}u)" for c in range(first, d4, 2)) or "vec4<f32>()"
-              for first in (0, 1)]
-    return f"dot(({halves[0]}) + ({halves[1]}), vec4<f32>(1.0)) * SCALE + {bias}"
+
+    def score(loader: str) -> str:
+        halves = [" + ".join(f"row_q4[{c}u] * {loader}(b, h, j, {c}u)" for c in range(first, d4, 2))
+                  or "vec4<f32>()" for first in (0, 1)]
+        return f"sc = dot(({halves[0]}) + ({halves[1]}), vec4<f32>(1.0)) * SCALE + {bias};"
+    if not branch:
+        return score("load_k4")
+    return (f"if (load_k_if(b, h, j, 0u)) {{\n  {score('load_k_14')}\n}} else {{\n  {score('load_k_24')}\n}}")
 
 
-def _values_times_probabilities() -> str:
-    """WGSL: the tile's probabilities times column c of its value rows into a0..a3, four products in flight."""
-    return """var a0 = 0.0;
+# Workgroup state of a forward whose values branch (``_fresh_flags``): per key of the tile, whether it takes the
+# update's row, and how many keys have, counted over the tiles walked (so that no reset races the next tile).
+FRESH_ARRAYS = "var<workgroup> tile_f: array<u32, T>;\nvar<workgroup> fresh_keys: atomic<u32>;"
+
+
+def _fresh_flags(branch: bool) -> str:
+    """WGSL, before the tile's first barrier: this thread's key's flag (it takes the update's value row)."""
+    if not branch:
+        return ""
+    return """    let fresh = j < key_to && load_v_if(b, h, j, 0u);
+    tile_f[tid] = select(0u, 1u, fresh);
+    if (fresh) { atomicAdd(&fresh_keys, 1u); }
+"""
+
+
+def _fresh_seen(branch: bool) -> str:
+    """WGSL, after the tile's barriers: ``fresh_tile``, whether some key of the tile takes the update's row (the
+    same in every thread)."""
+    if not branch:
+        return ""
+    return """    let fresh_total = atomicLoad(&fresh_keys);
+    let fresh_tile = fresh_total != fresh_seen;
+    fresh_seen = fresh_total;
+"""
+
+
+# Value rows a thread reads at once in the forward's sum over a tile: the reads are independent, all in flight
+# before the first product (a value row branching between a plain read and an update's row reads plainly here).
+VALUE_READS = 16
+
+
+def _values_times_probabilities(branch: bool) -> str:
+    """WGSL: the tile's probabilities times column c of its value rows into a0..a3, VALUE_READS reads at once.
+    Where the values branch, the plain reads of keys that take the update's row count zero, and a second walk adds
+    those keys' own values, only in a tile that has some (``fresh_tile``)."""
+    def value(t: str) -> str:
+        plain = f"load_v_2(b, h, start + {t}, c)" if branch else f"load_v(b, h, start + {t}, c)"
+        return f"select({plain}, 0.0, tile_f[{t}] != 0u)" if branch else plain
+    reads = "\n".join(f"  let v{k} = {value(f't + {k}u')};" for k in range(VALUE_READS))
+    sums = "\n".join(f"  a{k % 4} = fma(tile_p[t + {k}u], v{k}, a{k % 4});" for k in range(VALUE_READS))
+    fresh = """
+if (fresh_tile) {
+  for (var u = 0u; u < n; u = u + 1u) {
+    if (tile_f[u] != 0u) { a0 = fma(tile_p[u], load_v_1(b, h, start + u, c), a0); }
+  }
+}""" if branch else ""
+    return f"""var a0 = 0.0;
 var a1 = 0.0;
 var a2 = 0.0;
 var a3 = 0.0;
 var t = 0u;
-for (; t + 3u < n; t = t + 4u) {
-  a0 = fma(tile_p[t], load_v(b, h, start + t, c), a0);
-  a1 = fma(tile_p[t + 1u], load_v(b, h, start + t + 1u, c), a1);
-  a2 = fma(tile_p[t + 2u], load_v(b, h, start + t + 2u, c), a2);
-  a3 = fma(tile_p[t + 3u], load_v(b, h, start + t + 3u, c), a3);
-}
-for (; t < n; t = t + 1u) { a0 = fma(tile_p[t], load_v(b, h, start + t, c), a0); }"""
+for (; t + {VALUE_READS - 1}u < n; t = t + {VALUE_READS}u) {{
+{reads}
+{sums}
+}}
+for (; t < n; t = t + 1u) {{ a0 = fma(tile_p[t], {value("t")}, a0); }}{fresh}"""
 
 
 # WGSL: a tile's largest score and its sum of probabilities, read four at a time (T is a multiple of 4).
