@@ -113,6 +113,10 @@ def forward_plan(shape: AttentionShape, limits: dict) -> RowPlan | FlashPlan | C
 # 360 (adapter's limits) in one, per row 562 and 559 in the other; so flash comes first where it fits.
 ROW_FORWARD_MAX_ROWS = 4
 ROW_THREADS = 64  # threads of a per-row workgroup, and keys per tile
+# Slices of the per-row forward at most: one tile each up to a 4,096-key cache (flash-decoding), where the forward's
+# time is one tile's chain of reads and barriers whatever the position. H100, SmolLM2's f32 portable bundle over a
+# 2,048-position cache in slices of two tiles (SPLIT_MAX): 474 tokens/s up to position 64, 302 past it.
+ROW_SPLIT_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ def row_plan(s: AttentionShape) -> RowPlan | None:
     if any(is_size(n) for n in (s.batch, s.lq, s.lk)) or s.lq > ROW_FORWARD_MAX_ROWS:
         return None
     tiles = ceil_div(s.lk, ROW_THREADS)
-    splits = _splits(s.batch * s.heads * s.lq, tiles, SPLIT_TARGET_WORKGROUPS, 1)
+    splits = _splits(s.batch * s.heads * s.lq, tiles, SPLIT_TARGET_WORKGROUPS, 1, ROW_SPLIT_MAX)
     return RowPlan(splits, ceil_div(tiles, splits) * ROW_THREADS if splits > 1 else 0)
 
 
@@ -191,15 +195,15 @@ def block_plan(s: AttentionShape, kind: str, limits: dict) -> BlockPlan | None:
     return BlockPlan(plan.rows, plan.tile, splits, ceil_div(tiles, splits) * plan.tile if splits > 1 else 0)
 
 
-def _splits(blocks, tiles, target: int, min_tiles: int) -> int:
-    """Slices of the other sequence (a power of two up to SPLIT_MAX) until ``blocks`` workgroups become ``target``,
+def _splits(blocks, tiles, target: int, min_tiles: int, most: int = SPLIT_MAX) -> int:
+    """Slices of the other sequence (a power of two up to ``most``) until ``blocks`` workgroups become ``target``,
     each slice keeping ``min_tiles`` tiles. None where the blocks are symbolic (many rows); where only the tiles are
     (a KV cache's length), as many as the blocks alone allow, whatever the length: one kernel for every length
     (slices past the end are empty, and the merge weighs them zero)."""
     if is_size(blocks):
         return 1
     splits = 1
-    while (blocks * splits < target and splits * 2 <= SPLIT_MAX
+    while (blocks * splits < target and splits * 2 <= most
            and (is_size(tiles) or tiles // (splits * 2) >= min_tiles)):
         splits *= 2
     return splits

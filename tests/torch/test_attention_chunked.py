@@ -14,6 +14,7 @@ import meganeura.kernels.attention.plans as attention_plans
 from helpers.compare import assert_same, assert_within_eager_error, check_gradients_against_eager
 from meganeura.kernels.attention.plans import (AttentionShape, ChunkedPlan, FlashPlan, RowPlan,
                                                chunked_shared_bytes, forward_plan)
+from meganeura.kernels.wgsl import SPLIT_TARGET_WORKGROUPS
 
 RTOL, ATOL, REL = 1e-3, 1e-4, 1e-4
 WEBGPU_STORAGE = 16384
@@ -117,6 +118,19 @@ def test_plans_by_shape_and_adapter():
     decode = AttentionShape(1, 9, 3, 1, 300, 64, 64, 0.125, False, False)
     assert isinstance(forward_plan(decode, NVIDIA), FlashPlan)
     assert isinstance(forward_plan(decode, WEBGPU), RowPlan) and forward_plan(decode, WEBGPU).splits > 1
+
+
+def test_a_decode_over_a_long_cache_walks_one_tile_a_slice():
+    """At WebGPU's limits a decode step's attention over a long cache is cut into slices of one tile of keys each
+    (flash-decoding: a slice's chain of reads is one tile's, wherever the position), up to ROW_SPLIT_MAX slices;
+    where the rows alone fill the GPU's target of workgroups (a batch of 8), the slices are fewer and longer."""
+    for lk in (2048, 4096):
+        plan = forward_plan(AttentionShape(1, 9, 3, 1, lk, 64, 64, 0.125, False, True), WEBGPU)
+        assert isinstance(plan, RowPlan) and plan.chunk == attention_plans.ROW_THREADS, (lk, plan)
+    batch = forward_plan(AttentionShape(8, 9, 3, 1, 2048, 64, 64, 0.125, False, True), WEBGPU)
+    assert batch.splits * 8 * 9 >= SPLIT_TARGET_WORKGROUPS and batch.chunk == 2 * attention_plans.ROW_THREADS
+    longest = forward_plan(AttentionShape(1, 9, 3, 1, 16384, 64, 64, 0.125, False, True), WEBGPU)
+    assert longest.splits == attention_plans.ROW_SPLIT_MAX
 
 
 @pytest.mark.parametrize("d", [8, 30, 32, 64, 80, 96, 128])
