@@ -9,7 +9,9 @@ Two kernel families, chosen by shape:
 - tiled: a TILE_M x TILE_N output tile per workgroup. Tiles come from (128, 64, 32, 16) per dimension, shrunk when
   the problem is too small to fill enough workgroups (MIN_WORKGROUPS_BIG for a 128 edge, MIN_WORKGROUPS for any) or
   the tile does not fit the workgroup storage or invocation limit; the default for large outputs of whole 128x256
-  tiles where the limits allow is WIDE_TILE (``wide_tile_suits``); the tuner may force others (CONFIGS).
+  tiles where the limits allow is WIDE_TILE (``wide_tile_suits``; double-buffered, quad staged and unpadded where two
+  chunks fit: ``wide_choice``), for square-class outputs that the rule would split QUAD_TILE quad staged
+  (``quad_tile_suits``); the tuner may force others (CONFIGS).
   - Threads and registers: one thread per register block of rows x columns outputs (4x4; 8 along an edge of 128; 8x16
     in the wide tile), so a 128x128 tile of 8x8 blocks takes 16x16 = 256 threads. Thread (tx, ty) owns rows
     4 * (ty + threads_m * g) + i and columns 4 * (tx + threads_n * h) + j: groups of 4 a quarter or half tile apart,
@@ -96,6 +98,23 @@ MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least th
 # 4096^3 took 3.34, so the default asks for the storage of a chunk of 16 (24.5 KiB), which desktop GPUs give (NVIDIA
 # 48 KiB, AMD and Intel 64, Apple 32) and WebGPU's default limit (16 KiB) does not: there the rule's tile stays.
 WIDE_TILE, WIDE_BLOCK = (128, 256), (8, 16)
+# Where two of its chunks of 16 fit the workgroup storage unpadded (48 KiB: NVIDIA's limit), the wide tile's default
+# is double-buffered, quad staged, in thread patches and unpadded (``wide_choice``). H100 against cuBLAS f32 (TF32
+# off; bench/results/h100-sgemm-candidates-s12, GPU time): 4096^3 3175 -> 2855 us (0.86 -> 0.96 x cuBLAS), 2048^3
+# 432 -> 381 us (0.81 -> 0.92 x); each part alone lost or barely gained (4096^3: quad staging and patches single-
+# buffered 3276 us, double-buffered unpadded with element staging 3222). Padded, two chunks would take 49 KiB: an
+# adapter of 64 KiB could hold them, but the unpadded variant is the one measured, so it is taken there too.
+# An output of whole QUAD_TILE tiles, QUAD_TILE_MIN_WORKGROUPS of them or more, whose K (QUAD_TILE_MIN_K or more)
+# is no longer than either output edge, gets 64x64 tiles of 8x4 blocks, quad staged in thread patches, unsplit,
+# where the rule would cut K into slices (``quad_tile_suits``). H100 (the same run), 1024^3: the rule's 64x128 tiles
+# of 4x8 blocks in 8 K slices took 102 us (0.67 x cuBLAS), this variant 68 us (1.02 x); the same tile split in 2 and
+# 4 took 72 and 74 us, and at every size of the run each tile's split variants were slower than it unsplit wherever
+# it alone made 128 workgroups or more. The split rule's own figures (SPLIT_MIN_K) are all shapes whose K is longer
+# than an output edge, which this rule leaves to it, as it does shapes of K under 1024 and ragged outputs
+# (Whisper's 1500x1536 @ 1536x384, ResNet-50's 3136x128 @ 128x512): no figure for them.
+QUAD_TILE, QUAD_BLOCK = (64, 64), (8, 4)
+QUAD_TILE_MIN_WORKGROUPS = 2 * MIN_WORKGROUPS_BIG  # 256: 1024^3's 64x64 tiles, the smallest count measured
+QUAD_TILE_MIN_K = 1024  # the shortest K measured (1024^3)
 # Thread patches (``TiledPlan.patches``): 32 neighbouring invocations as 4 x 8 thread positions. In a 128x128 tile of
 # 8x8 blocks (16x16 threads in strips of 16) a warp's K step reads 4 distinct vec4s of A and 32 of B from shared
 # memory; as a 4 x 8 patch, 8 and 16 (24 rather than 36).
@@ -180,15 +199,50 @@ def wide_tile_suits(batch, m, n, k, limits: dict) -> bool:
             and plan.shared_floats() * 4 <= limits["max-compute-workgroup-storage-size"])
 
 
+def wide_choice(batch, m, n, k, limits: dict) -> MatmulChoice:
+    """WIDE_TILE's variant where ``wide_tile_suits``: double-buffered, quad staged, in thread patches and unpadded
+    where the adapter's workgroup storage holds its two chunks of 16 (48 KiB), else single-buffered and element
+    staged (see WIDE_TILE)."""
+    plain = MatmulChoice(WIDE_TILE, WIDE_BLOCK, 1)
+    fast = replace(plain, double=True, quads=True, patches=True, unpadded=True)
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits),
+                              fast.tile, fast.block, double=True, quads=True, patches=True, unpadded=True)
+    return fast if plan.buffers == 2 else plain
+
+
+def quad_tile_suits(batch, m, n, k, limits: dict) -> bool:
+    """Whether the default takes QUAD_TILE's quad-staged variant unsplit: the output is whole QUAD_TILE tiles, at
+    least QUAD_TILE_MIN_WORKGROUPS of them, K runs from QUAD_TILE_MIN_K to the shorter output edge, the rule would
+    cut K into slices (``split_k``), and the adapter's limits keep the tile (see QUAD_TILE)."""
+    if any(map(is_size, (batch, m, n, k))) or not is_tiled(m, n) or m % QUAD_TILE[0] or n % QUAD_TILE[1]:
+        return False
+    if (not QUAD_TILE_MIN_K <= k <= min(m, n)
+            or batch * (m // QUAD_TILE[0]) * (n // QUAD_TILE[1]) < QUAD_TILE_MIN_WORKGROUPS):
+        return False
+    plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits),
+                              QUAD_TILE, QUAD_BLOCK, quads=True, patches=True)
+    return (plan.tile_m, plan.tile_n) == QUAD_TILE and plan.patches and split_k(batch, m, n, k, limits) > 1
+
+
 def is_tiled(m: int, n: int) -> bool:
     """Whether an (m, n) output gets the tiled kernel (else the gemv kernel)."""
     return m > 1 and n > 1
 
 
 def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulChoice:
-    """The generator's own variant: the wide tile where ``wide_tile_suits``, else tile by rule and K slices by
-    ``split_k``; f16 products where the limits ask for them (``F16_PRODUCTS``) and the tile's register block is
-    4x4."""
+    """The generator's own variant: the wide tile's (``wide_choice``) where ``wide_tile_suits``, QUAD_TILE's quad-
+    staged one where ``quad_tile_suits``, else ``plain_choice``'s."""
+    if wide_tile_suits(batch, m, n, k, limits):
+        return wide_choice(batch, m, n, k, limits)
+    if quad_tile_suits(batch, m, n, k, limits):
+        return MatmulChoice(QUAD_TILE, QUAD_BLOCK, 1, quads=True, patches=True)
+    return plain_choice(batch, m, n, k, limits)
+
+
+def plain_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulChoice:
+    """The default's element-staged, single-buffered form (a tuner candidate beside the default): WIDE_TILE unsplit
+    where ``wide_tile_suits``, else the tile by rule and K slices by ``split_k``; f16 products where the limits ask
+    for them (``F16_PRODUCTS``) and the tile's register block is 4x4."""
     if wide_tile_suits(batch, m, n, k, limits):
         return MatmulChoice(WIDE_TILE, WIDE_BLOCK, 1)
     split = split_k(batch, m, n, k, limits)
@@ -196,8 +250,6 @@ def default_choice(batch: int, m: int, n: int, k: int, limits: dict) -> MatmulCh
         return MatmulChoice(None, None, split)
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
     return MatmulChoice(None, None, split, (plan.rows_per_thread, plan.cols_per_thread) == (4, 4))
-
-
 
 
 def matmul_kernel(prelude: str, *, batch: int, m: int, n: int, k: int, limits: dict, a_fast: str = "p",

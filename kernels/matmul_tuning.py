@@ -4,13 +4,13 @@
 A problem (``MatmulProblem``) is a GEMM shape (batch, m, n, k) with its operand layouts (``a_fast``, ``b_fast``),
 whether f16 products are allowed (precision "fast"), and the kernel's own prelude: its bindings, the loads of its
 operands (a convolution's gather, a view's index math) and its store (a fused epilogue), as the plan compiles it.
-Its candidates are the generator's own variant (``default_choice``) and the tile / register-block shapes of
-``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many workgroups (tiles past
-128x128 need MIN_WORKGROUPS_BIG of them unsplit), or partial sums too large for one binding; where f16 is allowed,
-also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16 is slower keeps f32),
-and of each shape unsplit in f32, its double-buffered variant where two chunks fit the workgroup storage limit (for
-tiles of TIGHT_DOUBLE_MIN_TILE outputs whose two padded chunks do not fit: two unpadded ones, and two of a smaller
-chunk, where those fit).
+Its candidates are the generator's own variant (``default_choice``), its plain form (``plain_choice``) and the tile /
+register-block shapes of ``CONFIGS`` with K cut into 1-16 slices, minus those that would give too few or too many
+workgroups (tiles past 128x128 need MIN_WORKGROUPS_BIG of them unsplit), or partial sums too large for one binding;
+where f16 is allowed, also the f16 variants of the 4x4-block shapes (f32 ones stay candidates, so a shape where f16
+is slower keeps f32), and of each shape unsplit in f32, its double-buffered variant where two chunks fit the
+workgroup storage limit (for tiles of TIGHT_DOUBLE_MIN_TILE outputs whose two padded chunks do not fit: two unpadded
+ones, and two of a smaller chunk, where those fit).
 Tiles of VECTOR_MIN_TILE outputs or more add, per split up to VECTOR_MAX_SPLIT, a variant with quad staging and
 thread patches, and its double-buffered one unsplit (``meganeura.kernels.matmul``'s module docstring says what each
 does).
@@ -21,7 +21,7 @@ import hashlib
 from dataclasses import dataclass, replace
 
 from .matmul import (F16_PRODUCTS, K_CHUNKS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan, _max_threads,
-                     default_choice, matmul_kernel)
+                     default_choice, matmul_kernel, plain_choice)
 from .matmul_split_sum import split_reduce_kernel
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs found each of these the
@@ -118,13 +118,18 @@ def variants(p: MatmulProblem, limits: dict, max_binding: int) -> tuple[list[Mat
 
 
 def candidates(batch: int, m: int, n: int, k: int, limits: dict) -> list[MatmulChoice]:
-    """The default variant first, then the distinct variants of CONFIGS x SPLITS that suit the problem (with f16
-    products too for 4x4 blocks, where ``limits`` allow them)."""
-    default = default_choice(batch, m, n, k, limits)
+    """The default variant first, then its plain form (``plain_choice``) where that differs, then the distinct
+    variants of CONFIGS x SPLITS that suit the problem (with f16 products too for 4x4 blocks, where ``limits`` allow
+    them)."""
     shared, threads = limits["max-compute-workgroup-storage-size"], _max_threads(limits)
-    seen = {(_choose_tiled_plan(batch, m, n, k, shared, threads, default.tile, default.block), default.split,
-             default.f16)}
-    found = [default]
+    found, seen = [], set()
+    for choice in (default_choice(batch, m, n, k, limits), plain_choice(batch, m, n, k, limits)):
+        plan = _choose_tiled_plan(batch, m, n, k, shared, threads, choice.tile, choice.block, choice.double,
+                                  choice.quads, choice.patches, choice.chunk, choice.unpadded)
+        key = (plan, choice.split, choice.f16)
+        if key not in seen:
+            seen.add(key)
+            found.append(choice)
     modes = (False, True) if limits.get(F16_PRODUCTS) else (False,)
     for tile, block in CONFIGS:
         if (tile[0] > 2 * m and tile[0] > 32) or (tile[1] > 2 * n and tile[1] > 32):

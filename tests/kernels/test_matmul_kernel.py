@@ -531,6 +531,7 @@ def test_f32_kernels_do_not_enable_f16(device):
     (1, 70, 1, 50, {"tile": (64, 16)}),                             # N x 1 through the tiled kernel
     (1, 40, 50, 700, {"tile": (64, 64), "split": 4}),               # K slices of whole chunks
     (1, 70, 64, 130, {"tile": (64, 64), "double": True}),           # double-buffered quads
+    (1, 70, 130, 90, {"tile": (64, 64), "block": (8, 4)}),           # QUAD_TILE's default: 8x4 blocks, ragged
     (1, 70, 64, 33, {"tile": (64, 64), "looped": "a"}),             # A fetched in a loop: element staging for A
     (40, 32, 32, 40, {"tile": (32, 32), "grid": 7}),                # folded grid: workgroups without a tile
 ])

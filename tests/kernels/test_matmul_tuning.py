@@ -5,7 +5,7 @@ import re
 import pytest
 
 from meganeura.kernels import matmul_tuning
-from meganeura.kernels.matmul import MatmulChoice, default_choice, matmul_kernel
+from meganeura.kernels.matmul import MatmulChoice, default_choice, matmul_kernel, plain_choice
 from meganeura.kernels.matmul_tuning import candidates, partial_bytes, plain_problem, variants
 
 LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,
@@ -128,16 +128,69 @@ def test_no_candidate_exceeds_the_adapter_s_limits(storage, invocations):
 
 def test_the_wide_tile_is_the_default_only_where_the_limits_and_shape_suit_it():
     """128x256 tiles of 8x16 blocks, unsplit, for outputs of whole wide tiles (at least 128 of them) where the
-    adapter gives 256 invocations and 24.5 KiB of workgroup storage; elsewhere the rule's tile and split."""
+    adapter gives 256 invocations and 24.5 KiB of workgroup storage: double-buffered, quad staged in thread patches
+    and unpadded where its two chunks of 16 fit (48 KiB), else single-buffered; elsewhere the rule's tile and split
+    or QUAD_TILE's variant."""
     wide = MatmulChoice((128, 256), (8, 16), 1)
-    assert default_choice(1, 4096, 4096, 4096, BIG) == wide
-    assert default_choice(1, 2048, 2048, 2048, BIG) == wide      # 128 tiles
-    assert default_choice(4, 1024, 1024, 512, BIG) == wide       # batched: 4 x 32 tiles
-    assert default_choice(1, 1024, 1024, 1024, BIG).tile is None  # 32 tiles: too few
+    doubled = MatmulChoice((128, 256), (8, 16), 1, double=True, quads=True, patches=True, unpadded=True)
+    assert default_choice(1, 4096, 4096, 4096, BIG) == doubled
+    assert default_choice(1, 2048, 2048, 2048, BIG) == doubled   # 128 tiles
+    assert default_choice(4, 1024, 1024, 512, BIG) == doubled    # batched: 4 x 32 tiles
+    assert default_choice(1, 4096, 4096, 4096, {**BIG, "max-compute-workgroup-storage-size": 49151}) == wide
+    assert default_choice(1, 2048, 2048, 2048, {**BIG, "max-compute-workgroup-storage-size": 32768}) == wide
+    assert default_choice(1, 1024, 1024, 1024, BIG).tile != wide.tile  # 32 tiles: too few
     assert default_choice(1, 2048, 2000, 2048, BIG).tile is None  # not whole tiles
     assert default_choice(1, 4096, 4096, 4096, LIMITS).tile is None  # WebGPU's default 16 KiB
     assert default_choice(1, 4096, 4096, 4096, {**BIG, "max-compute-invocations-per-workgroup": 128}).tile is None
-    assert candidates(1, 4096, 4096, 4096, BIG)[0] == wide
+    assert candidates(1, 4096, 4096, 4096, BIG)[0] == doubled
+
+
+@pytest.mark.parametrize("storage", [16384, 32768, 49152])
+@pytest.mark.parametrize("size", [4096, 2048, 1024])
+def test_the_default_kernel_stays_within_the_adapter_s_limits(storage, size):
+    """The default of a square f32 matmul builds a kernel within the workgroup storage and the 256 invocations it is
+    built for (WebGPU's default 16 KiB, an Apple-class 32 KiB, NVIDIA's 48 KiB), with the variant's features: at
+    48 KiB the wide tile's at 4096 and 2048 is double-buffered, exactly 48 KiB."""
+    limits = {**LIMITS, "max-compute-workgroup-storage-size": storage}
+    choice = default_choice(1, size, size, size, limits)
+    source, _ = matmul_kernel("", batch=1, m=size, n=size, k=size, limits=limits, tile=choice.tile,
+                              block=choice.block, split=choice.split, partial="partial" if choice.split > 1 else None,
+                              double=choice.double, quads=choice.quads, patches=choice.patches,
+                              chunk=choice.chunk, unpadded=choice.unpadded)
+    header = re.search(r"// ---- matmul: (.*)", source).group(1)
+    assert _workgroup_bytes(source) <= storage
+    assert int(re.search(r"@workgroup_size\((\d+)\)", source).group(1)) <= 256
+    assert ("double-buffered" in header) == choice.double and ("quad staging" in header) == choice.quads
+    assert ("thread patches" in header) == choice.patches
+    if storage == 49152 and size >= 2048:
+        assert header.startswith("tiled 128x256, K chunk 16,") and _workgroup_bytes(source) == storage
+        assert header.endswith("double-buffered, quad staging, thread patches, unpadded")
+
+
+def test_quad_tile_default_only_where_the_rule_splits_a_k_no_longer_than_the_output_edges():
+    """QUAD_TILE's quad-staged variant, unsplit, for outputs of whole 64x64 tiles (256 or more) whose K runs from
+    1024 to the shorter edge where the rule would split K (H100: 1024^3); shapes the split rule's figures cite, and
+    others without a figure (K under 1024, ragged, K past an edge, enough tiles unsplit), keep the rule's choice."""
+    quad = MatmulChoice((64, 64), (8, 4), 1, quads=True, patches=True)
+    for limits in (LIMITS, BIG):
+        assert default_choice(1, 1024, 1024, 1024, limits) == quad
+        assert default_choice(1, 2048, 1024, 1024, limits) == quad
+        for shape in ((1, 1500, 1536, 384), (1, 1500, 384, 1536), (1, 50, 2048, 720), (1, 128, 1536, 576),
+                      (1, 3136, 512, 128), (1, 3136, 512, 256), (1, 1024, 1024, 512), (1, 1024, 1024, 2048),
+                      (1, 1024, 1000, 1024), (1, 1000, 1024, 1024), (1, 960, 960, 960), (1, 3072, 3008, 1024)):
+            assert default_choice(*shape, limits) == plain_choice(*shape, limits), shape
+    assert default_choice(1, 1024, 1024, 1024, LIMITS) != plain_choice(1, 1024, 1024, 1024, LIMITS)
+    assert plain_choice(1, 1024, 1024, 1024, LIMITS).split == 8  # what the rule alone would take
+
+
+@pytest.mark.parametrize("shape, storage", [((1, 4096, 4096, 4096), 49152), ((1, 2048, 2048, 2048), 49152),
+                                            ((1, 1024, 1024, 1024), 16384), ((1, 1024, 1024, 1024), 49152)])
+def test_the_plain_default_stays_a_candidate(shape, storage):
+    """The tuner can still pick the default's plain form (single-buffered wide tile, the rule's split tile)."""
+    limits = {**LIMITS, "max-compute-workgroup-storage-size": storage}
+    found = candidates(*shape, limits)
+    assert found[0] == default_choice(*shape, limits) != plain_choice(*shape, limits)
+    assert found[1] == plain_choice(*shape, limits) and len(found) == len(set(found))
 
 
 @pytest.mark.parametrize("storage, tile, expected", [

@@ -143,3 +143,23 @@ def test_untuned_large_products_take_the_wide_tile_and_match_eager(monkeypatch):
     compiled = torch.compile(lambda a, b: a @ b, backend="meganeura", options={"tune": False})
     assert_same(compiled(x, w).double(), x.double() @ w.double(), rtol=1e-4, atol=1e-5)
     assert built == [(matmul.WIDE_TILE, matmul.WIDE_BLOCK, 1)]
+
+
+def test_untuned_square_product_takes_the_quad_tile_and_matches_eager(monkeypatch):
+    """Untuned, 1024x1024 @ 1024x1024 (256 whole 64x64 tiles, K no longer than an edge, which the rule would cut into
+    8 slices) gets QUAD_TILE's kernel, quad staged in thread patches, its operands read as vec4s, unsplit; f64
+    reference, rtol 1e-4 (positive operands: no cancellation)."""
+    assert matmul.quad_tile_suits(1, 1024, 1024, 1024, get_device().limits)
+    torch._dynamo.reset()
+    built = []
+    generate = matmul.matmul_kernel
+
+    def recording(prelude, **kw):
+        built.append((kw["tile"], kw["block"], kw.get("split", 1), kw["quads"], kw["patches"], kw["vector_loads"]))
+        return generate(prelude, **kw)
+
+    monkeypatch.setattr(matmul, "matmul_kernel", recording)
+    x, w = torch.rand(1024, 1024) + 0.25, torch.rand(1024, 1024) + 0.25
+    compiled = torch.compile(lambda a, b: a @ b, backend="meganeura", options={"tune": False})
+    assert_same(compiled(x, w).double(), x.double() @ w.double(), rtol=1e-4, atol=1e-5)
+    assert built == [(matmul.QUAD_TILE, matmul.QUAD_BLOCK, 1, True, True, "ab")]
