@@ -100,7 +100,7 @@ MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least th
 WIDE_TILE, WIDE_BLOCK = (128, 256), (8, 16)
 # Where two of its chunks of 16 fit the workgroup storage unpadded (48 KiB: NVIDIA's limit), the wide tile's default
 # is double-buffered, quad staged, in thread patches and unpadded (``wide_choice``). H100 against cuBLAS f32 (TF32
-# off; bench/results/h100-sgemm-candidates-s12, GPU time): 4096^3 3175 -> 2855 us (0.86 -> 0.96 x cuBLAS), 2048^3
+# off; bench/results/h100-sgemm-candidates-s12.md, GPU time): 4096^3 3175 -> 2855 us (0.86 -> 0.96 x cuBLAS), 2048^3
 # 432 -> 381 us (0.81 -> 0.92 x); each part alone lost or barely gained (4096^3: quad staging and patches single-
 # buffered 3276 us, double-buffered unpadded with element staging 3222). Padded, two chunks would take 49 KiB: an
 # adapter of 64 KiB could hold them, but the unpadded variant is the one measured, so it is taken there too.
