@@ -101,17 +101,18 @@ WIDE_TILE, WIDE_BLOCK = (128, 256), (8, 16)
 # Where two of its chunks of 16 fit the workgroup storage unpadded (48 KiB: NVIDIA's limit), the wide tile's default
 # is double-buffered, quad staged, in thread patches and unpadded (``wide_choice``). H100 against cuBLAS f32 (TF32
 # off; bench/results/h100-sgemm-candidates-s12.md, GPU time): 4096^3 3175 -> 2855 us (0.86 -> 0.96 x cuBLAS), 2048^3
-# 432 -> 381 us (0.81 -> 0.92 x); each part alone lost or barely gained (4096^3: quad staging and patches single-
-# buffered 3276 us, double-buffered unpadded with element staging 3222). Padded, two chunks would take 49 KiB: an
+# 432 -> 381 us (0.81 -> 0.92 x); each part alone lost or barely gained (quad staging and patches single-buffered 3276
+# and 429 us, double-buffered unpadded with element staging 3222 and 444). Padded, two chunks would take 49 KiB: an
 # adapter of 64 KiB could hold them, but the unpadded variant is the one measured, so it is taken there too.
 # An output of whole QUAD_TILE tiles, QUAD_TILE_MIN_WORKGROUPS of them or more, whose K (QUAD_TILE_MIN_K or more)
 # is no longer than either output edge, gets 64x64 tiles of 8x4 blocks, quad staged in thread patches, unsplit,
 # where the rule would cut K into slices (``quad_tile_suits``). H100 (the same run), 1024^3: the rule's 64x128 tiles
 # of 4x8 blocks in 8 K slices took 102 us (0.67 x cuBLAS), this variant 68 us (1.02 x); the same tile split in 2 and
-# 4 took 72 and 74 us, and at every size of the run each tile's split variants were slower than it unsplit wherever
-# it alone made 128 workgroups or more. The split rule's own figures (SPLIT_MIN_K) are all shapes whose K is longer
-# than an output edge, which this rule leaves to it, as it does shapes of K under 1024 and ragged outputs
-# (Whisper's 1500x1536 @ 1536x384, ResNet-50's 3136x128 @ 128x512): no figure for them.
+# 4 took 72 and 74 us. Of the run's 40 single-buffered (tile, block, staging) groups whose tile alone made 128
+# workgroups or more, every split variant lost to the unsplit one in 34; the others were the 64x96 tile (ragged at
+# these sizes) and the quad-staged 128x128 one at 2048 and 4096. The split rule's own figures (SPLIT_MIN_K) are all
+# shapes whose K is longer than an output edge, which this rule leaves to it, as it does shapes of K under 1024 and
+# ragged outputs (Whisper's 1500x1536 @ 1536x384, ResNet-50's 3136x128 @ 128x512): no figure for them.
 QUAD_TILE, QUAD_BLOCK = (64, 64), (8, 4)
 QUAD_TILE_MIN_WORKGROUPS = 2 * MIN_WORKGROUPS_BIG  # 256: 1024^3's 64x64 tiles, the smallest count measured
 QUAD_TILE_MIN_K = 1024  # the shortest K measured (1024^3)
