@@ -292,7 +292,7 @@ def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, var
     prelude = _attention_prelude(node, slots,
                                  limits.get("max-storage-buffers-per-shader-stage", 8) if vec4_bindings else 0,
                                  functions)
-    outs = [slots.name(s) for s in slots.out_slots[:len(node.own_outs)]]
+    outs = [UNBOUND if s is None else slots.name(s) for s in slots.out_slots[:len(node.own_outs)]]
     passes = [[src, groups, slots.bound] for src, groups in attention_kernels.attention_kernel(
         prelude, node.kind, attention_shape(node), outs, limits, partial)]
     if node.writes is not None:
@@ -300,6 +300,9 @@ def _attention_kernels(node: Attention, slots: Slots, limits: dict, scratch, var
     return [tuple(p) for p in passes]
 
 
+# The name an attention pass is given for an output it has no binding of: the slices' pass whose reader merges them
+# (``lowering.slice_merges``) stores only partial results; a kernel that wrote it would not compile.
+UNBOUND = "mg_unbound"
 UPDATE_STORES = "mg_update_store"  # the WGSL function of an attention pass's update's stores (``_update_stores``)
 
 

@@ -224,13 +224,14 @@ def _arena_intervals(kernels: list[Node], placement: dict, limits: dict, variant
     a sliced node, keyed -1 - step (no value id collides), during its step, or until its reader's where the reader
     merges them (``merges``)."""
     last_use = last_reads(kernels)
+    unwritten = {m.attention.out.id for m in merges.values()}  # (its slices' scratch stands for it)
     first_of: dict[int, int] = {}
     for old, new in aliases.items():  # (in kernel order)
         first_of[new] = first_of.get(old, old)
     spans: dict[int, Interval] = {}
     for step, node in enumerate(kernels):
         for v in node.outs:
-            if v.id not in placement:
+            if v.id not in placement and v.id not in unwritten:
                 key = first_of.get(v.id, v.id)
                 size, last = upper(tensor_bytes(v)), last_use.get(v.id, step)
                 if v.id in packed.group:
@@ -285,7 +286,7 @@ def _emit_dispatches(kernels: list[Node], values: dict, stored: dict, limits: di
         merged = next((ReaderMerge.of(m, scratch[id(m.attention)]) for m in merges.values()
                        if m.reader is node), None)
         passes = _kernel(node, values, stored, limits, scratch.get(id(node)), variants.get(id(node)), stored_over,
-                         merged, packed)
+                         merged, packed, unbound={node.out.id} if id(node) in merges else set())
         if id(node) in merges:
             passes = passes[:1]
         merge = " (sum of slices)" if isinstance(node, Matmul) else " (merge of slices)"
@@ -402,7 +403,8 @@ def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | Non
 
 
 def _bindings(node: Node, values: dict, stored: dict, scratch_key=None, stored_over: StoredOver | None = None,
-              merged: ReaderMerge | None = None, packed: PackedLayout | None = None) -> Slots:
+              merged: ReaderMerge | None = None, packed: PackedLayout | None = None,
+              unbound: set = frozenset()) -> Slots:
     """A node's bindings (``Slots``). A status binding follows the values where an expression checks something, and
     ``scratch_key`` (f32 partial results) comes last. ``merged``: an attention output the node reads merged from the
     slices' partial results (``slice_merges``), whose scratch it binds in the output's place. The node reads an
@@ -410,7 +412,7 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None, stored_o
     (``arena_aliases``), through the output's binding: one buffer range is bound once (WebGPU forbids a writable
     binding that overlaps another in one dispatch); a node storing over an input binds the status buffer too where
     ``stored_over.guarded``. Outputs side by side (``packed``) of which it reads several it reads through one
-    binding of their range, each at its offset."""
+    binding of their range, each at its offset. ``unbound``: outputs it does not write, which get no slot (None)."""
     bound: list = []
     outs = {v.id for v in node.outs}
     stored_over = stored_over or StoredOver({}, False)
@@ -433,7 +435,7 @@ def _bindings(node: Node, values: dict, stored: dict, scratch_key=None, stored_o
         raise ValueError(f"{type(node).__name__} node reads its own output values {sorted(own)}")
     calls = {} if merged is None else {merged.vid: lambda index: merged.read(slot_of(merged.key), index)}
     exprs = [_linearise(e, d, values, stored, slot_of, calls, shift) for e, d in zip(node.exprs(), node.domains())]
-    out_slots = [slot_of(v.id) for v in node.outs]
+    out_slots = [None if v.id in unbound else slot_of(v.id) for v in node.outs]
     if checks(exprs) or guarded:
         slot_of("status")
 
@@ -462,12 +464,15 @@ def _storage(v: Value, stored: dict) -> str:
 
 def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple[int, int] | None = None,
             variant: matmul_kernels.MatmulChoice | None = None, stored_over: StoredOver | None = None,
-            merged: ReaderMerge | None = None, packed: PackedLayout | None = None) -> list[tuple]:
+            merged: ReaderMerge | None = None, packed: PackedLayout | None = None,
+            unbound: set = frozenset()) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut
     into slices (``scratch``: slices and the arena key of their partial results). A matmul node's kernel is
-    ``variant``; ``merged``, an attention output it reads merged from slices. ``KERNELS`` holds the generator of each
-    node type."""
-    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over, merged, packed)
+    ``variant``; ``merged``, an attention output it reads merged from slices; ``unbound``, its outputs that its
+    first dispatch does not write and nothing binds (a sliced attention's whose reader merges the slices).
+    ``KERNELS`` holds the generator of each node type."""
+    slots = _bindings(node, values, stored, scratch[1] if scratch is not None else None, stored_over, merged, packed,
+                      unbound)
     generate = KERNELS.get(type(node))
     if generate is None:
         raise TypeError(f"no kernel for node {type(node).__name__}")

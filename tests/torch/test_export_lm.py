@@ -4,6 +4,7 @@ bad bundles are refused by name; a Llama layer's decode step takes a counted num
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -123,6 +124,10 @@ def test_attention_slices_merged_by_the_output_projection_give_eager_tokens(tmp_
     labels = [d.label for d in plan.dispatches]
     assert labels.count("attention") == plan.stats["merged_by_readers"] == 2, labels
     assert not any("merge of slices" in label for label in labels), labels
+    for dispatch in (d for d in plan.dispatches if d.label == "attention"):  # (no binding of an output it never writes)
+        source = plan.kernels[dispatch.kernel]
+        declared = re.findall(r"var<storage, [a-z_]+> (\w+):", source)
+        assert len(declared) == len(dispatch.bindings) and all(source.count(name) > 1 for name in declared), declared
     prompt = torch.randint(0, 128, (1, 72))
     lm = load(tmp_path / "lm")
     got = lm.generate(prompt[0].numpy(), 24).tolist()
