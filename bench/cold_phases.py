@@ -44,6 +44,7 @@ PROMPT_TOKENS = 16
 # torch's own backends beside ours: dynamo alone (its graph run by eager PyTorch), and with aot_autograd (no
 # decompositions, the graph run by eager PyTorch): the share of a cold call no backend removes
 BACKENDS = ("meganeura", "eager", "aot_eager")
+EACH = ("dynamo", "aot_autograd", "ours_plans")  # phases whose calls are also given one by one (a frame, a plan)
 CACHES = {"static": {"cache_implementation": "static", "disable_compile": True}, "default": {}}
 
 
@@ -54,6 +55,7 @@ class PhaseTimers:
         self.seconds: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.plans: list[dict] = []
+        self.each: dict[str, list[float]] = {}  # the phases of ``EACH``: each call's seconds
         self.stack: list[str] = ["generate"]  # the phases under way, innermost last
         self._gc_start = 0.0
 
@@ -65,8 +67,11 @@ class PhaseTimers:
                 return function(*args, **kwargs)
             finally:
                 self.stack.pop()
-                self.seconds[phase] += time.thread_time() - start
+                spent = time.thread_time() - start
+                self.seconds[phase] += spent
                 self.calls[phase] += 1
+                if phase in EACH:
+                    self.each.setdefault(phase, []).append(round(spent, 3))
 
         call.__dict__.update(getattr(function, "__dict__", {}))
         return call
@@ -117,20 +122,27 @@ def instrumented(timers: PhaseTimers):
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, phase in patches:
         setattr(owner, name, timers.timed(phase, getattr(owner, name)))
-    compile_device_graph = per_call.compile_device_graph
+    makers = [(name, getattr(per_call, name)) for name in ("compile_device_graph", "rescheduled")
+              if hasattr(per_call, name)]  # (a tree before ``rescheduled`` has only the first)
 
-    def noted(*args, **kwargs):
-        graph = compile_device_graph(*args, **kwargs)
-        timers.plans.append({"dispatches": len(graph.plan.dispatches), "kernels": sorted(graph.plan.kernels)})
-        return graph
+    def noted(name, make):
+        def call(*args, **kwargs):
+            graph = make(*args, **kwargs)
+            if graph is not None:
+                timers.plans.append({"by": name, "dispatches": len(graph.plan.dispatches),
+                                     "kernels": sorted(graph.plan.kernels)})
+            return graph
+        return call
 
-    per_call.compile_device_graph = noted
+    for name, make in makers:
+        setattr(per_call, name, noted(name, make))
     gc.callbacks.append(timers.on_gc)
     try:
         yield
     finally:
         gc.callbacks.remove(timers.on_gc)
-        per_call.compile_device_graph = compile_device_graph
+        for name, make in makers:
+            setattr(per_call, name, make)
         for owner, name, original in originals:
             setattr(owner, name, original)
 
@@ -169,7 +181,7 @@ def measure(cache: str, layers: int | None, tokens: int, backend: str = "meganeu
            "ours_graph": s["ours_graph"], "ours_plans": s["ours_plans"] - s["device_writes"], "fusion": fusion,
            "device_writes": s["device_writes"], "rest": s["generate"] - s["dynamo"] - s["ours_plans"]}
     return {"backend": backend, "cache": cache, "layers": model.config.num_hidden_layers, "tokens": tokens,
-            "seconds": dict(s), "calls": dict(timers.calls), "own": own,
+            "seconds": dict(s), "calls": dict(timers.calls), "each": timers.each, "own": own,
             "frames": dict(counters["frames"]), "recompiles": dict(counters.get("recompiles", {})),
             "plans": timers.plans, "generated": out[0].tolist(), "load": os.getloadavg()}
 
