@@ -1,10 +1,11 @@
 """Benchmarks of torch-meganeura side by side with PyTorch: five workloads and micro benchmarks.
 
 ``python -m bench --help`` runs them and writes ``bench/results/<tag>.json``; ``python -m bench.report`` turns a
-results file into its markdown table and plot; ``bench.cold`` times cold first calls, ``bench.generate`` text
-generation, ``bench.decode_profile`` where a generation bundle's decode token goes, ``bench.ddp`` data
-parallel, ``bench.host`` host work per step on the null device and ``bench.host_breakdown`` the loop's step split
-into torch's share and ours. See ``bench/results/README.md``.
+results file into its markdown table and plot; ``bench.cold`` times cold first calls and ``bench.cold_phases``
+splits a cold first HF generate into torch's phases and ours, ``bench.generate`` times text generation,
+``bench.decode_profile`` where a generation bundle's decode token goes, ``bench.ddp`` data parallel, ``bench.host``
+host work per step on the null device and ``bench.host_breakdown`` the loop's step split into torch's share and
+ours. See ``bench/results/README.md``.
 """
 import os
 import sys

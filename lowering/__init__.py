@@ -19,7 +19,8 @@ its input, a KV cache's, computes only the elements it changes: regions.py) -> f
 that an attention pass reads stored by that pass's dispatch, the pass reading the update's expressions, and where the
 binding limit asks, several outputs of one node that it reads side by side, bound once: attention_writes.py,
 packed.py) -> schedule (memory plan + WGSL + dispatches; a decode attention's slices merged by the projection that
-reads them: slice_merges.py).
+reads them: slice_merges.py). ``fuse_graph`` and ``schedule_fused`` are its two halves: a dynamic graph keeps the
+fused one and schedules it again for a call past its bounds.
 
 A dynamic graph's sizes are ``meganeura.kernels.sizes.Size``s, compiled under its ``Guards``; its kernels read the
 symbols' values from the plan's size buffer, a uniform in a bind group of its own (``kernels.wgsl.SIZES_VAR``).
@@ -40,11 +41,15 @@ a merge dispatch), ``plan_cache`` (compiled plans kept on disk across processes)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from meganeura.runtime.plan import Plan
+
 from .attention_writes import fuse_attention_writes
 from .bindings import fit_bindings
 from .cse import eliminate_common_nodes
 from .epilogues import fuse_epilogues
-from .fusion import fuse
+from .fusion import FusionReport, fuse
 from .data_checks import separate_checks
 from .in_place import hoist_writers
 from .ir import Graph
@@ -59,9 +64,26 @@ from .sibling_reductions import fuse_sibling_reductions
 from .sibling_updates import fuse_sibling_updates
 
 
+@dataclass
+class FusedGraph:
+    """A graph after the fusion passes, ready to schedule, with its report and the passes' counts. A dynamic graph's
+    compile keeps it, so that the plan for sizes past its bounds is scheduled again from it (``schedule_fused``)
+    rather than lowered and fused again."""
+
+    graph: Graph
+    report: FusionReport
+    stats: dict
+
+
 def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=None):
     """Fuse and schedule ``graph``; return (Plan, FusionReport). ``choose_matmuls`` picks tiled matmul variants and
     ``on_kernel`` hears of each kernel as it is generated (see ``schedule``)."""
+    fused = fuse_graph(graph, limits)
+    return schedule_fused(fused, limits, choose_matmuls, on_kernel), fused.report
+
+
+def fuse_graph(graph: Graph, limits: dict) -> FusedGraph:
+    """The fusion passes over ``graph``, in place, in the order the module docstring gives."""
     max_bindings = limits.get("max-storage-buffers-per-shader-stage", 8)
     keep_requested_regions(graph)
     fit_bindings(graph, max_bindings)
@@ -80,9 +102,13 @@ def compile_graph(graph: Graph, limits: dict, choose_matmuls=None, on_kernel=Non
     hoisted = hoist_writers(graph)
     whole_updates = run_over_regions(graph)
     attention_writes = fuse_attention_writes(graph, max_bindings, report)
-    plan = schedule(graph, limits, stats={"fused_producers": len(report.fused), "common_nodes": common,
-                                          "hoisted_writers": hoisted, "rematerialized": copies,
-                                          "separated_checks": separated, "whole_updates": whole_updates,
-                                          "attention_writes": attention_writes},
-                    choose_matmuls=choose_matmuls, on_kernel=on_kernel)
-    return plan, report
+    return FusedGraph(graph, report, {"fused_producers": len(report.fused), "common_nodes": common,
+                                      "hoisted_writers": hoisted, "rematerialized": copies,
+                                      "separated_checks": separated, "whole_updates": whole_updates,
+                                      "attention_writes": attention_writes})
+
+
+def schedule_fused(fused: FusedGraph, limits: dict, choose_matmuls=None, on_kernel=None) -> Plan:
+    """``fused``'s plan (``schedule``), which leaves the fused graph as it was: a dynamic graph schedules it again
+    for larger bounds."""
+    return schedule(fused.graph, limits, stats=fused.stats, choose_matmuls=choose_matmuls, on_kernel=on_kernel)

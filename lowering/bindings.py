@@ -29,7 +29,7 @@ _LOGICAL = {E.F32: "float32", E.I32: "int32", E.BOOL: "bool"}  # a part's value 
 
 def checks(exprs) -> bool:
     """Whether any of ``exprs`` checks something (its kernel then binds the status buffer)."""
-    return any(n.op == "check" for e in exprs for n in E.walk(e))
+    return any(E.has_check(e) for e in exprs)
 
 
 def kernel_bindings(node: Node, grouped: dict | None = None) -> int:

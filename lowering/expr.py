@@ -34,14 +34,15 @@ INDEX_OPS = {"idiv", "imod"}  # i32 division and remainder of non-negative index
 class Expr:
     """An immutable expression node. Build with the helpers below, never mutate."""
 
-    __slots__ = ("op", "args", "dtype", "_hash", "_loads", "_size")  # _loads, _size: caches of loads_of and size
+    # _loads, _size, _depth, _checks: caches of loads_of, size, depth and has_check (fusion passes ask again and again)
+    __slots__ = ("op", "args", "dtype", "_hash", "_loads", "_size", "_depth", "_checks")
 
     def __init__(self, op: str, args: tuple, dtype: str):
         self.op = op
         self.args = args
         self.dtype = dtype
         self._hash = hash((op, dtype, args))
-        self._loads = self._size = None
+        self._loads = self._size = self._depth = self._checks = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -314,11 +315,39 @@ def size(e: Expr) -> int:
 
 
 def depth(e: Expr) -> int:
-    """The longest path from ``e`` down to a leaf, in nodes (computed without recursion: it bounds recursion)."""
-    levels: dict[int, int] = {}
-    for node in walk(e):
-        levels[id(node)] = 1 + max((levels[id(c)] for c in node.children()), default=0)
-    return levels[id(e)]
+    """The longest path from ``e`` down to a leaf, in nodes (computed without recursion: it bounds recursion; kept
+    on each node, so a node asked again, or inside another asked later, is not walked again)."""
+    if e._depth is None:
+        for node in _uncached(e, "_depth"):
+            node._depth = 1 + max((c._depth for c in node.children()), default=0)
+    return e._depth
+
+
+def has_check(e: Expr) -> bool:
+    """Whether ``e`` checks something (holds a ``check`` node), kept on each node as ``depth`` is."""
+    if e._checks is None:
+        for node in _uncached(e, "_checks"):
+            node._checks = node.op == "check" or any(c._checks for c in node.children())
+    return e._checks
+
+
+def _uncached(e: Expr, cache: str) -> list[Expr]:
+    """The distinct nodes of ``e`` whose ``cache`` slot is not set, children before parents; the walk stops at nodes
+    whose slot is set (their subtrees' are too)."""
+    seen: set[int] = set()
+    order: list[Expr] = []
+    stack = [(e, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen or getattr(node, cache) is not None:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in node.children() if id(child) not in seen)
+    return order
 
 
 def shift_coords(e: Expr, mapping: dict[int, Expr]) -> Expr:

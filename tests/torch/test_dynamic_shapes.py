@@ -93,6 +93,39 @@ def test_one_plan_serves_every_size_of_a_dynamic_dimension():
                 assert (compiles.plans, compiles.pipelines) == (replanned, 0), (s, compiles.plans, compiles.pipelines)
 
 
+def test_a_plan_past_its_bounds_is_scheduled_again_from_the_fused_graph(monkeypatch):
+    """Past a bound only the guards the schedule recorded fail: the plan is scheduled again from the dynamic graph's
+    fused IR, the lowering and fusion not run again (``device_graph.rescheduled``), and it is the plan (buffers,
+    kernels' WGSL, dispatches) that a compile from scratch makes at those sizes."""
+    from torch_meganeura.backend import device_graph, per_call
+
+    lowered, compiled_at, again = [], [], []
+    lower_graph, compile_device_graph, rescheduled = (device_graph.lower_graph, per_call.compile_device_graph,
+                                                      per_call.rescheduled)
+    monkeypatch.setattr(device_graph, "lower_graph", lambda *a, **k: lowered.append(a) or lower_graph(*a, **k))
+    monkeypatch.setattr(per_call, "compile_device_graph",
+                        lambda *a, **k: compiled_at.append((a, k)) or compile_device_graph(*a, **k))
+    monkeypatch.setattr(per_call, "rescheduled",
+                        lambda *a, **k: again.append((a[1], rescheduled(*a, **k))) or again[-1][1])
+    lin = torch.nn.Linear(8, 12)
+
+    def f(x, cache):
+        return torch.relu(lin(x)).softmax(-1), torch.cat([cache, x * 2], dim=1).mean(dim=(1, 2))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="meganeura")
+    with torch.no_grad():
+        for s in (3, 5, 7, 30):  # static at 3, dynamic at 5 (bounds 8), 7 replays, 30 is past the bounds
+            x, cache = torch.randn(2, s, 8), torch.randn(2, s + 1, 8)
+            for g, e in zip(compiled(x, cache), f(x, cache)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert len(lowered) == len(compiled_at) == 2 and len(again) == 1 and again[0][1] is not None
+    (gm, _, params, device), options = compiled_at[1]
+    fresh = compile_device_graph(gm, again[0][0], params, device, **options)
+    assert again[0][1].plan.to_dict() == fresh.plan.to_dict()
+    assert again[0][1].guards.items == fresh.guards.items
+
+
 def test_bert_on_batches_of_varying_length_and_size_compiles_kernels_only_for_new_dynamo_graphs(recwarn):
     """HF BERT (padding mask) over batch sizes 1..8 and lengths 8..128. Kernels are compiled only at calls where
     dynamo hands over a new graph: its first static one, the dynamic one, and one for batch 1 (dynamo specialises

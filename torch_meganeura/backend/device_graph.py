@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from meganeura.lowering import FusedGraph
 from meganeura.lowering.fusion import FusionReport
 from meganeura.runtime.plan import Plan
 from meganeura.runtime.program import Program
@@ -33,7 +34,7 @@ from ..tensors.params import host_form, tensor_from_host
 from ..tensors.device_tensor import kept_array
 from ..tensors.resident import ResidentTensor
 from ..lower.symbolic import DynamicSizes, NotModelled
-from ..lower.tuning import compile_plan
+from ..lower.tuning import compile_plan, fuse_for, schedule_for
 
 RNG_SEED_WORDS = 2  # random ops draw from a key of two int32 (``meganeura.lowering.expr.uniform``)
 
@@ -53,6 +54,8 @@ class DeviceGraph:
     from_cache: bool  # the plan came from the persistent plan cache
     device: object = None
     guards: Guards | None = None  # a dynamic graph's: the sizes the plan holds for (``meganeura.kernels.sizes``)
+    fused: FusedGraph | None = None  # a dynamic graph's IR after fusion, scheduled again past its bounds
+    fusion_guards: tuple = ()  # a dynamic graph's guards recorded before scheduling (lowering's and fusion's)
 
     def holds(self, values) -> bool:
         """Whether the plan serves a call whose symbols have ``values`` (a static graph's: always)."""
@@ -71,27 +74,64 @@ def compile_device_graph(gm: fx.GraphModule, example: list, param_indices: set[i
     (``meganeura.lowering.in_place``), and the run then returns that input's device array, overwritten.
 
     A ``dynamic`` graph (one dynamo traced with symbolic sizes) is lowered with its sizes as ``Size``s hinted with
-    the example's values; the decisions taken from them are the plan's guards (``DeviceGraph.holds``)."""
+    the example's values; the decisions taken from them are the plan's guards (``DeviceGraph.holds``). Its fused IR
+    is kept (``rescheduled``), unless the plan is for ``limits``."""
     if dynamic is None:
-        return _compiled(gm, example, param_indices, device, tune, f16_products, limits, in_place)
+        return _compiled(_lowered(gm, example, param_indices, in_place), device, tune, f16_products, limits)
     guards = dynamic.guards(example)
     with guards.recording():
         try:
             symbolic = dynamic.example(gm, example)
         except NotModelled:  # sizes we cannot express: a plan for these values alone
             symbolic = dynamic.pin(example)
-        graph = _compiled(gm, symbolic, param_indices, device, tune, f16_products, limits, in_place)
+        lowered = _lowered(gm, symbolic, param_indices, in_place)
+        if limits is not None:  # (a bundle's: compiled once)
+            graph = _compiled(lowered, device, tune, f16_products, limits)
+        else:
+            fused = fuse_for(lowered.graph, device, f16_products)
+            fusion_guards = tuple(guards.items)
+            graph = DeviceGraph(lowered, schedule_for(fused, device, tune, f16_products), fused.report, False,
+                                device, fused=fused, fusion_guards=fusion_guards)
+    lowered.graph = None  # (the IR, compiled: see ``LoweredGraph.graph``; a dynamic graph keeps its fused IR)
     graph.guards = guards
     return graph
 
 
-def _compiled(gm, example, param_indices, device, tune, f16_products, limits, in_place) -> DeviceGraph:
-    lowered = lower_graph(gm, example, param_indices)
-    if in_place:
-        lowered.graph.in_place = _in_place_request(lowered, in_place)
+def _compiled(lowered: LoweredGraph, device, tune, f16_products, limits) -> DeviceGraph:
     plan, report, from_cache = compile_plan(lowered.graph, device, tune, f16_products, limits)
     lowered.graph = None  # (the IR, compiled: see ``LoweredGraph.graph``)
     return DeviceGraph(lowered, plan, report, from_cache, device)
+
+
+def rescheduled(graph: DeviceGraph, example: list, dynamic: DynamicSizes, device, *, tune: bool = False,
+                f16_products: bool = False) -> DeviceGraph | None:
+    """A plan for a call with placeholder values ``example`` that dynamic ``graph``'s plan does not hold, scheduled
+    from its fused IR, where the decisions of its lowering and fusion (``DeviceGraph.fusion_guards``) hold for the
+    call's sizes: only the guards the schedule recorded failed, as a symbol past its bound does (a decode step's
+    length past the power of two its plan's buffers were sized for). The lowering and fusion of the graph would
+    take the same decisions again, so they are not run again; the schedule runs under the call's hints, sizing the
+    buffers for the new bounds. None where a decision of the fusion, or one the schedule takes again, does not hold
+    (the caller then compiles the graph anew)."""
+    if graph.fused is None or graph.device is not device:
+        return None
+    values = dynamic.values(example)
+    guards = dynamic.guards(example)
+    for item in graph.fusion_guards:
+        guards.record(*item)
+    if not guards.check(values):
+        return None
+    with guards.recording():
+        plan = schedule_for(graph.fused, device, tune, f16_products)
+    if not guards.check(values):
+        return None
+    return DeviceGraph(graph.lowered, plan, graph.report, False, device, guards, graph.fused, graph.fusion_guards)
+
+
+def _lowered(gm, example, param_indices, in_place) -> LoweredGraph:
+    lowered = lower_graph(gm, example, param_indices)
+    if in_place:
+        lowered.graph.in_place = _in_place_request(lowered, in_place)
+    return lowered
 
 
 def _in_place_request(lowered: LoweredGraph, in_place: dict[int, int]) -> dict[int, str]:

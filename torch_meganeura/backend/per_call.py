@@ -32,7 +32,7 @@ from meganeura.runtime.resident import DeviceArray
 
 from .bound_plan import BoundPlan, SteadyUpdates
 from .signatures import SHARED_GRAPHS, arg_kind, graph_key, signature
-from .device_graph import compile_device_graph, feed, program_for
+from .device_graph import DeviceGraph, compile_device_graph, feed, program_for, rescheduled
 from ..tensors.device_tensor import (DeviceParameter, DeviceTensor, adopt, device_input, host_alias, lazy_output,
                                      read_back_output, read_now, spare_array)
 from ..lower.fx_lowering import LoweredGraph
@@ -200,8 +200,10 @@ class DevicePartition(torch.nn.Module):
         graph = SHARED_GRAPHS.find(shared, device, values)
         new = graph is None
         if new:
-            graph = compile_device_graph(self.gm, [_as_tensor(a) for a in args], params, device, tune=tune,
-                                         f16_products=f16, dynamic=self.dynamic, in_place=self.mutated)
+            example = [_as_tensor(a) for a in args]
+            graph = (self._rescheduled(shared, example, device, tune, f16)
+                     or compile_device_graph(self.gm, example, params, device, tune=tune, f16_products=f16,
+                                             dynamic=self.dynamic, in_place=self.mutated))
             SHARED_GRAPHS.add(shared, graph)
         lowered, plan, report = graph.lowered, graph.plan, graph.report
         updated = self._updates(lowered)
@@ -226,6 +228,14 @@ class DevicePartition(torch.nn.Module):
             log.info("compiled a plan: %d dispatches, %d kernels in %.3f s", record.dispatches, record.kernels,
                      seconds)
         return entry
+
+    def _rescheduled(self, shared: tuple, example: list, device, tune: bool, f16: bool) -> DeviceGraph | None:
+        """A dynamic graph's plan for sizes past the bounds of those compiled, scheduled from one's fused IR where
+        its lowering's and fusion's decisions hold (``device_graph.rescheduled``); None where none can be."""
+        if self.dynamic is None:
+            return None
+        return next(filter(None, (rescheduled(graph, example, self.dynamic, device, tune=tune, f16_products=f16)
+                                  for graph in reversed(SHARED_GRAPHS.graphs(shared)))), None)
 
     def _dynamic_dims(self, plan) -> tuple[str, ...]:
         """Each symbolic size of a dynamic graph, where it is read and the bound the plan is sized for."""

@@ -81,6 +81,10 @@ class SharedGraphs:
             self._entries.move_to_end(key)
         return next((g for g in graphs if g.device is device and g.holds(values)), None)
 
+    def graphs(self, key: tuple) -> list[DeviceGraph]:
+        """The graphs compiled for ``key``, oldest first."""
+        return list(self._entries.get(key, ()))
+
     def add(self, key: tuple, graph: DeviceGraph) -> None:
         graphs = self._entries.setdefault(key, [])
         graphs[:] = [g for g in graphs if g.device is graph.device and not g.device.lost] + [graph]

@@ -18,6 +18,7 @@ import functools
 import os
 
 from meganeura.kernels.matmul import F16_PRODUCTS
+from meganeura.lowering import FusedGraph, fuse_graph, schedule_fused
 from meganeura.lowering.plan_cache import cache_dir, cached_compile_graph
 from meganeura.runtime.matmul_tuner import MatmulTuner
 
@@ -41,12 +42,30 @@ def compile_plan(graph, device, tune: bool, f16_products: bool = False, limits: 
     those instead, untuned, and the device compiles nothing."""
     if limits is not None:
         return cached_compile_graph(graph, limits)
+    limits, choose, tuned_for, on_kernel = _compile_options(device, tune, f16_products)
+    return cached_compile_graph(graph, limits, choose, tuned_for, on_kernel=on_kernel)
+
+
+def fuse_for(graph, device, f16_products: bool = False) -> FusedGraph:
+    """``graph`` through the fusion passes for ``device`` (``fuse_graph``), not through the plan cache: a dynamic
+    graph's, which the cache does not keep, and whose fused graph its compile keeps (``schedule_for``)."""
+    return fuse_graph(graph, _compile_options(device, False, f16_products)[0])
+
+
+def schedule_for(fused: FusedGraph, device, tune: bool, f16_products: bool = False):
+    """``fused``'s plan for ``device``, with the options of ``compile_plan`` (``schedule_fused``)."""
+    limits, choose, _, on_kernel = _compile_options(device, tune, f16_products)
+    return schedule_fused(fused, limits, choose, on_kernel)
+
+
+def _compile_options(device, tune: bool, f16_products: bool) -> tuple:
+    """(limits, matmul chooser, what it tuned for, kernel hook) of a compile for ``device``."""
     limits = dict(device.limits, **{F16_PRODUCTS: 1}) if f16_products else device.limits
 
     def compile_ahead(source: str, bindings: int, key: str) -> None:
         device.compile_ahead([(source, bindings, key)])
 
     if not tune:
-        return cached_compile_graph(graph, limits, on_kernel=compile_ahead)
+        return limits, None, None, compile_ahead
     tuner = tuner_for(device)
-    return cached_compile_graph(graph, limits, tuner.choose_all, tuner.fingerprint, on_kernel=compile_ahead)
+    return limits, tuner.choose_all, tuner.fingerprint, compile_ahead
