@@ -24,8 +24,12 @@ compiled with ``backend="meganeura"``; HF's static cache with its own compile of
 - ``gc``: the garbage collector's time, wherever it ran (it is inside the shares, not beside them).
 
 Per token is the difference between ``generate`` of two lengths over the tokens between them (each length warmed
-first), as ``bench.host``'s. ``--eager`` adds the same split of eager PyTorch's ``generate`` (no compile): its HF
-share is HF's own Python measured without any backend, which the subtraction above must match.
+first), as ``bench.host``'s. Each row also gives the graphs dynamo compiled in each warm call (dynamo's
+``unique_graphs`` counter) and the guards it runs as Python at each call of each graph (``python_guards``: the
+symbolic sizes' relations; its other checks run in C++).
+
+``--eager`` adds the same split of eager PyTorch's ``generate`` (no compile): its HF share is HF's own Python
+measured without any backend, which the subtraction above must match.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch._dynamo.utils import counters
 
 from .host import HF_CACHES, HOST_THREADS
 from .memory import use_null_device
@@ -165,10 +170,21 @@ def measure(cache: str, rounds: int, smoke: bool) -> dict:
     with instrumented(timers):
         compiled = model.forward if cache == "eager" else torch.compile(model.forward, backend="meganeura")
         run = _generate(model, prompt, CACHES.get(cache, {}), timers, compiled)
+        graphs = []
         for n in LENGTHS * 2:  # warm: each length's graphs and plans made (``bench.host.WARM_ROUNDS``)
+            before = counters["stats"]["unique_graphs"]
             run(n)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
         timed = per_token(run, timers, rounds)
-    return {"cache": cache, "rounds": rounds, "timed_us": timed, "split_us": split(timed)}
+    return {"cache": cache, "rounds": rounds, "timed_us": timed, "split_us": split(timed),
+            "graphs_per_warm_call": graphs, "python_guards": python_guards(type(model).forward)}
+
+
+def python_guards(forward) -> list[int]:
+    """The guards dynamo runs as Python (lambdas, not its C++ checks) of each graph it compiled for the function
+    ``forward``, newest first (the decode step's, then the prefill's): read from the guard managers' printed trees."""
+    return [str(e.guard_manager).count("LAMBDA_GUARD")
+            for e in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__)]
 
 
 def main(argv=None) -> int:
@@ -185,7 +201,9 @@ def main(argv=None) -> int:
     for cache in [*args.caches.split(","), *(("eager",) if args.eager else ())]:
         rows.append(measure(cache, args.rounds, args.smoke))
         print(f"{cache}: CPU us a token, medians of {args.rounds}: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in rows[-1]["split_us"].items()), flush=True)
+              + ", ".join(f"{k} {v:.0f}" for k, v in rows[-1]["split_us"].items())
+              + f"; graphs compiled by warm call {rows[-1]['graphs_per_warm_call']}, Python guards by graph"
+              f" {rows[-1]['python_guards']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load_average": list(os.getloadavg()), "rows": rows}, f, indent=1)
