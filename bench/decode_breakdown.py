@@ -24,8 +24,13 @@ compiled with ``backend="meganeura"``; HF's static cache with its own compile of
 - ``gc``: the garbage collector's time, wherever it ran (it is inside the shares, not beside them).
 
 Per token is the difference between ``generate`` of two lengths over the tokens between them (each length warmed
-first), as ``bench.host``'s. ``--eager`` adds the same split of eager PyTorch's ``generate`` (no compile): its HF
-share is HF's own Python measured without any backend, which the subtraction above must match.
+first), as ``bench.host``'s. Each row also gives the graphs dynamo compiled in each warm call (dynamo's
+``unique_graphs`` counter) and the guards it runs as Python at each call of each graph (``python_guards``: the
+symbolic sizes' relations; its other checks run in C++). ``--guard-rounds N`` adds the guards' time a token, from N
+pairs of rounds with them evaluated and skipped (``guard_time``).
+
+``--eager`` adds the same split of eager PyTorch's ``generate`` (no compile): its HF share is HF's own Python
+measured without any backend, which the subtraction above must match.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch._dynamo.utils import counters
 
 from .host import HF_CACHES, HOST_THREADS
 from .memory import use_null_device
@@ -154,7 +160,21 @@ def split(timed: dict) -> dict:
             "ours_graph": timed["ours"] - timed["partition"]}
 
 
-def measure(cache: str, rounds: int, smoke: bool) -> dict:
+def guard_time(run, timers: Timers, rounds: int) -> dict:
+    """Dynamo's share of a token with its guards evaluated and without (``torch.compiler.set_stance``'s
+    ``skip_guard_eval_unsafe``: only the checks that tell its graphs apart), ``rounds`` pairs alternated in this
+    process: the guards' CPU microseconds a token, paired against the load's drift between processes."""
+    on, off = [], []
+    for _ in range(rounds):
+        on.append(split(per_token(run, timers, 1))["dynamo"])
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            off.append(split(per_token(run, timers, 1))["dynamo"])
+    paired = [a - b for a, b in zip(on, off)]
+    return {"dynamo_guards_on": on, "dynamo_guards_off": off, "guard_us_paired": paired,
+            "guard_us_median": statistics.median(paired)}
+
+
+def measure(cache: str, rounds: int, smoke: bool, guard_rounds: int = 0) -> dict:
     """The split of a decode token of HF ``generate`` through the backend with ``cache`` ("default", "static"), or
     eager PyTorch's (``cache`` "eager": the default cache, no compile)."""
     timers = Timers()
@@ -165,10 +185,23 @@ def measure(cache: str, rounds: int, smoke: bool) -> dict:
     with instrumented(timers):
         compiled = model.forward if cache == "eager" else torch.compile(model.forward, backend="meganeura")
         run = _generate(model, prompt, CACHES.get(cache, {}), timers, compiled)
+        graphs = []
         for n in LENGTHS * 2:  # warm: each length's graphs and plans made (``bench.host.WARM_ROUNDS``)
+            before = counters["stats"]["unique_graphs"]
             run(n)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
         timed = per_token(run, timers, rounds)
-    return {"cache": cache, "rounds": rounds, "timed_us": timed, "split_us": split(timed)}
+        guards = guard_time(run, timers, guard_rounds) if guard_rounds and cache != "eager" else None
+    return {"cache": cache, "rounds": rounds, "timed_us": timed, "split_us": split(timed),
+            "graphs_per_warm_call": graphs, "python_guards": python_guards(type(model).forward),
+            **({"guard_time": guards} if guards else {})}
+
+
+def python_guards(forward) -> list[int]:
+    """The guards dynamo runs as Python (lambdas, not its C++ checks) of each graph it compiled for the function
+    ``forward``, newest first (the decode step's, then the prefill's): read from the guard managers' printed trees."""
+    return [str(e.guard_manager).count("LAMBDA_GUARD")
+            for e in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__)]
 
 
 def main(argv=None) -> int:
@@ -176,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--caches", default="default,static", help=f"comma-separated, from {', '.join(CACHES)}")
     p.add_argument("--rounds", type=int, default=5, help="timed pairs of generate calls per cache")
     p.add_argument("--eager", action="store_true", help="also eager PyTorch's generate (HF's own share alone)")
+    p.add_argument("--guard-rounds", type=int, default=0,
+                   help="pairs of rounds with dynamo's guards evaluated and skipped (guard_time), after the split")
     p.add_argument("--smoke", action="store_true", help="the model at smoke scale")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
@@ -183,9 +218,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(HOST_THREADS)
     rows = []
     for cache in [*args.caches.split(","), *(("eager",) if args.eager else ())]:
-        rows.append(measure(cache, args.rounds, args.smoke))
+        rows.append(measure(cache, args.rounds, args.smoke, args.guard_rounds))
         print(f"{cache}: CPU us a token, medians of {args.rounds}: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in rows[-1]["split_us"].items()), flush=True)
+              + ", ".join(f"{k} {v:.0f}" for k, v in rows[-1]["split_us"].items())
+              + f"; graphs compiled by warm call {rows[-1]['graphs_per_warm_call']}, Python guards by graph"
+              f" {rows[-1]['python_guards']}"
+              + (f"; guards {rows[-1]['guard_time']['guard_us_median']:.0f} us a token" if args.guard_rounds else ""),
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load_average": list(os.getloadavg()), "rows": rows}, f, indent=1)

@@ -33,3 +33,16 @@ def test_a_generate_call_is_timed_at_each_entry_point_inside_the_one_before(null
     assert sum(shares[key] for key in SHARES) == pytest.approx(shares["total"])
     assert shares["ours_graph"] + shares["ours_per_call"] + shares["ours_runtime"] == pytest.approx(shares["ours"])
     assert entry.compile_graph_module is compile_graph_module and RecordingDevice.submit is submit
+
+
+def test_the_decode_steps_guard_check_is_timed_on_the_graph_that_serves_it(null_device):
+    """``bench.guard_check`` at smoke scale: of the forward's graphs, exactly one passes its guards on the first decode
+    step's frame locals (the decode graph, not the prefill's), and its check is timed; the static cache at one length
+    runs fewer guards as Python than the default cache (none on its tensors' sizes: ``output_dims_that_vary``)."""
+    from bench.guard_check import measure
+
+    rows = {cache: measure(cache, smoke=True) for cache in ("default", "static-one-length")}
+    for row in rows.values():
+        assert row["entries_passing"].count(True) == 1, row
+        assert 0 < row["check_us_min"] <= row["check_us_median"], row
+    assert 0 < rows["static-one-length"]["python_guards"] < rows["default"]["python_guards"], rows

@@ -238,7 +238,7 @@ def test_a_convolution_whose_stride_dynamo_made_symbolic():
 
 def test_a_value_length_that_attention_ties_to_a_fixed_key_length_is_compiled_at_it(monkeypatch):
     """Attention needs the value's length equal to the key's, which its meta function does not guard: a value whose
-    length dynamo left a symbol (a static cache the prefill returned: ``per_call._may_come_back`` marks it) beside a
+    length dynamo left a symbol (a static cache traced again at a second length) beside a
     key whose length is fixed (by the attention mask's, in HF's decode) is compiled at the key's length, guarded, so
     the value cache's write has the key cache's shape and bounds (``symbolic.EQUAL_SIZES``); eager's values."""
     from torch_meganeura.backend import per_call
@@ -263,3 +263,32 @@ def test_a_value_length_that_attention_ties_to_a_fixed_key_length_is_compiled_at
     assert plan.symbols == 1  # (v's length: a symbol of dynamo's graph, fixed in the plan)
     shapes = [spec.shape for spec in plan.inputs if spec.name != "sizes"]
     assert all(isinstance(s, int) for shape in shapes for s in shape), shapes
+
+
+def test_an_output_that_may_come_back_is_marked_dynamic_only_in_the_sizes_that_vary():
+    """An inference graph's output that may come back as an input is marked for dynamo to take as symbols the sizes
+    that follow the call's inputs (``symbolic.output_dims_that_vary``): the prompt's length in a graph traced at
+    concrete sizes, the symbolic length in one traced with symbols; not the sizes the graph makes (a cache's fixed
+    length, its heads and head size), each of which would cost guards run as Python at every later call."""
+    emb = torch.nn.Embedding(10, 8)
+
+    def prefill(ids):  # keys as long as the prompt, and a cache of a fixed length that the graph makes
+        keys = emb(ids).view(1, -1, 2, 4).transpose(1, 2) * 2
+        return keys.contiguous(), torch.zeros(1, 2, 9, 4) + keys.mean()
+
+    def step(keys, new):  # the keys one longer
+        return torch.cat([keys, new], dim=2) * 1
+
+    def marked(t):
+        return getattr(t, "_dynamo_weak_dynamic_indices", set())
+
+    torch._dynamo.reset()
+    ids, new = torch.randint(0, 10, (1, 5)), torch.randn(1, 2, 1, 4)
+    with torch.no_grad():
+        keys, cache = torch.compile(prefill, backend="meganeura")(ids)
+        want_keys, want_cache = prefill(ids)
+        assert (marked(keys), marked(cache)) == ({2}, set())
+        longer = torch.compile(step, backend="meganeura")(keys, new)
+        assert marked(longer) == {2}
+        torch.testing.assert_close(longer, step(want_keys, new), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-6)

@@ -40,7 +40,7 @@ from ..tensors.params import tensor_from_host
 from ..tensors.read_ahead import ReadAhead
 from ..tensors.resident import ResidentTensor
 from ..tensors.saved_pack import SavedPack
-from ..lower.symbolic import DynamicSizes
+from ..lower.symbolic import DynamicSizes, output_dims_that_vary
 from ..lower.tuning import tuning_enabled
 
 log = logging.getLogger("torch_meganeura")
@@ -108,6 +108,7 @@ class DevicePartition(torch.nn.Module):
         self._last: BoundPlan | None = None  # the entry the last call ran: the next call checks it first
         self._readers: dict[int, object] = {}  # by output position (``_reader``)
         self._unfixed: dict[int, list[int]] = {}  # by argument count (``_unfixed_positions``)
+        self._varying: list[tuple[int, ...]] | None = None  # by output position (``varying_dims``)
 
     def forward(self, *args):
         entry = self._last
@@ -366,6 +367,13 @@ class DevicePartition(torch.nn.Module):
                 self._watch_unread(position, t)
         return t
 
+    def varying_dims(self, position: int) -> tuple[int, ...]:
+        """The dimensions of the output at ``position`` whose size may vary (``symbolic.output_dims_that_vary``),
+        found once, at the first output that may come back."""
+        if self._varying is None:
+            self._varying = output_dims_that_vary(self.gm, self.param_indices)
+        return self._varying[position]
+
     def _watch_unread(self, position: int, t: DeviceTensor) -> None:
         """Watch ``t``, the lazy output at ``position``; the one of two calls before, if still alive and unread, is read
         back now (which marks the position read: the next call reads it back, ``_reader``)."""
@@ -457,11 +465,13 @@ def _may_come_back(t: DeviceTensor, partition: DevicePartition, position: int) -
     """Mark ``t``, an output that may come back as an input of a compiled call (a ``DeviceTensor``: the class it
     keeps while it stays on the device, as dynamo traces a graph again when an input's class changes). Tagged (seen
     again as an input: consumed, not watched), and marked for dynamo to trace the graph it comes back to with its
-    sizes symbolic: a KV cache, new at the first decode step, would otherwise make that graph static, and the next
-    step, one position longer, another."""
+    sizes that may vary symbolic (``symbolic.output_dims_that_vary``): a KV cache, new at the first decode step,
+    would otherwise make that graph static, and the next step, one position longer, another. Only those: each
+    symbolic size of an input costs guards that dynamo runs as Python at every call (a static cache's 90 tensors
+    marked in all their dimensions took 90 of the decode step's 136)."""
     with torch._C.DisableTorchFunctionSubclass():  # (marking it is not eager code reading it)
         t._meganeura_returned = (weakref.ref(partition), position)
-        dims = [d for d, size in enumerate(t.shape) if size > 1]
+        dims = [d for d in partition.varying_dims(position) if t.shape[d] > 1]
         if dims:
             torch._dynamo.maybe_mark_dynamic(t, dims)
 

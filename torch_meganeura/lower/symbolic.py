@@ -9,9 +9,13 @@ from its arguments, or whose sizes use a function we do not model, is compiled f
 
 Sizes that an op's eager kernel requires equal though its meta function adds no guard for them (``EQUAL_SIZES``:
 attention's key and value lengths) are taken as one where one of them is fixed: the other's symbol becomes that
-size, guarded. A static KV cache that came back from the prefill as a kept output (dynamo traces it with symbolic
-sizes, ``per_call._may_come_back``) has its key length fixed by the attention mask's, and its value length, left a
-symbol, would otherwise give the value cache's write other bounds and another shape than the key cache's.
+size, guarded. A static KV cache whose length dynamo made symbolic (traced again at a second length, or marked where
+it came back from a prefill as long as its prompt: ``per_call._may_come_back``) has its key length fixed by the
+attention mask's, and its value length, left a symbol, would otherwise give the value cache's write other bounds and
+another shape than the key cache's.
+
+``output_dims_that_vary`` says which sizes of a graph's outputs may differ at later calls: those an output that
+comes back as an input is marked dynamic in, and no others (each symbolic size costs guards run as Python).
 """
 from __future__ import annotations
 
@@ -197,6 +201,28 @@ def _declared(value_range, end: str, default):
         return int(value) if value is not None and value.is_finite else default
     except (TypeError, AttributeError):
         return default
+
+
+def output_dims_that_vary(gm: torch.fx.GraphModule, fixed_inputs) -> list[tuple[int, ...]]:
+    """Each output's dimensions (by position; none for a value that is not a tensor) whose size may differ at a later
+    call, for dynamo to take as symbols where the output comes back as an input (``per_call._may_come_back``). In a
+    graph with symbolic sizes, its symbolic ones: dynamo found what varies (the KV cache's length, one longer each
+    decode step), and its other sizes (heads, head size) have not varied. In a graph traced with concrete sizes
+    (dynamo's first trace of a frame), those of a size above 1 that an input other than ``fixed_inputs`` (the
+    parameters and buffers, by placeholder index) has too: the call's data (a prompt's length, which the default
+    cache's prefill returns its keys and values at). A size that only the graph makes (a static cache's
+    ``max_cache_len``, its heads and head size) stays concrete: marked, each would cost guards run as Python at every
+    call of the graph it comes back to; one that varies after all makes dynamo trace that graph again."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    returned = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+              for n in (returned if isinstance(returned, (tuple, list)) else (returned,))]
+    if any(_symbolic_dims(n.meta.get("val")) for n in placeholders):
+        return [tuple(d for d, _ in _symbolic_dims(v)) if isinstance(v, torch.Tensor) else () for v in values]
+    data = {int(s) for i, n in enumerate(placeholders) if i not in fixed_inputs and isinstance(n.meta.get("val"),
+            torch.Tensor) for s in n.meta["val"].shape if int(s) > 1}
+    return [tuple(d for d, s in enumerate(v.shape) if int(s) in data) if isinstance(v, torch.Tensor) else ()
+            for v in values]
 
 
 def _expr(s: torch.SymInt) -> sympy.Expr:
