@@ -93,20 +93,20 @@ def matmul_sources(m: int, k: int, n: int, dtype: str, quads: bool) -> list[tupl
     import torch.nn.functional as F
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from meganeura.kernels import matmul
+    from meganeura.kernels import matmul_plans
     from meganeura.lowering import compile_graph
     from meganeura.runtime.device import get_device
     from torch_meganeura.lower.fx_lowering import lower_graph
 
     args = (torch.randn(m, k).to(getattr(torch, dtype)), torch.randn(n, k).to(getattr(torch, dtype)))
     lowered = lower_graph(make_fx(F.linear)(*args), list(args), {0, 1})
-    chosen = matmul.default_choice
+    chosen = matmul_plans.default_choice
     if quads:
-        matmul.default_choice = lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), quads=True)
+        matmul_plans.default_choice = lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), quads=True)
     try:
         plan, _ = compile_graph(lowered.graph, get_device().limits)  # (uncached: the choice differs)
     finally:
-        matmul.default_choice = chosen
+        matmul_plans.default_choice = chosen
     return [(d.label, plan.kernels[d.kernel]) for d in plan.dispatches if d.label.startswith("matmul")]
 
 

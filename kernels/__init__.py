@@ -2,8 +2,9 @@
 shared rendering helpers (``wgsl``) and the matmul tuner's candidates (``matmul_tuning``); torch-free, and free of
 ``meganeura.runtime``: what depends on a device (limits, timing) comes in as values.
 
-Modules: ``pointwise`` and ``reduce`` (their archetypes' kernels), ``matmul`` (the tiled and split-K matmul kernels, and
-the choice of kernel) with ``matmul_gemv`` (the matrix-vector kernel), ``matmul_split_sum`` (the pass that sums K
+Modules: ``pointwise`` and ``reduce`` (their archetypes' kernels), ``matmul`` (the tiled and split-K matmul kernels)
+with ``matmul_plans`` (which variant a GEMM takes, and the tiled kernel's plan), ``matmul_gemv`` (the matrix-vector
+kernel), ``matmul_split_sum`` (the pass that sums K
 slices), ``matmul_common`` (what they share), ``matmul_staging`` (a tile's loads into shared memory and its range
 checks) and ``matmul_tuning`` (per-shape candidate variants), ``attention`` (a package: fused attention forward and
 backward), ``prelude`` (the WGSL through which a matmul or attention kernel reads a fused node's operands and writes its

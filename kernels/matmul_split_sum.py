@@ -1,6 +1,6 @@
-"""The pass that sums a matmul's K slices: ``matmul.split_k`` cuts a long K into slices whose partial sums the tiled
-kernel writes to scratch; this pass adds them up in the slices' order (deterministic) and stores each output through
-the prelude's ``store_c``, or by pairs of columns through ``store_c2``."""
+"""The pass that sums a matmul's K slices: ``matmul_plans.split_k`` cuts a long K into slices whose partial sums the
+tiled kernel writes to scratch; this pass adds them up in the slices' order (deterministic) and stores each output
+through the prelude's ``store_c``, or by pairs of columns through ``store_c2``."""
 from __future__ import annotations
 
 from . import wgsl

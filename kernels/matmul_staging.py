@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .matmul import TiledPlan
+    from .matmul_plans import TiledPlan
 
 SHARED_PAD_VEC4 = 1  # vec4s of padding per shared-tile row: transposed stores spread over banks
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from .matmul import (F16_PRODUCTS, K_CHUNKS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan, _max_threads,
-                     default_choice, matmul_kernel, plain_choice)
+from .matmul import matmul_kernel
+from .matmul_common import _max_threads
+from .matmul_plans import (F16_PRODUCTS, K_CHUNKS, MIN_WORKGROUPS_BIG, MatmulChoice, _choose_tiled_plan,
+                           default_choice, plain_choice)
 from .matmul_split_sum import split_reduce_kernel
 
 # (tile, register block) shapes tried: H200 sweeps of the five workloads' GEMMs found each of these the

@@ -8,6 +8,7 @@ from typing import Callable, NamedTuple
 
 from meganeura.kernels import attention as attention_kernels
 from meganeura.kernels import matmul as matmul_kernels
+from meganeura.kernels import matmul_plans
 from meganeura.kernels.matmul_gemv import gemv_stage_fits
 from meganeura.kernels.matmul_split_sum import split_reduce_kernel
 from meganeura.kernels import pointwise as pointwise_kernels
@@ -163,13 +164,13 @@ def _reduce_quads(node: Reduce, phases: list, out_slots: list, decl: list, bound
 
 
 def _matmul_kernels(node: Matmul, slots: Slots, limits: dict, scratch,
-                    variant: matmul_kernels.MatmulChoice) -> list[tuple]:
+                    variant: matmul_plans.MatmulChoice) -> list[tuple]:
     """The matmul pass; cut into slices of K, the slices' pass and the pass summing them. A half precision output is
     stored by pairs of columns (``stores_pairs``)."""
     a_fast, b_fast = fast_axes(slots.exprs)
     pairs = stores_pairs(slots)
     decl, bound = list(slots.decl), list(slots.bound)
-    tiled = matmul_kernels.is_tiled(node.rows, node.columns)
+    tiled = matmul_plans.is_tiled(node.rows, node.columns)
     quads = matmul_quads(node, slots, decl, bound, limits) if variant.quads and tiled else []
     wide = None if tiled else _gemv_wide(node, slots, decl, bound, limits)
     prelude = matmul_prelude_of(node, slots, decl, quads, wide) + slots.functions

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 
 from meganeura.kernels import attention as attention_kernels
-from meganeura.kernels import matmul as matmul_kernels
+from meganeura.kernels import matmul_plans
 from meganeura.kernels.matmul_tuning import MatmulProblem
 from meganeura.kernels import reduce as reduce_kernels
 from meganeura.kernels import wgsl
@@ -315,15 +315,15 @@ def _label(node: Node) -> str:
 
 
 def _matmul_variants(nodes: list[Matmul], values: dict, stored: dict, limits: dict, choose,
-                     packed: PackedLayout) -> dict[int, matmul_kernels.MatmulChoice]:
+                     packed: PackedLayout) -> dict[int, matmul_plans.MatmulChoice]:
     """Node id -> kernel variant of each matmul node: ``choose``'s for a tiled problem where it gives one, else the
     default."""
-    variants = {id(n): matmul_kernels.default_choice(n.batch, n.rows, n.columns, n.k, limits) for n in nodes}
+    variants = {id(n): matmul_plans.default_choice(n.batch, n.rows, n.columns, n.k, limits) for n in nodes}
     if choose is None:
         return variants
-    f16 = bool(limits.get(matmul_kernels.F16_PRODUCTS))
+    f16 = bool(limits.get(matmul_plans.F16_PRODUCTS))
     problems = {id(n): _matmul_problem(n, values, stored, f16, limits, packed) for n in nodes
-                if matmul_kernels.is_tiled(n.rows, n.columns)
+                if matmul_plans.is_tiled(n.rows, n.columns)
                 and not any(map(is_size, (n.batch, n.rows, n.columns, n.k)))}
     distinct = list(dict.fromkeys(problems.values()))
     chosen = dict(zip(distinct, choose(distinct))) if distinct else {}
@@ -384,7 +384,7 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: di
     return E.substitute(e, rewrite)
 
 
-def _slices(node: Node, limits: dict, variant: matmul_kernels.MatmulChoice | None,
+def _slices(node: Node, limits: dict, variant: matmul_plans.MatmulChoice | None,
             packed: PackedLayout) -> tuple[int, int]:
     """(slices, floats of scratch for their partial results) of a node whose kernel is cut into slices merged by a
     second dispatch: a matmul's K, attention's other sequence, the rows of a reduction; (1, 0) for the rest."""
@@ -463,7 +463,7 @@ def _storage(v: Value, stored: dict) -> str:
 
 
 def _kernel(node: Node, values: dict, stored: dict, limits: dict, scratch: tuple[int, int] | None = None,
-            variant: matmul_kernels.MatmulChoice | None = None, stored_over: StoredOver | None = None,
+            variant: matmul_plans.MatmulChoice | None = None, stored_over: StoredOver | None = None,
             merged: ReaderMerge | None = None, packed: PackedLayout | None = None,
             unbound: set = frozenset()) -> list[tuple]:
     """(WGSL, workgroups, bound value ids in slot order) of each dispatch of one node: one, or two for a node cut

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from meganeura.kernels import matmul as matmul_kernels
+from meganeura.kernels import matmul_plans
 from meganeura.kernels.attention.merge import merged_function
 from meganeura.kernels.matmul_gemv import gemv_stage_fits
 from meganeura.kernels.sizes import is_size
@@ -61,7 +61,7 @@ def slice_merges(kernels: list[Node], placement: dict, limits: dict, variants: d
 def _reads_as_vector(reader: Node, vid: int, limits: dict, variants: dict) -> bool:
     """Whether ``reader`` is an unsliced gemv over columns that loads ``vid`` in its vector alone, with room to stage
     that vector."""
-    if not isinstance(reader, Matmul) or reader.rows != 1 or matmul_kernels.is_tiled(reader.rows, reader.columns):
+    if not isinstance(reader, Matmul) or reader.rows != 1 or matmul_plans.is_tiled(reader.rows, reader.columns):
         return False
     if variants[id(reader)].split != 1 or any(map(is_size, (reader.batch, reader.columns, reader.k))):
         return False

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from meganeura.kernels import matmul as matmul_generator
-from meganeura.kernels import matmul_common, matmul_staging, matmul_tuning
-from meganeura.kernels.matmul import K_CHUNKS, SPLIT_MAX, TILE_SIZES, MatmulChoice
+from meganeura.kernels import matmul_common, matmul_plans, matmul_staging, matmul_tuning
+from meganeura.kernels.matmul_plans import K_CHUNKS, SPLIT_MAX, TILE_SIZES, MatmulChoice
 from meganeura.kernels.matmul_tuning import MatmulProblem, partial_bytes, variants
 
 from . import timing
@@ -43,12 +43,11 @@ FILE_VERSION = 2  # 2: problems keyed by their prelude too
 
 def timed_kernels() -> str:
     """A digest of what tuned timings depend on besides the adapter: the source of the matmul generator (and of the
-    modules it draws its staging and header from), of its candidates, of this module and of the timing, and whether
-    kernels compile with naga's runtime checks
-    (``MEGANEURA_SHADER_CHECKS``)."""
+    modules it draws its plans, staging and header from), of its candidates, of this module and of the timing, and
+    whether kernels compile with naga's runtime checks (``MEGANEURA_SHADER_CHECKS``)."""
     digest = hashlib.sha256()
-    for source in (matmul_generator.__file__, matmul_staging.__file__, matmul_common.__file__, matmul_tuning.__file__,
-                   __file__, timing.__file__):
+    for source in (matmul_generator.__file__, matmul_plans.__file__, matmul_staging.__file__, matmul_common.__file__,
+                   matmul_tuning.__file__, __file__, timing.__file__):
         digest.update(Path(source).read_bytes())
     digest.update(f"checks={os.environ.get(SHADER_CHECKS_ENV) == '1'}".encode())
     return digest.hexdigest()[:16]

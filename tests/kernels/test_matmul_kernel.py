@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from meganeura.kernels.matmul import fold_grid, matmul_kernel, split_k
+from meganeura.kernels.matmul import fold_grid, matmul_kernel
+from meganeura.kernels.matmul_plans import split_k
 from meganeura.kernels.matmul_split_sum import split_reduce_kernel
 
 wgpu = pytest.importorskip("wgpu")

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from meganeura.kernels import matmul_tuning
-from meganeura.kernels.matmul import MatmulChoice, default_choice, matmul_kernel, plain_choice
+from meganeura.kernels.matmul import matmul_kernel
+from meganeura.kernels.matmul_plans import MatmulChoice, default_choice, plain_choice
 from meganeura.kernels.matmul_tuning import candidates, partial_bytes, plain_problem, variants
 
 LIMITS = {"max-compute-workgroups-per-dimension": 65535, "max-compute-workgroup-storage-size": 16384,

@@ -757,7 +757,7 @@ def test_quad_staged_matmuls_read_rows_of_whole_vec4s_through_one_vec4_binding(k
     """x @ x.T with a quad-staged variant forced: both operands read x along K, so where K is whole vec4s one vec4
     binding of x serves both loaders; none where K is not (42) or no binding is left (the adapter's limit). Every
     output as numpy's (f64, rtol 1e-4)."""
-    from meganeura.kernels.matmul import MatmulChoice
+    from meganeura.kernels.matmul_plans import MatmulChoice
 
     m = 70
     b = GraphBuilder()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from meganeura.kernels import matmul_tuning
-from meganeura.kernels.matmul import MatmulChoice
+from meganeura.kernels.matmul_plans import MatmulChoice
 from meganeura.kernels.matmul_tuning import candidates, plain_problem
 from meganeura.runtime import matmul_tuner
 from meganeura.runtime.device import get_device

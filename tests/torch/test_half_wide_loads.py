@@ -118,10 +118,10 @@ def test_tiled_matmul_stages_half_quads_by_vec2_loads(dtype, vector, k, grouped,
     """The tiled kernel with quad staging (a variant the tuner may pick; forced here): half operands whose rows are
     whole groups of 4 (K 96) are fetched one vec2<u32> per quad, else (K 90) element by element; the rows of A
     in the same half precision or in float32."""
-    from meganeura.kernels import matmul
+    from meganeura.kernels import matmul_plans
 
-    chosen = matmul.default_choice
-    monkeypatch.setattr(matmul, "default_choice",
+    chosen = matmul_plans.default_choice
+    monkeypatch.setattr(matmul_plans, "default_choice",
                         lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), quads=True))
     x, w = torch.randn(48, k).to(dtype if vector == "half" else torch.float32), torch.randn(40, k).to(dtype)
     _run_against_float64(_linear, x, w)

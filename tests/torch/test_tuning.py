@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers.compare import assert_same
-from meganeura.kernels import matmul, matmul_tuning
-from meganeura.kernels.matmul import MatmulChoice
+from meganeura.kernels import matmul, matmul_plans, matmul_tuning
+from meganeura.kernels.matmul_plans import MatmulChoice
 from meganeura.runtime.device import get_device
 from meganeura.runtime.matmul_tuner import MatmulTuner
 import torch_meganeura.lower.tuning as tuning
@@ -129,7 +129,7 @@ def test_untuned_large_products_take_the_wide_tile_and_match_eager(monkeypatch):
     """Untuned, an output of at least 128 whole 128x256 tiles gets WIDE_TILE's kernel where the adapter's limits
     allow it (lavapipe: 1,024 invocations, 32 KiB of workgroup storage), K not a whole chunk; f64 reference, rtol
     1e-4 (positive operands: no cancellation)."""
-    assert matmul.wide_tile_suits(1, 2048, 2048, 20, get_device().limits)
+    assert matmul_plans.wide_tile_suits(1, 2048, 2048, 20, get_device().limits)
     torch._dynamo.reset()
     built = []
     generate = matmul.matmul_kernel
@@ -142,14 +142,14 @@ def test_untuned_large_products_take_the_wide_tile_and_match_eager(monkeypatch):
     x, w = torch.rand(2048, 20) + 0.25, torch.rand(20, 2048) + 0.25
     compiled = torch.compile(lambda a, b: a @ b, backend="meganeura", options={"tune": False})
     assert_same(compiled(x, w).double(), x.double() @ w.double(), rtol=1e-4, atol=1e-5)
-    assert built == [(matmul.WIDE_TILE, matmul.WIDE_BLOCK, 1)]
+    assert built == [(matmul_plans.WIDE_TILE, matmul_plans.WIDE_BLOCK, 1)]
 
 
 def test_untuned_square_product_takes_the_quad_tile_and_matches_eager(monkeypatch):
     """Untuned, 1024x1024 @ 1024x1024 (256 whole 64x64 tiles, K no longer than an edge, which the rule would cut into
     8 slices) gets QUAD_TILE's kernel, quad staged in thread patches, its operands read as vec4s, unsplit; f64
     reference, rtol 1e-4 (positive operands: no cancellation)."""
-    assert matmul.quad_tile_suits(1, 1024, 1024, 1024, get_device().limits)
+    assert matmul_plans.quad_tile_suits(1, 1024, 1024, 1024, get_device().limits)
     torch._dynamo.reset()
     built = []
     generate = matmul.matmul_kernel
@@ -162,4 +162,4 @@ def test_untuned_square_product_takes_the_quad_tile_and_matches_eager(monkeypatc
     x, w = torch.rand(1024, 1024) + 0.25, torch.rand(1024, 1024) + 0.25
     compiled = torch.compile(lambda a, b: a @ b, backend="meganeura", options={"tune": False})
     assert_same(compiled(x, w).double(), x.double() @ w.double(), rtol=1e-4, atol=1e-5)
-    assert built == [(matmul.QUAD_TILE, matmul.QUAD_BLOCK, 1, True, True, "ab")]
+    assert built == [(matmul_plans.QUAD_TILE, matmul_plans.QUAD_BLOCK, 1, True, True, "ab")]

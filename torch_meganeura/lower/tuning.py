@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 
-from meganeura.kernels.matmul import F16_PRODUCTS
+from meganeura.kernels.matmul_plans import F16_PRODUCTS
 from meganeura.lowering import FusedGraph, fuse_graph, schedule_fused
 from meganeura.lowering.plan_cache import cache_dir, cached_compile_graph
 from meganeura.runtime.matmul_tuner import MatmulTuner
