@@ -281,8 +281,9 @@ def _rebuild(node: Expr, args: tuple) -> Expr:
     return Expr(node.op, args, node.dtype)
 
 
-def walk(e: Expr) -> list[Expr]:
-    """All distinct nodes of ``e``, children before parents."""
+def walk(e: Expr, skip=None) -> list[Expr]:
+    """All distinct nodes of ``e``, children before parents; with ``skip`` (node -> bool), none of the nodes it
+    holds for, nor their subtrees."""
     seen: set[int] = set()
     order: list[Expr] = []
     stack = [(e, False)]
@@ -291,7 +292,7 @@ def walk(e: Expr) -> list[Expr]:
         if done:
             order.append(node)
             continue
-        if id(node) in seen:
+        if id(node) in seen or (skip is not None and skip(node)):
             continue
         seen.add(id(node))
         stack.append((node, True))
@@ -318,7 +319,7 @@ def depth(e: Expr) -> int:
     """The longest path from ``e`` down to a leaf, in nodes (computed without recursion: it bounds recursion; kept
     on each node, so a node asked again, or inside another asked later, is not walked again)."""
     if e._depth is None:
-        for node in _uncached(e, "_depth"):
+        for node in walk(e, lambda n: n._depth is not None):
             node._depth = 1 + max((c._depth for c in node.children()), default=0)
     return e._depth
 
@@ -326,28 +327,9 @@ def depth(e: Expr) -> int:
 def has_check(e: Expr) -> bool:
     """Whether ``e`` checks something (holds a ``check`` node), kept on each node as ``depth`` is."""
     if e._checks is None:
-        for node in _uncached(e, "_checks"):
+        for node in walk(e, lambda n: n._checks is not None):
             node._checks = node.op == "check" or any(c._checks for c in node.children())
     return e._checks
-
-
-def _uncached(e: Expr, cache: str) -> list[Expr]:
-    """The distinct nodes of ``e`` whose ``cache`` slot is not set, children before parents; the walk stops at nodes
-    whose slot is set (their subtrees' are too)."""
-    seen: set[int] = set()
-    order: list[Expr] = []
-    stack = [(e, False)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-            continue
-        if id(node) in seen or getattr(node, cache) is not None:
-            continue
-        seen.add(id(node))
-        stack.append((node, True))
-        stack.extend((child, False) for child in node.children() if id(child) not in seen)
-    return order
 
 
 def shift_coords(e: Expr, mapping: dict[int, Expr]) -> Expr:

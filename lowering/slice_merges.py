@@ -8,7 +8,8 @@ slices whose partial results (each row's unnormalised output, running max and su
 projection's kernel (the gemv over columns) computes its vector once per workgroup into workgroup memory (the gemv's
 ``staged`` row), each element merged from the slices (``merge.merged_function``): one dispatch per layer fewer, for
 every model whose attention output goes straight into a projection (Llama, Qwen2, Gemma, GPT-2). The slices' scratch
-then lives until the projection's step.
+then lives until the projection's step, and the attention's own output, never written, has neither arena space nor a
+binding (``schedule``).
 
 It applies where the attention pass stores no log-sum-exp (``fusion`` drops an unread one), its output has no buffer
 of its own, one kernel reads it, a one-row product over columns that loads it only in its vector (not its matrix,

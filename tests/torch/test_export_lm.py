@@ -16,6 +16,7 @@ import torch_meganeura
 from helpers.bad_bundles import GENERATION, SHARED, edit_manifest, expected
 from helpers.models import LLAMA, tiny_gemma, tiny_qwen2
 from helpers.torch_free import run_without_torch
+from meganeura.kernels.attention import plans as attention_plans
 from meganeura.runtime import BundleError, InputError, load
 from meganeura.runtime.cli import main as cli
 from meganeura.runtime.lm_bundle import read_lm_bundle
@@ -133,6 +134,26 @@ def test_attention_slices_merged_by_the_output_projection_give_eager_tokens(tmp_
     got = lm.generate(prompt[0].numpy(), 24).tolist()
     lm.release()
     assert got == model.generate(prompt, max_new_tokens=24, do_sample=False)[0].tolist()
+
+
+def test_a_decode_attention_walking_several_tiles_gives_eager_tokens(tmp_path, monkeypatch):
+    """The per-row decode forward (head size 64: the flash forward's tiles do not fit a portable bundle's 16 KiB),
+    held to one slice, walks the cache a tile of keys at a time, the row the step writes (read from the update, not
+    the cache) in its second or third tile: 40 greedy tokens after a 100-token prompt equal HF's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(attention_plans, "ROW_SPLIT_MAX", 1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "head_dim": 64, "max_position_embeddings": 192})).eval()
+    torch_meganeura.export_lm(model, tmp_path / "lm", max_cache_len=192)
+    plan = read_lm_bundle(tmp_path / "lm").phases["decode"].plan
+    attention = plan.kernels[next(d.kernel for d in plan.dispatches if d.label == "attention")]
+    assert "const SPLITS: u32 = 1u;" in attention and "fresh_keys" in attention
+    prompt = torch.randint(0, 128, (1, 100))
+    lm = load(tmp_path / "lm")
+    got = lm.generate(prompt[0].numpy(), 40).tolist()
+    lm.release()
+    assert got == model.generate(prompt, max_new_tokens=40, do_sample=False)[0].tolist()
 
 
 def test_bad_requests_are_refused(exported):
