@@ -351,14 +351,21 @@ def _row_branch(e: E.Expr, decl, size: int) -> tuple[tuple, int] | None:
     """(``_quad_rows`` of the plain read, its index in ``e.args``) where ``e`` is ``where(condition, a, b)`` over a
     condition that does not read c (coordinate 3) and one side a plain read of rows that ``_quad_rows`` reads in
     groups: an attention operand reading a cache that an update changes at a few rows, the update's values there
-    (``attention_writes``); None otherwise."""
+    (``attention_writes``); None otherwise. Where both sides are plain reads (a value cache and the projection's new
+    row), the plain read is the side whose row follows the key row (coordinate 2, ``_reads_key_row``): the cache, read
+    at every key, while the update's one row is the side a kernel walking the keys takes rarely."""
     if e.op != "where" or any(n.op == "coord" and n.args[0] == 3 for n in E.walk(e.args[0])):
         return None
-    for side in (1, 2):
+    for side in sorted((1, 2), key=lambda k: not _reads_key_row(e.args[k])):
         quads = _quad_rows(e.args[side], decl, size, kinds=WIDE_KINDS)
         if quads is not None:
             return quads, side
     return None
+
+
+def _reads_key_row(e: E.Expr) -> bool:
+    """Whether ``e`` reads coordinate 2 (an attention operand's key row j)."""
+    return any(n.op == "coord" and n.args[0] == 2 for n in E.walk(e))
 
 
 def _quad_rows(e: E.Expr, decl, size: int, coord: int = 3, width: int = 4,

@@ -4,6 +4,8 @@ into new caches (a concatenation), are stored by the attention's own dispatch, w
 expressions. The output and the caches equal numpy's; a failed position check leaves the caches as they were; within
 WebGPU's default 8 bindings the update keeps a kernel of its own, with the reason. Plans on the recording device
 (WebGPU's default limits, no GPU) for what is bound; the real adapter for the values."""
+import re
+
 import numpy as np
 import pytest
 
@@ -138,6 +140,24 @@ def test_the_attention_stores_the_new_rows_over_the_caches_it_reads(rows):
         want[name][:, :, 3:3 + rows] = inputs[f"new_{name}"]
         np.testing.assert_array_equal(arrays[name].numpy(), want[name])
     np.testing.assert_allclose(out, _attend(inputs["q"], want["k"], want["v"]), rtol=1e-5, atol=1e-6)
+
+
+def _reads(wgsl: str, function: str) -> str:
+    """The statements of ``function`` in ``wgsl`` after its argument casts (``let j_ = i32(j);``)."""
+    body = wgsl.split(f"fn {function}(", 1)[1].split("\n}", 1)[0]
+    return "\n".join(line for line in body.splitlines()[1:] if not re.fullmatch(r"  let (\w+)_ = i32\(\1\);", line))
+
+
+def test_the_plain_read_of_a_branching_value_is_the_cache_the_keys_walk():
+    """Both sides of the values' branch are plain reads (the cache and the projection's new row): the walk over the
+    keys reads the side that follows the key row (``load_v_2``, read 16 at a time), and the update's one row is the
+    side taken rarely (``load_v_1``). Taking the new row as the plain read sends every cache row through the walk of
+    its own, one read in flight at a time."""
+    device = get_device()
+    plan, _ = compile_graph(static_graph(), device.limits)
+    (attention,) = [plan.kernels[d.kernel] for d in plan.dispatches if d.label == "attention"]
+    assert "j_" in _reads(attention, "load_v_2") and "j_" not in _reads(attention, "load_v_1")
+    assert "j_" in _reads(attention, "load_k_24") or "j_" in _reads(attention, "load_k_2")
 
 
 def test_a_failed_position_check_leaves_the_caches_as_they_were():
