@@ -363,8 +363,11 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: di
     """``e`` with each load turned into a read of slot ``slot_of(value id)`` at a simplified linear index (widened
     from half precision where the value is ``stored`` so), a rounding of such a read to its own half precision left
     out: it is exact (a repeated KV head of a bf16 cache, rounded to bf16 as its copy, stays a plain read, which
-    attention then reads by groups). A value of ``calls`` (value id -> its read at a linear index) is read so; one of
-    ``shift`` (value id -> elements) that many elements further (an output side by side with others: ``packed``)."""
+    attention then reads by groups); a rounding of a choice between such a read and another value rounds the other
+    side alone (a bf16 cache that an update changes at a row stays a plain read elsewhere, which attention reads by
+    groups and branches from: ``node_kernels._row_branch``). A value of ``calls`` (value id -> its read at a linear
+    index) is read so; one of ``shift`` (value id -> elements) that many elements further (an output side by side
+    with others: ``packed``)."""
     bounds = dict(enumerate(domain))
     shift = shift or {}
 
@@ -379,9 +382,17 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: di
             return E.read(slot_of(vid), index, n.dtype, half)
         if n.op in ROUNDED_TO and n.args[0].op == "read" and n.args[0].args[2:] == (ROUNDED_TO[n.op],):
             return n.args[0]  # (a value widened from a half precision is that half precision already)
+        if n.op in ROUNDED_TO and n.args[0].op == "where" and any(map(_is_half_read(n.op), n.args[0].args[1:])):
+            condition, *sides = n.args[0].args  # (rounded side by side: the side read from that half stays plain)
+            return E.where(condition, *(side if _is_half_read(n.op)(side) else E.unary(n.op, side) for side in sides))
         return None
 
     return E.substitute(e, rewrite)
+
+
+def _is_half_read(rounding: str):
+    """Whether an expression is a read of a value stored in the half precision that ``rounding`` rounds to."""
+    return lambda e: e.op == "read" and e.args[2:] == (ROUNDED_TO[rounding],)
 
 
 def _slices(node: Node, limits: dict, variant: matmul_plans.MatmulChoice | None,

@@ -255,6 +255,21 @@ def test_a_bfloat16_checkpoint_with_its_tokenizer(tmp_path, capsys):
     assert text[:4] == ["w5", "w7", "w9", f"w{first}"] and len(text) == 7
 
 
+def test_a_bfloat16_bundles_decode_attention_reads_its_caches_by_rows(tmp_path):
+    """A bf16 cache holds the new key and value rounded to bf16. The attention that writes the caches reads each of
+    them plainly away from the written row (a rounding of a bf16 read is exact and left out: lowering/schedule.py
+    ``_linearise``), so it branches once per key row between the cache and the new row (``load_k_if``,
+    ``load_v_if``) and reads the cached keys in groups (``load_k_24``). With the rounding of the choice kept whole,
+    every element read both sides and computed the new row's rotary embedding."""
+    torch.manual_seed(0)
+    torch_meganeura.export_lm(_llama().to(torch.bfloat16), tmp_path / "lm", max_cache_len=SLICED_CACHE)
+    plan = read_lm_bundle(tmp_path / "lm").phases["decode"].plan
+    kernels = {plan.kernels[d.kernel] for d in plan.dispatches if d.label == "attention"}
+    assert len(kernels) == 1
+    (attention,) = kernels
+    assert all(f"fn {name}(" in attention for name in ("load_k_if", "load_v_if", "load_k_24", "load_v_2")), attention
+
+
 def test_an_adapter_without_what_a_phase_needs_is_refused_before_anything_is_built(exported, tmp_path):
     import shutil
 
