@@ -15,6 +15,10 @@ three shares are timed at a few entry points (a few calls a step, so the timing 
 - ``torch``: the rest of the phase: dynamo's guards and frame, aot_autograd's runtime wrappers, the autograd
   engine, the optimizer's ``step`` wrapper, and the garbage collector where it runs in them.
 
+``to_last_submit`` is the step less its final wait (``sync``): the host's path to the last submit, which a GPU
+cannot shorten (it has the step's work only once it is submitted); what the host does at the wait (the runs recorded
+ahead, ``InFlight.defer``) runs while a GPU works through the step.
+
 The same workload's resident step (``compile_train_step``) is then timed in the same process, under the same load:
 the loop over it is issue 50's gate, and (torch's share + the device's) over it what the loop would take with no
 work of ours at all.
@@ -179,6 +183,7 @@ def measure(name: str, steps: int, samples: int, smoke: bool) -> dict:
     every = {key: sum(p[key] for p in phases.values()) for key in ("total", "torch", "ours", "device")}
     resident = _resident_step_us(name, steps, smoke)
     return {"workload": name, "steps": steps, "phases": phases, "all": every, "sampled": sampled,
+            "to_last_submit_us": every["total"] - phases["sync"]["total"],
             "resident_step_us": resident, "loop_over_resident": every["total"] / resident,
             "torch_and_device_over_resident": (every["torch"] + every["device"]) / resident}
 
@@ -241,6 +246,7 @@ def _print(row: dict) -> None:
     print(f"  {'phase':10s} {'total':>8s} {'torch':>8s} {'ours':>8s} {'device':>8s}")
     for phase, p in (*row["phases"].items(), ("all", row["all"])):
         print(f"  {phase:10s} {p['total']:8.0f} {p['torch']:8.0f} {p['ours']:8.0f} {p['device']:8.0f}")
+    print(f"  to the last submit {row['to_last_submit_us']:.0f} us")
     print(f"  resident step {row['resident_step_us']:.0f} us: loop / resident {row['loop_over_resident']:.2f}, "
           f"(torch's + device) / resident {row['torch_and_device_over_resident']:.2f}")
     for phase, split in row["sampled"].get("us_by_phase_and_category", {}).items():

@@ -473,6 +473,7 @@ class Device:
         """Wait for the queue, then return the first ``size`` bytes of a staging buffer as an array over its mapped
         memory (no host copy); the buffer is unmapped and passed to ``on_unmapped`` once no array over it is left.
         Where wgpu-py's native backend is not in use, a copy, with the buffer passed back at once."""
+        self.in_flight.before_wait()
         with self.checked(f"read back {buffer.label!r}"):
             try:
                 data = native.read_mapped(self.wgpu_device, buffer, size, self.spin_seconds, on_unmapped)
@@ -488,6 +489,7 @@ class Device:
 
     def read_staging(self, buffer, size: int) -> np.ndarray | memoryview:
         """Wait for the queue, then return a host copy of the first ``size`` bytes of a staging buffer."""
+        self.in_flight.before_wait()
         with self.checked(f"read back {buffer.label!r}"):
             try:
                 data = native.read_back(self.wgpu_device, buffer, size, self.spin_seconds)

@@ -19,6 +19,10 @@ A run in flight may also carry a few bytes of its outputs kept on the device in 
 wait, for that run, not for the runs submitted after it, where the device polls for the mapping rather than waiting
 for an idle queue (``Device.spin_seconds``: GPUs). So the host can keep a few runs queued ahead of its reads.
 
+Host work that can wait for the GPU (a run's next run recorded ahead, ``Program.run``) is left here too
+(``defer``) and done at the next wait, before the host blocks (``before_wait``): while the GPU works through what
+was submitted, not between one submit and the next, where the GPU may have nothing queued.
+
 ``MEGANEURA_SYNC=1`` waits after every run, as ``CUDA_LAUNCH_BLOCKING=1`` does: the error is then raised by the run
 that set it. At most ``MAX_IN_FLIGHT`` runs wait here: the next one settles the oldest first (a wait), so that a loop
 that never reads keeps a bounded number of staging buffers.
@@ -51,6 +55,7 @@ class InFlight:
         self._runs: deque[tuple[str, Callable[[], Exception | None]]] = deque()
         self.settling = False  # True while the runs are read: their reads are not waits of their own
         self.reading_through = False  # True while ``read_through`` reads: the runs after those may still be queued
+        self._deferred: dict[object, Callable[[], None]] = {}  # host work for the next wait, by owner (``defer``)
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -62,6 +67,17 @@ class InFlight:
             if self._counters is not None:
                 self._counters.waits += 1
             self._settle(1)
+
+    def defer(self, owner, work: Callable[[], None]) -> None:
+        """Do ``work`` at the device's next wait, before it blocks (``before_wait``), in place of ``owner``'s work
+        deferred before, if any (an owner's latest only: a loop that never waits holds one item per owner)."""
+        self._deferred.pop(owner, None)
+        self._deferred[owner] = work
+
+    def before_wait(self) -> None:
+        """Do the work deferred (``defer``), oldest first; called by the device before each wait for the GPU."""
+        while self._deferred:
+            self._deferred.pop(next(iter(self._deferred)))()
 
     def settle(self) -> None:
         """Read every run's status (after a wait: the queue has passed them); raise the first error set, naming its
@@ -83,6 +99,7 @@ class InFlight:
             self.reading_through = False
 
     def _settle(self, count: int) -> None:
+        self.before_wait()
         if self.settling or not count:
             return
         first = None

@@ -17,13 +17,15 @@ staging buffer, a few bytes of outputs kept on the device (``run``'s ``read_alon
 reads before the next run), which would otherwise take a download and a wait of their own; ``read_later`` copies
 such outputs into the staging buffer of a run that does not wait, for the host to read a few runs later
 (``LaterRead``: a decode step's token ids). A plan of more than a few dozen dispatches is submitted in parts
-(``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts
-doubling up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A
-run of a plan of ``AHEAD_MIN_DISPATCHES`` or more then records the next run's dispatches while the GPU works, before
-it waits (``_record_ahead``), over the per-run buffers the next run is likely to bind (``SwapsAhead``: none, this
-run's, or those of the run before where two sets alternate, as a decode step's KV cache does): the next run submits
-that command buffer with its copies in one submit if it binds those buffers, so recording leaves the path from a call
-to the GPU. While a profiler is attached to the device (``meganeura.runtime.profiler``), each dispatch gets a
+(``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts doubling
+up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A run of a
+plan of ``AHEAD_MIN_DISPATCHES`` or more then records the next run's dispatches while the GPU works: before it waits,
+or, for a run that does not wait, at the device's next wait (``InFlight.defer``: a training loop's forward and backward
+submit one after the other, and the loop waits at the step's end; the next run records it, in one piece, where no wait
+came first) (``_record_ahead``), over the per-run buffers the next run is likely to bind (``SwapsAhead``: none, this
+run's, or those of the run before where two sets alternate, as a decode step's KV cache does): the next run submits that
+command buffer with its copies in one submit if it binds those buffers, so recording leaves the path from a call to the
+GPU. While a profiler is attached to the device (``meganeura.runtime.profiler``), each dispatch gets a
 timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): resident outputs are written into fresh pool buffers and
@@ -52,7 +54,7 @@ from .errors import InputError, KernelStatusError, MeganeuraError
 from .native import command_encoder
 from .plan import SIZES_INPUT, Plan, TensorSpec
 from .program_plan import AHEAD_MIN_DISPATCHES, RunTensors
-from .program_recording import Recording, SwapsAhead, swaps_key
+from .program_recording import PendingAhead, Recording, SwapsAhead, swaps_key
 from .program_checks import check_into, from_device_bytes, status_error, to_device_array
 from .program_resources import READ_ALONG_BYTES, ProgramResources
 from .in_flight import LaterRead
@@ -104,7 +106,8 @@ class Program(ProgramResources, Recording):
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
         gives for its name (overwritten), else a new one; an output stored in place (``Plan.in_place``) is the
         device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
-        from its start until the plan is submitted, plus recording the next run ahead, before waiting for the GPU.
+        from its start until the plan is submitted, plus recording the next run ahead where it waits (a run that does
+        not wait leaves that to the device's next wait), before waiting for the GPU.
         A plan over symbolic sizes takes its symbols' values as ``sizes``. ``read_along``: outputs kept on the device
         (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute).
         ``read_later``: such outputs that the run copies into its staging buffer whether it waits or not, read when
@@ -128,8 +131,7 @@ class Program(ProgramResources, Recording):
         self._upload(arrays, swaps)
         commands = self._with_swaps(swaps, key)
         profiler = dev.profiler if commands else None
-        ahead, self._ahead = self._ahead, None  # (``swaps_key`` of the buffers it was recorded over, command buffer)
-        ahead = ahead[1] if ahead is not None and profiler is None and ahead[0] == key else None
+        ahead = self._take_ahead(key, commands, profiler)
         # A run with no host outputs returns once submitted; its status is read at the next wait (``in_flight``)
         waits = bool(self._output_offsets) or profiler is not None or dev.in_flight.sync
         copies = self._copies if waits or self._status_offsets or read_later else []
@@ -145,10 +147,8 @@ class Program(ProgramResources, Recording):
         dev.submit(encoder, "plan", before=() if ahead is None else (ahead,))
         self.runs += 1
         upcoming = self._swaps_ahead.next(swaps, key)  # the per-run buffers the next run will likely bind
-        upcoming_commands = self._commands_over(*upcoming) if upcoming is not None else None
-        if upcoming_commands is not None and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
-            with dev.checked("recording the plan ahead"):
-                self._ahead = (upcoming[1], self._record_ahead(upcoming_commands))
+        if upcoming is not None and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
+            self._leave_ahead(PendingAhead(upcoming[1], upcoming[0]), waits)
         self.host_seconds = time.perf_counter() - began
         data, self.read_along, self.later = self._finish(staging, waits, profiler, run, along, bool(read_later))
         if len(kept) == len(self._outputs):  # (every output on the device: an optimizer update's, in place)

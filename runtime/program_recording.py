@@ -1,10 +1,14 @@
 """How a ``Program`` records a run's commands: the dispatches in compute passes submitted in parts, the next run's
-recorded ahead, timestamped one by one under a profiler, and over per-run buffers (bind groups and whole command
-lists cached by buffer identity, so that a loop alternating between the same buffers builds nothing after its
-first runs). A mixin of ``program.Program``, called by its run (``Program._run``); it reads what
-``program_resources.ProgramResources`` built (the commands, status buffers, sizes group and bind groups) and keeps
-the caches over per-run buffers, which the resources drop when the buffers under them change."""
+recorded ahead, timestamped one by one under a profiler, and over per-run buffers (bind groups and whole command lists
+cached by buffer identity, so that a loop alternating between the same buffers builds nothing after its first runs). A
+run that does not wait leaves the next run's recording for the device's next wait (``PendingAhead``). A mixin of
+``program.Program``, called by its run (``Program._run``); it reads what ``program_resources.ProgramResources`` built
+(the commands, status buffers, sizes group and bind groups) and keeps the caches over per-run buffers, which the
+resources drop when the buffers under them change."""
 from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
 
 from .native import command_encoder, compute_pass, finish, record_dispatches
 from .program_plan import submission_parts
@@ -30,6 +34,39 @@ class Recording:
                 encoder = command_encoder(dev.wgpu_device)
             compute_pass(encoder, commands[start:end], self._sizes_group)
         return encoder
+
+    def _take_ahead(self, key: tuple, commands, profiler):
+        """The command buffer of this run's status clears and ``commands`` recorded ahead by the run before, if it
+        was recorded over this run's per-run buffers (``key``: their ``swaps_key``), else None (the run records its
+        own, in parts). Where the run before left it for the device's next wait (``PendingAhead``) and no wait has
+        come, it is recorded now, in one piece as it would have been: the GPU has the runs before it to work on."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or profiler is not None or ahead[0] != key:
+            return None
+        return self._record_ahead(commands) if type(ahead) is PendingAhead else ahead[1]
+
+    def _leave_ahead(self, pending: "PendingAhead", waits: bool) -> None:
+        """Record the next run ahead (``pending``) now, before this run's wait, or, where this run does not wait, at
+        the device's next wait (``InFlight.defer``)."""
+        self._ahead = pending
+        if waits:
+            self._record_pending(pending)
+        else:
+            self.device.in_flight.defer(self, partial(self._record_pending, pending))
+
+    def _record_pending(self, pending: "PendingAhead") -> None:
+        """Record the next run ahead, as ``pending`` (``_ahead`` still) says, unless the program dropped it since
+        (a run, a rebind or a new arena: ``_ahead`` is no longer ``pending``) or no longer has the commands over its
+        per-run buffers (their bind groups rebuilt)."""
+        arena = self._arena
+        if self._ahead is not pending or arena is not None and self._arena_generation != arena.generation:
+            return
+        commands = self._commands_over(pending.swaps, pending.key)
+        if commands is None:
+            self._ahead = None
+            return
+        with self.device.checked("recording the plan ahead"):
+            self._ahead = (pending.key, self._record_ahead(commands))
 
     def _record_ahead(self, commands):
         """The next run's status clears and ``commands``, recorded into one command buffer now, while the GPU works on
@@ -92,6 +129,16 @@ class Recording:
                 group = entry[0]
             commands.append((pipeline, group, workgroups))
         return commands
+
+
+class PendingAhead(NamedTuple):
+    """The next run to record ahead, over the per-run buffers ``swaps`` (``key``: their ``swaps_key``): a run that
+    does not wait leaves it for the device's next wait (``InFlight.defer``), so that recording it is not between
+    this run's submit and the next plan's, where the GPU may have nothing queued (a training loop's forward,
+    backward and optimizer update submit one after another, and the host waits at the step's end)."""
+
+    key: tuple
+    swaps: dict
 
 
 def swaps_key(swaps: dict) -> tuple:

@@ -311,6 +311,7 @@ class RecordingDevice:
 
     def read_staging(self, buffer: RecordedBuffer, size: int) -> np.ndarray:
         assert buffer.kind == "staging" and size <= buffer.size, f"read of {size} bytes from {buffer!r}"
+        self.in_flight.before_wait()  # (``Device.read_staging``'s)
         self.counters.bytes_downloaded += size
         data = np.frombuffer(bytes(buffer.data[:size]), np.uint8).copy()
         if not self.in_flight.reading_through:  # (a read through one run in flight waited for that one only)

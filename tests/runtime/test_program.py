@@ -380,6 +380,46 @@ def test_runs_over_repeating_per_run_buffers_submit_what_the_run_before_recorded
     assert submits == ([4, 4, 1, 1, 1, 1] if into else [4, 4, 4, 1, 1, 1]), submits
 
 
+def test_a_run_that_does_not_wait_leaves_the_next_runs_recording_to_the_next_wait(monkeypatch):
+    """A run that stays in flight records the next run ahead at the device's next wait, not after its submit (a
+    training loop's forward and backward submit one after the other); the run after the wait submits that in one
+    submit, and a run with no wait before it records it itself, in one piece. The results stay right, each run's
+    input written anew into the same device buffer."""
+    import meganeura.runtime.program as program_module
+    import meganeura.runtime.program_plan as program_plan
+    import meganeura.runtime.program_recording as recording
+    from meganeura.runtime.resident import DeviceArray
+
+    n, steps = 100, 12
+    monkeypatch.setattr(program_plan, "FIRST_PART", 2)
+    monkeypatch.setattr(program_plan, "SUBMIT_EVERY", 4)
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps)
+    passes = []
+    monkeypatch.setattr(recording, "compute_pass", lambda e, c, g=None, real=recording.compute_pass: (
+        passes.append(len(c)), real(e, c, g)))
+    device = get_device()
+    device.synchronize()
+    program = Program(device, chain_plan(n, steps), resident_outputs=["out"], device_only_inputs=["a"])
+    given = DeviceArray.upload(device, np.zeros(n, np.float32), "float32")
+    target = DeviceArray.upload(device, np.zeros(n, np.float32), "float32")
+    recorded = []  # (passes recorded, submits) by each run, then by each wait
+    for run in range(5):
+        a = RNG.standard_normal(n, dtype=np.float32)
+        device.write(given.buffer, 0, a, "a")
+        before, passes[:] = device.counters.submits, []
+        program.run({}, device_inputs={"a": given}, into={"out": target})
+        recorded.append((list(passes), device.counters.submits - before))
+        if run in (1, 2):
+            passes[:] = []
+            device.synchronize()
+            recorded.append((list(passes), "wait"))
+    np.testing.assert_allclose(target.numpy(), a * (2**steps - 1), rtol=1e-6)
+    # in parts (4 passes of 2, 4, 4, 2 dispatches, 4 submits) until the buffers repeat; the second run's next is
+    # recorded at the wait after it, as is the third's; the fifth records its own at once, with no wait before it
+    assert recorded == [([2, 4, 4, 2], 4), ([2, 4, 4, 2], 4), ([12], "wait"), ([], 1), ([12], "wait"), ([], 1),
+                        ([12], 1)], recorded
+
+
 def test_large_download_is_copied_in_slices_exactly(monkeypatch):
     """A download of several slices (a device array to the host) is copied by threads: every byte lands where it
     belongs."""
