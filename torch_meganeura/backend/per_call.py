@@ -419,8 +419,8 @@ class _Layout:
     index: list  # position -> index in the pool
     others: list  # positions made one by one (``DevicePartition._output``)
     # the lazy outputs left untracked (``_track``: a KV cache), made in one loop (``lazy_outputs``): their values
-    # (output names, each once), what each calls when read (``_reader`` of the first position that returns it), and
-    # (position, index in those) of each
+    # (output names, each once), what each calls when read (``_reader`` of the first of those positions that
+    # returns it), and (position, index in those) of each
     lazy_names: list = field(default_factory=list)
     readers: list = field(default_factory=list)
     lazy_at: list = field(default_factory=list)
