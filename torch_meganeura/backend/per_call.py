@@ -34,7 +34,7 @@ from .bound_plan import BoundPlan, SteadyUpdates
 from .signatures import SHARED_GRAPHS, arg_kind, graph_key, signature
 from .device_graph import DeviceGraph, compile_device_graph, feed, program_for, rescheduled
 from ..tensors.device_tensor import (DeviceParameter, DeviceTensor, adopt, device_input, host_alias, lazy_output,
-                                     read_back_output, read_now, spare_array)
+                                     lazy_outputs, read_back_output, read_now, spare_array)
 from ..lower.fx_lowering import LoweredGraph
 from ..tensors.params import tensor_from_host
 from ..tensors.read_ahead import ReadAhead
@@ -319,11 +319,10 @@ class DevicePartition(torch.nn.Module):
         layout = entry.layouts.get(returns)
         if layout is None:
             layout = entry.layouts[returns] = _Layout.of(self, entry, returns)
-        outs = layout.outputs(results, adopted, self.pack_origin) if layout.applies() else None
+        outs, made = layout.outputs(results, adopted, self.pack_origin) if layout.applies() else (None, None)
         if outs is None:
             outs = self._outputs_one_by_one(entry, returns, results, adopted)
         else:
-            made = {}
             for k in layout.others:
                 outs[k] = self._output(entry, k, returns[k], results, adopted, made)
         return tuple(outs) if lowered.returns_tuple else outs[0]
@@ -419,6 +418,12 @@ class _Layout:
     consts: tuple
     index: list  # position -> index in the pool
     others: list  # positions made one by one (``DevicePartition._output``)
+    # the lazy outputs left untracked (``_track``: a KV cache), made in one loop (``lazy_outputs``): their values
+    # (output names, each once), what each calls when read (``_reader`` of the first of those positions that
+    # returns it), and (position, index in those) of each
+    lazy_names: list = field(default_factory=list)
+    readers: list = field(default_factory=list)
+    lazy_at: list = field(default_factory=list)
 
     @staticmethod
     def of(partition: DevicePartition, entry: BoundPlan, returns: tuple) -> "_Layout":
@@ -434,25 +439,41 @@ class _Layout:
         for group in (arrays, updated, consts):
             slots.update((k, start + i) for i, k in enumerate(group) if returns[k][1] is False)
             start += len(group)
-        others = [k for k in range(len(returns)) if k not in slots]
-        index = [slots.get(k, -1) for k in range(len(returns))]  # (-1: the pool's last, None, made one by one)
+        lazy = [k for k, how in enumerate(returns) if how == (LAZY, False)]
+        others = [k for k in range(len(returns)) if k not in slots and k not in lazy]
+        index = [slots.get(k, -1) for k in range(len(returns))]  # (-1: the pool's last, None, made apart)
+        first = {}  # output name -> the first lazy position returning it
+        for k in lazy:
+            first.setdefault(outputs[k][1], k)
+        names = list(first)
         return _Layout([outputs[k][1] for k in packed], [outputs[k][1] for k in arrays],
-                       tuple(outputs[k][1] for k in consts), index, others)
+                       tuple(outputs[k][1] for k in consts), index, others, names,
+                       [partition._reader(k) for k in first.values()],
+                       [(k, names.index(outputs[k][1])) for k in lazy])
 
     def applies(self) -> bool:
         """Whether the pool serves: some outputs come from it, and where there is a pack, no saved-tensor hooks are
         set (``_pack``: they get each saved value as a tensor of its own)."""
         return bool(self.index) and not (self.packed_names and _top_saved_tensors_hooks(True) is not None)
 
-    def outputs(self, results: dict, adopted: dict, origin: object) -> list | None:
-        """The outputs from the pool, ``others`` left None; None where a value meant to be a device array is not."""
+    def outputs(self, results: dict, adopted: dict, origin: object) -> tuple[list | None, dict | None]:
+        """The outputs from the pool and the untracked lazy ones, ``others`` left None, and those lazy ones by output
+        name (``DevicePartition._output``'s ``made``: a position made apart that shares a value shares its tensor);
+        (None, None) where a value meant to be a device array is not."""
         values = tuple(map(results.__getitem__, self.names))
         packed = list(map(results.__getitem__, self.packed_names))
-        if not {*map(type, values), *map(type, packed)} <= {DeviceArray}:
-            return None
+        lazy = tuple(map(results.__getitem__, self.lazy_names))
+        if not {*map(type, values), *map(type, packed), *map(type, lazy)} <= {DeviceArray}:
+            return None, None
         head = (SavedPack(packed, origin),) if self.packed_names else ()
         pool = (*head, *values, *adopted.values(), *self.consts, None)
-        return list(map(pool.__getitem__, self.index))
+        outs = list(map(pool.__getitem__, self.index))
+        if not lazy:
+            return outs, {}
+        made = lazy_outputs(lazy, self.readers)
+        for k, j in self.lazy_at:
+            outs[k] = made[j]
+        return outs, dict(zip(self.lazy_names, made))
 
 
 _RETURNABLE = frozenset({torch.Tensor, DeviceTensor})  # the classes of outputs that may come back (``_may_come_back``)
