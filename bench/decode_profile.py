@@ -12,6 +12,11 @@ weights, ``bench.generate``'s configs) is exported, loaded and warmed, then:
   of its own between two timestamps): ``gpu_ms``, the sum of the dispatches' GPU times per step; ``span_ms``, from
   the first dispatch's start to the last one's end (the passes add their own gaps, so the span is an upper bound of
   the unprofiled step's GPU time); the dispatches per step; and the names with the most GPU time per step.
+Rows ``backend-static`` and ``backend-dynamic`` (``--plans``) profile HF ``generate`` itself with the model's forward
+compiled by the backend (HF's static cache, or its default cache), each call of ``PROFILED_STEPS + 1`` new tokens (a
+static cache is as long as the prompt and the new tokens: one length, one compile); their ``wall_ms`` is a decode
+step's median wall time, from one forward's end to the next's (HF's own Python included), and their profiled steps
+are every run of the backend's plans after the prefill's, one a token where the forward is one graph.
 Wall time well above the span says the host bounds the step; a span well above the summed kernels, the gaps between
 dispatches; kernel time near the span, the kernels. A small kernel alone in a timestamped pass also takes longer than
 among its neighbours: on an H100 the summed kernels of a SmolLM2 step (2.49 ms) exceeded the unprofiled step's wall
@@ -24,12 +29,14 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 PROFILED_STEPS = 16  # decode steps under the profiler: enough for a stable median, few enough to stay quick
 TOP_KERNELS = 8  # names listed per row, by GPU time per step
 PROMPT_TOKENS = 16
 PLAN_KINDS = {"portable": True, "adapter": False}  # row label -> export_lm's ``portable``
+BACKEND_CACHES = {"backend-static": {"cache_implementation": "static"}, "backend-dynamic": {}}  # row -> generate's
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="the model's smoke-scale config (checks the path)")
     p.add_argument("--model", default="smollm2", help="a model of bench.generate's (--model there)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes to export the model in, comma-separated")
-    p.add_argument("--plans", default=",".join(PLAN_KINDS), help=f"plan kinds of {', '.join(PLAN_KINDS)}")
+    p.add_argument("--plans", default=",".join(PLAN_KINDS),
+                   help=f"plan kinds of {', '.join(PLAN_KINDS)}, or HF generate through the backend: "
+                        f"{', '.join(BACKEND_CACHES)}")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens of the timed generate")
     p.add_argument("--max-cache-len", type=int, default=256)
     return p
@@ -68,6 +77,43 @@ def profile_row(model, plans: str, new_tokens: int, max_cache_len: int) -> dict:
         finally:
             lm.release()
     return {"plans": plans, "wall_ms": wall_ms, "device": device, **_decode_runs(events)}
+
+
+def backend_row(model, plans: str) -> dict:
+    """HF ``generate`` of ``model`` with its forward compiled by the backend (``BACKEND_CACHES[plans]``): warmed,
+    timed (a decode step from one forward's end to the next's), then profiled, each of ``PROFILED_STEPS + 1`` new
+    tokens."""
+    import copy
+
+    import torch
+    import torch_meganeura
+
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(model)
+    forward = torch.compile(compiled.forward, backend="meganeura")
+    ends: list[float] = []
+
+    def timed(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return out
+
+    def generate():
+        with torch.no_grad():
+            compiled.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=PROFILED_STEPS + 1,
+                              min_new_tokens=PROFILED_STEPS + 1, do_sample=False, **BACKEND_CACHES[plans])
+
+    compiled.forward = timed
+    generate()  # compiles the prefill's and the decode step's graphs
+    generate()  # and, with the default cache, the decode graph past its first bounds
+    ends.clear()
+    generate()
+    wall_ms = statistics.median(b - a for a, b in zip(ends[1:], ends[2:])) * 1e3  # (after the first decode step)
+    with torch_meganeura.profile() as profiler:
+        generate()
+    return {"plans": plans, "wall_ms": wall_ms, "device": profiler.device.describe(),
+            **_decode_runs(profiler.events)}
 
 
 def _decode_runs(events: list[dict]) -> dict:
@@ -117,7 +163,8 @@ def main(argv=None) -> int:
     for dtype in [d for d in args.dtypes.split(",") if d]:
         model = base.to(getattr(torch, dtype))
         for plans in [p for p in args.plans.split(",") if p]:
-            row = {"dtype": dtype, **profile_row(model, plans, args.new_tokens, args.max_cache_len)}
+            row = {"dtype": dtype, **(backend_row(model, plans) if plans in BACKEND_CACHES else
+                                       profile_row(model, plans, args.new_tokens, args.max_cache_len))}
             result["rows"].append(row)
             result["device"] = row["device"]
             print(f"{dtype:8s} {plans:8s} {row['dispatches']} dispatches: wall {row['wall_ms']:.3f} ms, span "

@@ -23,3 +23,20 @@ def test_decode_profile_smoke(tmp_path):
         assert len(row["top_us"]) <= decode_profile.TOP_KERNELS
     assert rows["float32", "adapter"]["dispatches"] <= rows["float32", "portable"]["dispatches"]
     assert "| bfloat16 | adapter |" in out.with_suffix(".md").read_text()
+
+
+def test_decode_profile_of_hf_generate_through_the_backend(tmp_path):
+    """The backend rows: HF ``generate`` with each cache, its profiled steps the decode plan's runs."""
+    from meganeura.runtime.device import get_device
+
+    if "timestamp-query" not in get_device().features:
+        pytest.skip("the adapter offers no timestamp queries")
+    out = tmp_path / "profile"
+    plans = ",".join(decode_profile.BACKEND_CACHES)
+    assert decode_profile.main(["--out", str(out), "--smoke", "--dtypes", "float32", "--plans", plans]) == 0
+    rows = {r["plans"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == set(decode_profile.BACKEND_CACHES)
+    for row in rows.values():
+        assert row["steps"] == decode_profile.PROFILED_STEPS
+        assert 0 < row["gpu_ms"] <= row["span_ms"] and row["wall_ms"] > 0
+        assert any(name == "attention" for name, _ in row["top_us"])
