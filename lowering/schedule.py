@@ -380,19 +380,19 @@ def _linearise(e: E.Expr, domain, values: dict, stored: dict, slot_of, calls: di
                 return calls[vid](index)
             half = stored.get(vid) if stored.get(vid) in HALF_STORAGE else ""
             return E.read(slot_of(vid), index, n.dtype, half)
-        if n.op in ROUNDED_TO and n.args[0].op == "read" and n.args[0].args[2:] == (ROUNDED_TO[n.op],):
+        if n.op in ROUNDED_TO and _is_half_read(n.args[0], n.op):
             return n.args[0]  # (a value widened from a half precision is that half precision already)
-        if n.op in ROUNDED_TO and n.args[0].op == "where" and any(map(_is_half_read(n.op), n.args[0].args[1:])):
+        if n.op in ROUNDED_TO and n.args[0].op == "where" and any(_is_half_read(x, n.op) for x in n.args[0].args[1:]):
             condition, *sides = n.args[0].args  # (rounded side by side: the side read from that half stays plain)
-            return E.where(condition, *(side if _is_half_read(n.op)(side) else E.unary(n.op, side) for side in sides))
+            return E.where(condition, *(x if _is_half_read(x, n.op) else E.unary(n.op, x) for x in sides))
         return None
 
     return E.substitute(e, rewrite)
 
 
-def _is_half_read(rounding: str):
-    """Whether an expression is a read of a value stored in the half precision that ``rounding`` rounds to."""
-    return lambda e: e.op == "read" and e.args[2:] == (ROUNDED_TO[rounding],)
+def _is_half_read(e: E.Expr, rounding: str) -> bool:
+    """Whether ``e`` is a read of a value stored in the half precision that ``rounding`` rounds to."""
+    return e.op == "read" and e.args[2:] == (ROUNDED_TO[rounding],)
 
 
 def _slices(node: Node, limits: dict, variant: matmul_plans.MatmulChoice | None,
