@@ -19,14 +19,14 @@ such outputs into the staging buffer of a run that does not wait, for the host t
 (``LaterRead``: a decode step's token ids). A plan of more than a few dozen dispatches is submitted in parts
 (``submission_parts``): a short first part, so that the GPU starts while the host records the rest, then parts doubling
 up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host waits once, at the read-back. A run of a
-plan of ``AHEAD_MIN_DISPATCHES`` or more then records the next run's dispatches while the GPU works: before it waits,
-or, for a run that does not wait, at the device's next wait (``InFlight.defer``: a training loop's forward and backward
-submit one after the other, and the loop waits at the step's end; the next run records it, in one piece, where no wait
-came first) (``_record_ahead``), over the per-run buffers the next run is likely to bind (``SwapsAhead``: none, this
-run's, or those of the run before where two sets alternate, as a decode step's KV cache does): the next run submits that
-command buffer with its copies in one submit if it binds those buffers, so recording leaves the path from a call to the
-GPU. While a profiler is attached to the device (``meganeura.runtime.profiler``), each dispatch gets a
-timestamped pass of its own instead.
+plan of ``AHEAD_MIN_DISPATCHES`` or more then records the next run's dispatches while the GPU works (``_record_ahead``),
+over the per-run buffers the next run is likely to bind (``SwapsAhead``: none, this run's, or those of the run before
+where two sets alternate, as a decode step's KV cache does): the next run submits that command buffer with its copies
+in one submit if it binds those buffers, so recording leaves the path from a call to the GPU. A run that waits records
+it before its wait; one that does not leaves it to the device's next wait (``InFlight.defer``: a training loop's
+forward and backward submit one after the other, and the loop waits at the step's end), and where no wait comes
+first, the next run records it itself, in one piece. While a profiler is attached to the device
+(``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
 
 Tensors can also stay on the device (``DeviceArray``): resident outputs are written into fresh pool buffers and
 returned without a read-back (saved outputs into one set of buffers taken and given back as one: ``BufferSet``), and
