@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -243,6 +244,7 @@ class Device:
         self.restricted = limits == DEFAULT_LIMITS  # held to WebGPU's default limits, no shader-f16 or subgroups
         self.counters = Counters()
         self.lost = False
+        self._destroyed = weakref.WeakSet()  # destroyed buffers whose Python objects live on (``any_destroyed``)
         if self.restricted:
             features = [f for f in _TIMESTAMP_FEATURES if f in adapter.features]
             required = default_limits(adapter.limits)  # all of them: wgpu-py fills the rest with the adapter's
@@ -419,7 +421,14 @@ class Device:
 
     def destroy_buffer(self, buffer) -> None:
         buffer.destroy()
+        self._destroyed.add(buffer)
         self.counters.bytes_allocated -= buffer.size
+
+    def any_destroyed(self, buffers) -> bool:
+        """Whether any of ``buffers`` is destroyed. A command list over one must not be recorded: wgpu-core aborts
+        the process (a panic it cannot unwind through the C API) when such a command encoder is finished, where a
+        submit over one is only refused. O(1) while no destroyed buffer is still referenced from Python."""
+        return bool(self._destroyed) and any(buffer in self._destroyed for buffer in buffers)
 
     def write(self, buffer, offset: int, data, label: str = "") -> None:
         """Upload ``data`` (bytes-like, size a multiple of 4) into ``buffer`` at ``offset``."""

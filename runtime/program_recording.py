@@ -56,13 +56,14 @@ class Recording:
 
     def _record_pending(self, pending: "PendingAhead") -> None:
         """Record the next run ahead, as ``pending`` (``_ahead`` still) says, unless the program dropped it since
-        (a run, a rebind or a new arena: ``_ahead`` is no longer ``pending``) or no longer has the commands over its
-        per-run buffers (their bind groups rebuilt)."""
+        (a run, a rebind or a new arena: ``_ahead`` is no longer ``pending``), no longer has the commands over its
+        per-run buffers (their bind groups rebuilt), or one of those buffers was destroyed since a run bound it (a
+        pool emptied, an array released: ``Device.any_destroyed``)."""
         arena = self._arena
         if self._ahead is not pending or arena is not None and self._arena_generation != arena.generation:
             return
         commands = self._commands_over(pending.swaps, pending.key)
-        if commands is None:
+        if commands is None or self.device.any_destroyed(pending.swaps.values()):
             self._ahead = None
             return
         with self.device.checked("recording the plan ahead"):

@@ -141,6 +141,10 @@ class RecordingEncoder:
         self._commands.append(Copy(source, source_offset, destination, destination_offset, size))
 
     def finish(self) -> CommandBuffer:
+        """The command buffer; a dispatch over a destroyed buffer fails here, as wgpu-core's finish does (it aborts
+        the process: ``Device.any_destroyed``)."""
+        gone = {r[0].label for c in self._commands if isinstance(c, Dispatch) for r in c.group.ranges if r[0].destroyed}
+        assert not gone, f"a command encoder finished over destroyed buffers {sorted(gone)}: wgpu-core aborts here"
         return CommandBuffer(tuple(self._commands))
 
 
@@ -258,6 +262,9 @@ class RecordingDevice:
     def destroy_buffer(self, buffer: RecordedBuffer) -> None:
         buffer.destroy()
         self.counters.bytes_allocated -= buffer.size
+
+    def any_destroyed(self, buffers) -> bool:
+        return any(buffer.destroyed for buffer in buffers)
 
     def write(self, buffer: RecordedBuffer, offset: int, data, label: str = "") -> None:
         view = memoryview(data).cast("B")

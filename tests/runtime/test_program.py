@@ -420,6 +420,35 @@ def test_a_run_that_does_not_wait_leaves_the_next_runs_recording_to_the_next_wai
                         ([12], 1)], recorded
 
 
+def test_a_run_recorded_ahead_over_buffers_destroyed_since_is_dropped(monkeypatch):
+    """A run that does not wait leaves the next run's recording for the next wait, over the per-run buffers it
+    expects the next run to bind. Where one of those is destroyed before that wait (the kept optimizer empties the
+    device's pool at its first update, where a backward's saved activations wait), nothing is recorded over it:
+    wgpu-core aborts the process when a command encoder is finished over a destroyed buffer. The next run, over a
+    new buffer, computes the right result."""
+    import meganeura.runtime.program as program_module
+    from meganeura.runtime.resident import DeviceArray
+
+    n, steps = 64, 4
+    monkeypatch.setattr(program_module, "AHEAD_MIN_DISPATCHES", steps)
+    device = get_device()
+    device.synchronize()
+    program = Program(device, chain_plan(n, steps), resident_outputs=["out"], device_only_inputs=["a"])
+    target = DeviceArray.upload(device, np.zeros(n, np.float32), "float32")
+    first, second = (DeviceArray.upload(device, np.zeros(n, np.float32), "float32") for _ in range(2))
+    for given in (first, second, first):  # the buffers alternate: the next run is expected to bind the second's
+        program.run({}, device_inputs={"a": given}, into={"out": target})
+    destroyed = second.buffer
+    second.release()
+    device.pool.clear()
+    assert device.any_destroyed([destroyed])
+    device.synchronize()  # the wait where the next run was to be recorded
+    a = RNG.standard_normal(n, dtype=np.float32)
+    third = DeviceArray.upload(device, a, "float32")
+    program.run({}, device_inputs={"a": third}, into={"out": target})
+    np.testing.assert_allclose(target.numpy(), a * (2**steps - 1), rtol=1e-6)
+
+
 def test_large_download_is_copied_in_slices_exactly(monkeypatch):
     """A download of several slices (a device array to the host) is copied by threads: every byte lands where it
     belongs."""
