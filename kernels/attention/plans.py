@@ -97,20 +97,20 @@ class ChunkedPlan:
 
 
 def forward_plan(shape: AttentionShape, limits: dict) -> RowPlan | FlashPlan | ChunkedPlan | BlockPlan | None:
-    """The forward's form: the flash forward where it fits, else one workgroup per query row for a decode step's few
-    rows (``row_plan``), the chunked one for long query sequences, else the blocked one (None: the per-row kernel,
+    """The forward's form: one workgroup per query row for a decode step's few rows (``row_plan``), else the flash
+    forward where it fits, the chunked one for long query sequences, else the blocked one (None: the per-row kernel,
     unsliced)."""
-    return (flash_plan(shape, limits) or row_plan(shape) or chunked_plan(shape, limits)
+    return (row_plan(shape) or flash_plan(shape, limits) or chunked_plan(shape, limits)
             or block_plan(shape, "forward", limits))
 
 
 # ---------------------------------------------------------------------------------------------- per-row forward
-# Where the flash forward does not fit (WebGPU's default 16 KiB of workgroup storage: a portable bundle), a forward
-# of at most this many query rows per head (a decode step's one, a few speculative tokens) runs one workgroup per
-# query row with its keys across the threads (the per-row kernel), cut into slices of the keys, where the blocked
-# form gives a workgroup a block of 16 rows, one thread each, all but these few idle. H100, SmolLM2's decode (9 heads,
-# one row each, a 256-position cache), GPU us a token over 30 layers, two runs on two machines: blocked 643 and flash
-# 360 (adapter's limits) in one, per row 562 and 559 in the other; so flash comes first where it fits.
+# A forward of at most this many query rows per head (a decode step's one, a few speculative tokens) runs one
+# workgroup per query row with its keys across the threads (the per-row kernel), cut into slices of the keys, where
+# the flash and blocked forms give a workgroup a tile of 16-32 rows, all but these few idle. H200, SmolLM2's decode
+# (9 heads, one row each, a 256-position cache; ``bench.decode_profile``, one process), GPU us a token over 30
+# layers: per row 454.6 (f32) and 500.5 (bf16) against flash's 572.1 and 599.7 at the adapter's limits. (Before the
+# per-row kernel read its key and value rows in groups, H100: flash 360, per row 559-562.)
 ROW_FORWARD_MAX_ROWS = 4
 ROW_THREADS = 64  # threads of a per-row workgroup, and keys per tile
 # Slices of the per-row forward at most: one tile each up to a 4,096-key cache (flash-decoding), where the forward's

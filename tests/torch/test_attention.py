@@ -484,9 +484,10 @@ def _cache_masks(rows: int, keys: int) -> dict:
 @pytest.mark.parametrize("rows", [1, 3])
 def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, form, rows):
     """A decode step (one query row, or a few) over a static cache of 700 positions: each forward form narrows its
-    loop over keys to the span some row leaves unmasked (``common.key_range``): the flash form where it fits, the
-    per-row form cut into slices of the keys (``plans.row_plan``) where it does not, and the blocked form (with both
-    off), against eager for every mask kind (grouped-query attention, head size 64)."""
+    loop over keys to the span some row leaves unmasked (``common.key_range``): the per-row form cut into slices of
+    the keys (``plans.row_plan``), the flash form where it fits (a dynamic graph's symbolic sizes, which the per-row
+    plan declines), and the blocked form (with both off), against eager for every mask kind (grouped-query attention,
+    head size 64)."""
     import meganeura.kernels.attention.blocked as blocked_kernels
     import meganeura.kernels.attention.per_row as per_row_kernels
 
@@ -494,7 +495,7 @@ def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypa
         pytest.skip("the device's workgroup storage does not hold the flash forward's tiles")
     if form != "flash":  # as under WebGPU's default 16 KiB of workgroup storage (a portable bundle's)
         monkeypatch.setattr(attention_plans, "flash_plan", lambda shape, limits: None)
-    if form == "blocked":
+    if form != "per_row":
         monkeypatch.setattr(attention_plans, "row_plan", lambda shape: None)
     module, name = {"per_row": (per_row_kernels, "sliced_forward"), "flash": (flash_kernels, "flash_forward"),
                     "blocked": (blocked_kernels, "blocked_forward")}[form]
