@@ -100,7 +100,8 @@ def _merged_operands(graph: Graph, attention: Attention, writer: Node,
     it then needs side by side to stay within ``max_bindings``: ``packed``), None) where ``writer`` may run in
     ``attention``'s dispatch (the module docstring), else (None, why not)."""
     own = {v.id for v in writer.outs}
-    if any(n is not attention for vid in own for n in graph.users().get(vid, [])):
+    if any(n is not attention and any(ld.args[0] in own for e in n.exprs() for ld in E.loads_of(e))
+           for n in graph.nodes):
         return None, "another node reads the update"
     if isinstance(writer, Pointwise) and own & {graph.outputs[p].id for p in graph.in_place}:
         return None, "an update of every element stored over its input (other workgroups read the elements it stores)"

@@ -311,14 +311,21 @@ def walk(e: Expr, skip=None) -> list[Expr]:
 def loads_of(e: Expr) -> list[Expr]:
     """The distinct load nodes of ``e`` (computed once per expression: fusion passes ask again and again)."""
     if e._loads is None:
-        e._loads = tuple(n for n in walk(e) if n.op == "load")
+        _walk_once(e)
     return list(e._loads)
 
 
 def size(e: Expr) -> int:
     if e._size is None:
-        e._size = len(walk(e))
+        _walk_once(e)
     return e._size
+
+
+def _walk_once(e: Expr) -> None:
+    """``loads_of`` and ``size`` of ``e`` kept on it from one walk (fusion asks both of each new expression)."""
+    nodes = walk(e)
+    e._loads = tuple(n for n in nodes if n.op == "load")
+    e._size = len(nodes)
 
 
 def depth(e: Expr) -> int:
