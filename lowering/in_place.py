@@ -208,7 +208,7 @@ def hoist_writers(graph: Graph) -> int:
     checking = {id(n) for n in graph.nodes if checks(n.exprs())}
     moved = 0
     for writer in sorted(writers.values(), key=graph.nodes.index):
-        at = graph.nodes.index(writer)
+        at = graph.position(writer)
         loaded = reads[id(writer)]
         earliest = 0
         for i, node in enumerate(graph.nodes[:at]):

@@ -85,7 +85,7 @@ def split_overfull_updates(graph: Graph, kernels: list[Node], stored_over: dict[
     for node in kernels:
         if isinstance(node, Pointwise) and node.also and _bindings_as_stored(node, stored_over) > max_bindings:
             parts = _parts_within(node, max_bindings)
-            at = graph.nodes.index(node)
+            at = graph.position(node)
             graph.nodes[at : at + 1] = parts
             result += parts
         else:
