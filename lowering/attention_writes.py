@@ -68,8 +68,8 @@ def fuse_attention_writes(graph: Graph, max_bindings: int, report: FusionReport)
         operands, packing = merged
         for node in packing:
             node.side_by_side = True
-        graph.nodes.remove(writer)
-        graph.nodes.remove(attention)
+        graph.remove(writer)
+        graph.remove(attention)
         graph.nodes.insert(place, attention)
         attention.set_exprs(operands)
         attention.writes = writer
@@ -100,7 +100,8 @@ def _merged_operands(graph: Graph, attention: Attention, writer: Node,
     it then needs side by side to stay within ``max_bindings``: ``packed``), None) where ``writer`` may run in
     ``attention``'s dispatch (the module docstring), else (None, why not)."""
     own = {v.id for v in writer.outs}
-    if any(n is not attention for vid in own for n in graph.users().get(vid, [])):
+    if any(n is not attention and any(ld.args[0] in own for e in n.exprs() for ld in E.loads_of(e))
+           for n in graph.nodes):
         return None, "another node reads the update"
     if isinstance(writer, Pointwise) and own & {graph.outputs[p].id for p in graph.in_place}:
         return None, "an update of every element stored over its input (other workgroups read the elements it stores)"
@@ -213,7 +214,7 @@ def _place(graph: Graph, attention: Attention, writer: Node) -> tuple[int | None
     everything else the pass reads is computed before it, else the pass's place where no node between them stores
     over an input (its request would be refused: a later kernel, the merged one, reads the input); or (None, why
     not)."""
-    at_writer, at_attention = graph.nodes.index(writer), graph.nodes.index(attention)
+    at_writer, at_attention = graph.position(writer), graph.position(attention)
     between = graph.nodes[at_writer + 1:at_attention]
     produced = {v.id for n in between for v in n.outs}
     read = {ld.args[0] for e in attention.exprs() for ld in E.loads_of(e)}

@@ -41,7 +41,7 @@ def separate_checks(graph: Graph, max_bindings: int, report: FusionReport) -> in
     returns how many check kernels were added."""
     producers = graph.producers()
     writers = [producers.get(graph.outputs[p].id) for p in graph.in_place]
-    first = min((graph.nodes.index(w) for w in writers if isinstance(w, (Pointwise, Reduce))), default=None)
+    first = min((graph.position(w) for w in writers if isinstance(w, (Pointwise, Reduce))), default=None)
     if first is None:
         return 0
     inputs = {n.out.id for n in graph.nodes if isinstance(n, Input)}
@@ -193,7 +193,7 @@ def _sink_unread_writers(graph: Graph) -> None:
         writer, target = producers.get(graph.outputs[position].id), inputs.get(name)
         if not isinstance(writer, Pointwise) or target is None or any(v.id in read for v in writer.outs):
             continue
-        at = graph.nodes.index(writer)
+        at = graph.position(writer)
         last = max((i for i, n in enumerate(graph.nodes) if n is not writer and target.out.id in reads[i]), default=-1)
         if last > at:  # (the nodes between shift down by one: the writer lands just after that reader)
             graph.nodes.insert(last, graph.nodes.pop(at))

@@ -164,7 +164,7 @@ def _merge(graph, consumer: Pointwise, producer, index: int, merged: E.Expr, per
     else:
         producer.results[index] = RowOutput(True, merged)
         producer.outs[index] = consumer.out
-    graph.nodes.remove(consumer)
+    graph.remove(consumer)
 
 
 def _is_row_result(producer, index: int) -> bool:

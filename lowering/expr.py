@@ -238,20 +238,24 @@ def substitute(e: Expr, rewrite: Callable[[Expr], Expr | None], memo: dict | Non
     of ``e`` is rewritten once: where rebuilding a node folds it into one of its new children (``add(x, 0)`` is
     ``x``), that child is the result as it stands, not rewritten again (a coordinate renaming applied twice would
     rename a renamed coordinate)."""
-    memo = {} if memo is None else memo
+    memo = {} if memo is None else memo  # id(node) -> its result
+    kept = []  # the nodes visited, alive while their ids key ``memo`` (an id is not reused)
 
     def visit(node: Expr) -> Expr:
-        key = id(node)
-        if key in memo:
-            return memo[key][1]
-        new_args = tuple(_visit_arg(a, visit) for a in node.args)
-        rebuilt = node if new_args == node.args else _rebuild(node, new_args)
-        if rebuilt is not node and any(rebuilt is child for child in _flat_args(new_args)):
-            memo[key] = (node, rebuilt)
-            return rebuilt
+        found = memo.get(id(node))
+        if found is not None:
+            return found
+        kept.append(node)
+        rebuilt = node
+        new_args = tuple([_visit_arg(a, visit) for a in node.args])
+        if new_args != node.args:
+            rebuilt = _rebuild(node, new_args)
+            if any(rebuilt is child for child in _flat_args(new_args)):
+                memo[id(node)] = rebuilt
+                return rebuilt
         out = rewrite(rebuilt)
         out = rebuilt if out is None else out
-        memo[key] = (node, out)  # keep node alive so its id is not reused
+        memo[id(node)] = out
         return out
 
     return visit(e)
@@ -261,7 +265,7 @@ def _visit_arg(a, visit):
     if isinstance(a, Expr):
         return visit(a)
     if isinstance(a, tuple):
-        return tuple(visit(x) if isinstance(x, Expr) else x for x in a)
+        return tuple([visit(x) if isinstance(x, Expr) else x for x in a])
     return a
 
 
@@ -286,33 +290,42 @@ def walk(e: Expr, skip=None) -> list[Expr]:
     holds for, nor their subtrees."""
     seen: set[int] = set()
     order: list[Expr] = []
-    stack = [(e, False)]
+    stack: list = [e]  # nodes to visit; a None above a node: its children are done, it comes next in ``order``
+    push, pop = stack.append, stack.pop
     while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
+        node = pop()
+        if node is None:
+            order.append(pop())
             continue
         if id(node) in seen or (skip is not None and skip(node)):
             continue
         seen.add(id(node))
-        stack.append((node, True))
+        push(node)
+        push(None)
         for child in node.children():
             if id(child) not in seen:
-                stack.append((child, False))
+                push(child)
     return order
 
 
 def loads_of(e: Expr) -> list[Expr]:
     """The distinct load nodes of ``e`` (computed once per expression: fusion passes ask again and again)."""
     if e._loads is None:
-        e._loads = tuple(n for n in walk(e) if n.op == "load")
+        _walk_once(e)
     return list(e._loads)
 
 
 def size(e: Expr) -> int:
     if e._size is None:
-        e._size = len(walk(e))
+        _walk_once(e)
     return e._size
+
+
+def _walk_once(e: Expr) -> None:
+    """``loads_of`` and ``size`` of ``e`` kept on it from one walk (fusion asks both of each new expression)."""
+    nodes = walk(e)
+    e._loads = tuple(n for n in nodes if n.op == "load")
+    e._size = len(nodes)
 
 
 def depth(e: Expr) -> int:

@@ -207,8 +207,8 @@ def hoist_writers(graph: Graph) -> int:
     reads = {id(n): {ld.args[0] for e in n.exprs() for ld in E.loads_of(e)} for n in graph.nodes}
     checking = {id(n) for n in graph.nodes if checks(n.exprs())}
     moved = 0
-    for writer in sorted(writers.values(), key=graph.nodes.index):
-        at = graph.nodes.index(writer)
+    for writer in sorted(writers.values(), key=graph.position):
+        at = graph.position(writer)
         loaded = reads[id(writer)]
         earliest = 0
         for i, node in enumerate(graph.nodes[:at]):

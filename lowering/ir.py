@@ -354,6 +354,15 @@ class Graph:
     status_messages: dict[int, str] = field(default_factory=dict)  # code raised by ``check`` exprs -> error
     in_place: dict[int, str] = field(default_factory=dict)  # output position -> Input it may overwrite (in_place.py)
 
+    def position(self, node: Node) -> int:
+        """Where ``node`` is in ``nodes``, found by identity (a dataclass's ``==``, which ``list.index`` asks of each
+        node before it, compares every field)."""
+        return next(i for i, n in enumerate(self.nodes) if n is node)
+
+    def remove(self, node: Node) -> None:
+        """Drop ``node`` from ``nodes`` (found by identity: ``position``)."""
+        del self.nodes[self.position(node)]
+
     def producers(self) -> dict[int, Node]:
         return {v.id: n for n in self.nodes for v in n.outs}
 

@@ -89,5 +89,5 @@ def _try_merge(graph, consumer: Pointwise, producer: Pointwise, users, order, ma
         return f"more than {max_bindings} storage bindings"
     consumer.outs = consumer.outs + producer.outs
     consumer.set_exprs(merged)
-    graph.nodes.remove(producer)
+    graph.remove(producer)
     return None

@@ -87,4 +87,4 @@ def _merge(graph: Graph, reader: Matmul, first: Matmul, vid: int) -> None:
     reader.epilogue = simplify(E.substitute(reader.epilogue, lambda n: moved if n.op == "load" and n.args[0] == vid
                                             else None), dict(enumerate((reader.batch, reader.m, reader.n))))
     reader.label = "+".join(dict.fromkeys(first.label.split("+") + reader.label.split("+")))
-    graph.nodes.remove(first)
+    graph.remove(first)

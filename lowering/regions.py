@@ -109,7 +109,7 @@ def _drop_unread(graph: Graph) -> None:
                 continue
             mine = keys[id(node)]
             if all(key is not None and makers[key] - {id(node)} for key in mine):
-                graph.nodes.remove(node)
+                graph.remove(node)
                 for key in mine:
                     makers[key].discard(id(node))
                 dropped = True

@@ -47,11 +47,11 @@ def rematerialize(graph: Graph) -> int:
     next_id = 1 + max(v.id for n in graph.nodes for v in n.outs)
     copies: list[tuple[object, Pointwise]] = []  # (reader, copy to place before it)
     for node in graph.nodes:
-        if not _cheap(node) or node.is_view() or node.out.id in outputs:
+        if not isinstance(node, Pointwise) or node.out.id in outputs:
             continue
         vid = node.out.id
         far = _far_readers(readers.get(vid, []), position)
-        if not far:
+        if not far or not _cheap(node) or node.is_view():  # (walked only where it has far readers)
             continue
         until, small = last_read[vid], node.out.numel // SMALL_RATIO
 

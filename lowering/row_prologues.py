@@ -41,7 +41,7 @@ def fuse_row_prologues(graph: Graph, max_bindings: int, report: FusionReport) ->
         for reader in readers:
             _move(norm, reader)
             report.fused.append((_name(norm), _name(reader)))
-        graph.nodes.remove(norm)
+        graph.remove(norm)
 
 
 def _refusal(norm: Reduce, readers: list, max_bindings: int) -> str | None:

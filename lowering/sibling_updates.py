@@ -52,20 +52,17 @@ def fuse_sibling_updates(graph: Graph, max_bindings: int, report: FusionReport) 
 def _stored_over(graph: Graph, writers: list[Node]) -> set[int]:
     """Ids of the inputs that the merged kernel of ``writers`` reads through the bindings of outputs stored over them:
     those it may store over whatever the order (``in_place.writer_refusal``) and that no other node reads."""
-    inputs = {n.name: n for n in graph.nodes if isinstance(n, Input)}
     outs = {v.id: (v, w) for w in writers for v in w.outs}
-    readers: dict[int, int] = {}
-    for n in graph.nodes:
-        for vid in {ld.args[0] for e in n.exprs() for ld in E.loads_of(e)}:
-            readers[vid] = readers.get(vid, 0) + (not any(n is w for w in writers))
-    found = set()
-    for position, name in graph.in_place.items():
-        out = outs.get(graph.outputs[position].id)
-        target = inputs.get(name)
-        if (out is not None and target is not None and readers.get(target.out.id, 0) == 0
-                and writer_refusal(out[0], target, out[1]) is None):
-            found.add(target.out.id)
-    return found
+    requests = [(outs[graph.outputs[p].id], name) for p, name in graph.in_place.items() if graph.outputs[p].id in outs]
+    if not requests:  # (the readers are counted only of the inputs that the writers ask to store over)
+        return set()
+    inputs = {n.name: n for n in graph.nodes if isinstance(n, Input)}
+    targets = [(out, inputs[name]) for out, name in requests if name in inputs]
+    ids = {target.out.id for _, target in targets}
+    read_elsewhere = {ld.args[0] for n in graph.nodes if not any(n is w for w in writers)
+                      for e in n.exprs() for ld in E.loads_of(e) if ld.args[0] in ids}
+    return {target.out.id for (v, writer), target in targets
+            if target.out.id not in read_elsewhere and writer_refusal(v, target, writer) is None}
 
 
 def _merge(earlier: Pointwise, later: Pointwise) -> None:
@@ -88,7 +85,7 @@ def split_overfull_updates(graph: Graph, kernels: list[Node], stored_over: dict[
     for node in kernels:
         if isinstance(node, Pointwise) and node.also and _bindings_as_stored(node, stored_over) > max_bindings:
             parts = _parts_within(node, max_bindings)
-            at = graph.nodes.index(node)
+            at = graph.position(node)
             graph.nodes[at : at + 1] = parts
             result += parts
         else:

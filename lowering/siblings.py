@@ -39,15 +39,15 @@ def fuse_siblings(graph: Graph, max_bindings: int, report: FusionReport, key_of:
     merged = True
     while merged:  # a merge reorders nodes: walk again from the start
         merged = False
-        latest: dict = {}  # key -> the latest node a later one may join
-        for node in graph.nodes:
+        latest: dict = {}  # key -> (position, the latest node a later one may join)
+        for position, node in enumerate(graph.nodes):
             key = key_of(node)
             if key is None:
                 continue
-            earlier, latest[key] = latest.get(key), node
+            (start, earlier), latest[key] = latest.get(key, (None, None)), (position, node)
             if earlier is None or (id(earlier), id(node)) in refused:
                 continue
-            reason = _place(graph, earlier, node, loads, max_bindings, bindings or merged_bindings)
+            reason = _place(graph, (start, position), loads, max_bindings, bindings or merged_bindings)
             if reason is not None:
                 refused.add((id(earlier), id(node)))
                 report.refused.append((_name(earlier), _name(node), reason))
@@ -63,9 +63,10 @@ def _kept_alive(graph: Graph, end: int, read: set, loads) -> dict[int, int]:
     at ``end``, nor any node after it reads: the merged node, in the later one's place, would keep them alive until
     there. Inputs and outputs have buffers of their own."""
     own = {v.id for v in graph.outputs} | {n.out.id for n in graph.nodes if isinstance(n, Input)}
-    read_from_end = set().union(*(loads[id(n)] for n in graph.nodes[end:]))
-    return {v.id: 4 * v.numel for n in graph.nodes for v in n.outs
-            if v.id in read and v.id not in own and v.id not in read_from_end}
+    ended = set(read) - own
+    for n in graph.nodes[end:]:
+        ended -= loads[id(n)]
+    return {v.id: 4 * v.numel for n in graph.nodes for v in n.outs if v.id in ended}
 
 
 def merged_bindings(earlier: Node, later: Node, loaded: set) -> int:
@@ -75,11 +76,12 @@ def merged_bindings(earlier: Node, later: Node, loaded: set) -> int:
     return len(loaded) + len(earlier.outs) + len(later.outs) + spare + status
 
 
-def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings, bindings) -> str | None:
-    """Remove ``earlier`` and move the nodes between the two that depend on it to after ``later``; None when done,
-    else why the two cannot merge."""
+def _place(graph: Graph, positions: tuple[int, int], loads, max_bindings, bindings) -> str | None:
+    """Remove the earlier of the nodes at ``positions`` and move the nodes between the two that depend on it to after
+    the later one; None when done, else why the two cannot merge."""
     nodes = graph.nodes
-    start, end = nodes.index(earlier), nodes.index(later)
+    start, end = positions
+    earlier, later = nodes[start], nodes[end]
     tainted = {v.id for v in earlier.outs}
     dependent = set()
     for n in nodes[start + 1 : end]:
@@ -88,11 +90,11 @@ def _place(graph: Graph, earlier: Node, later: Node, loads, max_bindings, bindin
             tainted |= {v.id for v in n.outs}
     if loads[id(later)] & tainted:
         return "the second reads a result of the first"
-    kept = _kept_alive(graph, end, loads[id(earlier)], loads)
     across = end - start - 1 - len(dependent)
-    if across > KEEP_ALIVE_ACROSS and sum(kept.values()) > KEEP_ALIVE_BYTES:
-        return (f"it would keep {sum(kept.values())} bytes that the first reads last in memory across {across} other "
-                "kernels")
+    if across > KEEP_ALIVE_ACROSS:  # (the bytes kept alive are summed only where they may refuse the merge)
+        kept = sum(_kept_alive(graph, end, loads[id(earlier)], loads).values())
+        if kept > KEEP_ALIVE_BYTES:
+            return f"it would keep {kept} bytes that the first reads last in memory across {across} other kernels"
     if bindings(earlier, later, loads[id(earlier)] | loads[id(later)]) > max_bindings:
         return f"more than {max_bindings} storage bindings"
     between = nodes[start + 1 : end]

@@ -791,3 +791,36 @@ def test_sibling_outputs_of_one_shape_share_one_kernel():
     want = [data["k"] * 2, data["v"] + 1, -data["w"].reshape(15)]
     for spec, expected in zip(plan.outputs, want):
         np.testing.assert_array_equal(out[spec.name].reshape(expected.shape), expected)
+
+
+def test_loads_and_size_of_an_expression_take_one_walk(monkeypatch):
+    """Fusion asks the loads and the size of each new expression: one walk gives both (``expr._walk_once``), kept
+    on the expression, and neither asks again; the loads are those of a walk, in its order."""
+    walks = []
+    walk = E.walk
+    monkeypatch.setattr(E, "walk", lambda e, skip=None: walks.append(e) or walk(e, skip))
+    x = E.load(1, (E.coord(0),), E.F32)
+    e = E.add(E.mul(x, E.load(2, (E.add(E.coord(0), E.const(1, E.I32)),), E.F32)), x)
+    assert E.size(e) == 8 and E.loads_of(e) == [n for n in walk(e) if n.op == "load"]  # (the two c0 apart)
+    assert E.size(e) == 8 and len(walks) == 1
+
+
+def test_adjacent_sibling_reductions_sum_no_bytes_kept_alive(monkeypatch):
+    """The bytes a merge of two sibling reductions would keep alive are summed only where more than
+    ``KEEP_ALIVE_ACROSS`` kernels lie between them: two sums one after the other merge without it, every result as
+    numpy's."""
+    from meganeura.lowering import siblings
+
+    summed = []
+    kept_alive = siblings._kept_alive
+    monkeypatch.setattr(siblings, "_kept_alive", lambda *a: summed.append(a) or kept_alive(*a))
+    b = GraphBuilder()
+    xs = [b.input(name, (8, 300), "float32") for name in ("x", "y")]
+    for v in xs:
+        b.output(b.reduce_simple(v, (0,), "sum", "float32", label="sum"))
+    plan, _ = compile_graph(b.graph, get_device().limits)
+    assert len(plan.dispatches) == 1 and not summed
+    data = {name: RNG.standard_normal((8, 300)).astype(np.float32) for name in ("x", "y")}
+    out = Program(get_device(), plan).run(data)
+    for spec, name in zip(plan.outputs, ("x", "y")):
+        np.testing.assert_allclose(out[spec.name], data[name].astype(np.float64).sum(0), rtol=1e-5, atol=1e-4)
