@@ -39,7 +39,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     return prelude + kernel, grid
 
 
-def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str) -> str:
+def _forward_body(s: AttentionShape, outs: list[str], splits, partial: str) -> str:
     """WGSL: output element e rescaled from every slice to the overall max, and (one thread a row) the row's
     log-sum-exp."""
     out, lse = forward_outputs(outs)
@@ -50,7 +50,7 @@ def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str)
   if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}""")
 
 
-def _merged_sums(s: AttentionShape, splits: int, partial: str) -> str:
+def _merged_sums(s: AttentionShape, splits, partial: str) -> str:
     """WGSL: the overall max ``m`` of output row ``row``'s slices, and its sum ``l`` and column ``c``'s unnormalised
     output ``o`` rescaled to it (with ``prob`` and ``MASKED`` in scope)."""
     rows, width = partial_layout(s, "forward")
@@ -66,10 +66,11 @@ def _merged_sums(s: AttentionShape, splits: int, partial: str) -> str:
   }}"""
 
 
-def merged_function(name: str, s: AttentionShape, splits: int, partial: str) -> str:
-    """WGSL: ``name(e: i32) -> f32``, element e of a forward pass's output merged from the ``splits`` slices' partial
-    results in ``partial`` (what the merge dispatch stores there), for a kernel that reads the output as it merges
-    it (a matrix-vector product's row: ``lowering.slice_merges``); with the ``prob`` it calls, named apart."""
+def merged_function(name: str, s: AttentionShape, splits, partial: str) -> str:
+    """WGSL: ``name(e: i32) -> f32``, element e of a forward pass's output merged from the ``splits`` first slices'
+    partial results in ``partial`` (what the merge dispatch stores there; a size where the run's length sets it),
+    for a kernel that reads the output as it merges it (a matrix-vector product's row: ``lowering.slice_merges``);
+    with the ``prob`` it calls, named apart."""
     helper = f"{name}_prob"
     sums = _merged_sums(s, splits, partial).replace("prob(", f"{helper}(").replace("MASKED", repr(MASKED))
     return f"""fn {helper}(s: f32, lse: f32) -> f32 {{
@@ -84,7 +85,7 @@ fn {name}(e_: i32) -> f32 {{
 }}"""
 
 
-def _gradient_body(s: AttentionShape, kind: str, outs: list[str], splits: int, partial: str) -> str:
+def _gradient_body(s: AttentionShape, kind: str, outs: list[str], splits, partial: str) -> str:
     """WGSL: element e of the gradient (dQ; or dK and dV side by side) summed over the slices, and scaled."""
     rows, width = partial_layout(s, kind)
     sums = f"""  var acc = 0.0;

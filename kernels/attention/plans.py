@@ -2,11 +2,12 @@
 takes, and how many slices the other sequence is cut into; with the constants they weigh and the scratch the slices
 need.
 
-The forward runs flash where ``flash_plan`` gives a plan, else the per-row kernel cut into slices of the keys for a
-decode step's few query rows (``row_plan``), else chunked flash where ``chunked_plan`` does (long query sequences),
+The forward runs the per-row kernel cut into slices of the keys for a decode step's few query rows (``row_plan``),
+else flash where ``flash_plan`` gives a plan, else chunked flash where ``chunked_plan`` does (long query sequences),
 else the blocked form where ``block_plan`` does, else the per-row kernel unsliced (``forward_plan``); the
 gradient passes blocked or per row. A pass cut into slices (``splits`` above 1) writes per-slice partial results to
-scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them.
+scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them. Over a symbolic length
+(a dynamic graph's KV cache) a run launches and merges only the slices that hold rows (``live_slices``).
 """
 from __future__ import annotations
 
@@ -225,7 +226,7 @@ def _splits(blocks, tiles, target: int, min_tiles: int, most: int = SPLIT_MAX) -
     """Slices of the other sequence (a power of two up to ``most``) until ``blocks`` workgroups become ``target``,
     each slice keeping ``min_tiles`` tiles. None where the blocks are symbolic (many rows); where only the tiles are
     (a KV cache's length), as many as the blocks alone allow, whatever the length: one kernel for every length
-    (slices past the end are empty, and the merge weighs them zero)."""
+    (a run launches and merges only the slices that hold rows at its length: ``live_slices``)."""
     if is_size(blocks):
         return 1
     splits = 1

@@ -485,9 +485,8 @@ def _cache_masks(rows: int, keys: int) -> dict:
 def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, form, rows):
     """A decode step (one query row, or a few) over a static cache of 700 positions: each forward form narrows its
     loop over keys to the span some row leaves unmasked (``common.key_range``): the per-row form cut into slices of
-    the keys (``plans.row_plan``), the flash form where it fits (a dynamic graph's symbolic sizes, which the per-row
-    plan declines), and the blocked form (with both off), against eager for every mask kind (grouped-query attention,
-    head size 64)."""
+    the keys (``plans.row_plan``), the flash form where it fits (with the per-row plan off), and the blocked form
+    (with both off), against eager for every mask kind (grouped-query attention, head size 64)."""
     import meganeura.kernels.attention.blocked as blocked_kernels
     import meganeura.kernels.attention.per_row as per_row_kernels
 
