@@ -577,3 +577,32 @@ def test_a_decode_step_over_a_dynamic_cache_gives_eager_outputs_at_every_length(
     # (scheduled again as the plan's bound on the length grows: one forward and one merging projection each time)
     assert forwards and all(is_size(shape.lk) for shape in forwards), forwards
     assert len(merged) == len(forwards) and all(map(is_size, merged)), merged
+
+
+def test_gradients_over_a_symbolic_key_count_in_slices():
+    """16 query rows over keys of a dynamic count (cross-attention to a context of varying length): the flash
+    forward and the blocked dQ pass cut the keys into slices of which a run launches and merges those that hold keys
+    (``plans.live_slices``: 2, 4 and 10 of 16 here); output and gradients equal eager's at each length."""
+    from meganeura.kernels.attention.plans import AttentionShape, live_slices, pass_plan
+    from meganeura.kernels.sizes import is_size, symbol
+    from meganeura.runtime.device import get_device
+
+    shape = AttentionShape(1, 2, 2, 16, symbol(0, 40), 16, 16, 0.25, False, False)
+    plan = pass_plan(shape, "grad_q", get_device().limits)
+    assert plan.splits > 1 and is_size(live_slices(shape, "grad_q", plan)), plan
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="meganeura")
+    for length in (40, 100, 300):
+        q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (16, length, length))
+        for x in (k, v):
+            torch._dynamo.mark_dynamic(x, 2)
+        out = compiled(q, k, v)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        want_out = fn(q, k, v)
+        want = torch.autograd.grad(want_out, (q, k, v), grad)
+        assert_same((out, *got), (want_out, *want), rtol=RTOL, atol=ATOL, rel=REL, what=length)
