@@ -9,7 +9,9 @@ convolution filter's taps read as one GEMM row, folds back to that coordinate.
 """
 from __future__ import annotations
 
-from meganeura.kernels.sizes import is_size
+import math
+
+from meganeura.kernels.sizes import floordiv, is_size
 
 from . import expr as E
 
@@ -84,7 +86,35 @@ def _affine(e: E.Expr) -> Affine:
                 t, c = _affine(x)
                 k = y.args[0]
                 return ({a: v * k for a, v in t.items()} if k else {}), c * k
+        return _product_of_terms(e)
+    if e.op == "size":
+        return _size_terms(e)
     return {e: 1}, 0
+
+
+def _size_terms(e: E.Expr) -> Affine:
+    """The affine form of a symbolic size: its constant apart, and the rest as the common factor of its
+    coefficients times a size (``s0 * 8`` is 8 times ``s0``)."""
+    size = e.args[0].size
+    const = sum(c for m, c in size.terms if not m)
+    rest = size - const
+    if not is_size(rest):
+        return {e: 1}, 0
+    factor = math.gcd(*(c for _, c in rest.terms))
+    return {E.const(floordiv(rest, factor), E.I32): factor}, const
+
+
+def _product_of_terms(e: E.Expr) -> Affine:
+    """The affine form of a product of two factors, neither a constant: where each is one term (an atom times a
+    coefficient), the atoms' product times the coefficients' (a row of a head of a dynamic KV cache, ``(h / 3) *
+    (s0 * 8)``, is then 8 times an atom, which ``quad_row_index`` reads by vec4); else the product is the atom."""
+    (ta, ca), (tb, cb) = _affine(e.args[0]), _affine(e.args[1])
+    if ca or cb or len(ta) != 1 or len(tb) != 1:
+        return {e: 1}, 0
+    (a, ka), (b, kb) = *ta.items(), *tb.items()
+    if ka == 1 and kb == 1:
+        return {e: 1}, 0
+    return {E.mul(a, b): ka * kb}, 0
 
 
 def _build(terms: dict, const: int) -> E.Expr:

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 
 from meganeura.kernels import matmul_plans
 from meganeura.kernels.attention.merge import merged_function
+from meganeura.kernels.attention.plans import attention_live_slices
 from meganeura.kernels.matmul_gemv import gemv_stage_fits
 from meganeura.kernels.sizes import is_size
 
@@ -31,10 +32,12 @@ from .node_kernels import attention_shape
 
 
 class SliceMerge(NamedTuple):
-    """An attention pass whose slices its reader merges: the pass's output, and the step of the reader."""
+    """An attention pass whose slices its reader merges: the pass, its reader and the reader's step, and how many
+    slices a run launches (``kernels.attention.plans.live_slices``: a size where a KV cache's length is)."""
     attention: Attention
     reader: Matmul
     reader_step: int
+    live: object  # int or kernels.sizes.Size
 
 
 def slice_merges(kernels: list[Node], placement: dict, limits: dict, variants: dict,
@@ -55,7 +58,8 @@ def slice_merges(kernels: list[Node], placement: dict, limits: dict, variants: d
             continue
         reader = kernels[steps[0]]
         if _reads_as_vector(reader, out.id, limits, variants) and _concrete(node):
-            merges[id(node)] = SliceMerge(node, reader, steps[0])
+            live = attention_live_slices(attention_shape(node), "forward", limits)
+            merges[id(node)] = SliceMerge(node, reader, steps[0], live)
     return merges
 
 
@@ -80,17 +84,17 @@ def _concrete(node: Attention) -> bool:
 
 class ReaderMerge(NamedTuple):
     """What the reader of a merged pass needs: the output's value id, the arena key of the slices' scratch, the
-    pass's shape and its slices."""
+    pass's shape and the slices it reads (those a run launches)."""
     vid: int
     key: int
     shape: object  # kernels.attention.AttentionShape
-    splits: int
+    live: object  # int or kernels.sizes.Size
 
     @classmethod
     def of(cls, merge: SliceMerge, scratch: tuple[int, int]) -> ReaderMerge:
         """The reader's view of ``merge``, whose attention pass has ``scratch`` (slices, arena key)."""
-        splits, key = scratch
-        return cls(merge.attention.out.id, key, attention_shape(merge.attention), splits)
+        _, key = scratch
+        return cls(merge.attention.out.id, key, attention_shape(merge.attention), merge.live)
 
     def read(self, slot: int, index: E.Expr) -> E.Expr:
         """Element ``index`` of the output, merged from the scratch bound at ``slot``."""
@@ -98,4 +102,4 @@ class ReaderMerge(NamedTuple):
 
     def function(self, slot: int, name: Callable[[int], str]) -> str:
         """WGSL of the function ``read`` calls, over the scratch bound at ``slot`` (``name``: slot -> WGSL name)."""
-        return merged_function(f"mg_merged{slot}", self.shape, self.splits, name(slot))
+        return merged_function(f"mg_merged{slot}", self.shape, self.live, name(slot))

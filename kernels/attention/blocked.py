@@ -10,10 +10,9 @@ merges them.
 """
 from __future__ import annotations
 
-from ..matmul import fold_grid
 from ..sizes import ceil_div
 from .common import (MASKED, PROB, block_entry, forward_outputs, key_range, key_range_arrays, slice_bounds,
-                     split_constants, u32_constants, vec4_loaders)
+                     sliced_grid, split_constants, u32_constants, vec4_loaders)
 from .plans import AttentionShape, BlockPlan
 
 # Forward: keys whose scores a thread computes together (independent dot products in flight). H200, Whisper: the
@@ -91,7 +90,7 @@ def blocked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     into slices of keys, each slice stores its unnormalised output, running max and sum into ``partial``."""
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     blocks = s.batch * s.heads * ceil_div(s.lq, plan.rows)
-    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = sliced_grid(s, "forward", plan, blocks, limits)
     stride = plan.tile + 1  # per-thread score row in workgroup memory, padded against bank conflicts
     q_regs = "\n".join(f"  let q{c} = {vec4_load('load_q', 'b, h, iq', c, s.d)};" for c in range(d4))
     o_regs = "\n".join(f"  var o{c} = vec4<f32>();" for c in range(dv4))

@@ -4,10 +4,9 @@ broadcast (see ``blocked`` for the form and its helpers). Each recomputes the ti
 log-sum-exp, and dS = P (dO.V - delta)."""
 from __future__ import annotations
 
-from ..matmul import fold_grid
 from ..sizes import ceil_div
 from .blocked import blocked_header, partial_stores, row_dot, row_stores, stage, vec4_load
-from .common import block_entry, slice_bounds, vec4_loaders
+from .common import block_entry, sliced_grid, slice_bounds, vec4_loaders
 from .plans import AttentionShape, BlockPlan
 
 
@@ -20,7 +19,7 @@ def blocked_grad_q(prelude: str, s: AttentionShape, outs: list[str], plan: Block
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     per_block = ceil_div(s.lq, plan.rows)
     blocks = s.batch * s.heads * per_block
-    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = sliced_grid(s, "grad_q", plan, blocks, limits)
     dout_regs = "\n".join(f"  let o{c} = {vec4_load('load_dout', 'b, h, iq', c, s.dv)};" for c in range(dv4))
     acc_regs = "\n".join(f"  var g{c} = vec4<f32>();" for c in range(d4))
     if plan.splits == 1:
@@ -90,7 +89,7 @@ def blocked_grad_kv(prelude: str, s: AttentionShape, outs: list[str], plan: Bloc
     d4, dv4 = -(-s.d // 4), -(-s.dv // 4)
     per_block = ceil_div(s.lk, plan.rows)
     blocks = s.batch * s.kv_heads * per_block
-    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = sliced_grid(s, "grad_kv", plan, blocks, limits)
     acc_regs = "\n".join([f"  var gk{c} = vec4<f32>();" for c in range(d4)]
                          + [f"  var gv{c} = vec4<f32>();" for c in range(dv4)])
     if plan.splits == 1:

@@ -16,9 +16,9 @@ the per-row kernel 6.7, this one 0.58 (the unfused path, which the lowering pick
 """
 from __future__ import annotations
 
-from ..matmul import fold_grid
 from ..sizes import ceil_div
-from .common import MASKED, PROB, block_entry, slice_bounds, split_constants, u32_constants, vec4_loaders
+from .common import (MASKED, PROB, block_entry, slice_bounds, sliced_grid, split_constants, u32_constants,
+                     vec4_loaders)
 from .flash import ROWS4, accumulate, probabilities, row_totals, shares, stores, tile_row
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, ChunkedPlan, chunked_shared_bytes, flash_sizes
 
@@ -30,7 +30,7 @@ def chunked_forward(prelude: str, s: AttentionShape, outs: list[str], plan: Chun
     _, _, per_thread = flash_sizes(s)
     groups = plan.rows // 4
     blocks = s.batch * s.heads * ceil_div(s.lq, plan.rows)
-    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = sliced_grid(s, "forward", plan, blocks, limits)
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     o_regs = "\n".join(f"  var o{r}_{w} = vec4<f32>();" for r in ROWS4 for w in range(per_thread))
     kernel = _header(s, plan, blocks, grid) + f"""

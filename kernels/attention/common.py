@@ -8,7 +8,8 @@ import re
 
 from .. import wgsl
 from ..sizes import is_size
-from .plans import AttentionShape, partial_layout
+from ..matmul_common import fold_grid
+from .plans import AttentionShape, live_slices, partial_layout
 
 # A score at or below this (an additive mask of -inf or the dtype's minimum) counts as masked out.
 MASKED = -1.0e38
@@ -116,12 +117,12 @@ BLOCK_NAMES = {"query": ("bh", "h", "H", "i0"), "key": ("bg", "g", "HKV", "j0")}
 
 def block_entry(threads: str, rows: str, blocks_per_head: str, over: str = "query") -> str:
     """The head of a kernel over blocks of ``rows`` rows (query or key rows, ``over``), ``blocks_per_head`` blocks
-    per head and each maybe cut into SPLITS slices: from the workgroup's id ``wid``, its block ``blk`` and slice
-    ``split``, batch ``b``, the head (``h`` of H query heads, or ``g`` of HKV KV heads) and the block's first row
-    (``i0`` or ``j0``)."""
+    per head and each maybe cut into SPLITS slices, of which the LIVE first run (``sliced_grid``): from the
+    workgroup's id ``wid``, its block ``blk`` and slice ``split``, batch ``b``, the head (``h`` of H query heads,
+    or ``g`` of HKV KV heads) and the block's first row (``i0`` or ``j0``)."""
     pair, head, heads, first = BLOCK_NAMES[over]
-    return entry(threads, "wid", "BLOCKS * SPLITS") + f"""  let blk = wid / SPLITS;
-  let split = wid % SPLITS;
+    return entry(threads, "wid", "BLOCKS * LIVE") + f"""  let blk = wid / LIVE;
+  let split = wid % LIVE;
   let {pair} = blk / {blocks_per_head};
   let b = {pair} / {heads};
   let {head} = {pair} % {heads};
@@ -147,11 +148,17 @@ def vec4_loaders(prelude: str, s: AttentionShape, *operands: str) -> str:
 
 
 def split_constants(s: AttentionShape, kind: str, plan, grid) -> str:
-    """WGSL constants of a blocked or flash pass: its slices (``plan``: a BlockPlan or FlashPlan), output rows and
-    folded grid."""
+    """WGSL constants of a blocked or flash pass: its slices (``plan``: a BlockPlan or FlashPlan) and those a run
+    launches (``plans.live_slices``), output rows and folded grid."""
     rows, _ = partial_layout(s, kind)
-    return (u32_constants(SPLITS=plan.splits, CHUNK=plan.chunk, ROWS=rows) + "\n"
+    return (u32_constants(SPLITS=plan.splits, LIVE=live_slices(s, kind, plan), CHUNK=plan.chunk, ROWS=rows) + "\n"
             + wgsl.grid_constants(grid).rstrip("\n"))
+
+
+def sliced_grid(s: AttentionShape, kind: str, plan, rows, limits: dict) -> tuple:
+    """The folded grid of a pass of ``rows`` workgroups (row blocks) per slice: the slices a run launches
+    (``plans.live_slices``: all of them but where a symbolic length leaves the last ones empty) of each."""
+    return fold_grid(rows * live_slices(s, kind, plan), limits.get("max-compute-workgroups-per-dimension", 65535))
 
 
 def slice_bounds(what: str, end: str, start: str = "0u") -> str:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..sizes import concrete
 from . import blocked, blocked_grad, chunked, flash, merge, per_row
-from .plans import AttentionShape, BlockPlan, ChunkedPlan, FlashPlan, RowPlan, block_plan, forward_plan
+from .plans import AttentionShape, BlockPlan, ChunkedPlan, FlashPlan, RowPlan, live_slices, pass_plan
 
 
 def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[str], limits: dict,
@@ -17,7 +17,7 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
     [dk, dv] for grad_kv. Where ``attention_splits`` is above 1 and ``partial`` names the scratch array, there are
     two dispatches: the slices, then their merge; with no ``partial`` (the scheduler had no storage binding left for
     it) one, unsliced."""
-    plan = forward_plan(shape, limits) if kind == "forward" else block_plan(shape, kind, limits)
+    plan = pass_plan(shape, kind, limits)
     if plan is None:  # (its sizes concrete: a dynamic graph's plan then holds for these alone)
         concrete_shape = replace(shape, batch=concrete(shape.batch), lq=concrete(shape.lq), lk=concrete(shape.lk))
         return [per_row.per_row_kernel(prelude, kind, concrete_shape, outs, limits)]
@@ -35,5 +35,5 @@ def attention_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[
         plan = replace(plan, splits=1, chunk=0)
     passes = [generate(prelude, shape, outs, plan, limits, partial)]
     if plan.splits > 1:
-        passes.append(merge.merge_slices(prelude, shape, kind, outs, plan.splits, partial, limits))
+        passes.append(merge.merge_slices(prelude, shape, kind, outs, live_slices(shape, kind, plan), partial, limits))
     return passes

@@ -8,10 +8,9 @@ took the inference GPU time of Whisper-tiny from 3.13 to 2.75 ms (against the un
 """
 from __future__ import annotations
 
-from ..matmul import fold_grid
 from ..sizes import ceil_div
 from .common import (MASKED, PROB, block_entry, forward_outputs, key_range, key_range_arrays, slice_bounds,
-                     split_constants, u32_constants, vec4_loaders)
+                     sliced_grid, split_constants, u32_constants, vec4_loaders)
 from .plans import FLASH_KEY_GROUPS, FLASH_KEYS, AttentionShape, FlashPlan, flash_sizes
 
 # Score columns (vec4s) per iteration of the loop over the head size. H200, GPU us, 1, 2 and 4 columns and all
@@ -37,7 +36,7 @@ def flash_forward(prelude: str, s: AttentionShape, outs: list[str], plan: FlashP
     _, _, per_thread = flash_sizes(s)
     groups = plan.rows // 4
     blocks = s.batch * s.heads * ceil_div(s.lq, plan.rows)
-    grid = fold_grid(blocks * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = sliced_grid(s, "forward", plan, blocks, limits)
     cols = range(per_thread)
     key_end = "min(LK, i0 + BQ)" if s.causal else "LK"
     o_regs = "\n".join(f"  var o{r}_{w} = vec4<f32>();" for r in ROWS4 for w in cols)

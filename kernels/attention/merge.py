@@ -4,16 +4,18 @@ pass's outputs."""
 from __future__ import annotations
 
 from ..matmul import fold_grid
+from ..wgsl import size_u32
 from .common import MASKED, PROB, forward_outputs
 from .plans import AttentionShape, partial_layout
 
 MERGE_THREADS = 256  # threads per workgroup of the merge, one output element each
 
 
-def merge_slices(prelude: str, s: AttentionShape, kind: str, outs: list[str], splits: int, partial: str,
+def merge_slices(prelude: str, s: AttentionShape, kind: str, outs: list[str], splits, partial: str,
           limits: dict) -> tuple[str, tuple[int, int, int]]:
-    """The second dispatch of a pass cut into slices: one thread per output element merges the slices' partial
-    results. Forward rescales each slice's output and sum to the overall max (and writes the log-sum-exp); the
+    """The second dispatch of a pass cut into slices: one thread per output element merges the partial results of
+    the ``splits`` first slices (those the pass launched, ``plans.live_slices``: a size where the run's length sets
+    it). Forward rescales each slice's output and sum to the overall max (and writes the log-sum-exp); the
     gradients add up."""
     rows, width = partial_layout(s, kind)
     total = rows * width if kind != "forward" else rows * s.dv
@@ -23,7 +25,7 @@ def merge_slices(prelude: str, s: AttentionShape, kind: str, outs: list[str], sp
     else:
         body = _gradient_body(s, kind, outs, splits, partial)
     kernel = f"""
-// ---- attention {kind}: merge of {splits} slices
+// ---- attention {kind}: merge of slices
 const MASKED: f32 = {MASKED!r};
 {PROB}
 
@@ -37,7 +39,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     return prelude + kernel, grid
 
 
-def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str) -> str:
+def _forward_body(s: AttentionShape, outs: list[str], splits, partial: str) -> str:
     """WGSL: output element e rescaled from every slice to the overall max, and (one thread a row) the row's
     log-sum-exp."""
     out, lse = forward_outputs(outs)
@@ -48,15 +50,15 @@ def _forward_body(s: AttentionShape, outs: list[str], splits: int, partial: str)
   if (c == 0u) {{ {lse}[row] = select(m + log(l), MASKED, l == 0.0); }}""")
 
 
-def _merged_sums(s: AttentionShape, splits: int, partial: str) -> str:
+def _merged_sums(s: AttentionShape, splits, partial: str) -> str:
     """WGSL: the overall max ``m`` of output row ``row``'s slices, and its sum ``l`` and column ``c``'s unnormalised
     output ``o`` rescaled to it (with ``prob`` and ``MASKED`` in scope)."""
     rows, width = partial_layout(s, "forward")
     return f"""  var m = MASKED;
-  for (var s = 0u; s < {splits}u; s++) {{ m = max(m, {partial}[(s * {rows}u + row) * {width}u + {s.dv}u]); }}
+  for (var s = 0u; s < {size_u32(splits)}; s++) {{ m = max(m, {partial}[(s * {rows}u + row) * {width}u + {s.dv}u]); }}
   var l = 0.0;
   var o = 0.0;
-  for (var s = 0u; s < {splits}u; s++) {{
+  for (var s = 0u; s < {size_u32(splits)}; s++) {{
     let at = (s * {rows}u + row) * {width}u;
     let w = prob({partial}[at + {s.dv}u], m);
     l = l + w * {partial}[at + {s.dv + 1}u];
@@ -64,10 +66,11 @@ def _merged_sums(s: AttentionShape, splits: int, partial: str) -> str:
   }}"""
 
 
-def merged_function(name: str, s: AttentionShape, splits: int, partial: str) -> str:
-    """WGSL: ``name(e: i32) -> f32``, element e of a forward pass's output merged from the ``splits`` slices' partial
-    results in ``partial`` (what the merge dispatch stores there), for a kernel that reads the output as it merges
-    it (a matrix-vector product's row: ``lowering.slice_merges``); with the ``prob`` it calls, named apart."""
+def merged_function(name: str, s: AttentionShape, splits, partial: str) -> str:
+    """WGSL: ``name(e: i32) -> f32``, element e of a forward pass's output merged from the ``splits`` first slices'
+    partial results in ``partial`` (what the merge dispatch stores there; a size where the run's length sets it),
+    for a kernel that reads the output as it merges it (a matrix-vector product's row: ``lowering.slice_merges``);
+    with the ``prob`` it calls, named apart."""
     helper = f"{name}_prob"
     sums = _merged_sums(s, splits, partial).replace("prob(", f"{helper}(").replace("MASKED", repr(MASKED))
     return f"""fn {helper}(s: f32, lse: f32) -> f32 {{
@@ -82,11 +85,11 @@ fn {name}(e_: i32) -> f32 {{
 }}"""
 
 
-def _gradient_body(s: AttentionShape, kind: str, outs: list[str], splits: int, partial: str) -> str:
+def _gradient_body(s: AttentionShape, kind: str, outs: list[str], splits, partial: str) -> str:
     """WGSL: element e of the gradient (dQ; or dK and dV side by side) summed over the slices, and scaled."""
     rows, width = partial_layout(s, kind)
     sums = f"""  var acc = 0.0;
-  for (var s = 0u; s < {splits}u; s++) {{ acc = acc + {partial}[s * {rows * width}u + e]; }}"""
+  for (var s = 0u; s < {size_u32(splits)}; s++) {{ acc = acc + {partial}[s * {rows * width}u + e]; }}"""
     if kind == "grad_q":
         return sums + f"\n  {outs[0]}[e] = acc * {s.scale!r};"
     dk, dv = outs

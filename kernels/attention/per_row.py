@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import textwrap
 
-from ..matmul import fold_grid
-from .common import MASKED, PROB, entry, forward_outputs, key_range, key_range_arrays, slice_bounds, vec4_loaders
-from .plans import ROW_THREADS, AttentionShape, RowPlan
+from .. import wgsl
+from .common import (MASKED, PROB, entry, forward_outputs, key_range, key_range_arrays, slice_bounds, sliced_grid,
+                     u32_constants, vec4_loaders)
+from .plans import ROW_THREADS, AttentionShape, RowPlan, live_slices
 
 THREADS = ROW_THREADS  # threads per workgroup, and rows of the other sequence per tile
 
@@ -27,13 +28,13 @@ def per_row_kernel(prelude: str, kind: str, shape: AttentionShape, outs: list[st
     ``outs`` names the output arrays as ``attention_kernel`` takes them. The forward may be cut into ``plan.splits``
     slices of the keys, a workgroup each, storing partial results into ``partial`` (``sliced_forward``)."""
     rows = shape.batch * (shape.kv_heads * shape.lk if kind == "grad_kv" else shape.heads * shape.lq)
-    grid = fold_grid(rows * plan.splits, limits.get("max-compute-workgroups-per-dimension", 65535))
+    grid = sliced_grid(shape, kind, plan, rows, limits)
     if kind == "forward":
         branches = {x for x in ("k", "v") if f"fn load_{x}_if(" in prelude}
         body = vec4_loaders(prelude, shape, "q", "k") + _forward(shape, outs, plan, partial, branches)
     else:
         body = {"grad_q": _grad_q, "grad_kv": _grad_kv}[kind](shape, outs)
-    source = "\n".join([prelude, _constants(shape, rows, grid, plan), _helpers(shape), body])
+    source = "\n".join([prelude, _constants(shape, kind, rows, grid, plan), _helpers(shape), body])
     return source, grid
 
 
@@ -44,16 +45,14 @@ def sliced_forward(prelude: str, s: AttentionShape, outs: list[str], plan: RowPl
     return per_row_kernel(prelude, "forward", s, outs, limits, plan, partial)
 
 
-def _constants(s: AttentionShape, rows: int, grid, plan: RowPlan) -> str:
-    return "\n".join([
-        f"const SPLITS: u32 = {plan.splits}u;", f"const CHUNK: u32 = {plan.chunk}u;", "const BQ: u32 = 1u;",
-        f"const T: u32 = {THREADS}u;", f"const H: u32 = {s.heads}u;", f"const HKV: u32 = {s.kv_heads}u;",
-        f"const GROUP: u32 = {s.heads // s.kv_heads}u;", f"const LQ: u32 = {s.lq}u;", f"const LK: u32 = {s.lk}u;",
-        f"const D: u32 = {s.d}u;", f"const DV: u32 = {s.dv}u;", f"const ROWS: u32 = {rows}u;",
-        f"const GRID_X: u32 = {grid[0]}u;", f"const GRID_XY: u32 = {grid[0] * grid[1]}u;",
-        f"const SCALE: f32 = {s.scale!r};", f"const MASKED: f32 = {MASKED!r};",
-        f"const PER_D: u32 = {-(-s.d // THREADS)}u;", f"const PER_DV: u32 = {-(-s.dv // THREADS)}u;",
-    ])
+def _constants(s: AttentionShape, kind: str, rows: int, grid, plan: RowPlan) -> str:
+    """WGSL constants of a per-row pass (the key count, a slice's keys, the slices launched and the grid may be
+    symbolic: a sliced forward over a dynamic graph's KV cache)."""
+    return (u32_constants(SPLITS=plan.splits, LIVE=live_slices(s, kind, plan), CHUNK=plan.chunk, BQ=1, T=THREADS,
+                          H=s.heads, HKV=s.kv_heads, GROUP=s.heads // s.kv_heads, LQ=s.lq, LK=s.lk, D=s.d, DV=s.dv,
+                          ROWS=rows) + "\n" + wgsl.grid_constants(grid)
+            + f"const SCALE: f32 = {s.scale!r};\nconst MASKED: f32 = {MASKED!r};\n"
+            + u32_constants(PER_D=-(-s.d // THREADS), PER_DV=-(-s.dv // THREADS)))
 
 
 def _helpers(s: AttentionShape) -> str:
@@ -96,8 +95,8 @@ def _forward(s: AttentionShape, outs: list[str], plan: RowPlan, partial: str | N
 var<workgroup> row_q4: array<vec4<f32>, {d4}>;
 {FRESH_ARRAYS if "v" in branches else ""}
 {TILE_FOLDS}
-{entry("T", "wid", "ROWS * SPLITS")}  let row = wid / SPLITS;
-  let split = wid % SPLITS;
+{entry("T", "wid", "ROWS * LIVE")}  let row = wid / LIVE;
+  let split = wid % LIVE;
   let b = row / (H * LQ);
   let h = (row / LQ) % H;
   let i = row % LQ;

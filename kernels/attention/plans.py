@@ -2,17 +2,18 @@
 takes, and how many slices the other sequence is cut into; with the constants they weigh and the scratch the slices
 need.
 
-The forward runs flash where ``flash_plan`` gives a plan, else the per-row kernel cut into slices of the keys for a
-decode step's few query rows (``row_plan``), else chunked flash where ``chunked_plan`` does (long query sequences),
+The forward runs the per-row kernel cut into slices of the keys for a decode step's few query rows (``row_plan``),
+else flash where ``flash_plan`` gives a plan, else chunked flash where ``chunked_plan`` does (long query sequences),
 else the blocked form where ``block_plan`` does, else the per-row kernel unsliced (``forward_plan``); the
 gradient passes blocked or per row. A pass cut into slices (``splits`` above 1) writes per-slice partial results to
-scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them.
+scratch laid out as ``partial_layout`` says; a second dispatch (``merge``) merges them. Over a symbolic length
+(a dynamic graph's KV cache) a run launches and merges only the slices that hold rows (``live_slices``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sizes import ceil_div, is_size
+from ..sizes import ceil_div, is_size, size_min
 from ..wgsl import SPLIT_TARGET_WORKGROUPS
 
 # ---------------------------------------------------------------------------------------------- blocked passes
@@ -126,20 +127,46 @@ class RowPlan:
 
 
 def row_plan(s: AttentionShape) -> RowPlan | None:
-    """The per-row forward's slices, for concrete shapes of at most ROW_FORWARD_MAX_ROWS query rows per head (None
-    otherwise): slices of at least one tile until the rows' workgroups reach SPLIT_TARGET_WORKGROUPS."""
-    if any(is_size(n) for n in (s.batch, s.lq, s.lk)) or s.lq > ROW_FORWARD_MAX_ROWS:
+    """The per-row forward's slices, for at most ROW_FORWARD_MAX_ROWS query rows per head of a concrete count (None
+    otherwise): slices of at least one tile until the rows' workgroups reach SPLIT_TARGET_WORKGROUPS. A symbolic key
+    count (a dynamic graph's KV cache) takes as many slices as the rows alone allow, of which a run launches only
+    those that hold keys (``live_slices``)."""
+    if is_size(s.batch) or is_size(s.lq) or s.lq > ROW_FORWARD_MAX_ROWS:
         return None
     tiles = ceil_div(s.lk, ROW_THREADS)
     splits = _splits(s.batch * s.heads * s.lq, tiles, SPLIT_TARGET_WORKGROUPS, 1, ROW_SPLIT_MAX)
     return RowPlan(splits, ceil_div(tiles, splits) * ROW_THREADS if splits > 1 else 0)
 
 
+def pass_plan(shape: AttentionShape, kind: str, limits: dict) -> RowPlan | FlashPlan | ChunkedPlan | BlockPlan | None:
+    """The plan of pass ``kind`` (None: the per-row kernel, unsliced)."""
+    return forward_plan(shape, limits) if kind == "forward" else block_plan(shape, kind, limits)
+
+
 def attention_splits(shape: AttentionShape, kind: str, limits: dict) -> int:
     """How many slices of the other sequence pass ``kind`` is cut into (1: not cut). The slices' partial results
     go to scratch of ``partial_floats`` floats, and a second dispatch merges them."""
-    plan = forward_plan(shape, limits) if kind == "forward" else block_plan(shape, kind, limits)
+    plan = pass_plan(shape, kind, limits)
     return 1 if plan is None else plan.splits
+
+
+def attention_live_slices(shape: AttentionShape, kind: str, limits: dict):
+    """How many of pass ``kind``'s slices a run launches and its merge reads (``live_slices``; 1: not cut)."""
+    plan = pass_plan(shape, kind, limits)
+    return 1 if plan is None else live_slices(shape, kind, plan)
+
+
+def live_slices(s: AttentionShape, kind: str, plan: RowPlan | FlashPlan | ChunkedPlan | BlockPlan):
+    """How many of ``plan``'s slices of pass ``kind`` a run launches, and its merge reads: every one where the other
+    sequence is concrete (the plan cuts it into slices that all hold rows); where it is symbolic (a KV cache's
+    length, whose plan takes the most slices the rows allow), a size: its tiles, at most the slices. Each slice then
+    holds a tile while the tiles are fewer than the slices (the slices past them, empty, are left out: a decode
+    step's keys in a 64-slice plan at 1-2 tiles), and all run once they are not."""
+    other = s.lq if kind == "grad_kv" else s.lk
+    if plan.splits == 1 or not is_size(other):
+        return plan.splits
+    tile = plan.tile if isinstance(plan, BlockPlan) else ROW_THREADS if isinstance(plan, RowPlan) else FLASH_KEYS
+    return size_min(plan.splits, ceil_div(other, tile))
 
 
 def partial_floats(shape: AttentionShape, kind: str, splits: int) -> int:
@@ -199,7 +226,7 @@ def _splits(blocks, tiles, target: int, min_tiles: int, most: int = SPLIT_MAX) -
     """Slices of the other sequence (a power of two up to ``most``) until ``blocks`` workgroups become ``target``,
     each slice keeping ``min_tiles`` tiles. None where the blocks are symbolic (many rows); where only the tiles are
     (a KV cache's length), as many as the blocks alone allow, whatever the length: one kernel for every length
-    (slices past the end are empty, and the merge weighs them zero)."""
+    (a run launches and merges only the slices that hold rows at its length: ``live_slices``)."""
     if is_size(blocks):
         return 1
     splits = 1

@@ -21,12 +21,16 @@ from helpers.recording_device import RecordingDevice
 RNG = np.random.default_rng(11)
 
 
-def evaluate(e: E.Expr, coords) -> int:
+def evaluate(e: E.Expr, coords, sizes: dict | None = None) -> int:
+    """The value of index ``e`` at ``coords``; ``sizes``: the value of each symbolic size it reads (by its
+    ``expr.SizeLeaf``)."""
     if e.op == "const":
         return e.args[0]
     if e.op == "coord":
         return coords[e.args[0]]
-    a, b = (evaluate(x, coords) for x in e.args)
+    if e.op == "size":
+        return sizes[e.args[0]]
+    a, b = (evaluate(x, coords, sizes) for x in e.args)
     ops = {"add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b, "idiv": lambda: a // b,
            "imod": lambda: a % b}
     return ops[e.op]()
@@ -77,6 +81,26 @@ def test_quad_row_index_only_where_a_row_is_whole_vec4s(shape, view, quad):
         for c in itertools.product(*[range(s) for s in shape]):
             flat = evaluate(index, c)
             assert flat == 4 * evaluate(row, c) + c[3]
+
+
+def test_quad_row_index_of_a_grouped_cache_of_symbolic_length():
+    """Rows of KV head h // 3 of a cache of symbolic length L, 8 wide (a dynamic graph's grouped-query cache: the
+    head's offset ``(h // 3) * (L * 8)``): whole vec4s, read as such at every length, and no decision about L."""
+    from meganeura.kernels import sizes as S
+
+    length = S.symbol(0, 20)
+    with S.Guards({0: 2}).recording():
+        coords = [E.coord(d) for d in range(4)]
+        index = linear_index([coords[0], E.binary("idiv", coords[1], E.const(3, E.I32)), *coords[2:]],
+                             (1, 3, length, 8))
+        index = simplify(index, {0: 1, 1: 9, 2: length, 3: 8})
+        row = quad_row_index(index, 3)
+    assert row is not None
+    for value in (2, 5, 20):
+        at = {leaf.args[0]: S.evaluator([leaf.args[0].size])((value,))[0]
+              for e in (index, row) for leaf in E.walk(e) if leaf.op == "size"}
+        for c in itertools.product(range(1), range(9), range(value), range(8)):
+            assert evaluate(index, c, at) == 4 * evaluate(row, c, at) + c[3], (value, c)
 
 
 def test_reshape_round_trip_simplifies_to_identity():

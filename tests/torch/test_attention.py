@@ -485,9 +485,8 @@ def _cache_masks(rows: int, keys: int) -> dict:
 def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypatch, form, rows):
     """A decode step (one query row, or a few) over a static cache of 700 positions: each forward form narrows its
     loop over keys to the span some row leaves unmasked (``common.key_range``): the per-row form cut into slices of
-    the keys (``plans.row_plan``), the flash form where it fits (a dynamic graph's symbolic sizes, which the per-row
-    plan declines), and the blocked form (with both off), against eager for every mask kind (grouped-query attention,
-    head size 64)."""
+    the keys (``plans.row_plan``), the flash form where it fits (with the per-row plan off), and the blocked form
+    (with both off), against eager for every mask kind (grouped-query attention, head size 64)."""
     import meganeura.kernels.attention.blocked as blocked_kernels
     import meganeura.kernels.attention.per_row as per_row_kernels
 
@@ -517,3 +516,93 @@ def test_few_query_rows_over_a_masked_cache_walk_only_the_unmasked_span(monkeypa
             got = torch.compile(fn, backend="meganeura")(q, k, v)
         assert sources and all("key_first" in source for source in sources), what
         assert_same(got, fn(q, k, v), rtol=RTOL, atol=ATOL, rel=REL, what=what)
+
+
+# Key counts of a decode step over a dynamic graph's cache, and the slices of 64 keys (one tile each, the most the
+# plan takes: ROW_SPLIT_MAX) that hold them: a run launches and merges those alone.
+SYMBOLIC_CACHE_LENGTHS = {1: 1, 20: 1, 64: 1, 65: 2, 300: 5, 4096: 64, 5000: 64}
+
+
+def test_a_decode_step_over_a_symbolic_cache_launches_and_merges_only_the_slices_that_hold_keys():
+    """One query row per head over a symbolic key count: the per-row forward cut into ROW_SPLIT_MAX slices, of which a
+    run's grid holds only those with keys (SYMBOLIC_CACHE_LENGTHS), and the merge reads as many; the plan decides
+    nothing about the length (a decision outside a compile raises)."""
+    from meganeura.kernels.attention import AttentionShape, attention_kernel
+    from meganeura.kernels.attention.plans import ROW_SPLIT_MAX, RowPlan, forward_plan, live_slices
+    from meganeura.kernels.sizes import evaluator, symbol
+    from meganeura.kernels.wgsl import size_u32
+    from meganeura.runtime.device import get_device
+
+    limits = get_device().limits
+    shape = AttentionShape(1, 9, 3, 1, symbol(0, 20), 64, 64, 0.125, False, True)
+    plan = forward_plan(shape, limits)
+    assert isinstance(plan, RowPlan) and plan.splits == ROW_SPLIT_MAX, plan
+    (slices, grid), (merge, _) = attention_kernel("", "forward", shape, ["out"], limits, partial="scratch")
+    live = live_slices(shape, "forward", plan)
+    assert f"s < {size_u32(live)};" in merge
+    workgroups, counts = evaluator(grid), evaluator([live])
+    for length, holding_keys in SYMBOLIC_CACHE_LENGTHS.items():
+        x, y, z = workgroups([length])
+        assert x * y * z == 9 * holding_keys and counts([length]) == (holding_keys,), length
+
+
+def test_a_decode_step_over_a_dynamic_cache_gives_eager_outputs_at_every_length(monkeypatch):
+    """A decode step's attention (one query row, grouped-query heads, HF's additive mask) over a cache of dynamic
+    length, its output projected as o_proj does (the projection merges the slices as it reads them): eager's output
+    at lengths whose keys fill 1, 2 and 5 slices, from the per-row sliced forward over a symbolic length, whose
+    slices the projection merges as many as the run's length fills."""
+    import meganeura.kernels.attention.per_row as per_row_kernels
+    import meganeura.lowering.slice_merges as slice_merges
+    from meganeura.kernels.sizes import is_size
+
+    forwards, generate = [], per_row_kernels.sliced_forward
+    monkeypatch.setattr(per_row_kernels, "sliced_forward", lambda *a, **k: forwards.append(a[1]) or generate(*a, **k))
+    merged, merge = [], slice_merges.merged_function
+    monkeypatch.setattr(slice_merges, "merged_function", lambda *a: merged.append(a[2]) or merge(*a))
+    o_proj = torch.nn.Linear(64, 64, bias=False)
+
+    def step(q, k, v, mask):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return o_proj(out.transpose(1, 2).reshape(1, 1, 64))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="meganeura")
+    for length in (20, 70, 300):
+        q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, length, 16), torch.randn(1, 2, length, 16)
+        mask = torch.zeros(1, 1, 1, length).masked_fill(torch.rand(1, 1, 1, length) > 0.8, torch.finfo().min)
+        for x in (k, v, mask):
+            torch._dynamo.mark_dynamic(x, x.dim() - (1 if x is mask else 2))
+        with torch.no_grad():
+            assert_same(compiled(q, k, v, mask), step(q, k, v, mask), rtol=RTOL, atol=ATOL, rel=REL, what=length)
+    # (scheduled again as the plan's bound on the length grows: one forward and one merging projection each time)
+    assert forwards and all(is_size(shape.lk) for shape in forwards), forwards
+    assert len(merged) == len(forwards) and all(map(is_size, merged)), merged
+
+
+def test_gradients_over_a_symbolic_key_count_in_slices():
+    """16 query rows over keys of a dynamic count (cross-attention to a context of varying length): the flash
+    forward and the blocked dQ pass cut the keys into slices of which a run launches and merges those that hold keys
+    (``plans.live_slices``: 2, 4 and 10 of 16 here); output and gradients equal eager's at each length."""
+    from meganeura.kernels.attention.plans import AttentionShape, live_slices, pass_plan
+    from meganeura.kernels.sizes import is_size, symbol
+    from meganeura.runtime.device import get_device
+
+    shape = AttentionShape(1, 2, 2, 16, symbol(0, 40), 16, 16, 0.25, False, False)
+    plan = pass_plan(shape, "grad_q", get_device().limits)
+    assert plan.splits > 1 and is_size(live_slices(shape, "grad_q", plan)), plan
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="meganeura")
+    for length in (40, 100, 300):
+        q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (16, length, length))
+        for x in (k, v):
+            torch._dynamo.mark_dynamic(x, 2)
+        out = compiled(q, k, v)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        want_out = fn(q, k, v)
+        want = torch.autograd.grad(want_out, (q, k, v), grad)
+        assert_same((out, *got), (want_out, *want), rtol=RTOL, atol=ATOL, rel=REL, what=length)
