@@ -285,7 +285,7 @@ class RecordingDevice:
 
     def submit(self, encoder: RecordingEncoder, label: str = "", before=()) -> None:
         """Record the submit; carry out its clears and copies in host memory (its dispatches compute nothing)."""
-        submitted = (*before, encoder.finish())
+        submitted = (*before, CommandBuffer(tuple(encoder._commands)))  # (checked below, as ``finish`` would be)
         commands = [c for buffer in submitted for c in buffer.commands]
         for command in commands:
             used = ([r[0] for r in command.group.ranges] if isinstance(command, Dispatch) else
