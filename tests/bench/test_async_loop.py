@@ -2,6 +2,7 @@
 asynchronous against synchronous (``MEGANEURA_SYNC``'s switch, ``InFlight.sync``): 10 steps from the same weights
 and batch give identical losses and final weights, elementwise; an asynchronous step that reads nothing waits for
 nothing, and one that reads the loss waits once (the device's counters)."""
+import contextlib
 import copy
 
 import pytest
@@ -15,17 +16,37 @@ STEPS = 10
 READ_EVERY = 3  # steps that read the loss; the others read nothing
 
 
-def loop(workload, base: torch.nn.Module, batch: tuple, sync: bool) -> tuple[list[float], dict, list[int]]:
-    """(losses, final parameters, waits of each step) of ``STEPS`` AdamW steps of the loop."""
-    device = get_device()
-    device.synchronize()
+def kept_loop(workload, base: torch.nn.Module):
+    """A fresh copy of ``base`` in the workload's training mode, its AdamW kept on the device, and its loss compiled
+    afresh by the backend, once the device's runs in flight are done."""
+    get_device().synchronize()
     model = copy.deepcopy(base).train(workload.train_mode)
     opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *args: workload.loss(model, *args), backend="meganeura")
-    losses, waits, was = [], [], device.in_flight.sync
-    device.in_flight.sync = sync
+    return model, opt, torch.compile(lambda *args: workload.loss(model, *args), backend="meganeura")
+
+
+@contextlib.contextmanager
+def waiting_after_every_run(sync: bool):
+    """The device synchronous (``MEGANEURA_SYNC``'s switch) or asynchronous inside, as it was after."""
+    device = get_device()
+    was, device.in_flight.sync = device.in_flight.sync, sync
     try:
+        yield device
+    finally:
+        device.in_flight.sync = was
+
+
+def final_weights(model: torch.nn.Module, opt) -> dict:
+    torch_meganeura.sync_parameters(opt)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def loop(workload, base: torch.nn.Module, batch: tuple, sync: bool) -> tuple[list[float], dict, list[int]]:
+    """(losses, final parameters, waits of each step) of ``STEPS`` AdamW steps of the loop."""
+    model, opt, compiled = kept_loop(workload, base)
+    losses, waits = [], []
+    with waiting_after_every_run(sync) as device:
         for step in range(STEPS):
             before = device.counters.waits
             loss = compiled(*batch)
@@ -35,10 +56,7 @@ def loop(workload, base: torch.nn.Module, batch: tuple, sync: bool) -> tuple[lis
             if step % READ_EVERY == 0:
                 losses.append(loss.item())
             waits.append(device.counters.waits - before)
-    finally:
-        device.in_flight.sync = was
-    torch_meganeura.sync_parameters(opt)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, waits
+    return losses, final_weights(model, opt), waits
 
 
 @pytest.mark.slow
@@ -72,16 +90,10 @@ def test_a_gradient_check_then_the_loop(name):
     batch = workload.batch("full", torch.Generator().manual_seed(0), True)
     results = []
     for sync in (False, True):
-        device = get_device()
-        device.synchronize()
-        model = copy.deepcopy(base).train(workload.train_mode)
-        opt = torch_meganeura.keep_on_device(torch.optim.AdamW(model.parameters(), lr=1e-3))
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda *args: workload.loss(model, *args), backend="meganeura")
-        was, device.in_flight.sync = device.in_flight.sync, sync
-        try:
+        model, opt, compiled = kept_loop(workload, base)
+        with waiting_after_every_run(sync):
             compiled(*batch).backward()
-            grads = [p.grad.cpu() for p in model.parameters() if p.grad is not None]
+            grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
             losses = []
             for _ in range(2):
                 opt.zero_grad(set_to_none=True)
@@ -89,11 +101,10 @@ def test_a_gradient_check_then_the_loop(name):
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
-        finally:
-            device.in_flight.sync = was
-        torch_meganeura.sync_parameters(opt)
-        results.append((grads, losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        results.append((grads, losses, final_weights(model, opt)))
     (grads, losses, weights), (sync_grads, sync_losses, sync_weights) = results
-    assert all(torch.equal(g, s) for g, s in zip(grads, sync_grads)) and losses == sync_losses
+    assert grads.keys() == sync_grads.keys() and losses == sync_losses
+    for n, g in grads.items():
+        assert torch.equal(g, sync_grads[n]), n
     for n, p in weights.items():
         assert torch.equal(p, sync_weights[n]), n
