@@ -229,17 +229,17 @@ def collector_running(monkeypatch):
     gc.disable()
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_a_random_sequence_around_the_loop_matches_eager(seed, collector_running):
     _run_sequence(seed)
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", [0])
 def test_two_models_taking_turns_match_eager(seed, collector_running):
     _run_sequence(seed, models=2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(4, 40))
+@pytest.mark.parametrize("seed", range(2, 40))
 def test_more_random_sequences_around_the_loop_match_eager(seed, collector_running):
     _run_sequence(seed, models=1 + seed % 3)
