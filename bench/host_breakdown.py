@@ -1,6 +1,7 @@
 """Where the ordinary loop's host time per step goes, on the null device: torch's own work against ours, by phase.
 
     python -m bench.host_breakdown --workloads resnet50,smollm2 --steps 30 --samples 1500 --json FILE
+    python -m bench.host_breakdown --device gpu --workloads sd_unet --steps 30     # on the adapter's device
 
 The loop is ``bench.host``'s (``torch.compile`` + ``keep_on_device(AdamW)``, the same ``Runner``). Each phase of a
 step is timed in the calling thread's CPU time (``time.thread_time``): ``opt.zero_grad()``, ``compiled(*batch)``,
@@ -22,6 +23,12 @@ ahead, ``InFlight.defer``) runs while a GPU works through the step.
 The same workload's resident step (``compile_train_step``) is then timed in the same process, under the same load:
 the loop over it is issue 50's gate, and (torch's share + the device's) over it what the loop would take with no
 work of ours at all.
+
+Each phase's wall time is taken beside its CPU time. On the null device they differ only by what other processes
+took of the cores. With ``--device gpu`` the loop and the resident step run on the adapter's device (a GPU, or
+lavapipe): the sync's wall less its CPU time is then the host blocked on the GPU, and the loop's wall per step
+against the resident step's (``loop_over_resident_wall``, the GPU gate's ratio) says how much of the host's work
+the GPU waited for.
 
 With ``--samples N``, N more steps run under a sampling profiler (``signal.setitimer``'s CPU-time timer), which
 charges each sample to the module of the innermost Python frame (``classify``; code made at run time, to its
@@ -82,30 +89,34 @@ class Shares:
 
     @contextmanager
     def within(self, phase: str):
-        self.phase, start = phase, time.thread_time()
+        self.phase, start, wall = phase, time.thread_time(), time.perf_counter()
         try:
             yield
         finally:
             self.seconds[phase, "total"] += time.thread_time() - start
+            self.seconds[phase, "wall"] += time.perf_counter() - wall
             self.phase = None
 
 
 @contextmanager
-def instrumented(shares: Shares):
-    """Time our compiled functions, the kept optimizer's update and zero_grad, and the device API, while in the
-    context (entered before the model compiles: the backend makes its compiled functions then); put back after."""
+def instrumented(shares: Shares, null: bool = True):
+    """Time our compiled functions, the kept optimizer's update and zero_grad, and the device API (the null
+    device's, or with ``null`` False the wgpu device's), while in the context (entered before the model compiles:
+    the backend makes its compiled functions then); put back after."""
     import meganeura.runtime.program_recording as recording
     import torch_meganeura.backend.entry as entry
     import torch_meganeura.training.keep_on_device as kept
-    from helpers.recording_device import RecordingDevice
+    from meganeura.runtime.device import Device
 
+    if null:
+        from helpers.recording_device import RecordingDevice as Device
     compile_graph_module = entry.compile_graph_module
     patches = [(entry, "compile_graph_module", lambda *a, **k: shares.timed("ours", compile_graph_module(*a, **k))),
                (kept._DeviceStep, "_update", shares.timed("ours", kept._DeviceStep._update)),
                (kept, "_kept_zero_grad", shares.timed("ours", kept._kept_zero_grad)),
                (recording, "compute_pass", shares.timed("device", recording.compute_pass)),
-               (RecordingDevice, "submit", shares.timed("device", RecordingDevice.submit)),
-               (RecordingDevice, "write", shares.timed("device", RecordingDevice.write))]
+               (Device, "submit", shares.timed("device", Device.submit)),
+               (Device, "write", shares.timed("device", Device.write))]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, timed in patches:
         setattr(owner, name, timed)
@@ -165,32 +176,34 @@ class Sampler:
             gc.callbacks.remove(self._on_gc)
 
 
-def measure(name: str, steps: int, samples: int, smoke: bool) -> dict:
+def measure(name: str, steps: int, samples: int, smoke: bool, null: bool = True) -> dict:
     """Median microseconds per step of each phase and share, and (``samples`` steps) each phase's split by category,
-    scaled to that phase's median."""
+    scaled to that phase's median. Each phase's wall time beside: on a GPU, the sync's wall less its CPU time is
+    the host blocked on the GPU, and a step's wall against the resident step's shows what the GPU waited for."""
     shares = Shares()
-    with instrumented(shares):
+    with instrumented(shares, null):
         runner = _warm_runner(name, smoke, shares)
         rows = collections.defaultdict(list)
         for _ in range(steps):
             shares.seconds.clear()
             loop_step(runner, shares)
             for phase in PHASES:
-                for share in ("total", "ours", "device"):
+                for share in ("total", "ours", "device", "wall"):
                     rows[phase, share].append(shares.seconds[phase, share] * 1e6)
         phases = {phase: _phase_row(rows, phase) for phase in PHASES}
         sampled = _sampled(runner, shares, samples, phases) if samples else {}
-    every = {key: sum(p[key] for p in phases.values()) for key in ("total", "torch", "ours", "device")}
-    resident = _resident_step_us(name, steps, smoke)
+    every = {key: sum(p[key] for p in phases.values()) for key in ("total", "torch", "ours", "device", "wall")}
+    resident, resident_wall = _resident_step_us(name, steps, smoke)
     return {"workload": name, "steps": steps, "phases": phases, "all": every, "sampled": sampled,
             "to_last_submit_us": every["total"] - phases["sync"]["total"],
             "resident_step_us": resident, "loop_over_resident": every["total"] / resident,
-            "torch_and_device_over_resident": (every["torch"] + every["device"]) / resident}
+            "torch_and_device_over_resident": (every["torch"] + every["device"]) / resident,
+            "resident_step_wall_us": resident_wall, "loop_over_resident_wall": every["wall"] / resident_wall}
 
 
-def _resident_step_us(name: str, steps: int, smoke: bool) -> float:
-    """The median CPU microseconds of the same workload's resident step (``compile_train_step``), in this process
-    right after the loop: the reference of issue 50's gate, under the same load."""
+def _resident_step_us(name: str, steps: int, smoke: bool) -> tuple[float, float]:
+    """The median CPU and wall microseconds of the same workload's resident step (``compile_train_step``), in this
+    process right after the loop: the reference of issue 50's gate, under the same load."""
     workload = WORKLOADS[name]
     torch.manual_seed(0)
     base = workload.build(smoke)
@@ -198,12 +211,13 @@ def _resident_step_us(name: str, steps: int, smoke: bool) -> float:
     runner = Runner(WAYS["resident"], workload, base, "training", batch)
     runner.first_call()
     runner.step()
-    times = []
+    times, walls = [], []
     for _ in range(steps):
-        start = time.thread_time()
+        start, wall = time.thread_time(), time.perf_counter()
         runner.step()
         times.append((time.thread_time() - start) * 1e6)
-    return statistics.median(times)
+        walls.append((time.perf_counter() - wall) * 1e6)
+    return statistics.median(times), statistics.median(walls)
 
 
 def _warm_runner(name: str, smoke: bool, shares: Shares) -> Runner:
@@ -222,8 +236,9 @@ def _warm_runner(name: str, smoke: bool, shares: Shares) -> Runner:
 
 def _phase_row(rows: dict, phase: str) -> dict:
     """A phase's median total, device and ours (less the device calls in it) microseconds; torch's the rest."""
-    total, ours, device = (statistics.median(rows[phase, share]) for share in ("total", "ours", "device"))
-    return {"total": total, "torch": total - ours, "ours": ours - device, "device": device}
+    total, ours, device, wall = (statistics.median(rows[phase, share])
+                                 for share in ("total", "ours", "device", "wall"))
+    return {"total": total, "torch": total - ours, "ours": ours - device, "device": device, "wall": wall}
 
 
 def _sampled(runner: Runner, shares: Shares, steps: int, phases: dict) -> dict:
@@ -243,12 +258,14 @@ def _sampled(runner: Runner, shares: Shares, steps: int, phases: dict) -> dict:
 
 def _print(row: dict) -> None:
     print(f"{row['workload']}: median us per step, {row['steps']} steps")
-    print(f"  {'phase':10s} {'total':>8s} {'torch':>8s} {'ours':>8s} {'device':>8s}")
+    print(f"  {'phase':10s} {'total':>8s} {'torch':>8s} {'ours':>8s} {'device':>8s} {'wall':>8s}")
     for phase, p in (*row["phases"].items(), ("all", row["all"])):
-        print(f"  {phase:10s} {p['total']:8.0f} {p['torch']:8.0f} {p['ours']:8.0f} {p['device']:8.0f}")
+        print(f"  {phase:10s} {p['total']:8.0f} {p['torch']:8.0f} {p['ours']:8.0f} {p['device']:8.0f} "
+              f"{p['wall']:8.0f}")
     print(f"  to the last submit {row['to_last_submit_us']:.0f} us")
     print(f"  resident step {row['resident_step_us']:.0f} us: loop / resident {row['loop_over_resident']:.2f}, "
-          f"(torch's + device) / resident {row['torch_and_device_over_resident']:.2f}")
+          f"(torch's + device) / resident {row['torch_and_device_over_resident']:.2f}; wall: resident step "
+          f"{row['resident_step_wall_us']:.0f} us, loop / resident {row['loop_over_resident_wall']:.2f}")
     for phase, split in row["sampled"].get("us_by_phase_and_category", {}).items():
         print(f"  sampled {phase}: " + ", ".join(f"{where} {us:.0f}" for where, us in split.items() if us >= 10))
 
@@ -260,12 +277,15 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=0, help="steps sampled after them (0: none)")
     p.add_argument("--smoke", action="store_true", help="the workloads at smoke scale")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--device", choices=("null", "gpu"), default="null",
+                   help="the null device (host work only), or the adapter's (a GPU: the wall times show the waits)")
     args = p.parse_args(argv)
-    use_null_device()
+    if args.device == "null":
+        use_null_device()
     torch.set_num_threads(HOST_THREADS)
     rows = []
     for name in args.workloads.split(","):
-        rows.append(measure(name, args.steps, args.samples, args.smoke))
+        rows.append(measure(name, args.steps, args.samples, args.smoke, null=args.device == "null"))
         _print(rows[-1])
     if args.json:
         with open(args.json, "w") as f:

@@ -28,3 +28,18 @@ def test_each_phase_is_split_into_torch_ours_and_the_device(null_device):
     for phase, where in split.items():
         assert sum(where.values()) == pytest.approx(phases[phase]["total"]), phase
     assert entry.compile_graph_module is compile_graph_module and RecordingDevice.submit is submit
+
+
+def test_on_the_adapters_device_the_wall_times_come_beside():
+    """``--device gpu`` (here lavapipe): the wgpu device's calls timed as the device's share, each phase's wall time
+    at least its CPU time, the loop's and the resident step's wall ratio reported; the device's methods put back."""
+    from meganeura.runtime.device import Device
+
+    submit = Device.submit
+    row = measure("resnet50", steps=2, samples=0, smoke=True, null=False)
+    for phase in ("forward", "backward", "step"):
+        assert row["phases"][phase]["device"] > 0, (phase, row["phases"][phase])
+    for phase, p in row["phases"].items():
+        assert p["wall"] >= p["total"] * 0.999, (phase, p)  # (a thread's CPU time cannot exceed the wall's)
+    assert row["loop_over_resident_wall"] == pytest.approx(row["all"]["wall"] / row["resident_step_wall_us"])
+    assert Device.submit is submit
