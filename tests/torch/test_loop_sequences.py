@@ -1,5 +1,6 @@
 """Random sequences of what users do around the ordinary loop (``torch.compile`` + ``keep_on_device``), against the
-same sequence in eager PyTorch from the same weights, in one process with the garbage collector running.
+same sequence in eager PyTorch from the same weights, in one process with the garbage collector running. The models
+(``MODELS``) hold BatchNorm statistics that the training forward updates in place: an MLP, and a convolution.
 
 Each sequence draws its actions from ``ACTIONS`` with a seed of its own: training steps that read their loss or not,
 gradient accumulation, ``zero_grad`` to None or to zeros, clipping, an LR change, a gradient check before the step
@@ -46,12 +47,29 @@ class NormedMLP(nn.Module):
         return self.fc2(self.ln(F.gelu(self.bn(self.fc1(x)))))
 
 
+class NormedConv(nn.Module):
+    """A convolution (no bias, before its BatchNorm), BatchNorm2d, ReLU, average pooling, Linear: the input's
+    ``WIDTH`` features as 3 x 4 pixels of one channel."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+        self.fc = nn.Linear(6, CLASSES)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x.view(-1, 1, 3, 4))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+MODELS = {"mlp": NormedMLP, "conv": NormedConv}
+
+
 class Twins:
     """The kept model (``ours``) and its eager twin (``ref``), each with its AdamW; actions run on both."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, kind: str = "mlp"):
         torch.manual_seed(seed)
-        self.model = NormedMLP()
+        self.model = MODELS[kind]()
         self.ref = copy.deepcopy(self.model)
         self.opt = torch_meganeura.keep_on_device(torch.optim.AdamW(self.model.parameters(), lr=1e-2))
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-2)
@@ -205,7 +223,7 @@ def _run_sequence(seed: int, models: int = 1) -> None:
     the runs one records ahead, share one device and its pool of buffers)."""
     rng = random.Random(seed)
     torch._dynamo.reset()
-    all_twins = [Twins(seed * 10 + m) for m in range(models)]
+    all_twins = [Twins(seed * 10 + m, kind=list(MODELS)[(seed + m) % len(MODELS)]) for m in range(models)]
     turns = [t for t in all_twins for _ in range(LENGTH - 1)]
     rng.shuffle(turns)
     for twins in turns:
