@@ -1,9 +1,10 @@
 """Outputs held unread while other work runs, across the product's paths, in one process with the garbage collector
-running: an inference output or a loop's loss stays on the device (its run returned once submitted) while other
-models' inference calls, loop steps and resident steps (``compile_train_step``) run, outputs are dropped unread and
-collections free buffers back to the pool; each held output is read at a random later point and must equal what
-eager PyTorch computed when it was made (rtol 1e-4, atol 1e-5 for inference; the training tests' 1e-3 / 1e-4 and
-losses within 1e-4 relative for training, whose weights move between).
+running: an inference output, a loop's loss or a language model's logits stays on the device (its run returned once
+submitted) while other models' inference calls, loop steps, resident steps (``compile_train_step``) and HF
+``generate`` calls (a tiny Llama, its greedy tokens eager's) run, outputs are dropped unread and collections free
+buffers back to the pool; each held output is read at a random later point and must equal what eager PyTorch
+computed when it was made (rtol 1e-4, atol 1e-5 for inference; the training tests' 1e-3 / 1e-4 and losses within
+1e-4 relative for training, whose weights move between).
 
 A buffer that went back to the pool, or was overwritten, while a held output still needed it would show here as
 another call's values read back.
@@ -26,6 +27,7 @@ INFER_RTOL, INFER_ATOL = 1e-4, 1e-5
 TRAIN_RTOL, TRAIN_ATOL, LOSS_REL = 1e-3, 1e-4, 1e-4
 ACTIONS_PER_TEST = 24
 WIDTH = 10
+GENERATED = 6  # new tokens of a ``generate`` call
 
 
 def _mlp(seed: int, hidden: int, out: int) -> nn.Module:
@@ -54,8 +56,20 @@ class Paths:
         self.step_ref_opt = torch.optim.AdamW(self.step_ref.parameters(), lr=1e-2)
         self.step = torch_meganeura.compile_train_step(
             self.step_model, _loss, torch.optim.AdamW(self.step_model.parameters(), lr=1e-2))
+        self.lm = None  # (``_lm``: made at its first use)
         self.held: list[tuple] = []
         self.log: list[str] = []
+
+    def _lm(self):
+        """The tiny Llama (``helpers.models.llama``), its forward compiled, and its eager twin."""
+        if self.lm is None:
+            from helpers.models import llama
+
+            model = llama()
+            ref = copy.deepcopy(model)
+            model.forward = torch.compile(model.forward, backend="meganeura")
+            self.lm = model, ref
+        return self.lm
 
     def batch(self, rows: int = 6):
         return torch.randn(rows, WIDTH, generator=self.data), torch.randint(0, 4, (rows,), generator=self.data)
@@ -98,6 +112,24 @@ def resident_step(paths: Paths, rng: random.Random) -> None:
     assert abs(float(loss) - ref.item()) <= LOSS_REL * abs(ref.item()), f"resident loss {loss} vs {ref.item()}"
 
 
+def lm_logits(paths: Paths, rng: random.Random) -> None:
+    """The tiny Llama's logits over a prompt, held unread."""
+    model, ref = paths._lm()
+    ids = torch.randint(0, model.config.vocab_size, (1, rng.choice((5, 9))), generator=paths.data)
+    with torch.no_grad():
+        paths.held.append((model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits, "logits",
+                           len(paths.log)))
+
+
+def generate(paths: Paths, rng: random.Random) -> None:
+    """HF ``generate`` (greedy, its default cache) through the backend: eager's tokens, compared at once."""
+    model, ref = paths._lm()
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=paths.data)
+    got, want = (m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATED, do_sample=False)
+                 for m in (model, ref))
+    assert got.tolist() == want.tolist(), f"generate after {paths.log}"
+
+
 def read_one(paths: Paths, rng: random.Random) -> None:
     if paths.held:
         _check(paths, paths.held.pop(rng.randrange(len(paths.held))))
@@ -122,7 +154,8 @@ def _check(paths: Paths, held: tuple) -> None:
         torch.testing.assert_close(got, want, rtol=INFER_RTOL, atol=INFER_ATOL, msg=lambda m: f"{where}: {m}")
 
 
-ACTIONS = {f.__name__: f for f in (infer, loop_step, resident_step, read_one, drop_one, collect)}
+ACTIONS = {f.__name__: f for f in (infer, loop_step, resident_step, lm_logits, generate, read_one, drop_one,
+                                   collect)}
 WEIGHTED = [*ACTIONS, "infer", "loop_step", "read_one"]  # calls made and read more often than the rest
 
 
