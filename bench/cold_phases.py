@@ -44,7 +44,8 @@ PROMPT_TOKENS = 16
 # torch's own backends beside ours: dynamo alone (its graph run by eager PyTorch), and with aot_autograd (no
 # decompositions, the graph run by eager PyTorch): the share of a cold call no backend removes
 BACKENDS = ("meganeura", "eager", "aot_eager")
-EACH = ("dynamo", "aot_autograd", "ours_plans")  # phases whose calls are also given one by one (a frame, a plan)
+# phases whose calls are also given one by one (a frame, its aot_autograd steps and our graph work, a plan)
+EACH = ("dynamo", "aot_autograd", "aot_inputs", "aot_metadata", "aot_trace", "aot_compile", "ours_graph", "ours_plans")
 CACHES = {"static": {"cache_implementation": "static", "disable_compile": True}, "default": {}}
 
 
