@@ -95,7 +95,10 @@ class Program(ProgramResources, Recording):
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
             into: dict[str, DeviceArray] | None = None, sizes=(), read_along=(), read_later=(),
             while_running=None) -> dict:
-        """``_run``; a plan with an arena runs alone on the device (its arena is the device's)."""
+        """``_run``; a plan with an arena runs alone on the device (its arena is the device's). ``while_running``: the
+        caller's host work that needs none of the run's host outputs, called with its resident outputs (name ->
+        ``DeviceArray``) after the submit and the next run's recording ahead, before the wait: done while the GPU
+        works on the run (a decode step's KV-cache outputs made as tensors)."""
         if self._arena is None:
             return self._run(inputs, device_inputs, into, sizes, read_along, read_later, while_running)
         with self._arena.running():
@@ -114,9 +117,7 @@ class Program(ProgramResources, Recording):
         (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute).
         ``read_later``: such outputs that the run copies into its staging buffer whether it waits or not, read when
         the host asks ``later`` (the attribute, a ``LaterRead``): a run in flight is then waited for only then.
-        ``while_running``: the caller's host work that needs none of the run's host outputs, called with its resident
-        outputs (name -> ``DeviceArray``) after the submit and the next run's recording ahead, before the wait: done
-        while the GPU works on the run (a decode step's KV-cache outputs made as tensors)."""
+        ``while_running``: ``run``'s."""
         began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")

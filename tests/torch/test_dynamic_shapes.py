@@ -295,9 +295,10 @@ def test_an_output_that_may_come_back_is_marked_dynamic_only_in_the_sizes_that_v
 
 
 def test_the_arguments_with_symbolic_sizes_are_checked_as_fits_checks_each():
-    """``bound_plan.SizedSignatures``: a call's arguments with symbolic sizes, lazy outputs come back (``DeviceTensor``s,
-    a KV cache's), checked in loops run by C, fit exactly where ``signatures.fits`` says each fits: a dtype, a rank, a
-    fixed size, a kind (its array read back: "tensor") or a class that differs fails; the symbolic sizes may vary."""
+    """``bound_plan.SizedSignatures``: a call's arguments with symbolic sizes, lazy outputs come back (a KV cache's
+    ``DeviceTensor``s), checked in loops run by C, fit exactly where ``signatures.fits`` says each fits: a dtype, a
+    rank, a fixed size, a kind (its array read back: "tensor") or a class that differs fails; the symbolic sizes may
+    vary."""
     from meganeura.runtime.device import get_device
     from meganeura.runtime.resident import DeviceArray
     from torch_meganeura.backend.bound_plan import SizedSignatures
