@@ -21,7 +21,13 @@ compiled with ``backend="meganeura"``; HF's static cache with its own compile of
   became, its eager ops and the inputs' copies), the per-call path (``partition`` less ``program``: selecting the
   entry, feeding it, putting the outputs together, less the device calls there) and the runtime's replay
   (``program`` less ``device_in_program``);
-- ``gc``: the garbage collector's time, wherever it ran (it is inside the shares, not beside them).
+- ``gc``: the garbage collector's time, wherever it ran (it is inside the shares, not beside them);
+- ``window``: the host's time between a program run's last submit and its wait (the read of its staging buffer), or
+  its return where it does not wait: time in which a GPU would be working on the step just submitted; ``exposed``,
+  the token less its window: the host's time while a GPU would have nothing of the token's to work on (the null
+  device's wait is free: on a GPU a token takes about ``exposed`` plus the longer of its GPU time and its window);
+  ``ahead``: recording a next step's commands ahead (``Program._record_pending``), in the window where the run
+  waits, else at the device's next wait (``InFlight.defer``), before it blocks.
 
 Per token is the difference between ``generate`` of two lengths over the tokens between them (each length warmed
 first), as ``bench.host``'s. Each row also gives the graphs dynamo compiled in each warm call (dynamo's
@@ -50,7 +56,8 @@ from .host import HF_CACHES, HOST_THREADS
 from .memory import use_null_device
 from .workloads import WORKLOADS
 
-TIMED = ("generate", "forward", "aot", "ours", "partition", "program", "device", "device_in_program", "gc")
+TIMED = ("generate", "forward", "aot", "ours", "partition", "program", "device", "device_in_program", "gc", "window",
+         "ahead")
 CACHES = {"default": HF_CACHES["hf-generate"], "static": HF_CACHES["hf-generate-static"],
           "static-one-length": HF_CACHES["hf-generate-static-one-length"]}
 LENGTHS = (8, 40)  # new tokens of the two timed generate calls
@@ -63,6 +70,7 @@ class Timers:
         self.seconds: collections.Counter = collections.Counter()
         self.active: collections.Counter = collections.Counter()  # calls of each share under way
         self._gc_start = 0.0
+        self._submitted: float | None = None  # when a program run's last submit returned (``window``)
 
     def timed(self, share: str, function):
         """``function`` with its CPU time added to ``share``."""
@@ -80,6 +88,40 @@ class Timers:
                     self.seconds["device_in_program"] += spent
 
         call.__dict__.update(getattr(function, "__dict__", {}))  # (``_boxed_call``: aot_autograd reads it)
+        return call
+
+    def submitted(self, submit):
+        """``submit`` (the device's), which opens the ``window`` when called in a program's run."""
+
+        def call(*args, **kwargs):
+            submit(*args, **kwargs)
+            if self.active["program"]:
+                self._submitted = time.thread_time()
+
+        return call
+
+    def waits(self, read_staging):
+        """``read_staging`` (the device's), which closes the ``window`` opened by a submit."""
+
+        def call(*args, **kwargs):
+            if self._submitted is not None:
+                self.seconds["window"] += time.thread_time() - self._submitted
+                self._submitted = None
+            return read_staging(*args, **kwargs)
+
+        return call
+
+    def closed(self, run):
+        """``run`` (``Program.run``), which closes a window that no wait closed (a run left in flight)."""
+
+        def call(*args, **kwargs):
+            try:
+                return run(*args, **kwargs)
+            finally:
+                if self._submitted is not None and not self.active["program"]:
+                    self.seconds["window"] += time.thread_time() - self._submitted
+                    self._submitted = None
+
         return call
 
     def on_gc(self, event: str, _info) -> None:
@@ -103,10 +145,12 @@ def instrumented(timers: Timers):
     patches = [(entry, "backend_with_context", lambda *a, **k: timers.timed("aot", backend(*a, **k))),
                (entry, "compile_graph_module", lambda *a, **k: timers.timed("ours", compile_graph_module(*a, **k))),
                (DevicePartition, "forward", timers.timed("partition", DevicePartition.forward)),
-               (Program, "run", timers.timed("program", Program.run)),
+               (Program, "run", timers.closed(timers.timed("program", Program.run))),
+               (Program, "_record_pending", timers.timed("ahead", Program._record_pending)),
                (recording, "compute_pass", timers.timed("device", recording.compute_pass)),
-               *((RecordingDevice, name, timers.timed("device", getattr(RecordingDevice, name)))
-                 for name in ("submit", "write", "read_staging"))]
+               (RecordingDevice, "submit", timers.submitted(timers.timed("device", RecordingDevice.submit))),
+               (RecordingDevice, "read_staging", timers.waits(timers.timed("device", RecordingDevice.read_staging))),
+               (RecordingDevice, "write", timers.timed("device", RecordingDevice.write))]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, timed in patches:
         setattr(owner, name, timed)
@@ -157,7 +201,8 @@ def split(timed: dict) -> dict:
             "ours": timed["ours"] - timed["device"], "device": timed["device"], "gc": timed["gc"],
             "ours_runtime": timed["program"] - timed["device_in_program"],
             "ours_per_call": timed["partition"] - timed["program"] - (timed["device"] - timed["device_in_program"]),
-            "ours_graph": timed["ours"] - timed["partition"]}
+            "ours_graph": timed["ours"] - timed["partition"], "window": timed["window"], "ahead": timed["ahead"],
+            "exposed": timed["generate"] - timed["window"]}
 
 
 def guard_time(run, timers: Timers, rounds: int) -> dict:

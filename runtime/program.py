@@ -22,8 +22,9 @@ up to ``SUBMIT_EVERY`` dispatches; the queue keeps their order, and the host wai
 plan of ``AHEAD_MIN_DISPATCHES`` or more then records the next run's dispatches while the GPU works (``_record_ahead``),
 over the per-run buffers the next run is likely to bind (``SwapsAhead``: none, this run's, or those of the run before
 where two sets alternate, as a decode step's KV cache does): the next run submits that command buffer with its copies
-in one submit if it binds those buffers, so recording leaves the path from a call to the GPU. A run that waits records
-it before its wait; one that does not leaves it to the device's next wait (``InFlight.defer``: a training loop's
+in one submit if it binds those buffers, so recording leaves the path from a call to the GPU (as does a caller's host
+work that needs none of the run's host outputs: ``run``'s ``while_running``). A run that waits records it before its
+wait; one that does not leaves it to the device's next wait (``InFlight.defer``: a training loop's
 forward and backward submit one after the other, and the loop waits at the step's end), and where no wait comes
 first, the next run records it itself, in one piece. While a profiler is attached to the device
 (``meganeura.runtime.profiler``), each dispatch gets a timestamped pass of its own instead.
@@ -92,26 +93,31 @@ class Program(ProgramResources, Recording):
     # ---- a run, in the order it goes
 
     def run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None = None,
-            into: dict[str, DeviceArray] | None = None, sizes=(), read_along=(), read_later=()) -> dict:
-        """``_run``; a plan with an arena runs alone on the device (its arena is the device's)."""
+            into: dict[str, DeviceArray] | None = None, sizes=(), read_along=(), read_later=(),
+            while_running=None) -> dict:
+        """``_run``; a plan with an arena runs alone on the device (its arena is the device's). ``while_running``: the
+        caller's host work that needs none of the run's host outputs, called with its resident outputs (name ->
+        ``DeviceArray``) after the submit and the next run's recording ahead, before the wait: done while the GPU
+        works on the run (a decode step's KV-cache outputs made as tensors)."""
         if self._arena is None:
-            return self._run(inputs, device_inputs, into, sizes, read_along, read_later)
+            return self._run(inputs, device_inputs, into, sizes, read_along, read_later, while_running)
         with self._arena.running():
-            return self._run(inputs, device_inputs, into, sizes, read_along, read_later)
+            return self._run(inputs, device_inputs, into, sizes, read_along, read_later, while_running)
 
     def _run(self, inputs: dict[str, np.ndarray], device_inputs: dict[str, DeviceArray] | None,
-             into: dict[str, DeviceArray] | None, sizes, read_along, read_later) -> dict:
+             into: dict[str, DeviceArray] | None, sizes, read_along, read_later, while_running) -> dict:
         """Upload ``inputs``, bind ``device_inputs``, replay the plan (in ``submission_parts``), read back.
 
         Returns the outputs by name: numpy arrays, and for each resident output a ``DeviceArray``: the one ``into``
         gives for its name (overwritten), else a new one; an output stored in place (``Plan.in_place``) is the
         device input's array it overwrote. ``host_seconds`` is then the host's share of the call:
         from its start until the plan is submitted, plus recording the next run ahead where it waits (a run that does
-        not wait leaves that to the device's next wait), before waiting for the GPU.
+        not wait leaves that to the device's next wait) and ``while_running``, before waiting for the GPU.
         A plan over symbolic sizes takes its symbols' values as ``sizes``. ``read_along``: outputs kept on the device
         (of ``readable_along``) that a run that waits anyway reads back too, into ``read_along`` (the attribute).
         ``read_later``: such outputs that the run copies into its staging buffer whether it waits or not, read when
-        the host asks ``later`` (the attribute, a ``LaterRead``): a run in flight is then waited for only then."""
+        the host asks ``later`` (the attribute, a ``LaterRead``): a run in flight is then waited for only then.
+        ``while_running``: ``run``'s."""
         began = time.perf_counter()
         if self._released:
             raise MeganeuraError("this program was released")
@@ -149,6 +155,8 @@ class Program(ProgramResources, Recording):
         upcoming = self._swaps_ahead.next(swaps, key)  # the per-run buffers the next run will likely bind
         if upcoming is not None and profiler is None and len(commands) >= AHEAD_MIN_DISPATCHES:
             self._leave_ahead(PendingAhead(upcoming[1], upcoming[0]), waits)
+        if while_running is not None:
+            while_running(kept)
         self.host_seconds = time.perf_counter() - began
         data, self.read_along, self.later = self._finish(staging, waits, profiler, run, along, bool(read_later))
         if len(kept) == len(self._outputs):  # (every output on the device: an optimizer update's, in place)

@@ -46,3 +46,31 @@ def test_the_decode_steps_guard_check_is_timed_on_the_graph_that_serves_it(null_
         assert row["entries_passing"].count(True) == 1, row
         assert 0 < row["check_us_min"] <= row["check_us_median"], row
     assert 0 < rows["static-one-length"]["python_guards"] < rows["default"]["python_guards"], rows
+
+
+def test_a_decode_steps_new_keys_and_values_are_made_while_a_gpu_would_run_it(null_device, monkeypatch):
+    """HF's default cache: a decode step's lazy outputs (its new keys and values, kept on the device) are made as
+    tensors between the step's submit and its wait (``Program.run``'s ``while_running``), while a GPU works on the
+    step, not after the logits' read-back; ``bench.decode_breakdown``'s window then holds them."""
+    import torch_meganeura.backend.per_call as per_call
+
+    made, make = [], per_call.lazy_outputs
+
+    def noted(arrays, on_reads):
+        made.append((len(arrays), null_device._submitted_since_wait))  # (a submit no wait has followed yet)
+        return make(arrays, on_reads)
+
+    monkeypatch.setattr(per_call, "lazy_outputs", noted)
+    torch.manual_seed(0)
+    model = WORKLOADS["smollm2"].build(True).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 6))
+    timers = Timers()
+    with instrumented(timers):
+        run = _generate(model, prompt, {}, timers, torch.compile(model.forward, backend="meganeura"))
+        run(4)  # (compiles)
+        made.clear()
+        timers.seconds.clear()
+        run(4)
+    layers = model.config.num_hidden_layers
+    assert made and all(count == 2 * layers and waiting for count, waiting in made), made
+    assert timers.seconds["window"] > 0, dict(timers.seconds)

@@ -292,3 +292,39 @@ def test_an_output_that_may_come_back_is_marked_dynamic_only_in_the_sizes_that_v
         assert marked(longer) == {2}
         torch.testing.assert_close(longer, step(want_keys, new), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-6)
+
+
+def test_the_arguments_with_symbolic_sizes_are_checked_as_fits_checks_each():
+    """``bound_plan.SizedSignatures``: a call's arguments with symbolic sizes, lazy outputs come back (a KV cache's
+    ``DeviceTensor``s), checked in loops run by C, fit exactly where ``signatures.fits`` says each fits: a dtype, a
+    rank, a fixed size, a kind (its array read back: "tensor") or a class that differs fails; the symbolic sizes may
+    vary."""
+    from meganeura.runtime.device import get_device
+    from meganeura.runtime.resident import DeviceArray
+    from torch_meganeura.backend.bound_plan import SizedSignatures
+    from torch_meganeura.backend.signatures import fits
+    from torch_meganeura.tensors.device_tensor import lazy_outputs
+
+    device = get_device()
+
+    def kept(*shapes, dtype="float32"):
+        arrays = [DeviceArray.zeros(device, shape, dtype) for shape in shapes]
+        return lazy_outputs(arrays, [None] * len(arrays))
+
+    # (a marker argument first; then two caches of a symbolic length at dim 2 and one of symbolic dims 0 and 2)
+    items = [(1, ((1, 3, None, 8), torch.float32, "resident")), (2, ((1, 3, None, 8), torch.float32, "resident")),
+             (3, ((None, 2, None), torch.float32, "resident"))]
+    sized = SizedSignatures(items)
+    good = [None, *kept((1, 3, 5, 8), (1, 3, 5, 8), (4, 2, 7))]
+    calls = {"fits": good, "other lengths": [None, *kept((1, 3, 9, 8), (1, 3, 2, 8), (1, 2, 3))],
+             "a fixed size": [None, *kept((1, 3, 5, 8), (1, 4, 5, 8), (4, 2, 7))],
+             "a rank": [None, *kept((1, 3, 5, 8), (1, 3, 5, 8, 1), (4, 2, 7))],
+             "a dtype": [None, *kept((1, 3, 5, 8), (1, 3, 5, 8)), *kept((4, 2, 7), dtype="int32")],
+             "a plain tensor": [None, good[1], torch.zeros(1, 3, 5, 8), good[3]]}
+    read = [None, *kept((1, 3, 5, 8), (1, 3, 5, 8), (4, 2, 7))]
+    read[2]._meganeura_kept.array = None  # (as after eager code read it back: its values on the host)
+    calls["a kind"] = read
+    for name, args in calls.items():
+        with torch._C.DisableTorchFunctionSubclass():
+            expected = all(fits(args[i], item) for i, item in items)
+            assert sized.hold(args) == expected == (name in ("fits", "other lengths")), name

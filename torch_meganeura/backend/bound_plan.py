@@ -5,12 +5,14 @@ storage) and checks, without building the signature, that a call's arguments are
 is binds nothing again. ``SteadyUpdates`` holds the arguments it updates in place (a training forward's BatchNorm
 statistics) as its last run left them, so that the next run binds and adopts them with no call per argument;
 ``ArraySignatures`` compares the signatures of arguments that are device arrays (a backward's saved activations)
-in loops run by C. ``per_call.DevicePartition`` selects, runs and builds the entries.
+in loops run by C, and ``SizedSignatures`` those of arguments with symbolic sizes that are kept tensors (a default KV
+cache's). ``per_call.DevicePartition`` selects, runs and builds the entries.
 """
 from __future__ import annotations
 
 import operator
 import weakref
+from itertools import repeat
 from dataclasses import dataclass, field
 
 import torch
@@ -22,13 +24,14 @@ from .device_graph import DeviceGraph
 from .signatures import fits, signature_item
 from ..lower.fx_lowering import LoweredGraph
 from ..lower.symbolic import DynamicSizes
-from ..tensors.device_tensor import fill_host, kept_array, readopt, watch_downloads
+from ..tensors.device_tensor import DeviceTensor, fill_host, kept_array, readopt, watch_downloads
 from ..tensors.params import ParamStore
 from ..tensors.read_ahead import ReadAhead
 from ..tensors.resident import TORCH_DTYPE
 
 _VERSION = operator.attrgetter("_version")
 _KEPT = operator.attrgetter("_meganeura_kept")
+_KEPT_ARRAY = operator.attrgetter("_meganeura_kept.array")
 _NEXT = (1).__add__
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _STORAGE = torch.Tensor.data_ptr
@@ -76,7 +79,8 @@ class BoundPlan:
         self.update_inputs = [(i, k, names[i], outputs[k][1], self.alternating.get(i)) for i, k in self.updated.items()]
         # checked through the abstract key at every call; not the arguments updated in place, which a replay requires
         # to be the objects of the last call (``replays``), checked then
-        self._sized = [(i, item) for i, item in enumerate(self.key) if i in dims and i not in self.updated]
+        self._sized = SizedSignatures([(i, item) for i, item in enumerate(self.key)
+                                       if i in dims and i not in self.updated and item is not None])
         # the updates small enough to read back along with a run that waits anyway (``Program.readable_along``)
         self.readable_updates = [(i, out) for i, _, _, out, _ in self.update_inputs
                                  if out in self.program.readable_along]
@@ -153,7 +157,7 @@ class BoundPlan:
     def _serves(self, args, sizes: tuple) -> bool:
         """Whether the arguments with symbolic sizes fit the abstract key and their sizes the graph's guards (an
         argument updated in place is the object of the last call, which fitted: ``replays``)."""
-        return all(fits(args[i], item) for i, item in self._sized) and (not sizes or self.graph.holds(sizes))
+        return self._sized.hold(args) and (not sizes or self.graph.holds(sizes))
 
     def bind(self, args, store: ParamStore) -> None:
         """Bind the parameter arguments' device copies (uploading what changed), or the arrays of those that a graph
@@ -254,6 +258,47 @@ class ArraySignatures:
         self.shapes = tuple(tuple(item[0]) for _, item in arrays)
         self.dtypes = tuple(item[1] for _, item in arrays)
 
+
+
+class SizedSignatures:
+    """The tensor arguments of an entry with symbolic sizes, checked against their abstract signatures: where all are
+    ``DeviceTensor``s (HF's default cache: each layer's key and value cache, lazy outputs come back, one symbolic
+    length each), in loops run by C: their dtypes, their ranks, their sizes at the dimensions that are not symbolic
+    (those of one set of such dimensions taken at once), and their kinds ("resident" while a ``Kept`` holds an array:
+    ``arg_kind``); else ``fits`` of each, as before for all (a ``fits`` and an ``arg_kind`` call per argument: 4 a
+    layer a decode token)."""
+
+    def __init__(self, items: list):
+        self.items = items  # (argument index, abstract signature item: None at the symbolic dimensions)
+        self.take = taker([i for i, _ in items])
+        kinds = {item[2] for _, item in items}  # (a DeviceTensor is "resident" or "tensor", never a "param")
+        self.classes = (DeviceTensor,) * len(items) if kinds <= {"resident", "tensor"} else None  # (what C serves)
+        self.dtypes = tuple(item[1] for _, item in items)
+        self.ranks = tuple(len(item[0]) for _, item in items)
+        self.resident = tuple(item[2] == "resident" for _, item in items)
+        groups: dict[tuple, list[int]] = {}  # the dimensions that are not symbolic -> the arguments' places in items
+        for k, (_, item) in enumerate(items):
+            groups.setdefault(tuple(d for d, size in enumerate(item[0]) if size is not None), []).append(k)
+        self.groups = [(taker(places), operator.itemgetter(*dims) if dims else _none,
+                        tuple(_fixed(items[k][1][0], dims) for k in places))
+                       for dims, places in groups.items()]
+
+    def hold(self, args) -> bool:
+        """Whether the arguments of a call fit these abstract signatures (``fits`` of each)."""
+        if not self.items:
+            return True
+        tensors = self.take(args)
+        if tuple(map(type, tensors)) != self.classes:
+            return all(fits(args[i], item) for i, item in self.items)
+        shapes = tuple(map(_SHAPE, tensors))
+        return (tuple(map(_DTYPE, tensors)) == self.dtypes and tuple(map(len, shapes)) == self.ranks
+                and all(tuple(map(fixed, take(shapes))) == sizes for take, fixed, sizes in self.groups)
+                and tuple(map(operator.is_not, map(_KEPT_ARRAY, tensors), repeat(None))) == self.resident)
+
+
+def _fixed(shape: tuple, dims: tuple):
+    """``operator.itemgetter(*dims)`` of ``shape``: one size for one dimension, else a tuple; () for none."""
+    return operator.itemgetter(*dims)(shape) if dims else ()
 
 
 def _on_device(item) -> bool:

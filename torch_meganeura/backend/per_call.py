@@ -130,7 +130,7 @@ class DevicePartition(torch.nn.Module):
 
     def _unfixed_positions(self, count: int) -> list[int]:
         """The argument positions that are not the graph's parameters and buffers (its static inputs) nor the
-        arguments it updates (checked where they are adopted one by one: ``_run_updating``): where an output of a
+        arguments it updates (checked before a run that adopts them one by one: ``_run``): where an output of a
         call may come back (``_note_returned``). Classified once per argument count, not per call: a decode step's
         graph takes every parameter (272 in SmolLM2-135M) at every call, a ResNet-50 training forward 159 BatchNorm
         statistics."""
@@ -307,19 +307,25 @@ class DevicePartition(torch.nn.Module):
         lowered, program = entry.lowered, entry.program
         host, on_device = feed(lowered, args, program.device, entry.fed)
         steady = entry.steady if entry.steady is not None and entry.steady.holds(args) else None
-        if steady is not None:  # (the arguments it updates in place, as its last run left them)
-            on_device.update(steady.bound)
-            results = program.run(host, on_device, sizes=sizes, read_along=entry.along)
-            entry.read_ahead.restart()
-            adopted = steady.readopt(args)
-        else:
-            results, adopted = _run_updating(entry, args, host, on_device, sizes)
-        entry.read_along(args, steady is not None)
+        if steady is None and entry.update_inputs:  # (left out of ``_unfixed_positions``)
+            _note_returned(args, [i for i, *_ in entry.update_inputs])
         returns = self._returns(entry, read)
         layout = entry.layouts.get(returns)
         if layout is None:
             layout = entry.layouts[returns] = _Layout.of(self, entry, returns)
-        outs, made = layout.outputs(results, adopted, self.pack_origin) if layout.applies() else (None, None)
+        # the untracked lazy outputs (a KV cache) are made while the GPU runs the step (``Program.run``)
+        early = [] if layout.lazy_names and layout.applies() else None
+        while_running = None if early is None else lambda kept: early.append(layout.lazy_of(kept))
+        if steady is not None:  # (the arguments it updates in place, as its last run left them)
+            on_device.update(steady.bound)
+            results = program.run(host, on_device, sizes=sizes, read_along=entry.along, while_running=while_running)
+            entry.read_ahead.restart()
+            adopted = steady.readopt(args)
+        else:
+            results, adopted = _run_updating(entry, args, host, on_device, sizes, while_running)
+        entry.read_along(args, steady is not None)
+        outs, made = layout.outputs(results, adopted, self.pack_origin, early[0] if early else None) \
+            if layout.applies() else (None, None)
         if outs is None:
             outs = self._outputs_one_by_one(entry, returns, results, adopted)
         else:
@@ -383,19 +389,21 @@ class DevicePartition(torch.nn.Module):
         self._unread[position] = (weakref.ref(t), last)
 
 
-def _run_updating(entry: BoundPlan, args, host: dict, on_device: dict, sizes: tuple) -> tuple[dict, dict]:
+def _run_updating(entry: BoundPlan, args, host: dict, on_device: dict, sizes: tuple,
+                  while_running=None) -> tuple[dict, dict]:
     """(the run's results, {output position: argument adopted}) of a run of ``entry`` that binds and adopts the
     arguments it updates one by one (``device_tensor.adopt``): the first, and any after eager code changed one, or
-    where some alternate between two arrays. Where all are updated in place, it leaves ``entry.steady``."""
+    where some alternate between two arrays. Where all are updated in place, it leaves ``entry.steady``.
+    ``while_running``: ``Program.run``'s."""
     device = entry.program.device
-    _note_returned(args, [i for i, *_ in entry.update_inputs])  # (left out of ``_unfixed_positions``)
     into = {}
     for i, _, name, _, alternating in entry.update_inputs:  # a new array the first time, the argument's own later
         on_device[name] = device_input(args[i], device)
         spare = spare_array(args[i], device) if alternating is not None else None
         if spare is not None:
             into[alternating] = spare
-    results = entry.program.run(host, on_device, into, sizes=sizes, read_along=entry.along)
+    results = entry.program.run(host, on_device, into, sizes=sizes, read_along=entry.along,
+                                while_running=while_running)
     if entry.read_ahead is None:
         entry.read_ahead = ReadAhead([args[i] for i, *_ in entry.update_inputs])
     entry.read_ahead.restart()
@@ -456,10 +464,20 @@ class _Layout:
         set (``_pack``: they get each saved value as a tensor of its own)."""
         return bool(self.index) and not (self.packed_names and _top_saved_tensors_hooks(True) is not None)
 
-    def outputs(self, results: dict, adopted: dict, origin: object) -> tuple[list | None, dict | None]:
-        """The outputs from the pool and the untracked lazy ones, ``others`` left None, and those lazy ones by output
-        name (``DevicePartition._output``'s ``made``: a position made apart that shares a value shares its tensor);
-        (None, None) where a value meant to be a device array is not."""
+    def lazy_of(self, kept: dict) -> list | None:
+        """The untracked lazy outputs (``lazy_names``), made from a run's resident outputs ``kept`` (by name) while
+        the GPU runs it (``Program.run``'s ``while_running``); None where one is not a device array."""
+        lazy = tuple(map(kept.get, self.lazy_names))
+        if not set(map(type, lazy)) <= {DeviceArray}:
+            return None
+        return lazy_outputs(lazy, self.readers)
+
+    def outputs(self, results: dict, adopted: dict, origin: object,
+                early: list | None = None) -> tuple[list | None, dict | None]:
+        """The outputs from the pool and the untracked lazy ones (those made ``early``, by ``lazy_of``, if any), the
+        ``others`` left None, and those lazy ones by output name (``DevicePartition._output``'s ``made``: a position
+        made apart that shares a value shares its tensor); (None, None) where a value meant to be a device array is
+        not."""
         values = tuple(map(results.__getitem__, self.names))
         packed = list(map(results.__getitem__, self.packed_names))
         lazy = tuple(map(results.__getitem__, self.lazy_names))
@@ -470,7 +488,7 @@ class _Layout:
         outs = list(map(pool.__getitem__, self.index))
         if not lazy:
             return outs, {}
-        made = lazy_outputs(lazy, self.readers)
+        made = early if early is not None else lazy_outputs(lazy, self.readers)
         for k, j in self.lazy_at:
             outs[k] = made[j]
         return outs, dict(zip(self.lazy_names, made))
