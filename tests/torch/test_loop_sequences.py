@@ -1,6 +1,7 @@
 """Random sequences of what users do around the ordinary loop (``torch.compile`` + ``keep_on_device``), against the same
 sequence in eager PyTorch from the same weights, in one process with the garbage collector running. The models
-(``MODELS``) hold BatchNorm statistics that the training forward updates in place: an MLP, and a convolution.
+(``MODELS``) hold BatchNorm statistics that the training forward updates in place: an MLP, and a convolution; their
+optimizers (``OPTIMIZERS``) are AdamW, Adam with weight decay, and SGD with Nesterov momentum.
 
 Each sequence draws its actions from ``ACTIONS`` with a seed of its own: training steps that read their loss or not,
 gradient accumulation, ``zero_grad`` to None or to zeros, clipping, an LR change, a gradient check before the step
@@ -67,15 +68,21 @@ class NormedConv(nn.Module):
 MODELS = {"mlp": NormedMLP, "conv": NormedConv}
 
 
-class Twins:
-    """The kept model (``ours``) and its eager twin (``ref``), each with its AdamW; actions run on both."""
+# the optimizers a kept model may have (each its own update kernels and state)
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9, nesterov=True)}
 
-    def __init__(self, seed: int, kind: str = "mlp"):
+
+class Twins:
+    """The kept model (``ours``) and its eager twin (``ref``), each with its optimizer; actions run on both."""
+
+    def __init__(self, seed: int, kind: str = "mlp", optimizer: str = "adamw"):
         torch.manual_seed(seed)
         self.model = MODELS[kind]()
         self.ref = copy.deepcopy(self.model)
-        self.opt = torch_meganeura.keep_on_device(torch.optim.AdamW(self.model.parameters(), lr=1e-2))
-        self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-2)
+        self.opt = torch_meganeura.keep_on_device(OPTIMIZERS[optimizer](self.model.parameters()))
+        self.ref_opt = OPTIMIZERS[optimizer](self.ref.parameters())
         self.compiled = torch.compile(self.model, backend="meganeura")
         self.data = torch.Generator().manual_seed(seed)
         self.snapshot: dict | None = None
@@ -243,7 +250,8 @@ def _run_sequence(seed: int, tmp: Path, models: int = 1) -> None:
     the runs one records ahead, share one device and its pool of buffers)."""
     rng = random.Random(seed)
     torch._dynamo.reset()
-    all_twins = [Twins(seed * 10 + m, kind=list(MODELS)[(seed + m) % len(MODELS)]) for m in range(models)]
+    all_twins = [Twins(seed * 10 + m, kind=list(MODELS)[(seed + m) % len(MODELS)],
+                       optimizer=list(OPTIMIZERS)[(seed // 2 + m) % len(OPTIMIZERS)]) for m in range(models)]
     turns = [t for t in all_twins for _ in range(LENGTH - 1)]
     rng.shuffle(turns)
     for twins in turns:
