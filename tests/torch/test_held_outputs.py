@@ -37,7 +37,7 @@ def _mlp(seed: int, hidden: int, out: int) -> nn.Module:
 
 class Paths:
     """Two inference models, a model trained by the kept loop and one by the resident step, each beside its eager
-    twin; the outputs held unread (``held``: output, eager's value, tolerances, what made it)."""
+    twin; the outputs held unread (``held``: output, eager's value, its kind, the action that made it)."""
 
     def __init__(self, seed: int):
         torch._dynamo.reset()
@@ -56,11 +56,11 @@ class Paths:
         self.step_ref_opt = torch.optim.AdamW(self.step_ref.parameters(), lr=1e-2)
         self.step = torch_meganeura.compile_train_step(
             self.step_model, _loss, torch.optim.AdamW(self.step_model.parameters(), lr=1e-2))
-        self.lm = None  # (``_lm``: made at its first use)
+        self.lm = None  # (``language_model``: made at its first use)
         self.held: list[tuple] = []
         self.log: list[str] = []
 
-    def _lm(self):
+    def language_model(self):
         """The tiny Llama (``helpers.models.llama``), its forward compiled, and its eager twin."""
         if self.lm is None:
             from helpers.models import llama
@@ -114,7 +114,7 @@ def resident_step(paths: Paths, rng: random.Random) -> None:
 
 def lm_logits(paths: Paths, rng: random.Random) -> None:
     """The tiny Llama's logits over a prompt, held unread."""
-    model, ref = paths._lm()
+    model, ref = paths.language_model()
     ids = torch.randint(0, model.config.vocab_size, (1, rng.choice((5, 9))), generator=paths.data)
     with torch.no_grad():
         paths.held.append((model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits, "logits",
@@ -123,7 +123,7 @@ def lm_logits(paths: Paths, rng: random.Random) -> None:
 
 def generate(paths: Paths, rng: random.Random) -> None:
     """HF ``generate`` (greedy, its default cache) through the backend: eager's tokens, compared at once."""
-    model, ref = paths._lm()
+    model, ref = paths.language_model()
     ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=paths.data)
     got, want = (m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATED, do_sample=False)
                  for m in (model, ref))
