@@ -1,4 +1,4 @@
-"""Where the ordinary loop's host time per step goes, on the null device: torch's own work against ours, by phase.
+"""Where the ordinary loop's host time per step goes, on the null device (or a GPU): torch's work against ours.
 
     python -m bench.host_breakdown --workloads resnet50,smollm2 --steps 30 --samples 1500 --json FILE
     python -m bench.host_breakdown --device gpu --workloads sd_unet --steps 30     # on the adapter's device
@@ -106,10 +106,11 @@ def instrumented(shares: Shares, null: bool = True):
     import meganeura.runtime.program_recording as recording
     import torch_meganeura.backend.entry as entry
     import torch_meganeura.training.keep_on_device as kept
-    from meganeura.runtime.device import Device
+    from meganeura.runtime.device import Device as WgpuDevice
 
     if null:
-        from helpers.recording_device import RecordingDevice as Device
+        from helpers.recording_device import RecordingDevice
+    Device = RecordingDevice if null else WgpuDevice
     compile_graph_module = entry.compile_graph_module
     patches = [(entry, "compile_graph_module", lambda *a, **k: shares.timed("ours", compile_graph_module(*a, **k))),
                (kept._DeviceStep, "_update", shares.timed("ours", kept._DeviceStep._update)),

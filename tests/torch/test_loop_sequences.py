@@ -77,7 +77,7 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
 class Twins:
     """The kept model (``ours``) and its eager twin (``ref``), each with its optimizer; actions run on both."""
 
-    def __init__(self, seed: int, kind: str = "mlp", optimizer: str = "adamw"):
+    def __init__(self, seed: int, folder: Path, kind: str = "mlp", optimizer: str = "adamw"):
         torch.manual_seed(seed)
         self.model = MODELS[kind]()
         self.ref = copy.deepcopy(self.model)
@@ -87,6 +87,7 @@ class Twins:
         self.data = torch.Generator().manual_seed(seed)
         self.snapshot: dict | None = None
         self.log: list[str] = []
+        self.folder = folder  # (its exports' bundles)
 
     def pairs(self):
         return ((self.compiled, self.model, self.opt), (self.ref, self.ref, self.ref_opt))
@@ -186,11 +187,11 @@ def eager_forward(twins: Twins, rng: random.Random) -> None:
     _close(outs[0], outs[1], twins, "eager output")
 
 
-def export_and_run(twins: Twins, rng: random.Random, tmp: Path) -> None:
+def export_and_run(twins: Twins, rng: random.Random) -> None:
     """The kept model exported in eval mode (its weights as the device holds them), the bundle run by the runtime
     in this process, compared with the eager twin's eval output; back to train mode."""
     x, _ = twins.batch()
-    folder = tmp / f"bundle{len(list(tmp.iterdir()))}"
+    folder = twins.folder / f"bundle{len(twins.log)}"
     twins.model.eval()
     try:
         torch_meganeura.export(twins.model, (x,), folder)
@@ -250,15 +251,14 @@ def _run_sequence(seed: int, tmp: Path, models: int = 1) -> None:
     the runs one records ahead, share one device and its pool of buffers)."""
     rng = random.Random(seed)
     torch._dynamo.reset()
-    all_twins = [Twins(seed * 10 + m, kind=list(MODELS)[(seed + m) % len(MODELS)],
+    all_twins = [Twins(seed * 10 + m, tmp / f"model{m}", kind=list(MODELS)[(seed + m) % len(MODELS)],
                        optimizer=list(OPTIMIZERS)[(seed // 2 + m) % len(OPTIMIZERS)]) for m in range(models)]
     turns = [t for t in all_twins for _ in range(LENGTH - 1)]
     rng.shuffle(turns)
     for twins in turns:
         name = rng.choice(WEIGHTED)
         twins.log.append(name)
-        action = ACTIONS[name]
-        action(twins, rng, tmp) if action is export_and_run else action(twins, rng)
+        ACTIONS[name](twins, rng)
     for twins in all_twins:
         twins.log.append("step")
         step(twins, rng)
