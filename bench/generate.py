@@ -5,6 +5,7 @@ one process.
     python -m bench.generate --out /tmp/generate-smoke --smoke                 # tiny model: checks the path
     python -m bench.generate --out OUT --model llama-3.2-1b --dtype bfloat16 --rows hf-compiled,bundle --batch 1
     python -m bench.generate --out OUT --rows bundle --new-tokens 2032 --max-cache-len 2048 --compare-tokens 64
+    python -m bench.generate --out OUT --rows bundle --batch 1,2,4,8 --new-tokens 64   # tokens/s against batch
 
 Rows (``--rows``): PyTorch eager HF ``generate`` with its default (dynamic) cache and with a static cache
 (``disable_compile=True``: pure eager), on CUDA where it exists, else on the CPU; on CUDA, HF's static cache as HF
@@ -14,14 +15,17 @@ backend="meganeura", both caches, with the first call's time (compile included) 
 tokens/s by context length; and the generation bundle (``torch_meganeura.export_lm``) run by the torch-free runtime,
 with its export time, bundle size, load time, prefill and decode tokens/s, and decode tokens/s by context length (each
 decode step's time at its position); with ``--half-bundle`` a bundle exported from the model in bfloat16 beside it,
-and the ratio of their tokens/s; then a bundle exported with ``batch_size=--batch`` generating for that many
-prompts of different lengths together (the first the 16-token prompt, each next one a token shorter), its
-tokens/s the aggregate over every prompt, and the ratio of that to the batch-1 bundle's. Every row's tokens are
-compared with eager's default ``generate`` on the CPU in the model's dtype (the bfloat16 bundle's with eager's in
-bfloat16; the batched row's, each prompt's with that prompt alone; ``--compare-tokens``: the first so many new
-tokens): a row whose tokens differ is marked. Writes ``OUT.json``, the markdown table ``OUT.md`` (with decode tokens/s
-by bands of context length) and ``OUT.png`` (decode tokens/s against context length); the JSON and the table after
-each group of rows as well, so that a run cut short keeps the rows it finished.
+and the ratio of their tokens/s; then, for each batch size of ``--batch`` above 1 (one size, 8 by default, or
+several: ``--batch 1,2,4,8``, where 1 is the batch-1 bundle's row), a bundle exported with that ``batch_size``
+generating for that many prompts of different lengths together (the first the 16-token prompt, each next one a
+token shorter), its tokens/s the aggregate over every prompt, and the ratio of that to the batch-1 bundle's. Every
+row's tokens are compared with eager's default ``generate`` on the CPU in the model's dtype (the bfloat16 bundle's
+with eager's in bfloat16; a batched row's, each prompt's with that prompt alone; ``--compare-tokens``: the first so
+many new tokens): a row whose tokens differ is marked. Writes ``OUT.json``, the markdown table ``OUT.md`` (with the
+bundle's tokens/s by batch size where a batched row ran, and decode tokens/s by bands of context length),
+``OUT.png`` (decode tokens/s against context length) and, where a batched row ran, ``OUT-batch.png`` (the bundle's
+aggregate tokens/s against batch size); the JSON and the table after each group of rows as well, so that a run cut
+short keeps the rows it finished.
 """
 from __future__ import annotations
 
@@ -41,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--max-cache-len", type=int, default=1024, help="the bundle's cache (prompt and new tokens)")
-    p.add_argument("--batch", type=int, default=8,
-                   help="prompts that the batched bundle's row generates together (default 8; 1: no such row)")
+    p.add_argument("--batch", type=_batch_sizes, default=(8,),
+                   help="prompts that a batched bundle's row generates together, or several sizes comma-separated "
+                        "(1,2,4,8: a row each, and OUT-batch.png); default 8; 1 is the batch-1 bundle's row")
     p.add_argument("--adapter", help="meganeura's adapter (index or name substring)")
     p.add_argument("--caches", default=",".join(CACHES),
                    help="HF caches of the eager and backend rows, comma-separated (HF's compiled row is always there)")
@@ -59,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="compare the first this many tokens with eager's (default: all; eager's reference on the "
                         "CPU is slow for long runs)")
     return p
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """``--batch``: one size or several, comma-separated, each at least 1; sorted, without repeats."""
+    try:
+        sizes = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not whole numbers: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes are at least 1: {text!r}")
+    return tuple(sorted(sizes))
 
 
 CACHES = ("dynamic", "static")
@@ -215,7 +231,9 @@ def _prompts(vocab: int, prompt_tokens: int, batch: int) -> list:
     return [torch.randint(0, vocab, (1, max(1, prompt_tokens - k)), generator=generator) for k in range(batch)]
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, name: str) -> str:
+    """The results as a markdown table, then the tables by batch and by context length; ``name``: the results'
+    path without suffix, whose plots the text names."""
     compared = result.get("compared_tokens", result["new_tokens"])
     lines = [f"# Generation at {result['description']}", "",
              f"{result['machine']}; greedy, prompt {result['prompt_tokens']} tokens, "
@@ -235,9 +253,8 @@ def markdown(result: dict) -> str:
                      f"{'yes' if r['equal'] else 'NO'} ({r.get('agreeing_tokens', '-')}) | "
                      f"{f('first_call_seconds', '.1f')} | "
                      f"{f('load_seconds', '.2f')} | {f('export_seconds', '.1f')} | {size} |")
-    if "batch_speedup" in result:
-        lines += ["", f"The bundle at batch {result['batch']}: {result['batch_speedup']:.2f}x batch 1's aggregate "
-                  "tokens/s (tokens/s counts every prompt's new tokens)."]
+    if "batch_speedups" in result:
+        lines += _batch_table(result, f"{name}-batch.png")
     if "bfloat16_speedup" in result:
         lines += ["", f"The bundle exported in bfloat16: {result['bfloat16_speedup']:.2f}x the float32 bundle's "
                   "tokens/s."]
@@ -246,13 +263,31 @@ def markdown(result: dict) -> str:
                   f"{result['run_ahead_speedup']:.2f}x its tokens/s reading each step before the next."]
     by_context = [r for r in result["rows"] if r.get("decode_by_context")]
     if by_context:
-        lines += ["", "Decode tokens/s by context length (medians of the steps in each band; the plot beside this "
-                  "file shows every step):", "", "| row | " + " | ".join(CONTEXT_BANDS_LABELS) + " |",
+        lines += ["", f"Decode tokens/s by context length (medians of the steps in each band; `{name}.png` shows "
+                  "every step):", "", "| row | " + " | ".join(CONTEXT_BANDS_LABELS) + " |",
                   "|---|" + "---|" * len(CONTEXT_BANDS)]
         for r in by_context:
             cells = [f"{m:.1f}" if m else "-" for m in _band_medians(r["decode_by_context"])]
             lines.append(f"| {_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _batch_table(result: dict, plot: str) -> list[str]:
+    """The bundle's aggregate tokens/s by batch size (batch 1: the batch-1 bundle's row), each over batch 1's."""
+    lines = ["", "The bundle by batch size (tokens/s counts every prompt's new tokens; batch 1 is the batch-1 "
+             f"bundle's row; plotted in `{plot}`):", "",
+             "| batch | tokens/s | decode tok/s | x batch 1 | tokens equal eager |", "|---|---|---|---|---|"]
+    for batch, r in _by_batch(result):
+        speedup = result["batch_speedups"].get(str(batch), 1.0)
+        lines.append(f"| {batch} | {r['tokens_per_second']:.1f} | {r['decode_tokens_per_second']:.1f} | "
+                     f"{speedup:.2f}x | {'yes' if r['equal'] else 'NO'} |")
+    return lines
+
+
+def _by_batch(result: dict) -> list[tuple[int, dict]]:
+    """The bundle's rows in the model's dtype by batch size, smallest first."""
+    return sorted(((r["batch"], r) for r in result["rows"]
+                   if r["competitor"] == "meganeura-bundle" and r["dtype"] == result["dtype"]), key=lambda p: p[0])
 
 
 # Context bands of the by-context table: (first, last) context length of each band.
@@ -295,6 +330,41 @@ def plot_by_context(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_by_batch(result: dict, path: Path) -> None:
+    """The bundle's aggregate tokens/s (the whole call's, and decode's) against batch size, each point marked with
+    its ratio to batch 1's, beside batch 1's tokens/s times the batch (what it would be if a step for the whole batch
+    took as long as one for a single prompt); both axes logarithmic, so that this line is straight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    by_batch = _by_batch(result)
+    sizes = [b for b, _ in by_batch]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.plot(sizes, [r["tokens_per_second"] for _, r in by_batch], marker="o", label="tokens/s (prefill included)")
+    ax.plot(sizes, [r["decode_tokens_per_second"] for _, r in by_batch], marker="s", label="decode tokens/s")
+    one = by_batch[0][1]["tokens_per_second"]  # (``batch_speedups`` exists: so does the batch-1 row)
+    ax.plot(sizes, [one * b for b in sizes], linestyle="--", color="grey", label="batch 1's tokens/s x batch")
+    for b, r in by_batch:
+        ax.annotate(f"{result['batch_speedups'].get(str(b), 1.0):.2f}x", (b, r["tokens_per_second"]),
+                    textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 200, not 2 x 10^2
+        set_formatter(ScalarFormatter())
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.margins(x=0.08)
+    ax.set_xlabel("batch (prompts generated together)")
+    ax.set_ylabel("aggregate tokens/s (every prompt's new tokens)")
+    ax.set_title(f"The generation bundle by batch size\n{result['description']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import torch
@@ -305,13 +375,14 @@ def main(argv=None) -> int:
     wanted = set(args.rows.split(","))
     if wanted - set(ROWS):
         raise SystemExit(f"--rows: unknown {sorted(wanted - set(ROWS))}; choose of {', '.join(ROWS)}")
-    prompts = _prompts(model.config.vocab_size, args.prompt_tokens, max(args.batch, 1))
+    largest = max(args.batch)
+    prompts = _prompts(model.config.vocab_size, args.prompt_tokens, largest)
     prompt = prompts[0]
     new = min(args.new_tokens, args.max_cache_len - args.prompt_tokens)
     checked = min(new, args.compare_tokens or new)
     half = copy.deepcopy(model).to(torch.bfloat16) if args.half_bundle and args.dtype == "float32" else None
     with torch.no_grad():
-        references = {args.dtype: _references(model, prompts if "bundle" in wanted and args.batch > 1 else [prompt],
+        references = {args.dtype: _references(model, prompts if "bundle" in wanted and largest > 1 else [prompt],
                                               checked)}
         if half is not None:
             references["bfloat16"] = _references(half, [prompt], checked)
@@ -320,14 +391,13 @@ def main(argv=None) -> int:
     result = {"description": description, "machine": device, "torch": torch.__version__, "model": args.model,
               "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "new_tokens": new,
               "compared_tokens": checked, "smoke": args.smoke, "rows": []}
-    report = _Report(Path(args.out), result, references, prompt.shape[1], args.batch)
+    report = _Report(Path(args.out), result, references, prompt.shape[1])
     for group in _row_groups(args, model, half, prompts, new, device, wanted):
         report.add(group())  # written after each group: a run cut short keeps the rows it finished
     for key, value in result.items():
         if key.endswith("_speedup"):
             print(f"{key}: {value:.2f}x", flush=True)
-    report.write(plot=True)
-    print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png", flush=True)
+    print(f"wrote {', '.join(str(path) for path in report.write(plot=True))}", flush=True)
     return 0
 
 
@@ -356,8 +426,8 @@ def _row_groups(args, model, half, prompts: list, new: int, device: str, wanted:
         if half is not None:
             groups.append(lambda: [{**row, "dtype": "bfloat16"}
                                    for row in _bundle_row(half, [prompt], new, args.max_cache_len, args.adapter)])
-        if args.batch > 1:
-            groups.append(lambda: _bundle_row(model, prompts, new, args.max_cache_len, args.adapter))
+        for size in (size for size in args.batch if size > 1):  # batch 1: the batch-1 bundle's row above
+            groups.append(lambda size=size: _bundle_row(model, prompts[:size], new, args.max_cache_len, args.adapter))
     return groups
 
 
@@ -365,9 +435,9 @@ class _Report:
     """The result being built: each row checked against eager's tokens as it comes, the files written again after
     each group of rows."""
 
-    def __init__(self, out: Path, result: dict, references: dict, prompt_tokens: int, batch: int):
+    def __init__(self, out: Path, result: dict, references: dict, prompt_tokens: int):
         self.out, self.result, self.references = out, result, references
-        self.prompt_tokens, self.batch = prompt_tokens, batch
+        self.prompt_tokens = prompt_tokens
         out.parent.mkdir(parents=True, exist_ok=True)
 
     def add(self, rows: list) -> None:
@@ -385,7 +455,9 @@ class _Report:
             self.result["rows"].append(row)
         self.write()
 
-    def write(self, plot: bool = False) -> None:
+    def write(self, plot: bool = False) -> list[Path]:
+        """OUT.json and OUT.md; with ``plot``, OUT.png, and OUT-batch.png where the bundle ran at several batch
+        sizes. Returns the paths written."""
         import torch
 
         rows, result = self.result["rows"], self.result
@@ -393,11 +465,17 @@ class _Report:
         cuda = torch.cuda.is_available()
         result["machine"] = (f"{torch.cuda.get_device_name()} (CUDA)" + (f" beside {adapter}" if adapter else "")
                              if cuda else adapter or "CPU")
-        result.update(_ratios(rows, self.batch))
-        self.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        self.out.with_suffix(".md").write_text(markdown(result))
+        result.update(_ratios(rows))
+        written = [self.out.with_suffix(".json"), self.out.with_suffix(".md")]
+        written[0].write_text(json.dumps(result, indent=1))
+        written[1].write_text(markdown(result, self.out.name))
         if plot:
-            plot_by_context(result, self.out.with_suffix(".png"))
+            written.append(self.out.with_suffix(".png"))
+            plot_by_context(result, written[-1])
+        if plot and "batch_speedups" in result:
+            written.append(self.out.with_name(self.out.name + "-batch.png"))
+            plot_by_batch(result, written[-1])
+        return written
 
 
 def _references(model, prompts: list, new: int) -> list:
@@ -416,15 +494,18 @@ def _agreeing(tokens: list, want: list, prompt_tokens: int, batched: bool) -> in
     return same - prompt_tokens
 
 
-def _ratios(rows: list, batch: int) -> dict:
-    """The batched bundle's aggregate tokens/s over batch 1's, the bf16 bundle's over the f32 one's, and batch 1's
-    run ahead over its synchronous (``--bundle-synchronous``)."""
+def _ratios(rows: list) -> dict:
+    """Each batched bundle's aggregate tokens/s over batch 1's (``batch_speedups``, by batch size; ``batch`` and
+    ``batch_speedup``: the largest batch's), the bf16 bundle's over the f32 one's, and batch 1's run ahead over its
+    synchronous (``--bundle-synchronous``)."""
     bundles = {(r["batch"], r["dtype"]): r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle"}
     ratios = {}
     one = bundles.get((1, "float32"), bundles.get((1, "bfloat16")))
-    batched = [d for b, d in bundles if b == batch]
-    if batch > 1 and one and batched:  # (not yet while the rows come: ``_Report`` writes after each group)
-        ratios["batch"], ratios["batch_speedup"] = batch, bundles[batch, batched[0]] / one
+    # (none before the rows come: ``_Report`` writes after each group; batched rows are in the model's dtype)
+    speedups = {b: rate / one for (b, _), rate in sorted(bundles.items()) if b > 1} if one else {}
+    if speedups:
+        ratios["batch_speedups"] = {str(b): speedup for b, speedup in speedups.items()}
+        ratios["batch"], ratios["batch_speedup"] = max(speedups), speedups[max(speedups)]
     if (1, "float32") in bundles and (1, "bfloat16") in bundles:
         ratios["bfloat16_speedup"] = bundles[1, "bfloat16"] / bundles[1, "float32"]
     synchronous = [r["tokens_per_second"] for r in rows if r["competitor"] == "meganeura-bundle-synchronous"]

@@ -1,5 +1,6 @@
 """bench.generate at smoke scale: every row's greedy tokens equal eager's (the backend's with both caches among
-them, and the batched bundle's, each prompt's with that prompt alone), and the report is written."""
+them, and the batched bundles', each prompt's with that prompt alone), and the report is written."""
+import argparse
 import json
 
 import pytest
@@ -8,22 +9,32 @@ from bench import generate
 
 
 def test_generate_benchmark_smoke(tmp_path):
+    """Every row group, the bundle at batches 1, 2 and 3 (``--batch 1,2,3``): each batch's aggregate tokens/s and its
+    ratio to batch 1 in the JSON and the by-batch table, and the plot against batch written."""
     out = tmp_path / "generate"
     assert generate.main(["--out", str(out), "--smoke", "--new-tokens", "12", "--max-cache-len", "32",
-                          "--batch", "3"]) == 0
+                          "--batch", "1,2,3"]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {(r["competitor"], r["cache"], r["batch"]): r for r in result["rows"]}
     assert set(rows) == {("torch-cpu-eager", "dynamic", 1), ("torch-cpu-eager", "static", 1),
                          ("meganeura-backend", "dynamic", 1), ("meganeura-backend", "static", 1),
-                         ("meganeura-bundle", "static", 1), ("meganeura-bundle", "static", 3)}
-    assert all(r["equal"] for r in rows.values()), rows
+                         ("meganeura-bundle", "static", 1), ("meganeura-bundle", "static", 2),
+                         ("meganeura-bundle", "static", 3)}
+    assert all(r["equal"] and r["agreeing_tokens"] == 12 for r in rows.values()), rows
     bundle = rows["meganeura-bundle", "static", 1]
     assert bundle["bundle_bytes"] > 0 and len(bundle["decode_by_context"]) == 11  # the first token is prefill's
-    batched = rows["meganeura-bundle", "static", 3]
-    assert result["batch_speedup"] == batched["tokens_per_second"] / bundle["tokens_per_second"]
+    speedups = {b: rows["meganeura-bundle", "static", b]["tokens_per_second"] / bundle["tokens_per_second"]
+                for b in (2, 3)}
+    assert result["batch_speedups"] == {str(b): s for b, s in speedups.items()}
+    assert result["batch"] == 3 and result["batch_speedup"] == speedups[3]
     report = out.with_suffix(".md").read_text()
     assert "| meganeura-bundle | static | 1 |" in report and "| meganeura-bundle | static | 3 |" in report
+    for batch, ratio in ((1, 1.0), *speedups.items()):
+        r = rows["meganeura-bundle", "static", batch]
+        assert (f"| {batch} | {r['tokens_per_second']:.1f} | {r['decode_tokens_per_second']:.1f} | {ratio:.2f}x | "
+                "yes |") in report
     assert len(rows["meganeura-backend", "dynamic", 1]["decode_by_context"]) == 11
+    assert out.with_suffix(".png").stat().st_size > 0 and (tmp_path / "generate-batch.png").stat().st_size > 0
 
 
 def test_generate_benchmark_other_model_half_bundle_and_prefix_comparison(tmp_path):
@@ -45,6 +56,15 @@ def test_generate_benchmark_other_model_half_bundle_and_prefix_comparison(tmp_pa
                                            / rows["meganeura-bundle-synchronous", "float32"]["tokens_per_second"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| meganeura-bundle static batch 1 bfloat16 |" in out.with_suffix(".md").read_text()
+
+
+def test_generate_batch_sizes_parse():
+    """``--batch`` takes one size or several, sorted and without repeats; a size under 1 or not a number is refused."""
+    assert generate._batch_sizes("8") == (8,)
+    assert generate._batch_sizes("8,1,2,2") == (1, 2, 8)
+    for wrong in ("0,2", "two", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            generate._batch_sizes(wrong)
 
 
 def test_generate_benchmark_keeps_the_rows_it_finished(tmp_path, monkeypatch):
