@@ -25,6 +25,8 @@ BIG_TILE_EDGE = 64
 # 1536x576 48.6 -> 37.4, 1500x1536 @ 1536x384 196 -> 122 (split 1 -> 4); splits past ~1,000 workgroups gain nothing.
 SPLIT_MIN_K = 64
 SPLIT_MAX = 64
+# The least K that split_k cuts: below it a small output gets its workgroups from smaller tiles instead.
+SPLIT_FROM_K = 2 * SPLIT_MIN_K
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
 # The default for large outputs of whole tiles where the adapter's limits allow it (``wide_tile_suits``): 128x256
@@ -197,7 +199,7 @@ def split_k(batch, m, n, k, limits: dict) -> int:
     if is_size(m) or is_size(n) or is_size(batch) or not is_tiled(m, n):
         return 1
     k = upper(k)
-    if k < 2 * SPLIT_MIN_K:
+    if k < SPLIT_FROM_K:
         return 1
     plan = _choose_tiled_plan(batch, m, n, k, limits["max-compute-workgroup-storage-size"], _max_threads(limits))
     workgroups = batch * -(-m // plan.tile_m) * -(-n // plan.tile_n)
@@ -245,7 +247,7 @@ def _single_tiled_plan(batch, m, n, k, shared_limit: int, max_threads: int, tile
         while max(tile_m, tile_n) > BIG_TILE_EDGE and workgroups(tile_m, tile_n) < MIN_WORKGROUPS_BIG:
             tile_m, tile_n = _halve_larger(tile_m, tile_n)
         while (workgroups(tile_m, tile_n) < MIN_WORKGROUPS and max(tile_m, tile_n) > smallest
-               and k < 2 * SPLIT_MIN_K):  # a long K gets its workgroups from split_k instead
+               and k < SPLIT_FROM_K):  # a long K gets its workgroups from split_k instead
             tile_m, tile_n = _halve_larger(tile_m, tile_n)
     while plan(tile_m, tile_n, K_CHUNKS[-1]).threads > max_threads:
         tile_m, tile_n = _halve_larger(tile_m, tile_n)
