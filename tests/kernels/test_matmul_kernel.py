@@ -349,7 +349,8 @@ def test_split_k_choice():
     assert split_k(1, 196, 1024, 2304, LIMITS) == 16      # 64 tiles
     assert split_k(1, 50, 2048, 720, LIMITS) == 8         # a projection of 50 tokens: 32 tiles
     assert split_k(1, 4096, 4096, 4096, LIMITS) == 1      # enough tiles already
-    assert split_k(1, 64, 64, 300, LIMITS) == 4           # one tile: slices of at least 64
+    assert split_k(1, 64, 64, 600, LIMITS) == 8           # one tile: slices of at least 64
+    assert split_k(1, 64, 64, 300, LIMITS) == 1           # K under SPLIT_FROM_K: one pass
     assert split_k(1, 64, 64, 100, LIMITS) == 1           # K too short to halve
     assert split_k(1, 1, 4096, 4096, LIMITS) == 1         # gemv
 
@@ -418,7 +419,7 @@ def test_tile_choice_by_shape():
     assert header(1, 512, 512, 512).startswith("tiled 64x64")       # 16 tiles of 128x128 are too few
     assert header(32, 128, 128, 64).startswith("tiled 64x64")       # batch counts towards workgroups
     assert header(1, 128, 576, 64).startswith("tiled 32x64")        # 18 tiles of 64x64 are too few, K is short
-    assert header(1, 128, 576, 320).startswith("tiled 64x64")       # K long enough: split_k makes the workgroups
+    assert header(1, 128, 576, 320).startswith("tiled 32x64")       # K under SPLIT_FROM_K: smaller tiles, one pass
     assert header(1, 128, 576, 1536).startswith("tiled 64x64")      # a long K: split_k makes the workgroups
     assert header(1, 20, 20, 20).startswith("tiled 16x16, K chunk 8, 4x4 threads of 4x4")  # 16 would stage 32
     assert header(1, 7, 9, 3).startswith("tiled 16x16, K chunk 4")

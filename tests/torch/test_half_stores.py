@@ -261,11 +261,11 @@ def test_a_gemv_of_64_threads_keeps_an_even_count_of_outputs_per_workgroup(k_con
 
 @pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "f16"])
 def test_a_half_weight_gradient_is_stored_by_its_matmul(dtype, plans):
-    """Training a half precision projection: the backward's weight gradient (48 x 64 over a batch of 256, its K cut
+    """Training a half precision projection: the backward's weight gradient (48 x 64 over a batch of 1024, its K cut
     into slices) is stored in the dtype by the slices' sum, with no narrowing copy; the gradient, exact in f32 (small
     integers), is float64's rounded once."""
     torch.manual_seed(3)
-    x, g = _integers((256, 64), dtype), _integers((256, 48), torch.float32)
+    x, g = _integers((1024, 64), dtype), _integers((1024, 48), torch.float32)
     w = _integers((48, 64), dtype).requires_grad_()
     torch._dynamo.reset()
     torch.compile(lambda x, w: (F.linear(x, w).float() * g).sum(), backend="meganeura")(x, w).backward()
