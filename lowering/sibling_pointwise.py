@@ -1,0 +1,73 @@
+"""Sibling pointwise kernels: two pointwise nodes over one shape that read a value at the same index become one.
+
+After fusion a backward keeps pairs of element-wise kernels that read the same tensor and neither reads the other:
+SiLU's backward recomputes ``sigmoid(x)`` beside a kernel that stores ``silu(x)`` or a copy of ``x`` (full-size SD
+U-Net's backward has some 25-30 such pairs). Inlining copies a producer only into a single reader and multi-output
+fusion (``multi_output``) only merges a producer into its reader, so each stays a dispatch. Merged, one kernel loads
+the shared element once and stores both: the later node computes the earlier one's expressions as further outputs
+(``Pointwise.also``, ``siblings.merge_pointwise``), in the later one's place (``siblings`` moves what depends on the
+earlier one).
+
+Candidates are pointwise nodes without a region (an update over the elements it changes has its own pass,
+``sibling_updates``) whose kernels walk the same shape (their first outputs': every output is stored at the walk's
+linear index), with the same answer to whether every output is f32 (an all-f32 kernel may load and store vec4s,
+``kernels.pointwise``'s quads, which one output of another storage turns off for the whole kernel), that share a
+load: the same value at the same linear index. Sharing a read, rather than the same walk alone, is what makes the
+merge pay on the device as well as on the host (one load of the element for both) and keeps it local: two nodes of
+one shape that share nothing would merge across the whole graph, the earlier one's operands kept alive up to the
+later one and the bindings of two unrelated kernels added up. Refused, with the reason recorded (``siblings``): a
+node that reads the other's result, a merge that would keep too much alive (``siblings.KEEP_ALIVE_BYTES``), a kernel
+past the binding limit (each value read or stored once, and the status buffer, which a kernel that stores over its
+input binds where the plan checks data: as ``multi_output`` counts) or past ``fusion.MAX_EXPR_NODES``.
+"""
+from __future__ import annotations
+
+from meganeura.runtime.dtypes import STORAGE
+
+from . import expr as E
+from .fusion import MAX_EXPR_NODES, FusionReport
+from .indexing import linear_index, simplify
+from .ir import Graph, Node, Pointwise
+from .siblings import fuse_siblings, merge_pointwise
+
+
+def fuse_sibling_pointwise(graph: Graph, max_bindings: int, report: FusionReport) -> None:
+    """Merge each pointwise node into the next one of the same walk that reads a value at the same index, where the
+    rules allow."""
+    shapes = {v.id: v.shape for n in graph.nodes for v in n.outs}
+    keys: dict[int, tuple[Node, list]] = {}  # node id -> (the node, its keys): the nodes held, so no id is reused
+
+    def key_of(node) -> list | None:
+        if not isinstance(node, Pointwise) or node.region is not None:
+            return None
+        if id(node) not in keys:
+            keys[id(node)] = (node, _shared_reads(node, shapes))
+        return keys[id(node)][1]
+
+    def merge(earlier: Pointwise, later: Pointwise) -> None:
+        merge_pointwise(earlier, later)
+        keys.pop(id(later))  # (it reads what both read now)
+
+    fuse_siblings(graph, max_bindings, report, key_of, merge, _bindings, _too_large)
+
+
+def _shared_reads(node: Pointwise, shapes: dict) -> list[tuple]:
+    """A key for each distinct read of ``node``: its walk, whether every output is f32, the value read and the linear
+    index it reads at (simplified over the walk, so that two views of one element compare equal)."""
+    walk = node.out.shape
+    bounds = dict(enumerate(walk))
+    f32 = all(STORAGE[v.dtype] == "f32" for v in node.outs)
+    reads = dict.fromkeys((ld.args[0], simplify(linear_index(ld.args[1], shapes[ld.args[0]]), bounds))
+                          for e in node.exprs() for ld in E.loads_of(e))
+    return [(walk, f32, value, index) for value, index in reads]
+
+
+def _bindings(earlier: Node, later: Node, loaded: set) -> int:
+    """The merged kernel's storage bindings: each value read or stored once, and the status buffer."""
+    return len(loaded) + len(earlier.outs) + len(later.outs) + 1
+
+
+def _too_large(earlier: Pointwise, later: Pointwise) -> str | None:
+    size = sum(E.size(e) for e in (*earlier.exprs(), *later.exprs()))
+    return "expression too large" if size > MAX_EXPR_NODES else None
+
