@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import meganeura.lowering
+from meganeura.lowering import sibling_pointwise
 from helpers.compare import assert_grads_match
 from helpers.compiled_plans import record_compiled_plans
 from torch_meganeura import compile_train_step
@@ -50,16 +51,15 @@ def _train(way: str, model: nn.Module, x: torch.Tensor):
     return step.gradients(x)
 
 
-def _dispatches_and_merges(monkeypatch, way: str, with_pass: bool) -> tuple[int, int, tuple]:
-    """The dispatches of every plan one step of ``way`` compiles, the sibling merges among them, and the step's
-    loss and gradients, with or without ``fuse_sibling_pointwise``."""
+def _dispatches_and_merges(monkeypatch, way: str, with_pass: bool) -> tuple[int, int]:
+    """The dispatches of every plan one step of ``way`` compiles and the sibling merges among them, with or without
+    ``fuse_sibling_pointwise``; the step's loss and gradients checked against eager's."""
     merges = []
-    real = meganeura.lowering.fuse_sibling_pointwise
 
     def counted(graph, max_bindings, report):
         before = len(report.fused)
         if with_pass:
-            real(graph, max_bindings, report)
+            sibling_pointwise.fuse_sibling_pointwise(graph, max_bindings, report)
         merges.append(len(report.fused) - before)
 
     monkeypatch.setattr(meganeura.lowering, "fuse_sibling_pointwise", counted)
@@ -80,6 +80,8 @@ def _dispatches_and_merges(monkeypatch, way: str, with_pass: bool) -> tuple[int,
 
 @pytest.mark.parametrize("way", ["loop", "resident"])
 def test_sibling_pointwise_kernels_merge_in_a_silu_block(monkeypatch, way):
+    """With the pass, the plans of a step have as many dispatches fewer as it merged pairs (three or more in the
+    loop's forward and backward, one or more in the resident step's); without it, none; as eager's either way."""
     with_pass, merges = _dispatches_and_merges(monkeypatch, way, with_pass=True)
     without, none = _dispatches_and_merges(monkeypatch, way, with_pass=False)
     assert none == 0 and merges >= (3 if way == "loop" else 1)
