@@ -83,3 +83,23 @@ def test_siblings_past_a_limit_stay_apart_with_the_reason(monkeypatch, limit):
     kernels = 1 if limit is None else 2
     assert len([n for n in b.graph.nodes if isinstance(n, Pointwise)]) == kernels
     assert len(plan.dispatches) == kernels + 2
+
+
+@pytest.mark.parametrize("rows", [768, 256])
+def test_siblings_whose_merge_would_move_a_reader_of_a_large_operand_stay_apart(rows):
+    """relu(x) and x + 1 share x; between them a product reads relu(x) and g = a @ w (rows x 1024, its last reader).
+    Merged, that product would move after the merged kernel, and g stay in the arena until there: at 768 rows (3 MiB,
+    over ``siblings.KEEP_ALIVE_BYTES``) they stay apart with the reason recorded, at 256 rows (1 MiB) they merge (as
+    ResNet-50's recomputed ReLUs and BatchNorm backwards would have, its backward's arena 98.0 -> 140.9 MiB)."""
+    b = GraphBuilder()
+    x, a = b.input("x", (rows, 1024), "float32"), b.input("a", (rows, 16), "float32")
+    g = b.matmul(a, b.input("w", (16, 1024), "float32"))
+    relu = b.map(lambda v: E.binary("maximum", v, E.const(0.0, E.F32)), x, dtype="float32")
+    b.output(b.matmul(b.permute(relu, (1, 0)), g))
+    plus_one = b.map(lambda v: E.add(v, E.const(1.0, E.F32)), x, dtype="float32")
+    b.output(b.matmul(b.permute(plus_one, (1, 0)), a))
+    _, report = compile_graph(b.graph, RecordingDevice().limits)
+    moved = "that the nodes it moves read alive past the merged node"
+    kept = [why for *_, why in report.refused if why.endswith(moved)]
+    assert kept == ([f"it would keep {rows * 1024 * 4} bytes {moved}"] if rows == 768 else [])
+    assert len([n for n in b.graph.nodes if isinstance(n, Pointwise)]) == (2 if rows == 768 else 1)
