@@ -40,13 +40,12 @@ def fuse_sibling_pointwise(graph: Graph, max_bindings: int, report: FusionReport
     """Merge each pointwise node into the next one of the same walk that reads a value at the same index, where the
     rules allow."""
     shapes = {v.id: v.shape for n in graph.nodes for v in n.outs}
-    keys: dict[int, tuple[Node, list]] = {}  # node id -> (the node, its keys): the nodes held, so no id is reused
+    keys: dict[int, tuple[Node, list | None]] = {}  # node id -> (the node, its keys): nodes held, so no id is reused
 
     def key_of(node) -> list | None:
-        if not isinstance(node, Pointwise) or node.region is not None or checks(node.exprs()):
-            return None
         if id(node) not in keys:
-            keys[id(node)] = (node, _shared_reads(node, shapes))
+            candidate = isinstance(node, Pointwise) and node.region is None and not checks(node.exprs())
+            keys[id(node)] = (node, _shared_reads(node, shapes) if candidate else None)
         return keys[id(node)][1]
 
     def merge(earlier: Pointwise, later: Pointwise) -> None:
