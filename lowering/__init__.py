@@ -11,9 +11,11 @@ that a repeated cheap producer still inlines into each of its consumers) -> fuse
 an operand side by side in one matmul) -> fuse_paired_matmuls (a one-row product that another's epilogue reads computed
 in that one's kernel: paired_matmuls.py) -> fuse_row_prologues (a one-row normalisation into the matrix-vector products
 that read it: row_prologues.py) -> fuse_sibling_updates (pointwise nodes of one shape whose outputs are all graph
-outputs, a layer's key and value cache writes, in one kernel: sibling_updates.py) -> separate_checks (the data checks
-from the first in-place update on run first, in kernels of their own, those that read only inputs together at the
-front, and the index arithmetic they leave unchecked inlined into its readers: data_checks.py) -> hoist_writers
+outputs, a layer's key and value cache writes, in one kernel: sibling_updates.py) -> fuse_sibling_pointwise (pointwise
+nodes of one shape that read a value at the same index, SiLU's stored input and its backward's sigmoid, in one kernel:
+sibling_pointwise.py) -> separate_checks (the data checks from the first in-place update on run first, in kernels of
+their own, those that read only inputs together at the front, and the index arithmetic they leave unchecked inlined
+into its readers: data_checks.py) -> hoist_writers
 (in-place updates moved up to just after their last dependency: in_place.py) -> run_over_regions (an update stored over
 its input, a KV cache's, computes only the elements it changes: regions.py) -> fuse_attention_writes (a cache update
 that an attention pass reads stored by that pass's dispatch, the pass reading the update's expressions, and where the
@@ -30,8 +32,8 @@ bodies), ``builder`` (``GraphBuilder``: the vocabulary op lowerings add nodes wi
 to linear reads, i32 simplification), ``bindings`` (each kernel within the adapter's storage-binding limit),
 ``remat``, ``fusion`` (producers inlined into consumers, refusals with reasons), ``siblings`` with
 ``sibling_reductions`` and ``sibling_matmuls`` (sibling nodes merged), ``paired_matmuls``, ``row_prologues``,
-``sibling_updates``, ``attention_writes`` (a cache update run by the attention that reads it), ``packed`` (a node's
-outputs side by side in the arena, bound once by a kernel that reads several), ``epilogues``,
+``sibling_updates``, ``sibling_pointwise``, ``attention_writes`` (a cache update run by the attention that reads it),
+``packed`` (a node's outputs side by side in the arena, bound once by a kernel that reads several), ``epilogues``,
 ``multi_output``, ``cse`` (repeated kernels dropped), ``in_place`` (outputs written over an input's buffer),
 ``data_checks`` (checks run before any input is overwritten), ``regions`` (updates run over the elements they
 change), ``planner`` (intermediates placed in one arena by lifetime), ``schedule`` (a
@@ -60,6 +62,7 @@ from .remat import rematerialize
 from .row_prologues import fuse_row_prologues
 from .schedule import schedule
 from .sibling_matmuls import fuse_sibling_matmuls
+from .sibling_pointwise import fuse_sibling_pointwise
 from .sibling_reductions import fuse_sibling_reductions
 from .sibling_updates import fuse_sibling_updates
 
@@ -98,6 +101,7 @@ def fuse_graph(graph: Graph, limits: dict) -> FusedGraph:
     fuse_paired_matmuls(graph, max_bindings, report)
     fuse_row_prologues(graph, max_bindings, report)
     fuse_sibling_updates(graph, max_bindings, report)
+    fuse_sibling_pointwise(graph, max_bindings, report)
     separated = separate_checks(graph, max_bindings, report)
     hoisted = hoist_writers(graph)
     whole_updates = run_over_regions(graph)

@@ -25,8 +25,8 @@ from __future__ import annotations
 from . import expr as E
 from .fusion import FusionReport
 from .in_place import writer_refusal
-from .ir import Graph, Input, Node, Pointwise, Region, kernel_forms
-from .siblings import fuse_siblings
+from .ir import Graph, Input, Node, Pointwise, kernel_forms
+from .siblings import fuse_siblings, merge_pointwise
 
 
 def fuse_sibling_updates(graph: Graph, max_bindings: int, report: FusionReport) -> None:
@@ -46,7 +46,7 @@ def fuse_sibling_updates(graph: Graph, max_bindings: int, report: FusionReport) 
         most = max(len({ld.args[0] for e in (*a, *b) for ld in E.loads_of(e)} - stored_over) for a, b in forms)
         return most + len(earlier.outs) + len(later.outs) + 1
 
-    fuse_siblings(graph, max_bindings, report, key, _merge, bindings)
+    fuse_siblings(graph, max_bindings, report, key, merge_pointwise, bindings)
 
 
 def _stored_over(graph: Graph, writers: list[Node]) -> set[int]:
@@ -63,17 +63,6 @@ def _stored_over(graph: Graph, writers: list[Node]) -> set[int]:
                       for e in n.exprs() for ld in E.loads_of(e) if ld.args[0] in ids}
     return {target.out.id for (v, writer), target in targets
             if target.out.id not in read_elsewhere and writer_refusal(v, target, writer) is None}
-
-
-def _merge(earlier: Pointwise, later: Pointwise) -> None:
-    """``later`` stores ``earlier``'s outputs first, then its own, at the same linear index."""
-    later.outs = list(earlier.outs) + list(later.outs)
-    later.expr, later.also = earlier.expr, [*earlier.also, later.expr, *later.also]
-    if later.region is not None:  # (the same elements: ``key``)
-        first, second = earlier.region, later.region
-        later.region = Region(second.shape, second.at, second.keep, [*first.values, *second.values],
-                              [*first.bases, *second.bases])
-    later.label = "+".join(dict.fromkeys(earlier.label.split("+") + later.label.split("+")))
 
 
 def split_overfull_updates(graph: Graph, kernels: list[Node], stored_over: dict[int, int],
