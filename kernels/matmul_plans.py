@@ -27,11 +27,11 @@ SPLIT_MIN_K = 64
 SPLIT_MAX = 64
 # The least K that split_k cuts: below it a small output gets its workgroups from smaller tiles instead, in one pass.
 # A split adds a dispatch (its slices' sum), and a dispatch costs what a short K saves: about 4 us of GPU time in a
-# dependent chain on an H100 (500 small dispatches in 2.06 ms) and 5-9 us of host time to record and submit, which is
-# what bounds the training steps there (both the loop and the resident step: wall = CPU). A K under 512 is at most
-# 32 chunks of 16 per tile. Full-size training steps (null device, plans as an H100's): SD U-Net 1034 -> 894
-# dispatches, SmolLM2 1831 -> 1561, ResNet-50 562 -> 524; the resident SD U-Net step's host CPU on lavapipe (a real
-# wgpu-native device) 12.3 -> 11.1 ms (medians of two processes each, alternated). Not yet timed on a GPU.
+# dependent chain on an H100 (500 small dispatches in 2.06 ms) and 8-9 us of host time there to record and submit,
+# which is what bounds the training steps on that machine (the loop's and the resident step's wall = CPU). A K under
+# 512 is at most 32 chunks of 16 per tile. Full-size training steps (null device, lavapipe's limits): SD U-Net
+# 1034 -> 894 dispatches, SmolLM2 1831 -> 1561, ResNet-50 562 -> 524 (bench/results/null-dispatches-s16.json). Not
+# yet timed on a GPU.
 SPLIT_FROM_K = 512
 MIN_WORKGROUPS_BIG = 128      # a tile with a 128 edge needs at least this many workgroups
 MIN_WORKGROUPS = 32           # shrink any tile until a problem gets at least this many workgroups
