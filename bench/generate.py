@@ -324,10 +324,7 @@ def plot_by_context(result: dict, path: Path) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"Generation at {result['description']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path)
 
 
 def plot_by_batch(result: dict, path: Path) -> None:
@@ -359,6 +356,13 @@ def plot_by_batch(result: dict, path: Path) -> None:
     ax.set_xlabel("batch (prompts generated together)")
     ax.set_ylabel("aggregate tokens/s (every prompt's new tokens)")
     ax.set_title(f"The generation bundle by batch size\n{result['description']}", fontsize=9)
+    _save(fig, ax, path)
+
+
+def _save(fig, ax, path: Path) -> None:
+    """The figure with its legend, written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
